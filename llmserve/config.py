@@ -84,3 +84,43 @@ class ModelConfig:
             qk_norm=arch == "qwen3",
             hidden_act=cfg.get("hidden_act", "silu"),
         )
+
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. Defaults serve the default model on this machine.
+
+    `dtype="float32"` is the exact path the reference tests use; "auto" picks float32 on
+    the CPU (bf16 is emulated and slow there) and bfloat16 on CUDA.
+    `kv_cache_memory` is a size ("2GiB", bytes) or a fraction of the free memory (0.3).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: str | int | float = "2GiB"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
+            raise ValueError(
+                f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}"
+            )

@@ -1,0 +1,103 @@
+"""Which KV blocks each request owns: prefix-cache lookups, slot allocation, and freeing.
+
+For one request the token ranges are
+
+    | computed (KV in cache) | new (computed this step) | not yet scheduled |
+    0                 num_computed_tokens          + num_new_tokens        num_tokens
+
+and its block table covers at least `computed + new` tokens.
+"""
+
+from collections.abc import Sequence
+
+from llmserve.core.block_pool import Block, BlockPool
+from llmserve.engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: object = None) -> int:
+    """Chain hash of a full block: its tokens, everything before it (parent), and extra keys."""
+    return hash((parent_hash, tuple(token_ids), extra))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[Block]] = {}
+        self.num_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_hits = 0  # of which found
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """Longest cached prefix of full blocks; leaves at least one token to compute.
+
+        Does not take references: pass the blocks to `allocate_slots` in the same step.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_queries += request.num_tokens
+        self.num_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
+    ) -> bool:
+        """Make room for `num_new_tokens` after the computed ones; False if blocks run out."""
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_fresh = num_needed - len(blocks) - len(computed_blocks)
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_fresh > self.pool.num_free_blocks - num_revived:
+            return False
+        self.pool.touch(computed_blocks)
+        blocks.extend(computed_blocks)
+        if num_fresh > 0:
+            blocks.extend(self.pool.get_new_blocks(num_fresh))
+        self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks; tail blocks are freed first so they are evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free_blocks(reversed(blocks))
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        while (len(hashes) + 1) * bs <= request.num_tokens:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+            hashes.append(hash_block(parent, tokens, request.cache_salt))
+
+    def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
+        """Register blocks that are full once this step's tokens are written.
+
+        Safe to do before the forward pass: K/V of a step are written before any attention
+        of that step reads them, so a request admitted later in the same step may share them.
+        """
+        if not self.enable_caching:
+            return
+        self._update_block_hashes(request)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        for block, block_hash in zip(blocks[:num_full], request.block_hashes, strict=False):
+            self.pool.cache_block(block, block_hash)

@@ -1,0 +1,214 @@
+"""Token-budget scheduler: continuous batching, chunked prefill, prefix hits, preemption.
+
+Each step hands out at most `max_num_batched_tokens` tokens to at most `max_num_seqs`
+requests: running decodes first, then running prompts that are part-way through their
+prefill, then new requests from the waiting queue (each chunked to what the budget
+leaves). When a running request cannot get a block, the lowest-priority running request
+(for FCFS: the most recently admitted) is preempted: its blocks are freed and it goes back
+to the front of the waiting queue to be recomputed later. Nothing is ever dropped.
+
+The scheduler touches no tensors: `SchedulerOutput` is its only contract with the runner.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+    policy: str = "fcfs"  # or "priority": lower value runs first, ties by arrival
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', not {self.policy!r}")
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions from `start_position`."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int  # == num_computed_tokens before this step
+    block_ids: list[int]
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    sampling_params: SamplingParams
+    output_token_ids: list[int]  # read-only view for penalties; do not mutate
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    finished_request_ids: set[str] = field(default_factory=set)  # runner may drop their state
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    # ---- admission and removal -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if self.config.policy == "priority":
+            self.waiting.sort(key=self._priority_key)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (abort, or a stop string found by the engine) and free its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._free(request, status)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        budget = self.config.max_num_batched_tokens
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request not in self.running:
+                continue  # preempted earlier in this step to make room
+            budget -= self._schedule_running(request, budget, out)
+        if out.num_preempted == 0:
+            self._schedule_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        while not self.kv.allocate_slots(request, num_new):
+            scheduled = {s.request_id for s in out.scheduled}
+            candidates = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(candidates, key=self._priority_key)
+            self._preempt(victim)
+            out.num_preempted += 1
+            if victim is request:
+                return 0
+        self._emit(request, num_new, out)
+        return num_new
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break  # wait for running requests to free blocks
+            self.waiting.pop(0)
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = time.time()
+            self.running.append(request)
+            self._emit(request, num_new, out)
+            budget -= num_new
+
+    def _emit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start:end],
+                start_position=start,
+                block_ids=self.kv.block_ids(request.request_id),
+                sample=end == request.num_tokens,
+                sampling_params=request.sampling_params,
+                output_token_ids=request.output_token_ids,
+            )
+        )
+        request.num_computed_tokens = end
+
+    # ---- after the forward pass --------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Append sampled tokens; return requests that got a token (finished ones freed)."""
+        now = time.time()
+        updated = []
+        for s in out.scheduled:
+            token = sampled.get(s.request_id)
+            request = self.requests.get(s.request_id)
+            if token is None or request is None:
+                continue
+            request.append_output_token(token)
+            if request.timings.first_token is None:
+                request.timings.first_token = now
+            request.timings.last_token = now
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updated.append(request)
+        return updated
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, request)
+        if self.config.policy == "priority":
+            self.waiting.sort(key=self._priority_key)
+
+    def _free(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        request.timings.finished = time.time()
+        self.kv.free(request)
+        self._finished_ids.add(request.request_id)
+
+    def _priority_key(self, request: Request) -> tuple:
+        if self.config.policy == "priority":
+            return (request.priority, request.arrival_time)
+        return (0, request.arrival_time)

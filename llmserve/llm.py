@@ -1,0 +1,92 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(...)`, vLLM-shaped."""
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from llmserve.config import EngineConfig
+from llmserve.engine.engine import Engine
+from llmserve.outputs import RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+Prompt = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """Run many prompts through one continuously batched engine and return outputs in order.
+
+    `LLM(model=None, dtype="auto", **engine_options)`; options are `EngineConfig` fields
+    (block_size, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
+    enable_prefix_caching, scheduling_policy, seed, device).
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any):
+        self.engine = Engine(EngineConfig(model=model, dtype=dtype, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict) or _is_token_ids(prompts):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | Sequence[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, tokenize=True)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
+                   unit="req", dynamic_ncols=True)
+        num_tokens = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    num_tokens += 1
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+                elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                bar.set_postfix_str(f"output {num_tokens / elapsed:.1f} tok/s", refresh=False)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in request_ids]
+
+
+def _is_token_ids(prompts: Any) -> bool:
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts; give one or {n}")
+    return list(params)

@@ -1,0 +1,344 @@
+"""Load a GGUF file into dense torch weights under Hugging Face Llama names.
+
+The config comes from the GGUF metadata, tensor names are remapped by the declared tables
+below, quantized tensors are dequantized with the torch kernels in `DEQUANTIZERS`
+(bit-identical ports of `gguf.quants`, several times faster), and llama.cpp's rotary row
+permutation of Q/K is undone for the archs whose converter applies it.
+"""
+
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from llmserve.config import ModelConfig
+from llmserve.errors import ModelFormatError, UnsupportedModelError
+from llmserve.loader.gguf_meta import open_gguf, read_metadata
+from llmserve.loader.weights import LoadedWeights, drop_tied_head, require_path
+
+# GGUF `general.architecture` -> Hugging Face `model_type`.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# llama.cpp's convert script permutes Q/K rows (interleaved -> half-split rotary) for these.
+ROTARY_PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# `blk.{i}.<key>` -> `model.layers.{i}.<value>`
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+# Llama 3 GGUFs carry their rope scaling as per-frequency divisors, not as metadata.
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+LLAMA3_ROPE_DEFAULTS = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+    """Load a GGUF model file: config from its metadata, weights dequantized to `dtype`.
+
+    Raises ModelNotFoundError (no such file), ModelFormatError (truncated or corrupt) or
+    UnsupportedModelError (architecture or tensor type llmserve cannot run).
+    """
+    path = require_path(path, is_dir=False)
+    reader = open_gguf(path)
+    metadata = read_metadata(reader)
+    arch = _architecture(metadata)
+    by_name = {t.name: t for t in reader.tensors}
+    rope_freqs = by_name.pop(ROPE_FREQS_TENSOR, None)
+    for tensor in by_name.values():
+        _check_supported(tensor)
+    config = _build_config(metadata, arch, by_name, rope_freqs)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in by_name.items():
+        weight = _to_torch(tensor)
+        if arch in ROTARY_PERMUTED_ARCHITECTURES:
+            weight = _unpermute_qk(name, weight, config)
+        tensors[hf_name(name)] = weight.to(dtype)
+    drop_tied_head(config, tensors)
+    return LoadedWeights(config=config, tensors=tensors, metadata=metadata)
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor (`blk.3.attn_q.weight` -> `model.layers.3...`)."""
+    if gguf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, key = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and key in GGUF_LAYER_NAMES:
+        return f"model.layers.{layer}.{GGUF_LAYER_NAMES[key]}"
+    raise UnsupportedModelError(f"unsupported GGUF tensor '{gguf_name}'")
+
+
+def _architecture(metadata: dict[str, Any]) -> str:
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture '{arch}' "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    return arch
+
+
+def _check_supported(tensor: gguf.ReaderTensor) -> None:
+    if tensor.tensor_type not in DEQUANTIZERS:
+        raise UnsupportedModelError(
+            f"unsupported GGUF tensor type {tensor.tensor_type.name} in {tensor.name} "
+            f"(supported: {', '.join(t.name for t in DEQUANTIZERS)})"
+        )
+
+
+def _build_config(
+    metadata: dict[str, Any],
+    arch: str,
+    tensors: dict[str, gguf.ReaderTensor],
+    rope_freqs: gguf.ReaderTensor | None,
+) -> ModelConfig:
+    """ModelConfig from `{arch}.*` metadata; bias, qk-norm and tying from which tensors exist."""
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelFormatError(f"GGUF metadata lacks '{arch}.{name}'")
+        return value
+
+    if "token_embd.weight" not in tensors:
+        raise ModelFormatError("GGUF file has no token_embd.weight tensor")
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = metadata.get(f"{arch}.attention.key_length") or key(
+        "rope.dimension_count", hidden // heads
+    )
+    rope_theta = float(key("rope.freq_base", 10000.0))
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        # The embedding's row count, which can exceed the tokenizer's token list (padding).
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=key("feed_forward_length"),
+        num_hidden_layers=key("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=key("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=key("context_length"),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=_rope_scaling(metadata, arch, rope_freqs, head_dim, rope_theta),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
+
+
+def _rope_scaling(
+    metadata: dict[str, Any],
+    arch: str,
+    rope_freqs: gguf.ReaderTensor | None,
+    head_dim: int,
+    rope_theta: float,
+) -> dict[str, Any] | None:
+    """HF-style `rope_scaling` from `{arch}.rope.scaling.*` keys or a `rope_freqs` tensor."""
+    if rope_freqs is not None:
+        divisors = torch.from_numpy(np.array(rope_freqs.data, dtype=np.float32)).flatten()
+        return _llama3_scaling_from_divisors(divisors, head_dim, rope_theta)
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    scaling: dict[str, Any] = {"rope_type": kind}
+    if (factor := metadata.get(f"{arch}.rope.scaling.factor")) is not None:
+        scaling["factor"] = float(factor)
+    if (original := metadata.get(f"{arch}.rope.scaling.original_context_length")) is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
+
+
+def _llama3_scaling_from_divisors(
+    divisors: torch.Tensor, head_dim: int, rope_theta: float
+) -> dict[str, Any]:
+    """Recover Llama 3 rope_scaling from llama.cpp's per-frequency divisors.
+
+    llama.cpp stores only the result of the Llama 3 formula; every Llama 3.x release uses the
+    same low/high factors and original context, so the factor (the largest divisor) fixes the
+    rest. The recovered parameters are checked by recomputing the divisors.
+    """
+    scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **LLAMA3_ROPE_DEFAULTS}
+    inv_freq = rope_theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / inv_freq
+    original = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    smooth = (original / wavelen - low) / (high - low)
+    expected = 1 / ((1 - smooth) / scaling["factor"] + smooth)
+    expected = torch.where(wavelen < original / high, 1.0, expected)
+    expected = torch.where(wavelen > original / low, scaling["factor"], expected)
+    if divisors.shape != expected.shape or not torch.allclose(
+        divisors.double(), expected, rtol=1e-4
+    ):
+        raise UnsupportedModelError("unsupported GGUF rope_freqs (not Llama 3 rope scaling)")
+    return scaling
+
+
+def _to_torch(tensor: gguf.ReaderTensor) -> torch.Tensor:
+    """The tensor dequantized to float32 (F16/BF16 kept as is), in torch (out, in) order."""
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    raw = np.array(tensor.data).reshape(-1).view(np.uint8)  # copy out of the read-only memmap
+    return DEQUANTIZERS[tensor.tensor_type](torch.from_numpy(raw)).reshape(shape)
+
+
+def _unpermute_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation: per head, rows (d/2, 2) -> (2, d/2)."""
+    if ".attn_q." in name:
+        num_heads = config.num_attention_heads
+    elif ".attn_k." in name:
+        num_heads = config.num_key_value_heads
+    else:
+        return weight
+    half = weight.shape[0] // num_heads // 2
+    # (heads, half, 2, ...) -> (heads, 2, half, ...)
+    rows = weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2)
+    return rows.reshape(weight.shape)
+
+
+# --- Dequantization -------------------------------------------------------------------------
+# Each kernel maps the raw bytes of a tensor (flat uint8) to its values (flat), block by
+# block, mirroring `gguf.quants.<TYPE>.dequantize_blocks` op for op so results are identical.
+
+QK_K = 256  # values per K-quant super-block
+_NIBBLE_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8)
+
+
+def _blocks(raw: torch.Tensor, qtype: QT) -> torch.Tensor:
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    return raw.reshape(-1, type_size)  # (n_blocks, type_size)
+
+
+def _f16(column: torch.Tensor) -> torch.Tensor:
+    """(n, 2) uint8 -> (n, 1) float32."""
+    return column.contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
+    """(n, k*width) bytes -> (n, 2k, width): per group of `width` bytes, low then high nibbles."""
+    groups = qs.reshape(qs.shape[0], -1, 1, width) >> _NIBBLE_SHIFTS.reshape(1, 1, 2, 1)
+    return (groups & 0x0F).reshape(qs.shape[0], -1, width)
+
+
+def _bits(qh: torch.Tensor, shifts: list[int], mask: int, width: int) -> torch.Tensor:
+    """(n, k*width) bytes -> (n, k*len(shifts), width): fields at `shifts` of each byte."""
+    shift = torch.tensor(shifts, dtype=torch.uint8).reshape(1, 1, -1, 1)
+    return ((qh.reshape(qh.shape[0], -1, 1, width) >> shift) & mask).reshape(qh.shape[0], -1, width)
+
+
+def _dequant_q4_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q4_0)
+    d, qs = _f16(blocks[:, :2]), _nibbles(blocks[:, 2:], 16).reshape(len(blocks), -1)
+    return (d * (qs.to(torch.int8) - 8).float()).reshape(-1)
+
+
+def _dequant_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q4_1)
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    qs = _nibbles(blocks[:, 4:], 16).reshape(len(blocks), -1).float()
+    return (d * qs + m).reshape(-1)
+
+
+def _q5_values(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1 (n, 32) uint8 values: 4 low bits from `qs`, the 5th from 32-bit `qh`."""
+    high = _bits(qh, list(range(8)), 0x01, 1).reshape(len(qh), 32)  # bit j of the LE uint32
+    return _nibbles(qs, 16).reshape(len(qs), -1) | (high << 4)
+
+
+def _dequant_q5_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q5_0)
+    q = _q5_values(blocks[:, 2:6], blocks[:, 6:])
+    return (_f16(blocks[:, :2]) * (q.to(torch.int8) - 16).float()).reshape(-1)
+
+
+def _dequant_q5_1(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q5_1)
+    d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    q = _q5_values(blocks[:, 4:8], blocks[:, 8:]).float()
+    return (d * q + m).reshape(-1)
+
+
+def _dequant_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q8_0)
+    x = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return (x * _f16(blocks[:, :2])).reshape(-1)
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: unpack 12 bytes into 8 six-bit scales and 8 six-bit mins, (n, 8) each."""
+    d, m, m_d = scales.reshape(-1, 3, 4).unbind(1)
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _k_scaled(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K: apply the 8 sub-block scales and mins to q (n, 8, 32)."""
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    d = (_f16(blocks[:, :2]) * sc.float()).reshape(-1, 8, 1)
+    dm = (_f16(blocks[:, 2:4]) * mn.float()).reshape(-1, 8, 1)
+    return (d * q.float() - dm).reshape(-1)
+
+
+def _dequant_q4_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q4_K)
+    return _k_scaled(blocks, _nibbles(blocks[:, 16:], 32))
+
+
+def _dequant_q5_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q5_K)
+    high = _bits(blocks[:, 16:48], list(range(8)), 0x01, 32)
+    return _k_scaled(blocks, _nibbles(blocks[:, 48:], 32) | (high << 4))
+
+
+def _dequant_q6_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q6_K)
+    n = len(blocks)
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(blocks[:, 208:]) * scales).reshape(n, QK_K // 16, 1)
+    low = _nibbles(ql, 64).reshape(n, -1, 32)
+    high = _bits(qh, [0, 2, 4, 6], 0x03, 32)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(n, QK_K // 16, -1).float()
+    return (d * q).reshape(-1)
+
+
+DEQUANTIZERS = {
+    QT.F32: lambda raw: raw.view(torch.float32),
+    QT.F16: lambda raw: raw.view(torch.float16),
+    QT.BF16: lambda raw: raw.view(torch.bfloat16),
+    QT.Q4_0: _dequant_q4_0,
+    QT.Q4_1: _dequant_q4_1,
+    QT.Q5_0: _dequant_q5_0,
+    QT.Q5_1: _dequant_q5_1,
+    QT.Q8_0: _dequant_q8_0,
+    QT.Q4_K: _dequant_q4_k,
+    QT.Q5_K: _dequant_q5_k,
+    QT.Q6_K: _dequant_q6_k,
+}

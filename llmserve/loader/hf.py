@@ -1,0 +1,82 @@
+"""Load a Hugging Face model folder: `config.json` plus `*.safetensors` (sharded or not)."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from llmserve.config import ModelConfig
+from llmserve.errors import ModelFormatError, UnsupportedModelError
+from llmserve.loader.weights import LoadedWeights, drop_tied_head, require_path
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# Checkpoint entries that are not weights (buffers older transformers versions saved).
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+    """Load a Hugging Face model folder, weights cast to `dtype`; `metadata` is config.json.
+
+    Raises ModelNotFoundError (no such folder), ModelFormatError (no config.json, no
+    safetensors, unreadable files) or UnsupportedModelError (architecture, `.bin` weights).
+    """
+    folder = require_path(path, is_dir=True)
+    hf_config = _read_config(folder)
+    try:
+        config = ModelConfig.from_hf_config(hf_config)
+    except KeyError as e:
+        raise ModelFormatError(f"{folder / 'config.json'} lacks the field {e}") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        tensors.update(_read_safetensors(file, dtype))
+    drop_tied_head(config, tensors)
+    return LoadedWeights(config=config, tensors=tensors, metadata=hf_config)
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelFormatError(f"not a Hugging Face model folder: no config.json in {folder}")
+    try:
+        return json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"cannot read {config_path}: {e}") from None
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The weight files: those named by the shard index if there is one, else `*.safetensors`."""
+    index = folder / SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise ModelFormatError(f"cannot read {index}: {e}") from None
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelFormatError(f"{folder} lacks weight shard(s) {', '.join(missing)}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    if any(folder.glob("pytorch_model*.bin")):
+        raise UnsupportedModelError(
+            f"{folder} holds pytorch_model.bin weights; only safetensors are supported "
+            "(re-save with save_pretrained(..., safe_serialization=True))"
+        )
+    raise ModelFormatError(f"no *.safetensors weights in {folder}")
+
+
+def _read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    try:
+        with safe_open(file, framework="pt") as f:
+            return {
+                name: f.get_tensor(name).to(dtype)
+                for name in f.keys()
+                if not name.endswith(IGNORED_SUFFIXES)
+            }
+    except (SafetensorError, OSError) as e:
+        raise ModelFormatError(f"cannot read {file}: {e}") from None

@@ -1,0 +1,75 @@
+"""Memory arithmetic shared by `llmserve memory` and the engine's KV-cache sizing."""
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.config import ModelConfig
+
+# A bare letter (2G) means the binary unit, as llama.cpp and most users mean it.
+_UNITS = {
+    "": 1, "B": 1,
+    "K": 2**10, "KIB": 2**10, "KB": 10**3,
+    "M": 2**20, "MIB": 2**20, "MB": 10**6,
+    "G": 2**30, "GIB": 2**30, "GB": 10**9,
+    "T": 2**40, "TIB": 2**40, "TB": 10**12,
+}
+
+DTYPE_BYTES = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int8: 1}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB', '512MB', '1.5 GiB' or a plain byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read the size {text!r}; write e.g. 2GiB, 512MiB or 1073741824")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights at `dtype` (the unquantized compute copy)."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    attn = h * d * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
+    if cfg.attention_bias:
+        attn += d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
+    layer = attn + 3 * h * i + 2 * h + (2 * d if cfg.qk_norm else 0)
+    embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
+    return (cfg.num_hidden_layers * layer + embed + h) * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class KVCachePlan:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_tokens * self.bytes_per_token
+
+
+def plan_kv_cache(
+    cfg: ModelConfig, dtype: torch.dtype, budget_bytes: int, block_size: int
+) -> KVCachePlan:
+    """How many blocks of `block_size` tokens fit in `budget_bytes`; deterministic."""
+    per_token = kv_bytes_per_token(cfg, dtype)
+    num_blocks = budget_bytes // (per_token * block_size)
+    if num_blocks < 1:
+        raise ValueError(
+            f"the KV-cache budget ({budget_bytes} bytes) holds less than one block of "
+            f"{block_size} tokens ({per_token * block_size} bytes); raise --kv-cache-memory"
+        )
+    return KVCachePlan(num_blocks, block_size, per_token)

@@ -1,0 +1,170 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+
+`forward` takes a flat batch of tokens from many sequences (prefill chunks and decodes
+together), their positions and explicit attention metadata; everything outside attention
+(projections, MLP, norms) runs once over all T tokens.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from llmserve.worker.attention import AttentionMetadata, KVCache, paged_attention
+
+# Checkpoint (Hugging Face) projection names fused into one matmul: name -> (fused, shard).
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+
+    def shard_rows(self, shard: str) -> slice:
+        """Rows of the fused qkv weight holding projection `shard` ('q', 'k' or 'v')."""
+        start = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}[shard]
+        size = self.q_size if shard == "q" else self.kv_size
+        return slice(start, start + size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, x, k_cache, v_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. Parameter names follow Hugging Face, with q/k/v and gate/up fused."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
+        x = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(positions, x, kv_cache.key[i], kv_cache.value[i], meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden_size) -> (N, vocab_size) fp32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named tensors in, fusing stacked projections; all must be used."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in tensors.items():
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied checkpoints sometimes store a copy of the embedding
+            target, rows = self._target(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name} has no place in the model")
+            param = params[target]
+            dst = param.data if rows is None else param.data[rows]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(f"{target}/{rows}")
+        self._check_all_loaded(params, loaded)
+
+    def _target(self, name: str) -> tuple[str, slice | None]:
+        """Map a checkpoint name to (parameter name, rows of it) honouring STACKED_PARAMS."""
+        for ckpt, (fused, shard) in STACKED_PARAMS.items():
+            if f".{ckpt}." not in name:
+                continue
+            target = name.replace(ckpt, fused)
+            layer = self.model.layers[int(name.split(".")[2])]
+            if fused == "qkv_proj":
+                rows = layer.self_attn.shard_rows(shard)
+            else:
+                size = layer.mlp.intermediate_size
+                rows = slice(shard * size, (shard + 1) * size)
+            return target, rows
+        return name, None
+
+    def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:
+        names = {key.split("/")[0] for key in loaded}
+        missing = sorted(set(params) - names)
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")

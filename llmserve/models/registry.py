@@ -1,0 +1,23 @@
+"""Model classes by architecture: the one place that maps a config to an `nn.Module`."""
+
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.errors import UnsupportedModelError
+from llmserve.models.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[config.architecture]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"unsupported model architecture '{config.architecture}'"
+        ) from None

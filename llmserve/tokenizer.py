@@ -1,0 +1,420 @@
+"""Text <-> token ids and chat templates, for GGUF files and Hugging Face folders.
+
+The heavy lifting is the `tokenizers` library (Rust BPE); this module only builds the right
+pipeline from a GGUF file's metadata, so that ids match what the model was trained on
+(llama.cpp's pre-tokenizer for each `tokenizer.ggml.pre`), and renders the model's chat
+template in a sandboxed jinja2 environment the way `transformers` does.
+"""
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2 import nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from llmserve.errors import (
+    LLMServeError,
+    ModelFormatError,
+    ModelNotFoundError,
+    UnsupportedModelError,
+)
+from llmserve.loader.gguf_meta import open_gguf, read_metadata
+
+
+class ChatTemplateError(LLMServeError):
+    """The chat template cannot render these messages (or the model has no template)."""
+
+
+# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Pre-tokenizer split patterns, as in the models' own tokenizer.json files (the `tokenizers`
+# library runs Oniguruma, so the original `(?i:...)` forms work; llama.cpp spells them out).
+_LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class _PreTokenizerSpec:
+    """How one family of `tokenizer.ggml.pre` values splits text before BPE."""
+
+    pattern: str | None  # None: the GPT-2 pattern built into ByteLevel
+    individual_digits: bool = False  # split every \p{N} character off first
+    ignore_merges: bool = False  # a whole pre-token found in the vocab is one token
+
+    def build(self) -> pre_tokenizers.PreTokenizer:
+        steps: list[pre_tokenizers.PreTokenizer] = []
+        if self.individual_digits:
+            steps.append(pre_tokenizers.Digits(individual_digits=True))
+        if self.pattern is not None:
+            steps.append(pre_tokenizers.Split(Regex(self.pattern), behavior="isolated"))
+        steps.append(
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=self.pattern is None)
+        )
+        return steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+
+
+_GPT2 = _PreTokenizerSpec(pattern=None)
+_DIGITS_GPT2 = _PreTokenizerSpec(pattern=None, individual_digits=True)
+_LLAMA3 = _PreTokenizerSpec(pattern=_LLAMA3_PATTERN, ignore_merges=True)
+_QWEN2 = _PreTokenizerSpec(pattern=_QWEN2_PATTERN)
+
+# `tokenizer.ggml.pre` -> pre-tokenizer, grouped as llama.cpp's llm_tokenizer_bpe groups them.
+_PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
+    **dict.fromkeys(("gpt-2", "gpt2", "mpt", "olmo", "jais"), _GPT2),
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone"), _DIGITS_GPT2
+    ),
+    **dict.fromkeys(("llama-bpe", "llama3", "dbrx", "smaug-bpe"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "stablelm2"), _QWEN2),
+}
+
+# Tokens that end a chat turn, counted as stop tokens when the chat template uses them.
+_TURN_TERMINATORS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
+# End-of-document tokens: a model that emits one is done, whatever its metadata's eos says.
+_DOCUMENT_TERMINATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (marks assistant text for training masks in
+    transformers); for inference it renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja's own tojson escapes HTML characters, which would change the prompt.
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Chat templates come from model files, i.e. untrusted code: render them sandboxed, with
+    the same environment settings and helpers as transformers so prompts match exactly."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the model's chat template is invalid: {e}") from None
+
+
+class Tokenizer:
+    """A model's tokenizer: encode/decode, special ids, stop tokens and chat template.
+
+    Build it with `from_gguf`, `from_gguf_metadata` or `from_hf_folder`. The wrapped
+    `tokenizers.Tokenizer` adds BOS/EOS itself (its post-processor), so `encode` with
+    `add_special_tokens=True` gives exactly what the model expects as a prompt.
+    """
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        unk_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        chat_template: str | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.unk_token_id = unk_token_id
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
+        self._extra_eos_token_ids = frozenset(extra_eos_token_ids)
+
+    # ---- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        """The tokenizer embedded in a GGUF model file."""
+        return cls.from_gguf_metadata(read_metadata(open_gguf(path)))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+        """Build from GGUF `tokenizer.*` metadata (as `read_metadata` returns it).
+
+        Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported; SentencePiece
+        vocabularies (`llama`) raise `UnsupportedModelError`.
+        """
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
+                "use the model's Hugging Face folder instead"
+            )
+        pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+        spec = _PRE_TOKENIZERS.get(pre)
+        if spec is None:
+            raise UnsupportedModelError(
+                f"GGUF pre-tokenizer {pre!r} is not supported "
+                f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+            )
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        token_types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        backend = HFTokenizer(
+            models.BPE(vocab, merges, ignore_merges=spec.ignore_merges)  # type: ignore[arg-type]
+        )
+        backend.pre_tokenizer = spec.build()
+        backend.decoder = decoders.ByteLevel()
+        backend.add_tokens(_gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_USER_DEFINED))
+        backend.add_special_tokens(_gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_CONTROL))
+
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+        post = _bos_eos_processor(tokens, bos if add_bos else None, eos if add_eos else None)
+        if post is not None:
+            backend.post_processor = post
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> "Tokenizer":
+        """A Hugging Face model folder: tokenizer.json, tokenizer_config.json, and optionally
+        chat_template.jinja (wins over the config's template) and generation_config.json
+        (its eos ids become stop tokens). BOS/EOS are added by tokenizer.json's own
+        post-processor, which is where transformers writes them when saving."""
+        folder = Path(path)
+        tokenizer_file = folder / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelNotFoundError(f"no tokenizer.json in {folder}")
+        try:
+            backend = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON
+            raise ModelFormatError(f"cannot read {tokenizer_file}: {e}") from None
+        config = _read_json(folder / "tokenizer_config.json")
+        generation = _read_json(folder / "generation_config.json")
+
+        def token_id(name: str) -> int | None:
+            token = config.get(name)
+            if isinstance(token, dict):
+                token = token.get("content")
+            return backend.token_to_id(token) if isinstance(token, str) else None
+
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            unk_token_id=token_id("unk_token"),
+            pad_token_id=token_id("pad_token"),
+            chat_template=_hf_chat_template(folder, config),
+            extra_eos_token_ids=_as_id_list(generation.get("eos_token_id")),
+        )
+
+    # ---- encode / decode ----------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become
+        their ids, as in transformers and llama.cpp's server."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; bytes of an incomplete UTF-8 character decode to U+FFFD."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry for `token_id` (byte-level form, e.g. 'Ġhello')."""
+        return self.backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary entry, or None."""
+        return self.backend.token_to_id(token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (the model's vocab may be padded larger)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def all_special_ids(self) -> list[int]:
+        """Ids of all special (control) tokens: those `skip_special_tokens` drops."""
+        decoder = self.backend.get_added_tokens_decoder()
+        return sorted(i for i, tok in decoder.items() if tok.special)
+
+    @cached_property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids that end a generation: eos, generation_config eos ids, the chat turn terminator
+        the template writes (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...) and
+        end-of-document tokens (`<|endoftext|>`, ...) that are special tokens of this model.
+
+        Metadata eos alone is not enough: chat models end turns with a terminator that is
+        often not the configured eos, and users expect generation to stop there.
+        """
+        ids = set(self._extra_eos_token_ids)
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        template = self.chat_template or ""
+        terminators = [t for t in _TURN_TERMINATORS if t in template]
+        special = set(self.all_special_ids)
+        for token in (*terminators, *_DOCUMENT_TERMINATORS):
+            token_id = self.backend.token_to_id(token)
+            if token_id is not None and token_id in special:
+                ids.add(token_id)
+        return frozenset(ids)
+
+    # ---- chat template ------------------------------------------------------------------
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise ChatTemplateError(
+                "this model has no chat template; send a plain prompt (completions) instead"
+            )
+        return _compile_chat_template(self.chat_template)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render `messages` with the model's chat template, as transformers does.
+
+        A model without a template is an error (`ChatTemplateError`), not a silent ChatML
+        default: a wrong prompt format degrades answers without any visible failure.
+        Extra `kwargs` are template variables. With `tokenize=True` the prompt's ids are
+        returned, with no BOS/EOS added (the template writes the special tokens it wants).
+        """
+        try:
+            prompt = self._compiled_template.render(
+                messages=messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_token_strings(),
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"chat template error: {e}") from None
+        if tokenize:
+            return self.encode(prompt, add_special_tokens=False)
+        return prompt
+
+    def _special_token_strings(self) -> dict[str, str]:
+        """bos_token/eos_token/... as strings, the variables templates refer to."""
+        named = {
+            "bos_token": self.bos_token_id,
+            "eos_token": self.eos_token_id,
+            "unk_token": self.unk_token_id,
+            "pad_token": self.pad_token_id,
+        }
+        strings = {name: self.id_to_token(i) for name, i in named.items() if i is not None}
+        return {name: s for name, s in strings.items() if s is not None}
+
+
+def _gguf_added_tokens(tokens: list[str], token_types: list[int], kind: int) -> list[AddedToken]:
+    """Tokens of one GGUF type, matched verbatim in text before pre-tokenization."""
+    special = kind == _TOKEN_TYPE_CONTROL
+    return [
+        AddedToken(tok, special=special, normalized=False)
+        for tok, tt in zip(tokens, token_types, strict=True)
+        if tt == kind
+    ]
+
+
+def _bos_eos_processor(
+    tokens: list[str], bos: int | None, eos: int | None
+) -> processors.PostProcessor | None:
+    """A post-processor adding BOS and/or EOS around every encoded text, or None."""
+    if bos is None and eos is None:
+        return None
+    ends = {i: tokens[i] for i in (bos, eos) if i is not None}
+
+    def wrap(sequence: str, type_id: int) -> str:
+        parts = [f"{tokens[bos]}:{type_id}"] if bos is not None else []
+        parts.append(f"{sequence}:{type_id}")
+        parts += [f"{tokens[eos]}:{type_id}"] if eos is not None else []
+        return " ".join(parts)
+
+    return processors.TemplateProcessing(
+        single=wrap("$A", 0),
+        pair=f"{wrap('$A', 0)} {wrap('$B', 1)}",
+        special_tokens=[(tok, i) for i, tok in ends.items()],
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from `path`, or {} when the file is absent."""
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"cannot parse {path}: {e}") from None
+
+
+def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja if present, else tokenizer_config's (string, or the 'default'
+    entry of a list of named templates)."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """generation_config's eos_token_id is an int or a list of ints."""
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []

@@ -1,0 +1,96 @@
+"""Batched sampling: one set of tensor operations over every request sampled in a step.
+
+Order of operations per row: temperature scaling, top-k, top-p, min-p, then a draw.
+Greedy rows (temperature 0) take the argmax of the raw logits. Draws use the
+exponential-race trick (argmax of p / E with E ~ Exp(1)), which samples exactly from p
+and lets seeded rows take their noise from their own generator.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors, built once per step from the requests' params."""
+
+    temperature: torch.Tensor  # (N,) 0 for greedy rows
+    top_k: torch.Tensor  # (N,) int, 0 = off
+    top_p: torch.Tensor  # (N,)
+    min_p: torch.Tensor  # (N,)
+    generators: list[torch.Generator | None]  # per row; None draws from the global RNG
+    all_greedy: bool
+    need_sort: bool  # some row uses top-k or top-p
+
+    @classmethod
+    def build(
+        cls,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        device: torch.device | str = "cpu",
+    ) -> "SamplingBatch":
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            top_p=torch.tensor([p.top_p for p in params], device=device),
+            min_p=torch.tensor([p.min_p for p in params], device=device),
+            generators=generators,
+            all_greedy=all(p.temperature == 0 for p in params),
+            need_sort=any((p.top_k > 0 or p.top_p < 1) and p.temperature > 0 for p in params),
+        )
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and its top-p nucleus.
+
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
+    vocab = logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = ranks >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of strictly more likely tokens
+    remove |= mass_before >= top_p[:, None]
+    remove[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits: (N, V) fp32 -> token ids (N,)."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    if batch.need_sort:
+        scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    if bool((batch.min_p > 0).any()):
+        scaled = apply_min_p(scaled, batch.min_p)
+    probs = scaled.softmax(dim=-1)
+    noise = _exponential_noise(probs, batch.generators)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.temperature > 0, sampled, greedy)
+
+
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return noise

@@ -22,8 +22,18 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any):
-        self.engine = Engine(EngineConfig(model=model, dtype=dtype, **engine_options))
-        self.tokenizer = self.engine.tokenizer
+        self._attach(Engine(EngineConfig(model=model, dtype=dtype, **engine_options)))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        """Wrap an existing engine (e.g. one sharing an already loaded model)."""
+        llm = cls.__new__(cls)
+        llm._attach(engine)
+        return llm
+
+    def _attach(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
 
     def generate(
         self,

@@ -15,3 +15,23 @@ def smollm2_gguf() -> Path:
     from llmserve.loader.catalog import fetch_model
 
     return fetch_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def reference_model(smollm2_gguf):
+    """`transformers` on the same GGUF file, fp32: the reference implementation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    """llmserve's offline engine on the default model, exact fp32 path."""
+    from llmserve import LLM
+
+    return LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="256MiB")

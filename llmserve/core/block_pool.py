@@ -83,6 +83,13 @@ class BlockPool:
         block.block_hash = block_hash
         self.cached[block_hash] = block
 
+    def uncache_blocks(self, blocks: Iterable[Block]) -> None:
+        """Forget the hashes of blocks whose KV will not be written after all."""
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         for block in self.cached.values():
             block.block_hash = None

@@ -76,8 +76,13 @@ class KVCacheManager:
         return True
 
     def free(self, request: Request) -> None:
-        """Release a request's blocks; tail blocks are freed first so they are evicted first."""
+        """Release a request's blocks; tail blocks are freed first so they are evicted first.
+
+        Blocks past `num_computed_tokens` hold no KV (a chunk taken back by preemption after
+        `allocate_slots` cached them), so they also leave the prefix cache.
+        """
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.uncache_blocks(blocks[request.num_computed_tokens // self.block_size :])
         self.pool.free_blocks(reversed(blocks))
 
     def _update_block_hashes(self, request: Request) -> None:

@@ -120,17 +120,23 @@ class Scheduler:
         return out
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
+        """Schedule the request's next tokens, preempting for blocks; returns the budget used.
+
+        The victim is the lowest-priority running request even if it was already scheduled
+        this step (decodes go first, so it may be): its tokens are then given back, and the
+        result is negative when it gave back more than this request took.
+        """
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_returned = 0
         while not self.kv.allocate_slots(request, num_new):
-            scheduled = {s.request_id for s in out.scheduled}
-            candidates = [r for r in self.running if r.request_id not in scheduled]
-            victim = max(candidates, key=self._priority_key)
+            victim = max(self.running, key=self._priority_key)
+            num_returned += self._unschedule(victim, out)
             self._preempt(victim)
             out.num_preempted += 1
             if victim is request:
-                return 0
+                return -num_returned
         self._emit(request, num_new, out)
-        return num_new
+        return num_new - num_returned
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -190,6 +196,15 @@ class Scheduler:
         return updated
 
     # ---- helpers -----------------------------------------------------------------------
+
+    def _unschedule(self, request: Request, out: SchedulerOutput) -> int:
+        """Take back the request's share of this step, if any; returns its number of tokens."""
+        for i, s in enumerate(out.scheduled):
+            if s.request_id == request.request_id:
+                del out.scheduled[i]
+                request.num_computed_tokens = s.start_position
+                return len(s.token_ids)
+        return 0
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

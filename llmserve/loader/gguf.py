@@ -99,8 +99,7 @@ def _architecture(metadata: dict[str, Any]) -> str:
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"unsupported GGUF architecture '{arch}' "
-            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+            f"unsupported GGUF architecture '{arch}' (supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
     return arch
 

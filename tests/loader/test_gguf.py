@@ -158,4 +158,3 @@ def test_unsupported_tensor_type(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedModelError, match=expected) as error:
         load_gguf(path)
     _assert_one_line(error)
-

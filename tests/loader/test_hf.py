@@ -21,7 +21,9 @@ TINY = dict(
 )
 
 
-def _save_tiny(folder: Path, config_cls: str, model_cls: str, **overrides: object) -> torch.nn.Module:
+def _save_tiny(
+    folder: Path, config_cls: str, model_cls: str, **overrides: object
+) -> torch.nn.Module:
     if not hasattr(transformers, config_cls):
         pytest.skip(f"transformers has no {config_cls}")
     torch.manual_seed(0)

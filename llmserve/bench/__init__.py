@@ -1,0 +1,1 @@
+"""Benchmarks: offline throughput (`llmserve bench throughput`)."""

@@ -1,0 +1,334 @@
+"""The `llmserve` command line: pull, models, generate, chat, memory, bench throughput.
+
+Every subcommand is one small `cmd_*` function. User errors (`LLMServeError`, `ValueError`)
+print one `error: ...` line on stderr and exit 1; usage errors exit 2 (argparse); Ctrl-C
+exits 130.
+"""
+
+import argparse
+import json
+import logging
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from llmserve.errors import LLMServeError
+from llmserve.loader.catalog import DEFAULT_MODEL
+
+EXIT_ERROR = 1
+EXIT_INTERRUPTED = 130
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
+                  "ignore_eos")
+ENGINE_FLAGS = ("dtype", "device", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens",
+                "max_model_len", "block_size", "enable_prefix_caching", "scheduling_policy")
+GENERATE_DEFAULTS = {"max_tokens": 256}
+# As llama.cpp's interactive defaults; a reply ends at the end of the turn well before this.
+CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 2048}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns (and, as a script, exits with) the process exit code."""
+    args = build_parser().parse_args(argv)
+    if hasattr(args, "check"):
+        args.check(args)  # cross-flag usage rules: parser.error, exit 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args) or 0
+    except (LLMServeError, ValueError) as e:
+        message = " ".join(str(e).split())  # one line, whatever the exception held
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # stdout piped into `head` and closed: not an error
+        sys.stderr.close()
+        return 0
+
+
+# ---- subcommands ---------------------------------------------------------------------------
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    if args.list:
+        return cmd_models(args)
+    from llmserve.loader.catalog import fetch_model
+
+    print(fetch_model(args.model, progress=True))
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from llmserve.loader.catalog import list_catalog
+
+    rows = [("NAME", "CACHED", "SIZE", "LICENCE", "DESCRIPTION")]
+    for row in list_catalog():
+        size = format_bytes(row.size) if row.size is not None else "-"
+        rows.append((row.name, "yes" if row.cached else "no", size, row.license,
+                     row.description))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join([*(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[4]]))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from llmserve.entrypoints import cli_generate
+
+    base = sampling_options(args, GENERATE_DEFAULTS)
+    if args.prompt is not None:
+        params = _sampling_params(base)
+        cli_generate.generate_one(_make_llm(args), args.prompt, params, args.chat)
+        return 0
+    items = cli_generate.read_batch(Path(args.input), base)
+    out_path = Path(args.output)
+    if args.output != "-" and not out_path.parent.is_dir():
+        raise LLMServeError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
+    llm = _make_llm(args)
+    if args.output == "-":
+        cli_generate.generate_batch(llm, items, sys.stdout, args.chat)
+        return 0
+    try:
+        with out_path.open("w", encoding="utf-8") as out:
+            cli_generate.generate_batch(llm, items, out, args.chat)
+    except OSError as e:
+        raise LLMServeError(f"cannot write {out_path}: {e.strerror or e}") from None
+    print(f"wrote {len(items)} results to {out_path}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from llmserve.entrypoints.cli_generate import chat_repl
+
+    params = _sampling_params(sampling_options(args, CHAT_DEFAULTS))
+    chat_repl(_make_llm(args), params, args.system)
+    return 0
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from llmserve.entrypoints.cli_memory import memory_report
+
+    print(memory_report(args.model, args.batch, args.seq_len, args.dtype, args.kv_dtype,
+                        args.kv_cache_memory, args.block_size, args.device))
+    return 0
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from llmserve.bench.throughput import format_table, run_throughput
+
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    modes = ["batched", "sequential"] if args.compare else [
+        "sequential" if args.sequential else "batched"]
+    llm = _make_llm(args)
+    results = [
+        run_throughput(llm, args.num_prompts, args.input_len, args.output_len, mode,
+                       seed=args.seed + i)
+        for i, mode in enumerate(modes)
+    ]
+    print(format_table(results))
+    speedup = None
+    if args.compare:
+        speedup = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"batched / sequential output throughput: {speedup:.2f}x")
+    if args.output_json:
+        _write_bench_json(args, llm, results, speedup)
+    return 0
+
+
+def _write_bench_json(args: argparse.Namespace, llm: Any, results: list, speedup: float | None
+                      ) -> None:
+    report = {
+        "model": llm.engine.loaded.source.name,
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "device": str(llm.engine.device),
+        "num_prompts": args.num_prompts,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "seed": args.seed,
+        "runs": [r.to_dict() for r in results],
+        "batched_over_sequential": speedup,
+    }
+    try:
+        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
+    except OSError as e:
+        raise LLMServeError(f"cannot write {args.output_json}: {e.strerror or e}") from None
+
+
+# ---- shared helpers ------------------------------------------------------------------------
+
+
+def sampling_options(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams keyword arguments: `defaults` overridden by the flags given."""
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    return {**defaults, **{k: v for k, v in given.items() if v is not None}}
+
+
+def _sampling_params(options: dict[str, Any]) -> Any:
+    from llmserve.sampling_params import SamplingParams
+
+    return SamplingParams(**options)
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from llmserve.llm import LLM
+
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    options = {k: v for k, v in options.items() if v is not None}
+    return LLM(args.model, **options)
+
+
+def kv_cache_memory(text: str) -> str | float:
+    """`--kv-cache-memory`: a fraction of free memory ("0.3") or a size ("2GiB", bytes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return value if "." in text and value <= 1 else text
+
+
+def format_bytes(num: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if num < 1024 or unit == "GiB":
+            return f"{num:,.0f} {unit}" if unit == "bytes" else f"{num:,.1f} {unit}"
+        num /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---- argument parser -----------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llmserve", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="show INFO logs")
+    parser.set_defaults(verbose=False)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="show INFO logs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_pull(sub, common)
+    _add_generate(sub, common)
+    _add_chat(sub, common)
+    _add_memory(sub, common)
+    _add_bench(sub, common)
+    return parser
+
+
+def _add_pull(sub: Any, common: argparse.ArgumentParser) -> None:
+    pull = sub.add_parser("pull", parents=[common], help="fetch a catalog model into the cache")
+    pull.add_argument("model", nargs="?", default=DEFAULT_MODEL, help="catalog name")
+    pull.add_argument("--list", action="store_true", help="list the catalog instead")
+    pull.set_defaults(func=cmd_pull)
+    models = sub.add_parser("models", parents=[common], help="list the catalog models")
+    models.set_defaults(func=cmd_models)
+
+
+def _add_generate(sub: Any, common: argparse.ArgumentParser) -> None:
+    gen = sub.add_parser(
+        "generate", parents=[common], help="complete one prompt or a JSONL file of prompts",
+        description="Stream one completion (--prompt) or run a JSONL file of prompts as one "
+        "continuous batch (--input/--output); input lines: {\"prompt\"|\"messages\"|"
+        "\"prompt_token_ids\": ..., \"id\"?, sampling overrides?}.",
+    )
+    _add_model_flag(gen)
+    source = gen.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="text to complete; streamed to stdout")
+    source.add_argument("--input", metavar="IN.jsonl", help="JSONL file of prompts")
+    gen.add_argument("--output", metavar="OUT.jsonl", help="where --input results go ('-': stdout)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap text prompts as a user turn in the model's chat template")
+    _add_sampling_flags(gen)
+    _add_engine_flags(gen)
+    gen.set_defaults(func=cmd_generate, check=partial(_check_generate_args, gen))
+
+
+def _check_generate_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.input is not None and args.output is None:
+        parser.error("--input needs --output")
+    if args.prompt is not None and args.output is not None:
+        parser.error("--output goes with --input; --prompt streams to stdout")
+
+
+def _add_chat(sub: Any, common: argparse.ArgumentParser) -> None:
+    chat = sub.add_parser("chat", parents=[common], help="interactive chat in the terminal")
+    _add_model_flag(chat)
+    chat.add_argument("--system", help="system prompt")
+    _add_sampling_flags(chat)
+    _add_engine_flags(chat)
+    chat.set_defaults(func=cmd_chat)
+
+
+def _add_memory(sub: Any, common: argparse.ArgumentParser) -> None:
+    mem = sub.add_parser("memory", parents=[common],
+                         help="weights and KV-cache memory of a model, and what fits")
+    _add_model_flag(mem)
+    mem.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
+    mem.add_argument("--seq-len", type=int, help="tokens per sequence (default: model context)")
+    mem.add_argument("--dtype", default="auto", help="weight dtype (default auto)")
+    mem.add_argument("--kv-dtype", help="KV-cache dtype (default: the weight dtype)")
+    mem.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    mem.add_argument("--kv-cache-memory", type=kv_cache_memory, default="2GiB",
+                     help="KV-cache budget: a size (2GiB) or a fraction of free memory (0.3)")
+    mem.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    mem.set_defaults(func=cmd_memory)
+
+
+def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    tp = kinds.add_parser("throughput", parents=[common],
+                          help="offline throughput of synthetic prompts through LLM.generate")
+    _add_model_flag(tp)
+    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    tp.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    tp.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    mode = tp.add_mutually_exclusive_group()
+    mode.add_argument("--sequential", action="store_true",
+                      help="one request at a time through the same engine")
+    mode.add_argument("--compare", action="store_true",
+                      help="run batched and sequential and print the speed-up")
+    tp.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
+    _add_engine_flags(tp)
+    tp.set_defaults(func=cmd_bench_throughput)
+
+
+def _add_model_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"catalog name, .gguf file or Hugging Face folder "
+                        f"(default {DEFAULT_MODEL})")
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, help="0 is greedy")
+    group.add_argument("--top-p", type=float)
+    group.add_argument("--top-k", type=int)
+    group.add_argument("--min-p", type=float)
+    group.add_argument("--seed", type=int, help="per-request sampling seed")
+    group.add_argument("--max-tokens", type=int, help="tokens to generate at most")
+    group.add_argument("--stop", action="append", help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", default=None,
+                       help="keep generating past end-of-sequence tokens")
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--dtype", help="auto, float32, float16 or bfloat16")
+    group.add_argument("--device", help="auto, cpu or cuda[:N]")
+    group.add_argument("--kv-cache-memory", type=kv_cache_memory,
+                       help="KV-cache budget: a size (2GiB) or a fraction of free memory (0.3)")
+    group.add_argument("--max-num-seqs", type=int)
+    group.add_argument("--max-num-batched-tokens", type=int)
+    group.add_argument("--max-model-len", type=int)
+    group.add_argument("--block-size", type=int)
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", default=None)
+    group.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

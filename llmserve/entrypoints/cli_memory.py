@@ -1,0 +1,112 @@
+"""`llmserve memory`: a model's weight and KV-cache memory, with the arithmetic shown.
+
+The KV-cache figures come from `llmserve.memory` (`kv_bytes_per_token`, `plan_kv_cache`),
+the same functions the engine sizes its cache with, so the numbers printed are the ones
+the engine will use.
+"""
+
+import json
+
+import torch
+
+from llmserve.config import DTYPES, ModelConfig
+from llmserve.engine.engine import free_memory_bytes, resolve_device, resolve_dtype
+from llmserve.entrypoints.cli import format_bytes
+from llmserve.errors import ModelFormatError
+from llmserve.loader.catalog import ModelSource, resolve_model
+from llmserve.memory import DTYPE_BYTES, kv_bytes_per_token, parse_size, plan_kv_cache, weight_bytes
+
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "int8": torch.int8}
+
+
+def memory_report(
+    model: str,
+    batch: int,
+    seq_len: int | None,
+    dtype: str,
+    kv_dtype: str | None,
+    kv_cache_memory: str | float,
+    block_size: int,
+    device: str = "auto",
+) -> str:
+    """The lines `llmserve memory` prints."""
+    if batch < 1 or (seq_len is not None and seq_len < 1):
+        raise ValueError("--batch and --seq-len must be at least 1")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    torch_device = resolve_device(device)
+    weight_dtype = resolve_dtype(dtype, torch_device)
+    kv_torch_dtype = _kv_dtype(kv_dtype, weight_dtype)
+    source = resolve_model(model)
+    cfg = read_model_config(source)
+    seq_len = seq_len or cfg.max_position_embeddings
+    budget = (int(kv_cache_memory * free_memory_bytes(torch_device))
+              if isinstance(kv_cache_memory, float) else parse_size(kv_cache_memory))
+    plan = plan_kv_cache(cfg, kv_torch_dtype, budget, block_size)
+    per_token = kv_bytes_per_token(cfg, kv_torch_dtype)
+    elem = DTYPE_BYTES[kv_torch_dtype]
+    wbytes = weight_bytes(cfg, weight_dtype)
+    num_params = wbytes // DTYPE_BYTES[weight_dtype]
+    tokens = batch * seq_len
+    fits = plan.num_tokens // seq_len
+    lines = [
+        f"model         {source.name} ({cfg.architecture}, {source.kind}: {source.path})",
+        f"shape         {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, "
+        f"head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, "
+        f"vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}",
+        f"weights       {num_params:,} parameters x {DTYPE_BYTES[weight_dtype]} bytes "
+        f"({_name(weight_dtype)}) = {format_bytes(wbytes)}",
+        f"KV per token  2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} "
+        f"kv_heads x {cfg.head_dim} head_dim x {elem} bytes ({_name(kv_torch_dtype)}) "
+        f"= {per_token:,} bytes",
+        f"KV for batch  {batch} x {seq_len} tokens = {tokens:,} tokens x {per_token:,} bytes "
+        f"= {format_bytes(tokens * per_token)}",
+        f"KV budget     {format_bytes(budget)}: {plan.num_blocks:,} blocks of {block_size} tokens "
+        f"= {plan.num_tokens:,} tokens ({format_bytes(plan.total_bytes)})",
+        f"fits          {'yes' if tokens <= plan.num_tokens else 'no'}: the budget holds "
+        f"{fits:,} sequence(s) of {seq_len} tokens; batch {batch} needs {tokens:,} tokens",
+    ]
+    if seq_len > cfg.max_position_embeddings:
+        lines.append(f"warning       --seq-len {seq_len} exceeds the model's context of "
+                     f"{cfg.max_position_embeddings} tokens")
+    return "\n".join(lines)
+
+
+def read_model_config(source: ModelSource) -> ModelConfig:
+    """The model's shape from its config.json or GGUF metadata; no weights are read.
+
+    For GGUF this reuses the loader's own config builder (private to `llmserve.loader.gguf`
+    for now), so `memory` sees exactly the config the engine will.
+    """
+    if source.kind == "hf":
+        path = source.path / "config.json"
+        try:
+            return ModelConfig.from_hf_config(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"cannot read {path}: {e}") from None
+        except KeyError as e:
+            raise ModelFormatError(f"{path} lacks the field {e}") from None
+    from llmserve.loader import gguf as gguf_loader
+    from llmserve.loader.gguf_meta import open_gguf, read_metadata
+
+    reader = open_gguf(source.path)
+    metadata = read_metadata(reader)
+    arch = gguf_loader._architecture(metadata)
+    tensors = {t.name: t for t in reader.tensors}
+    rope_freqs = tensors.pop(gguf_loader.ROPE_FREQS_TENSOR, None)
+    return gguf_loader._build_config(metadata, arch, tensors, rope_freqs)
+
+
+def _kv_dtype(name: str | None, weight_dtype: torch.dtype) -> torch.dtype:
+    if name is None:
+        return weight_dtype
+    canonical = "int8" if name == "int8" else DTYPES.get(name)
+    if canonical not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {name!r}")
+    return KV_DTYPES[canonical]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,128 @@
+"""The Llama-family model against `transformers` on the same weights: logits and greedy tokens."""
+
+import pytest
+import torch
+import transformers
+
+from llmserve import SamplingParams
+from llmserve.loader.hf import load_hf_folder
+from llmserve.models.registry import model_class
+from llmserve.worker.attention import AttentionMetadata, KVCache, PrefillChunk
+
+LOGIT_TOLERANCE = 1e-3
+
+CHAT = [
+    {"role": "system", "content": "You are a concise assistant who answers in one sentence."},
+    {"role": "user", "content": "Explain why the sky is blue, and mention Rayleigh scattering."},
+    {"role": "assistant", "content": "Air molecules scatter short blue wavelengths of sunlight "
+     "far more than long red ones, so blue light reaches our eyes from every direction."},
+    {"role": "user", "content": "Then why are sunsets red and orange instead?"},
+]
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a short poem about autumn leaves."}],
+    [{"role": "user", "content": "List three prime numbers greater than 10."}],
+    [{"role": "user", "content": "Translate 'good morning' into Spanish and German."}],
+]
+
+
+def full_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one sequence through the paged path (one prefill)."""
+    cfg = model.config
+    n = len(token_ids)
+    block_size = 16
+    num_blocks = -(-n // block_size)
+    kv = KVCache.allocate(
+        cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+        torch.float32,
+    )
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_seq_lens=None,
+        prefills=[PrefillChunk(0, n, 0, torch.arange(num_blocks))],
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), torch.arange(n), kv, meta)
+        return model.compute_logits(hidden)
+
+
+def test_logits_match_reference_on_default_model(smollm2_llm, reference_model):
+    tokenizer = smollm2_llm.tokenizer
+    ids = tokenizer.apply_chat_template(CHAT, tokenize=True)[:64]
+    assert len(ids) == 64
+    ours = full_logits(smollm2_llm.engine.loaded.model, ids)
+    with torch.inference_mode():
+        ref = reference_model(torch.tensor([ids])).logits[0].float()
+    diff = (ours - ref).abs().max().item()
+    assert diff <= LOGIT_TOLERANCE, f"max |logit diff| {diff:.2e} over {LOGIT_TOLERANCE:.0e}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_generation_matches_reference(smollm2_llm, reference_model):
+    """64 greedy tokens for 4 prompts, the last two run in one batch by llmserve."""
+    tokenizer = smollm2_llm.tokenizer
+    prompts = [tokenizer.apply_chat_template(p, tokenize=True) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    ours = [smollm2_llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
+            for p in prompts[:2]]
+    ours += smollm2_llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], params,
+                                 use_tqdm=False)
+    for prompt, out in zip(prompts, ours, strict=True):
+        with torch.inference_mode():
+            ref = reference_model.generate(
+                torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                pad_token_id=tokenizer.eos_token_id, eos_token_id=None,
+            )[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == ref
+
+
+def _tiny_folder(tmp_path, kind: str):
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                  max_position_embeddings=256)
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "llama3-rope":
+        config = transformers.LlamaConfig(
+            **common, tie_word_embeddings=True,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+        )
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**common, head_dim=32)
+        model = transformers.Qwen3ForCausalLM(config)
+    torch.manual_seed(0)
+    model.apply(_randomize)
+    model.save_pretrained(tmp_path)
+    return model.eval()
+
+
+@torch.no_grad()
+def _randomize(module: torch.nn.Module) -> None:
+    """Random norms and biases too, so that every weight's placement is tested."""
+    for p in module.parameters(recurse=False):
+        p.normal_(0, 0.5 if p.dim() == 1 else 0.08)
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen2", "qwen3"])
+def test_logits_match_reference_on_tiny_hf_folders(tmp_path, kind):
+    reference = _tiny_folder(tmp_path, kind)
+    loaded = load_hf_folder(tmp_path)
+    model = model_class(loaded.config)(loaded.config)
+    model.load_weights(loaded.tensors)
+    model.eval()
+    ids = torch.randint(0, 320, (100,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = full_logits(model, ids)
+    with torch.inference_mode():
+        ref = reference(torch.tensor([ids])).logits[0]
+    diff = (ours - ref).abs().max().item()
+    assert diff <= LOGIT_TOLERANCE, f"{kind}: max |logit diff| {diff:.2e}"

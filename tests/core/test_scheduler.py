@@ -9,8 +9,13 @@ import random
 
 import pytest
 
-from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmserve.core.kv_cache_manager import KVCacheManager, hash_block
+from llmserve.core.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
 
@@ -406,6 +411,30 @@ def test_priority_preempts_a_low_priority_decode_already_scheduled_this_step():
     assert_all_blocks_free(sched)
 
 
+
+def test_a_decode_taken_back_by_preemption_leaves_no_unwritten_block_in_the_prefix_cache():
+    sched = make_scheduler(num_blocks=8, max_num_batched_tokens=16, policy="priority")
+    high = make_request("high", 8, max_tokens=4, priority=0)
+    low = make_request("low", 2, max_tokens=8, priority=5)
+    sched.add_request(high)
+    sched.add_request(low)
+    step(sched)
+    sched.add_request(make_request("mid", 21, max_tokens=1, priority=3))
+    step(sched)  # mid's first chunk takes the last free blocks
+
+    out = sched.schedule()
+    # low's decode (filling its first block) is taken back; mid still lacks a block and goes too
+    assert out.num_preempted == 2 and list(scheduled(out)) == ["high"]
+    assert low.status == RequestStatus.PREEMPTED and len(low.block_hashes) == 1
+    assert low.block_hashes[0] not in sched.kv.pool.cached
+    probe = make_request("probe", low.all_token_ids + [5])
+    assert sched.kv.get_computed_blocks(probe)[1] == 0
+
+    sched.update(out, {"high": TOKEN})
+    run_until_done(sched)
+    assert low.output_token_ids == [TOKEN] * 8
+    assert_all_blocks_free(sched)
+
 # ---- property test -----------------------------------------------------------------------
 
 
@@ -413,22 +442,39 @@ class FakeKVCache:
     """Slot -> a hash of the token prefix whose K/V it holds; checks every read.
 
     Writes of a step land before its reads, as in the model runner, so a request may read
-    blocks another request writes in the same step (a same-step prefix hit).
+    blocks another request writes in the same step (a same-step prefix hit). `full_blocks`
+    maps a block id to the chain hash of the full block last written into it.
     """
 
     def __init__(self) -> None:
         self.slots: dict[int, int] = {}
+        self.full_blocks: dict[int, int | None] = {}
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> None:
-        expected = [prefix_hashes(sched.requests[s.request_id]) for s in out.scheduled]
-        for s, prefixes in zip(out.scheduled, expected, strict=True):
-            for pos in range(s.start_position, s.start_position + len(s.token_ids)):
-                self.slots[self._slot(s.block_ids, pos)] = prefixes[pos]
-        for s, prefixes in zip(out.scheduled, expected, strict=True):
+        expected = [sched.requests[s.request_id] for s in out.scheduled]
+        for s, request in zip(out.scheduled, expected, strict=True):
+            self._write(s, request)
+        for s, request in zip(out.scheduled, expected, strict=True):
+            prefixes = prefix_hashes(request)
             for pos in range(s.start_position + len(s.token_ids)):
                 assert self.slots.get(self._slot(s.block_ids, pos)) == prefixes[pos], (
                     f"{s.request_id} reads the wrong KV at position {pos}"
                 )
+
+    def check_cached_blocks_hold_their_tokens(self, sched: Scheduler) -> None:
+        for block_hash, block in sched.kv.pool.cached.items():
+            assert self.full_blocks.get(block.block_id) == block_hash, (
+                f"block {block.block_id} is cached but does not hold its tokens' KV"
+            )
+
+    def _write(self, s: ScheduledRequest, request: Request) -> None:
+        end = s.start_position + len(s.token_ids)
+        prefixes, chain = prefix_hashes(request), block_chain(request)
+        for pos in range(s.start_position, end):
+            self.slots[self._slot(s.block_ids, pos)] = prefixes[pos]
+        for i in range(s.start_position // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
+            is_full = (i + 1) * BLOCK_SIZE <= end
+            self.full_blocks[s.block_ids[i]] = chain[i] if is_full else None
 
     @staticmethod
     def _slot(block_ids: list[int], pos: int) -> int:
@@ -442,6 +488,16 @@ def prefix_hashes(request: Request) -> list[int]:
         h = hash((h, token))
         hashes.append(h)
     return hashes
+
+
+def block_chain(request: Request) -> list[int]:
+    """Chain hash of every full block of the request's tokens."""
+    chain: list[int] = []
+    tokens = request.all_token_ids
+    for start in range(0, len(tokens) - BLOCK_SIZE + 1, BLOCK_SIZE):
+        parent = chain[-1] if chain else None
+        chain.append(hash_block(parent, tokens[start : start + BLOCK_SIZE], request.cache_salt))
+    return chain
 
 
 def check_invariants(sched: Scheduler, unfinished: dict[str, Request]) -> None:
@@ -513,6 +569,7 @@ def test_random_operations_keep_the_invariants(seed, enable_caching, policy):
                    for s in out.scheduled if s.sample}
         sched.update(out, sampled)
         check_invariants(sched, unfinished)
+        fake_kv.check_cached_blocks_hold_their_tokens(sched)
 
     for i in range(1000):
         op = rng.random()

@@ -1,0 +1,87 @@
+"""Batched sampler on hand-made logits: each parameter changes the distribution as defined."""
+
+import math
+
+import torch
+
+from llmserve.sampling_params import SamplingParams
+from llmserve.worker.sampler import SamplingBatch, apply_min_p, apply_top_k_top_p, sample
+
+
+def batch(*params: SamplingParams, generators=None) -> SamplingBatch:
+    return SamplingBatch.build(list(params), generators or [None] * len(params))
+
+
+LOGITS = torch.log(torch.tensor([[0.05, 0.4, 0.1, 0.3, 0.15]]))  # probs, in a shuffled order
+
+
+def kept(masked: torch.Tensor) -> set[int]:
+    return set(torch.nonzero(masked[0] > float("-inf")).flatten().tolist())
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(8, 100)
+    assert torch.equal(sample(logits, batch(*[SamplingParams(temperature=0)] * 8)),
+                       logits.argmax(-1))
+
+
+def test_top_k_one_is_greedy():
+    logits = torch.randn(8, 100)
+    params = [SamplingParams(temperature=1.3, top_k=1)] * 8
+    assert torch.equal(sample(logits, batch(*params)), logits.argmax(-1))
+
+
+def test_top_k_keeps_k_most_likely():
+    masked = apply_top_k_top_p(LOGITS, torch.tensor([2]), torch.tensor([1.0]))
+    assert kept(masked) == {1, 3}
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    # sorted probs 0.4, 0.3, 0.15, 0.1, 0.05: mass 0.4 < 0.6, 0.7 >= 0.6 -> {1, 3}
+    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([0]), torch.tensor([0.6]))) == {1, 3}
+    # exactly reaching p keeps no more: 0.4 + 0.3 = 0.7
+    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([0]), torch.tensor([0.7]))) == {1, 3}
+    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([0]), torch.tensor([0.71]))) == {1, 3, 4}
+    # a tiny p still keeps the most likely token
+    assert kept(apply_top_k_top_p(LOGITS, torch.tensor([0]), torch.tensor([0.01]))) == {1}
+
+
+def test_min_p_drops_tokens_below_fraction_of_max():
+    # max prob 0.4; min_p 0.3 -> threshold 0.12 keeps 0.4, 0.3, 0.15
+    assert kept(apply_min_p(LOGITS, torch.tensor([0.3]))) == {1, 3, 4}
+
+
+def test_rows_use_their_own_parameters():
+    logits = LOGITS.repeat(3, 1)
+    masked = apply_top_k_top_p(logits, torch.tensor([1, 0, 3]), torch.tensor([1.0, 0.6, 1.0]))
+    assert [set(torch.nonzero(r > float("-inf")).flatten().tolist()) for r in masked] == [
+        {1}, {1, 3}, {1, 3, 4}]
+
+
+def test_seeded_rows_are_reproducible_whatever_the_batch():
+    logits = torch.randn(1, 1000)
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+
+    def draw(n_others: int) -> list[int]:
+        gen = torch.Generator().manual_seed(1234)
+        others = [SamplingParams(temperature=1.0)] * n_others
+        rows = logits.repeat(1 + n_others, 1)
+        out = []
+        for _ in range(5):
+            out.append(sample(rows, batch(seeded, *others,
+                                          generators=[gen] + [None] * n_others))[0].item())
+        return out
+
+    assert draw(0) == draw(7)
+
+
+def test_temperature_sampling_matches_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    logits = probs.log().repeat(20000, 1)
+    params = [SamplingParams(temperature=1.0)] * 20000
+    counts = torch.bincount(sample(logits, batch(*params)), minlength=3).float()
+    expected = probs * 20000
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 13.8  # p = 0.001 for 2 degrees of freedom
+    assert math.isclose(counts.sum().item(), 20000)

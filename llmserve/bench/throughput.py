@@ -23,6 +23,8 @@ class ThroughputResult:
     """One timed run; rates are over the wall-clock time of the whole run."""
 
     mode: Mode
+    input_len: int
+    output_len: int
     num_requests: int
     num_prompt_tokens: int
     num_output_tokens: int
@@ -83,11 +85,32 @@ def run_throughput(
     elapsed = time.perf_counter() - start
     return ThroughputResult(
         mode=mode,
+        input_len=input_len,
+        output_len=output_len,
         num_requests=len(outputs),
         num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
         num_output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         elapsed_s=elapsed,
     )
+
+
+def report(llm: LLM, results: list[ThroughputResult], seed: int) -> dict[str, Any]:
+    """The JSON report: the setup, one entry per run, and the batched/sequential ratio."""
+    by_mode = {r.mode: r for r in results}
+    ratio = None
+    if {"batched", "sequential"} <= by_mode.keys():
+        ratio = by_mode["batched"].output_tokens_per_s / by_mode["sequential"].output_tokens_per_s
+    return {
+        "model": llm.engine.loaded.source.name,
+        "dtype": str(llm.engine.dtype).removeprefix("torch."),
+        "device": str(llm.engine.device),
+        "num_prompts": results[0].num_requests,
+        "input_len": results[0].input_len,
+        "output_len": results[0].output_len,
+        "seed": seed,
+        "runs": [r.to_dict() for r in results],
+        "batched_over_sequential": ratio,
+    }
 
 
 def format_table(results: list[ThroughputResult]) -> str:

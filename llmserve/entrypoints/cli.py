@@ -1,8 +1,9 @@
 """The `llmserve` command line: pull, models, generate, chat, memory, bench throughput.
 
-Every subcommand is one small `cmd_*` function. User errors (`LLMServeError`, `ValueError`)
-print one `error: ...` line on stderr and exit 1; usage errors exit 2 (argparse); Ctrl-C
-exits 130.
+Every subcommand is one small `cmd_*` function; each imports what it needs (torch, the
+engine) itself, so that `--help` and usage errors stay quick. User errors (`LLMServeError`,
+`ValueError`) print one `error: ...` line on stderr and exit 1; usage errors exit 2
+(argparse); Ctrl-C exits 130.
 """
 
 import argparse
@@ -11,10 +12,14 @@ import logging
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmserve.errors import LLMServeError
 from llmserve.loader.catalog import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from llmserve.llm import LLM
+    from llmserve.sampling_params import SamplingParams
 
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
@@ -81,14 +86,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         params = _sampling_params(base)
         cli_generate.generate_one(_make_llm(args), args.prompt, params, args.chat)
         return 0
-    items = cli_generate.read_batch(Path(args.input), base)
+    items = cli_generate.read_batch(Path(args.input), base)  # all lines checked before loading
+    if args.output == "-":
+        cli_generate.generate_batch(_make_llm(args), items, sys.stdout, args.chat)
+        return 0
     out_path = Path(args.output)
-    if args.output != "-" and not out_path.parent.is_dir():
+    if not out_path.parent.is_dir():
         raise LLMServeError(f"cannot write {out_path}: folder {out_path.parent} does not exist")
     llm = _make_llm(args)
-    if args.output == "-":
-        cli_generate.generate_batch(llm, items, sys.stdout, args.chat)
-        return 0
     try:
         with out_path.open("w", encoding="utf-8") as out:
             cli_generate.generate_batch(llm, items, out, args.chat)
@@ -115,7 +120,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from llmserve.bench.throughput import format_table, run_throughput
+    from llmserve.bench.throughput import format_table, report, run_throughput
 
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
@@ -125,36 +130,20 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     llm = _make_llm(args)
     results = [
         run_throughput(llm, args.num_prompts, args.input_len, args.output_len, mode,
-                       seed=args.seed + i)
+                       seed=args.seed + i)  # a seed per run: no prefix-cache hits across runs
         for i, mode in enumerate(modes)
     ]
     print(format_table(results))
-    speedup = None
     if args.compare:
         speedup = results[0].output_tokens_per_s / results[1].output_tokens_per_s
         print(f"batched / sequential output throughput: {speedup:.2f}x")
     if args.output_json:
-        _write_bench_json(args, llm, results, speedup)
+        data = report(llm, results, seed=args.seed)
+        try:
+            Path(args.output_json).write_text(json.dumps(data, indent=2) + "\n")
+        except OSError as e:
+            raise LLMServeError(f"cannot write {args.output_json}: {e.strerror or e}") from None
     return 0
-
-
-def _write_bench_json(args: argparse.Namespace, llm: Any, results: list, speedup: float | None
-                      ) -> None:
-    report = {
-        "model": llm.engine.loaded.source.name,
-        "dtype": str(llm.engine.dtype).removeprefix("torch."),
-        "device": str(llm.engine.device),
-        "num_prompts": args.num_prompts,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "seed": args.seed,
-        "runs": [r.to_dict() for r in results],
-        "batched_over_sequential": speedup,
-    }
-    try:
-        Path(args.output_json).write_text(json.dumps(report, indent=2) + "\n")
-    except OSError as e:
-        raise LLMServeError(f"cannot write {args.output_json}: {e.strerror or e}") from None
 
 
 # ---- shared helpers ------------------------------------------------------------------------
@@ -166,13 +155,13 @@ def sampling_options(args: argparse.Namespace, defaults: dict[str, Any]) -> dict
     return {**defaults, **{k: v for k, v in given.items() if v is not None}}
 
 
-def _sampling_params(options: dict[str, Any]) -> Any:
+def _sampling_params(options: dict[str, Any]) -> "SamplingParams":
     from llmserve.sampling_params import SamplingParams
 
     return SamplingParams(**options)
 
 
-def _make_llm(args: argparse.Namespace) -> Any:
+def _make_llm(args: argparse.Namespace) -> "LLM":
     from llmserve.llm import LLM
 
     options = {name: getattr(args, name) for name in ENGINE_FLAGS}

@@ -203,6 +203,8 @@ def chat_repl(
     """
     interactive = sys.stdin.isatty()
     if interactive:
+        import readline  # noqa: F401  (line editing and history for input())
+
         print(f"Chatting with {llm.engine.loaded.source.name}; {_REPL_RESET} clears the "
               f"history, {_REPL_EXIT} or Ctrl-D ends.", file=sys.stderr)
     start = [{"role": "system", "content": system}] if system else []

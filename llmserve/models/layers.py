@@ -87,7 +87,8 @@ class RotaryEmbedding(nn.Module):
         scaling: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
         if kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
@@ -99,13 +100,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim), positions: (T,)."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)  # (T, 1, head_dim)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """Looked up once per step and shared by all layers: each (T, 1, head_dim)."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim) rotated by position."""
+    cos, sin = cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.config import ModelConfig
-from llmserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding
+from llmserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from llmserve.worker.attention import AttentionMetadata, KVCache, paged_attention
 
 # Checkpoint (Hugging Face) projection names fused into one matmul: name -> (fused, shard).
@@ -24,7 +24,7 @@ STACKED_PARAMS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -36,7 +36,6 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of the fused qkv weight holding projection `shard` ('q', 'k' or 'v')."""
@@ -46,7 +45,7 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
@@ -59,7 +58,7 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -77,28 +76,26 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, rotary)
+        self.self_attn = LlamaAttention(cfg)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), k_cache, v_cache, meta)
+    def forward(self, cos_sin, x, k_cache, v_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), k_cache, v_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -120,8 +117,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(positions, x, kv_cache.key[i], kv_cache.value[i], meta)
+            x = layer(cos_sin, x, kv_cache.key[i], kv_cache.value[i], meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ head_dim]`. New keys/values are written through `slot_mapping` (slot = block_id 
 block_size + offset) before attention reads them back through block tables.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,16 @@ class PrefillChunk:
     query_len: int
     context_len: int  # tokens already in the cache before this chunk
     block_table: torch.Tensor  # (num_blocks_of_seq,) int64
+    mask: torch.Tensor | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.context_len == 0:
+            return  # attends only to itself: plain causal attention, no mask needed
+        total = self.context_len + self.query_len
+        device = self.block_table.device
+        # query i sits at position context_len + i and sees keys 0..context_len + i
+        q_pos = torch.arange(self.query_len, device=device)[:, None] + self.context_len
+        self.mask = torch.arange(total, device=device)[None, :] <= q_pos  # (n, total)
 
 
 @dataclass
@@ -38,6 +48,21 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # (B_d, max_blocks) int64, padded with 0
     decode_seq_lens: torch.Tensor | None  # (B_d,) context length incl. the new token
     prefills: list[PrefillChunk]
+    block_size: int
+    decode_mask: torch.Tensor | None = field(init=False, default=None)  # (B_d, 1, 1, L)
+
+    def __post_init__(self) -> None:
+        if self.num_decode_tokens:  # built once per step; every layer reuses it
+            max_len = self.decode_block_tables.shape[1] * self.block_size
+            self.decode_mask = build_decode_mask(self.decode_seq_lens, max_len)
+
+
+def build_decode_mask(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor | None:
+    """Key-validity mask for decodes gathered to `max_len` keys; None if no row is padded."""
+    if bool((seq_lens == max_len).all()):
+        return None
+    valid = torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    return valid[:, None, None, :]
 
 
 @dataclass
@@ -113,11 +138,8 @@ def _decode_attention(
     """One batched call for all single-token queries. q: (B, H, D) -> (B, H, D)."""
     keys = _gather(k_cache, meta.decode_block_tables)  # (B, H_kv, L, D)
     values = _gather(v_cache, meta.decode_block_tables)
-    max_len = keys.shape[2]
-    valid = torch.arange(max_len, device=q.device)[None, :] < meta.decode_seq_lens[:, None]
-    mask = valid[:, None, None, :]  # (B, 1, 1, L)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
     )  # (B, H, 1, D)
     return out.squeeze(2)
 
@@ -144,10 +166,7 @@ def _prefill_attention(
     table = chunk.block_table[:num_blocks].unsqueeze(0)
     keys = _gather(k_cache, table)[0, :, :total]  # (H_kv, total, D)
     values = _gather(v_cache, table)[0, :, :total]
-    # query i sits at position context_len + i and sees keys 0..context_len + i
-    q_pos = torch.arange(n, device=q.device)[:, None] + chunk.context_len
-    mask = torch.arange(total, device=q.device)[None, :] <= q_pos  # (n, total)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        q.transpose(0, 1), keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
     )
     return out.transpose(0, 1)

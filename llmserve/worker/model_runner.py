@@ -8,7 +8,11 @@ import torch
 from torch import nn
 
 from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from llmserve.worker.attention import AttentionMetadata, KVCache, PrefillChunk
+from llmserve.worker.attention import (
+    AttentionMetadata,
+    KVCache,
+    PrefillChunk,
+)
 from llmserve.worker.sampler import SamplingBatch, sample
 
 
@@ -69,6 +73,7 @@ class ModelRunner:
                 [s.start_position + 1 for s in decodes], device=self.device
             ) if decodes else None,
             prefills=prefills,
+            block_size=bs,
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -88,7 +88,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(batch.temperature > 0, sampled, greedy)
 
 
-def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _exponential_noise(
+    probs: torch.Tensor, generators: list[torch.Generator | None]
+) -> torch.Tensor:
     noise = torch.empty_like(probs).exponential_()
     for row, gen in enumerate(generators):
         if gen is not None:

@@ -43,6 +43,7 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
         decode_block_tables=None,
         decode_seq_lens=None,
         prefills=[PrefillChunk(0, n, 0, torch.arange(num_blocks))],
+        block_size=block_size,
     )
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), kv, meta)

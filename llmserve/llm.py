@@ -44,7 +44,14 @@ class LLM:
         if isinstance(prompts, str | dict) or _is_token_ids(prompts):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = []
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                ids.append(self.engine.add_request(prompt, sp))
+            except ValueError as e:
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+                raise type(e)(f"prompt {i}: {e}") from None
         return self._run(ids, use_tqdm)
 
     def chat(

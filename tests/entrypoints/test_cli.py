@@ -1,0 +1,172 @@
+"""The `llmserve` CLI end to end, as a user runs it: a subprocess on the real default model.
+
+Each model-loading case is one subprocess (a few seconds each); error cases fail before any
+weights are read. A small KV budget keeps start-up short.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+MODEL = ["--model", "smollm2-135m"]
+SMALL_KV = ["--kv-cache-memory", "64MiB"]
+GREEDY = ["--temperature", "0"]
+
+
+def run_cli(
+    *args: str, stdin: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llmserve.entrypoints.cli", *args],
+        input=stdin, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+# ---- commands that run the model ----------------------------------------------------------
+
+
+def test_generate_prompt_streams_greedy_text():
+    proc = run_cli("generate", *MODEL, *SMALL_KV, *GREEDY, "--max-tokens", "8",
+                   "--prompt", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_generate_jsonl_writes_one_line_per_input_in_order(tmp_path):
+    rows = [
+        {"id": "first", "prompt": "The capital of France is", "max_tokens": 4},
+        {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6},
+        {"prompt_token_ids": [504, 3458, 282], "max_tokens": 3, "temperature": 0.8, "seed": 1},
+    ]
+    src, dst = write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    proc = run_cli("generate", *MODEL, *SMALL_KV, *GREEDY, "--input", str(src),
+                   "--output", str(dst))
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [r["index"] for r in results] == [0, 1, 2]
+    fields = {"index", "prompt", "text", "token_ids", "finish_reason", "num_prompt_tokens",
+              "num_output_tokens"}
+    for row, result in zip(rows, results, strict=True):
+        assert fields <= set(result)
+        assert result["num_output_tokens"] == len(result["token_ids"]) <= row["max_tokens"]
+        assert result["finish_reason"] in ("stop", "length")
+    assert results[0]["id"] == "first" and "id" not in results[1]
+    assert results[0]["prompt"] == rows[0]["prompt"] and "Paris" in results[0]["text"]
+    assert "<|im_start|>user\nSay hi" in results[1]["prompt"]
+    assert results[2]["prompt"] is None and results[2]["num_prompt_tokens"] == 3
+
+
+def test_chat_reads_turns_from_stdin():
+    proc = run_cli("chat", *MODEL, *SMALL_KV, "--max-tokens", "8", "--seed", "0",
+                   stdin="Hello\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip()
+
+
+def test_bench_throughput_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "throughput", *MODEL, *SMALL_KV, "--num-prompts", "4",
+                   "--input-len", "8", "--output-len", "8", "--output-json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "requests" in proc.stdout and "out tok/s" in proc.stdout
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["mode"] == "batched" and run["num_requests"] == 4
+    assert run["num_prompt_tokens"] == 32 and run["num_output_tokens"] == 32
+    assert run["elapsed_s"] > 0 and run["output_tokens_per_s"] > 0
+    assert run["requests_per_s"] > 0 and run["total_tokens_per_s"] > run["output_tokens_per_s"]
+
+
+# ---- commands that only read metadata ----------------------------------------------------
+
+
+def test_memory_shows_kv_bytes_per_token():
+    proc = run_cli("memory", *MODEL, "--dtype", "float32", "--batch", "4", "--seq-len", "1024")
+    assert proc.returncode == 0, proc.stderr
+    # SmolLM2-135M: 2 x 30 layers x 3 KV heads x 64 head_dim x 4 bytes = 46,080 bytes
+    assert "2 x 30 layers x 3 kv_heads x 64 head_dim x 4 bytes (float32) = 46,080 bytes" in (
+        proc.stdout)
+    assert "4 x 1024 tokens = 4,096 tokens" in proc.stdout
+
+
+def test_models_lists_the_catalog():
+    proc = run_cli("models")
+    assert proc.returncode == 0, proc.stderr
+    assert "smollm2-135m" in proc.stdout and "Apache-2.0" in proc.stdout
+
+
+# ---- user errors -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory, smollm2_gguf) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("bad_models")
+    truncated = folder / "truncated.gguf"
+    with open(smollm2_gguf, "rb") as f:
+        truncated.write_bytes(f.read(1 << 20))
+    rwkv = folder / "rwkv.gguf"
+    writer = gguf.GGUFWriter(rwkv, "rwkv6")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"truncated": truncated, "rwkv": rwkv}
+
+
+@pytest.mark.parametrize(
+    ("model", "needles"),
+    [
+        ("/nonexistent/x.gguf", ("not found", "/nonexistent/x.gguf")),
+        ("truncated", ("truncated.gguf", "truncated")),
+        ("no-such-model", ("unknown model 'no-such-model'",)),
+        ("rwkv", ("unsupported", "rwkv6")),
+    ],
+)
+def test_bad_model_is_a_one_line_error(bad_models, model, needles):
+    spec = str(bad_models.get(model, model))
+    proc = run_cli("generate", "--model", spec, "--prompt", "hi", "--max-tokens", "2")
+    assert_one_line_error(proc, *needles)
+
+
+def test_bad_sampling_flag_is_a_one_line_error():
+    proc = run_cli("generate", *MODEL, "--temperature", "-1", "--prompt", "hi")
+    assert_one_line_error(proc, "temperature")
+
+
+def test_malformed_jsonl_line_names_the_line(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    proc = run_cli("generate", *MODEL, "--input", str(src), "--output", str(tmp_path / "o"))
+    assert_one_line_error(proc, "line 2", "not valid JSON")
+
+
+def test_bad_jsonl_sampling_override_names_the_line(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b", "top_p": 2}])
+    proc = run_cli("generate", *MODEL, "--input", str(src), "--output", str(tmp_path / "o"))
+    assert_one_line_error(proc, "line 2", "top_p")
+
+
+def test_usage_error_exits_2(tmp_path):
+    proc = run_cli("generate", "--input", str(tmp_path / "in.jsonl"))
+    assert proc.returncode == 2
+    assert "--input needs --output" in proc.stderr and "Traceback" not in proc.stderr

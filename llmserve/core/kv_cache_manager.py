@@ -22,14 +22,21 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: object 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        # The pool can always share blocks; this manager decides for whom. With prefix
+        # caching off, only siblings of one request (n > 1, best_of) share their prompt.
+        self.pool = BlockPool(num_blocks, enable_caching=True)
+        self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[Block]] = {}
-        self.num_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_queries = 0  # prompt tokens looked up in the prefix cache, at admission
         self.num_hits = 0  # of which found
 
-    @property
-    def enable_caching(self) -> bool:
-        return self.pool.enable_caching
+    def shares_blocks(self, request: Request) -> bool:
+        return self.enable_caching or request.share_group is not None
+
+    def record_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count one admission's prefix-cache lookup (not retries, not resumes)."""
+        self.num_queries += num_tokens
+        self.num_hits += num_hit
 
     @property
     def usage(self) -> float:
@@ -42,8 +49,9 @@ class KVCacheManager:
         """Longest cached prefix of full blocks; leaves at least one token to compute.
 
         Does not take references: pass the blocks to `allocate_slots` in the same step.
+        A request asking for prompt logprobs gets no hits (its prompt must be computed).
         """
-        if not self.enable_caching:
+        if not self.shares_blocks(request) or request.sampling_params.prompt_logprobs is not None:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -53,8 +61,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_queries += request.num_tokens
-        self.num_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def allocate_slots(
@@ -92,7 +98,12 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
-            hashes.append(hash_block(parent, tokens, request.cache_salt))
+            hashes.append(hash_block(parent, tokens, self._hash_extra(request)))
+
+    def _hash_extra(self, request: Request) -> object:
+        if self.enable_caching:
+            return request.cache_salt
+        return (request.cache_salt, request.share_group)  # visible to siblings only
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         """Register blocks that are full once this step's tokens are written.
@@ -100,7 +111,7 @@ class KVCacheManager:
         Safe to do before the forward pass: K/V of a step are written before any attention
         of that step reads them, so a request admitted later in the same step may share them.
         """
-        if not self.enable_caching:
+        if not self.shares_blocks(request):
             return
         self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))

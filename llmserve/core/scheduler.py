@@ -47,6 +47,10 @@ class ScheduledRequest:
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
     sampling_params: SamplingParams
     output_token_ids: list[int]  # read-only view for penalties; do not mutate
+    # read-only views for the logits processors and prompt logprobs; do not mutate
+    prompt_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -150,6 +154,8 @@ class Scheduler:
             self.waiting.pop(0)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
+                if self.kv.shares_blocks(request):
+                    self.kv.record_lookup(request.num_tokens, num_hit)
             request.num_computed_tokens = num_hit
             request.status = RequestStatus.RUNNING
             if request.timings.first_scheduled is None:
@@ -170,6 +176,9 @@ class Scheduler:
                 sample=end == request.num_tokens,
                 sampling_params=request.sampling_params,
                 output_token_ids=request.output_token_ids,
+                prompt_token_ids=request.prompt_token_ids,
+                eos_token_ids=request.eos_token_ids,
+                bad_words_token_ids=request.bad_words_token_ids,
             )
         )
         request.num_computed_tokens = end

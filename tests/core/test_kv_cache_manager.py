@@ -92,7 +92,6 @@ def test_second_request_with_same_prefix_shares_full_blocks():
     assert kv.block_ids(second.request_id)[:2] == kv.block_ids(first.request_id)[:2]
     assert kv.block_ids(second.request_id)[2] not in kv.block_ids(first.request_id)
     assert [b.ref_cnt for b in kv.req_blocks[second.request_id]] == [2, 2, 1]
-    assert kv.num_queries == 10 + 11 and kv.num_hits == 8
 
 
 def test_a_hit_never_covers_the_last_prompt_token():

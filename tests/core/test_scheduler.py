@@ -248,6 +248,23 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token():
 # ---- prefix cache ------------------------------------------------------------------------
 
 
+def test_hit_statistics_count_each_admission_once():
+    """A request that waits for blocks for several steps is counted once, when admitted."""
+    sched = make_scheduler(num_blocks=4)
+    prompt = list(range(300, 316))
+    sched.add_request(make_request("big", 14, max_tokens=2))  # 4 blocks once it decodes
+    step(sched)
+    sched.add_request(make_request("waiter", prompt, max_tokens=1))
+    for _ in range(3):
+        step(sched)
+    run_until_done(sched)
+    assert sched.kv.num_queries == 14 + 16
+    sched.add_request(make_request("again", prompt, max_tokens=1))
+    run_until_done(sched)
+    assert sched.kv.num_queries == 14 + 16 + 16
+    assert sched.kv.num_hits == 12  # 3 of the 4 blocks; the last token is always computed
+
+
 def test_same_prefix_hits_full_blocks_but_never_the_last_token():
     sched = make_scheduler()
     prompt = list(range(100, 140))

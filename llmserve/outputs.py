@@ -72,3 +72,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # per prompt token {token_id: Logprob} (actual token + top-k); the first is None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

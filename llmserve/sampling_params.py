@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+MAX_BEST_OF = 64
+MAX_BEAM_WIDTH = 16
 
 
 @dataclass
@@ -18,9 +21,33 @@ class SamplingParams:
     disable theirs. `seed` makes a request's samples reproducible whatever else is batched
     with it. Stop strings are matched on the detokenized text and are not returned unless
     `include_stop_str_in_output`.
+
+    Penalties follow vLLM: `repetition_penalty` (> 0, 1 = off) divides positive and
+    multiplies negative logits of tokens seen in the prompt or the output;
+    `frequency_penalty` and `presence_penalty` (in [-2, 2], 0 = off) subtract
+    `frequency * count + presence * (count > 0)` over output tokens. `logit_bias` adds a
+    bias in [-100, 100] to token ids; `allowed_token_ids` restricts sampling to those ids;
+    `bad_words` are never completed (each word with and without a leading space).
+
+    `n` completions are returned; `best_of` (>= n) are generated and the n with the highest
+    cumulative logprob kept. `use_beam_search` runs beam search of `beam_width` beams
+    (default: best_of or n) and returns the n best hypotheses, ranked by cumulative logprob
+    / length ** `length_penalty`; `early_stopping` is True, False or "never" as in
+    `transformers`. Beam search is deterministic (temperature and truncation do not apply).
+
+    `logprobs=k` returns, per generated token, the sampled token's logprob and the k most
+    likely alternatives; `prompt_logprobs=k` the same for every prompt token after the
+    first. Both are of the RAW model distribution (log_softmax of the logits before
+    temperature, penalties, bias, masks and truncation), like vLLM's default
+    `raw_logprobs` mode.
     """
 
     n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -34,6 +61,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +77,7 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
+        self._check_fan_out()
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
@@ -65,6 +100,67 @@ class SamplingParams:
             self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
             "logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
         )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+            "prompt_logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+        )
+        self._check_penalties()
+        self._check_token_lists()
+
+    def _check_fan_out(self) -> None:
+        if self.best_of is not None:
+            _check(
+                self.best_of >= self.n, "best_of",
+                f"must be >= n ({self.n}), got {self.best_of}",
+            )
+            _check(self.best_of <= MAX_BEST_OF, "best_of", f"must be <= {MAX_BEST_OF}")
+        _check(self.n <= MAX_BEST_OF, "n", f"must be <= {MAX_BEST_OF}, got {self.n}")
+        _check(
+            self.early_stopping in (True, False, "never"), "early_stopping",
+            f"must be true, false or 'never', got {self.early_stopping!r}",
+        )
+        if not self.use_beam_search:
+            return
+        if self.beam_width is None:
+            self.beam_width = self.best_of or self.n
+        _check(
+            1 <= self.beam_width <= MAX_BEAM_WIDTH, "beam_width",
+            f"must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}",
+        )
+        _check(
+            self.n <= self.beam_width, "n",
+            f"must be <= beam_width ({self.beam_width}) with beam search, got {self.n}",
+        )
+        for name in ("stop", "logprobs", "prompt_logprobs", "bad_words", "allowed_token_ids"):
+            _check(not getattr(self, name), name, "is not supported with beam search")
+
+    def _check_penalties(self) -> None:
+        _check(
+            self.repetition_penalty > 0, "repetition_penalty",
+            f"must be > 0 (1 = off), got {self.repetition_penalty}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
+
+    def _check_token_lists(self) -> None:
+        if self.logit_bias:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            for token, bias in self.logit_bias.items():
+                _check(
+                    -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias",
+                    f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {token}",
+                )
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+            _check(bool(self.allowed_token_ids), "allowed_token_ids", "must not be empty")
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+            _check(
+                all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                "bad_words", "must be non-empty strings",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -81,6 +81,32 @@ class KVCacheManager:
         self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
 
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give `child` a reference to every block of `parent` (beam search continuations)."""
+        blocks = list(self.req_blocks.get(parent.request_id, ()))
+        self.pool.touch(blocks)
+        self.req_blocks[child.request_id] = blocks
+        child.block_hashes = list(parent.block_hashes)
+
+    def make_last_block_private(self, request: Request) -> tuple[int, int] | None:
+        """Copy-on-write: if the block the next token lands in is shared, swap in a copy.
+
+        Returns (source, destination) block ids for the runner to copy, or None if nothing
+        needs copying. Raises ValueError when no free block is left.
+        """
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens
+        if num_computed % self.block_size == 0 or not blocks:
+            return None  # the next token starts a fresh block
+        index = num_computed // self.block_size
+        shared = blocks[index]
+        if shared.ref_cnt == 1:
+            return None
+        (copy,) = self.pool.get_new_blocks(1)
+        blocks[index] = copy
+        self.pool.free_blocks([shared])
+        return shared.block_id, copy.block_id
+
     def free(self, request: Request) -> None:
         """Release a request's blocks; tail blocks are freed first so they are evicted first.
 

@@ -57,6 +57,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     finished_request_ids: set[str] = field(default_factory=set)  # runner may drop their state
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), first
     num_preempted: int = 0
 
     @property
@@ -72,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
+        self._blocks_to_copy: list[tuple[int, int]] = []
         self.num_preemptions = 0
 
     # ---- admission and removal -------------------------------------------------------
@@ -94,6 +96,39 @@ class Scheduler:
         self._free(request, status)
         return request
 
+    def fork(self, parents: list[Request], children: list[tuple[Request, Request]]) -> None:
+        """Replace `parents` by `(child, parent)` continuations sharing the parents' blocks.
+
+        A child whose parent holds no blocks (it was preempted) is recomputed from scratch.
+        Blocks a child will write into are made private (copy-on-write) before the parents'
+        references are dropped; the copies run before the next forward pass.
+        """
+        for child, parent in children:
+            self.requests[child.request_id] = child
+            if parent in self.running:
+                self.kv.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.num_computed_tokens = 0
+                child.status = RequestStatus.PREEMPTED
+                self.waiting.insert(0, child)
+        for parent in parents:
+            self.finish_request(parent.request_id, RequestStatus.FINISHED_ABORTED)
+        for child, _ in children:
+            if child.status == RequestStatus.RUNNING:
+                self._make_private(child)
+
+    def _make_private(self, request: Request) -> None:
+        try:
+            copy = self.kv.make_last_block_private(request)
+        except ValueError:  # no block for the copy: recompute this beam later instead
+            self._preempt(request)
+            return
+        if copy is not None:
+            self._blocks_to_copy.append(copy)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -108,8 +143,10 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._finished_ids)
-        self._finished_ids = set()
+        out = SchedulerOutput(
+            finished_request_ids=self._finished_ids, blocks_to_copy=self._blocks_to_copy
+        )
+        self._finished_ids, self._blocks_to_copy = set(), []
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -131,6 +168,8 @@ class Scheduler:
         result is negative when it gave back more than this request took.
         """
         num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        if num_new == 0:
+            return 0  # a beam waiting for its siblings' results
         num_returned = 0
         while not self.kv.allocate_slots(request, num_new):
             victim = max(self.running, key=self._priority_key)

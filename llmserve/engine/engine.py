@@ -1,6 +1,7 @@
 """The engine: admit requests, step the scheduler and the model, turn tokens into outputs.
 
     step():  scheduler.schedule() -> runner.execute() -> scheduler.update() -> detokenize/stop
+             (+ logprobs and prompt logprobs from the runner, decoded into `Logprob`s)
 """
 
 import itertools
@@ -14,15 +15,18 @@ import torch
 from llmserve.config import EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler, SchedulerConfig
+from llmserve.engine.beam_search import BeamSearchGroup, BeamSearchRunner
 from llmserve.engine.detokenizer import IncrementalDetokenizer
+from llmserve.engine.parallel_sampling import ParallelGroup
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.errors import LLMServeError
 from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.memory import parse_size, plan_kv_cache
-from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.attention import KVCache
-from llmserve.worker.model_runner import ModelRunner
+from llmserve.worker.logprobs import PositionLogprobs
+from llmserve.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +38,32 @@ class RequestRejected(LLMServeError, ValueError):
 
 
 @dataclass
+class _NewRequest:
+    """A validated prompt waiting to become one or more `Request`s."""
+
+    text: str | None
+    ids: list[int]
+    max_tokens: int
+    priority: int
+    arrival_time: float
+    cache_salt: str | None
+
+
+@dataclass
 class _Tracked:
     request: Request
     prompt: str | None
     detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None = None  # one per output token, if asked for
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token
+
+    def __post_init__(self) -> None:
+        params = self.request.sampling_params
+        if params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * self.request.num_prompt_tokens
 
 
 class Engine:
@@ -76,8 +102,12 @@ class Engine:
             self.kv_manager,
         )
         self.runner = ModelRunner(self.loaded.model, kv_cache, self.device)
-        self.tracked: dict[str, _Tracked] = {}
+        self.tracked: dict[str, _Tracked] = {}  # single requests, siblings and not beams
+        self.groups: dict[str, ParallelGroup | BeamSearchGroup] = {}  # by the caller's id
+        self.parent_of: dict[str, tuple[ParallelGroup, int]] = {}  # sibling id -> group
+        self.beams = BeamSearchRunner(self.scheduler, self.tokenizer)
         self._ids = itertools.count()
+        self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -90,30 +120,64 @@ class Engine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
     ) -> str:
-        """Queue a prompt (text, token ids, or {"prompt_token_ids": [...]}); returns its id."""
+        """Queue a prompt (text, token ids, or {"prompt_token_ids": [...]}); returns its id.
+
+        `n > 1` or `best_of` fan out into sibling requests sharing the prompt's blocks;
+        `use_beam_search` runs a beam search group. Either way the caller sees one id.
+        """
         params = params or SamplingParams()
-        if params.n != 1:
-            raise RequestRejected("n > 1 is not supported by this engine version; use n=1")
         text, ids = self._tokenize(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.tracked:
+        if request_id in self.tracked or request_id in self.groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         max_tokens = self._check_length(len(ids), params)
+        self._check_token_ids(params)
+        new = _NewRequest(text, ids, max_tokens, priority, arrival_time or time.time(), cache_salt)
+        if params.use_beam_search:
+            self.groups[request_id] = self.beams.add(request_id, new, params)
+        elif params.n > 1 or (params.best_of or 1) > params.n:
+            group = ParallelGroup(request_id, params)
+            self.groups[request_id] = group
+            for i in range(group.best_of):
+                self._add_one(group.child_id(i), new, group.child_params(i), request_id)
+                self.parent_of[group.child_id(i)] = (group, i)
+        else:
+            self._add_one(request_id, new, params)
+        return request_id
+
+    def _add_one(
+        self, request_id: str, new: "_NewRequest", params: SamplingParams,
+        share_group: str | None = None,
+    ) -> None:
         stop_ids = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
         request = Request(
-            request_id, ids, params, max_tokens, stop_ids, priority, cache_salt,
-            arrival_time=arrival_time or time.time(),
+            request_id, new.ids, params, new.max_tokens, stop_ids, new.priority,
+            new.cache_salt, share_group=share_group, arrival_time=new.arrival_time,
         )
+        request.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         detok = IncrementalDetokenizer(
-            self.tokenizer, ids, params.skip_special_tokens, params.stop,
+            self.tokenizer, new.ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output,
         )
-        self.tracked[request_id] = _Tracked(request, text, detok)
+        self.tracked[request_id] = _Tracked(request, new.text, detok)
         self.scheduler.add_request(request)
-        return request_id
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its KV blocks; returns its final output."""
+        group = self.groups.pop(request_id, None)
+        if isinstance(group, BeamSearchGroup):
+            return self.beams.abort(group)
+        if isinstance(group, ParallelGroup):
+            output = None
+            for i in range(group.best_of):
+                child = self._abort_one(group.child_id(i))
+                if child is not None:
+                    output = group.update(i, child) or output
+                self.parent_of.pop(group.child_id(i), None)
+            return output
+        return self._abort_one(request_id)
+
+    def _abort_one(self, request_id: str) -> RequestOutput | None:
         tracked = self.tracked.pop(request_id, None)
         if tracked is None:
             return None
@@ -121,28 +185,54 @@ class Engine:
         return self._output(tracked)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.tracked)
+        return bool(self.tracked or self.groups)
 
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step; outputs of every request that got a token."""
         out = self.scheduler.schedule()
-        sampled = self.runner.execute(out)
+        runner_out = self.runner.execute(out)
+        self._record_prompt_logprobs(runner_out)
+        sampled = {rid: t for rid, t in runner_out.sampled.items() if not self.beams.owns(rid)}
         updated = self.scheduler.update(out, sampled)
-        outputs = []
+        outputs: dict[str, RequestOutput] = {}
         for request in updated:
-            tracked = self.tracked[request.request_id]
-            stop = tracked.detokenizer.append(request.output_token_ids[-1])
-            if stop is not None and not request.status.finished:
-                request.stop_reason = stop
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-            if request.status.finished:
-                if stop is None:
-                    tracked.detokenizer.flush()
-                del self.tracked[request.request_id]
-            outputs.append(self._output(tracked))
-        return outputs
+            output = self._process(request, runner_out)
+            parent = self.parent_of.get(request.request_id)
+            if parent is not None:
+                output = self._route_to_parent(parent, output)
+            if output is not None:
+                outputs[output.request_id] = output
+        for output in self.beams.step(runner_out.logprobs):
+            self.groups.pop(output.request_id, None)
+            outputs[output.request_id] = output
+        return list(outputs.values())
+
+    def _process(self, request: Request, runner_out: RunnerOutput) -> RequestOutput:
+        """Detokenize the new token, apply stop strings, and build the request's output."""
+        tracked = self.tracked[request.request_id]
+        self._record_logprobs(tracked, runner_out)
+        stop = tracked.detokenizer.append(request.output_token_ids[-1])
+        if stop is not None and not request.status.finished:
+            request.stop_reason = stop
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        if request.status.finished:
+            if stop is None:
+                tracked.detokenizer.flush()
+            del self.tracked[request.request_id]
+        return self._output(tracked)
+
+    def _route_to_parent(
+        self, parent: tuple[ParallelGroup, int], output: RequestOutput
+    ) -> RequestOutput | None:
+        group, index = parent
+        merged = group.update(index, output)
+        if output.finished:
+            del self.parent_of[output.request_id]
+        if merged is not None and merged.finished:
+            self.groups.pop(group.request_id, None)
+        return merged
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -162,6 +252,58 @@ class Engine:
         if bad:
             raise RequestRejected(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         return None, ids
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.loaded.config.vocab_size
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestRejected(f"{name}: token id {bad[0]} is out of range [0, {vocab})")
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, alone and after a space (as it appears mid-text)."""
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
+    def _record_prompt_logprobs(self, runner_out: RunnerOutput) -> None:
+        for request_id, (first, positions) in runner_out.prompt_logprobs.items():
+            tracked = self.tracked.get(request_id)
+            if tracked is None or tracked.prompt_logprobs is None:
+                continue
+            for i, position in enumerate(positions, start=first):
+                tracked.prompt_logprobs[i] = self._logprob_dict(position)
+
+    def _record_logprobs(self, tracked: _Tracked, runner_out: RunnerOutput) -> None:
+        position = runner_out.logprobs.get(tracked.request.request_id)
+        if position is None or tracked.logprobs is None:
+            return
+        tracked.logprobs.append(self._logprob_dict(position))
+        tracked.cumulative_logprob += position.logprobs[0]
+
+    def _logprob_dict(self, position: PositionLogprobs) -> dict[int, Logprob]:
+        """Chosen token first, then the top-k (a chosen token in the top-k appears once)."""
+        entries: dict[int, Logprob] = {}
+        for token, logprob, rank in zip(
+            position.token_ids, position.logprobs, position.ranks, strict=True
+        ):
+            if token not in entries:
+                entries[token] = Logprob(logprob, rank, self._token_text(token))
+        return entries
+
+    def _token_text(self, token: int) -> str:
+        text = self._token_texts.get(token)
+        if text is None:
+            text = self._token_texts[token] = self.tokenizer.decode([token])
+        return text
 
     def _check_length(self, num_prompt: int, params: SamplingParams) -> int:
         if num_prompt == 0:
@@ -195,6 +337,8 @@ class Engine:
             token_ids=list(request.output_token_ids),
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
+            cumulative_logprob=tracked.cumulative_logprob,
+            logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
         )
         metrics = RequestMetrics(
             t.arrival, t.first_scheduled, t.first_token, t.last_token, t.finished,
@@ -203,6 +347,8 @@ class Engine:
         return RequestOutput(
             request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
             finished, metrics, request.num_cached_tokens,
+            prompt_logprobs=None if tracked.prompt_logprobs is None
+            else list(tracked.prompt_logprobs),
         )
 
     def _kv_budget(self) -> int:

@@ -43,7 +43,7 @@ class RequestTimings:
         return None if self.first_token is None else self.first_token - self.arrival
 
 
-@dataclass
+@dataclass(eq=False)  # identity semantics: requests are compared and removed by object
 class Request:
     """Token state of one sequence: `| prompt | output |`, of which `num_computed_tokens` have KV.
 
@@ -57,6 +57,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     cache_salt: str | None = None
+    share_group: str | None = None  # siblings (n > 1, best_of) share prompt blocks
     arrival_time: float = field(default_factory=time.time)
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
@@ -66,6 +67,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # tokenized bad_words
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The `llmserve` command line: pull, models, generate, chat, memory, bench throughput.
+"""The `llmserve` command line: pull, models, generate, chat, memory, serve, bench throughput.
 
 Every subcommand is one small `cmd_*` function; each imports what it needs (torch, the
 engine) itself, so that `--help` and usage errors stay quick. User errors (`LLMServeError`,
@@ -119,6 +119,13 @@ def cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from llmserve.entrypoints.openai.server import run_server
+
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    return run_server(args, {k: v for k, v in options.items() if v is not None})
+
+
 def cmd_bench_throughput(args: argparse.Namespace) -> int:
     from llmserve.bench.throughput import format_table, report, run_throughput
 
@@ -202,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub, common)
     _add_chat(sub, common)
     _add_memory(sub, common)
+    _add_serve(sub, common)
     _add_bench(sub, common)
     return parser
 
@@ -263,6 +271,30 @@ def _add_memory(sub: Any, common: argparse.ArgumentParser) -> None:
                      help="KV-cache budget: a size (2GiB) or a fraction of free memory (0.3)")
     mem.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     mem.set_defaults(func=cmd_memory)
+
+
+def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
+    serve = sub.add_parser("serve", parents=[common], help="run the OpenAI-compatible server")
+    _add_model_flag(serve)
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                     "127.0.0.1; 0.0.0.0 to listen on every interface)")
+    net.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
+                     "/health and /metrics (default: $LLMSERVE_API_KEY)")
+    net.add_argument("--metrics-require-auth", action="store_true",
+                     help="protect /metrics with the API key too")
+    net.add_argument("--served-model-name", help="model id clients use (default: --model)")
+    net.add_argument("--max-num-waiting", type=int,
+                     help="queued requests at most; beyond it answer 429 (default: no cap)")
+    net.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
+                     help="CORS origins, comma-separated or repeated (default: CORS off)")
+    net.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                     help="largest request body; larger ones get 413 (default 4 MiB)")
+    net.add_argument("--shutdown-timeout", type=float, default=30.0,
+                     help="seconds in-flight requests get to finish on SIGTERM (default 30)")
+    _add_engine_flags(serve)
+    serve.set_defaults(func=cmd_serve)
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -80,6 +80,14 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.key[0].shape[0]
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
+        device = self.key[0].device
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
+        for cache in (*self.key, *self.value):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
     @classmethod
     def allocate(
         cls,

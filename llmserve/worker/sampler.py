@@ -1,16 +1,26 @@
 """Batched sampling: one set of tensor operations over every request sampled in a step.
 
-Order of operations per row: temperature scaling, top-k, top-p, min-p, then a draw.
-Greedy rows (temperature 0) take the argmax of the raw logits. Draws use the
-exponential-race trick (argmax of p / E with E ~ Exp(1)), which samples exactly from p
-and lets seeded rows take their noise from their own generator.
+Order of operations per row:
+
+1. raw logits (logprobs, when asked for, are taken here: `worker/logprobs.py`);
+2. logits processors (`worker/logits_processors.py`): logit_bias, allowed_token_ids mask,
+   bad_words mask, min_tokens mask of eos + stop token ids, repetition penalty (prompt +
+   output), frequency and presence penalties (output);
+3. temperature scaling, top-k, top-p, min-p, then a draw.
+
+Greedy rows (temperature 0) take the argmax of the processed logits (step 2), so they
+honour penalties, bias and masks. Draws use the exponential-race trick (argmax of p / E
+with E ~ Exp(1)), which samples exactly from p and lets seeded rows take their noise from
+their own generator. A step in which no row uses a feature skips it.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from llmserve.sampling_params import SamplingParams
+from llmserve.worker.logits_processors import History, LogitsProcessing, RowHistory
 
 
 @dataclass
@@ -24,6 +34,7 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row; None draws from the global RNG
     all_greedy: bool
     need_sort: bool  # some row uses top-k or top-p
+    processing: LogitsProcessing | None = None  # None: no row uses bias, masks, penalties
 
     @classmethod
     def build(
@@ -31,7 +42,11 @@ class SamplingBatch:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         device: torch.device | str = "cpu",
+        histories: Sequence[RowHistory] | None = None,
     ) -> "SamplingBatch":
+        """`histories` (one per row) feed penalties, bad words and min_tokens."""
+        if histories is None:
+            histories = [History() for _ in params]
         return cls(
             temperature=torch.tensor([p.temperature for p in params], device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
@@ -40,6 +55,7 @@ class SamplingBatch:
             generators=generators,
             all_greedy=all(p.temperature == 0 for p in params),
             need_sort=any((p.top_k > 0 or p.top_p < 1) and p.temperature > 0 for p in params),
+            processing=LogitsProcessing.build(params, histories, device),
         )
 
 
@@ -72,7 +88,9 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits: (N, V) fp32 -> token ids (N,)."""
+    """logits: (N, V) fp32 (not modified) -> token ids (N,)."""
+    if batch.processing is not None:
+        logits = batch.processing.apply(logits)
     greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy

@@ -1,0 +1,162 @@
+"""The HTTP plumbing around the routes: OpenAI-shaped errors, API-key auth, body-size limit.
+
+The middlewares are plain ASGI (not `BaseHTTPMiddleware`), so streamed responses pass
+through untouched and a client's disconnect still reaches the route.
+"""
+
+import logging
+import secrets
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from llmserve.engine.async_engine import EngineShutdown, QueueFull
+from llmserve.entrypoints.openai.protocol import BadRequest, error_body
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                404: "not_found_error", 405: "invalid_request_error",
+                413: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable_error"}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | int | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    type_ = _ERROR_TYPES.get(status, "server_error")
+    return JSONResponse(error_body(message, type_, param, code), status_code=status,
+                        headers=headers)
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    """Every error leaves in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(exc.errors())
+        return error_response(400, message, param)
+
+    @app.exception_handler(BadRequest)
+    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
+        message = str(exc)
+        if exc.param and exc.param not in message:
+            message = f"{exc.param}: {message}"
+        return error_response(exc.status, message, exc.param, exc.code)
+
+    @app.exception_handler(QueueFull)
+    async def _queue_full(_: Request, exc: QueueFull) -> JSONResponse:
+        retry = max(exc.retry_after, retry_after_s)
+        return error_response(429, str(exc), code="rate_limit_exceeded",
+                              headers={"Retry-After": str(retry)})
+
+    @app.exception_handler(EngineShutdown)
+    async def _shutdown(_: Request, exc: EngineShutdown) -> JSONResponse:
+        return error_response(503, str(exc), headers={"Retry-After": str(retry_after_s)})
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
+    """One line naming the field (as `messages[0].content`) and what is wrong with it."""
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"invalid JSON in the request body: {first.get('ctx', {}).get('error', '')}", None
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    # pydantic names union branches in the location ("str", "list[int]"): drop them
+    loc = [p for p in loc if isinstance(p, int) or not any(c in p for c in "[]")
+           and p not in ("str", "int", "float", "bool", "function-after")]
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else part)
+    if not param:
+        return f"the request body must be a JSON object: {first.get('msg')}", None
+    return f"{param}: {first.get('msg')}", param
+
+
+class AuthMiddleware:
+    """Require `Authorization: Bearer <api_key>` on every path but the open ones."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS"
+                or scope["path"] in self.open_paths):
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):
+            await self.app(scope, receive, send)
+            return
+        message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
+                   else "invalid API key")
+        await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `max_bytes` with 413, and stamp each request's arrival time.
+
+    The body is read here (up to the limit) and replayed to the app; after it, `receive`
+    passes through, so the app still hears of a client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope.setdefault("state", {})["arrival_time"] = time.time()
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                chunks.append(message)  # a disconnect: replay it as it came
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(message)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, receive), send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(413, f"the request body is larger than the server's limit "
+                                  f"of {self.max_bytes} bytes", code="request_too_large")
+        await response(scope, receive, send)
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed

@@ -1,0 +1,195 @@
+"""Pydantic models of the OpenAI API (and vLLM's extra fields), and request -> SamplingParams.
+
+Field names are OpenAI's; the vLLM extensions (top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, ...) are accepted beside them. Unknown fields are ignored and
+logged, as vLLM does: OpenAI clients send fields a server may not know.
+"""
+
+import logging
+import time
+import uuid
+from dataclasses import fields
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+# Values that ask nothing of a sampling feature, so they are fine while it is missing.
+NEUTRAL_VALUES: dict[str, Any] = {
+    "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0, "logit_bias": {}, "bad_words": [], "allowed_token_ids": None,
+}
+
+
+class BadRequest(ValueError):
+    """A request the server cannot serve: HTTP 400 (or `status`), naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+class OpenAIModel(BaseModel):
+    """A request body: unknown fields are kept aside (and logged), not refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> "OpenAIModel":
+        if self.model_extra:
+            logger.info("ignoring unknown request fields: %s", ", ".join(self.model_extra))
+        return self
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def sampling_options(self) -> dict[str, Any]:
+        """The SamplingParams keyword arguments this request sets (OpenAI names -> vLLM's)."""
+        options = {name: getattr(self, name) for name in (
+            "n", "best_of", "temperature", "top_p", "seed", "presence_penalty",
+            "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+            "ignore_eos", "stop_token_ids", "skip_special_tokens",
+            "include_stop_str_in_output", "allowed_token_ids", "bad_words", "prompt_logprobs",
+        )}
+        if self.stop is not None:
+            options["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.logit_bias is not None:
+            options["logit_bias"] = _parse_logit_bias(self.logit_bias)
+        return {k: v for k, v in options.items() if v is not None}
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+
+class TextPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---- building SamplingParams ------------------------------------------------------------
+
+
+def build_sampling_params(options: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from request options; a bad or unsupported value is a `BadRequest`."""
+    unsupported = [k for k in options if k not in SAMPLING_FIELDS]
+    for name in unsupported:
+        value = options.pop(name)
+        if value != NEUTRAL_VALUES.get(name, object()):
+            raise BadRequest(f"{name} is not supported by this server yet", param=name)
+    try:
+        return SamplingParams(**options)
+    except (ValueError, TypeError) as e:
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        raise BadRequest(message, param=param if param in options else None) from None
+
+
+def _parse_logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    try:
+        return {int(token): float(value) for token, value in bias.items()}
+    except ValueError:
+        raise BadRequest("logit_bias keys must be token ids (integers as strings)",
+                         param="logit_bias") from None
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,250 @@
+"""The OpenAI-compatible HTTP server: `build_app()` (FastAPI) and `run_server()` (uvicorn).
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health,
+/metrics, /version. Model work happens on the AsyncEngine's thread, tokenization on its
+small executor; the event loop only moves bytes.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from llmserve import __version__
+from llmserve.engine.async_engine import AsyncEngine
+from llmserve.entrypoints.openai.http_layer import (
+    AuthMiddleware,
+    BodyLimitMiddleware,
+    install_error_handlers,
+)
+from llmserve.entrypoints.openai.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    now,
+)
+from llmserve.entrypoints.openai.serving_base import SSEResponse
+from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat, messages_to_dicts
+from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.errors import LLMServeError
+
+API_KEY_ENV = "LLMSERVE_API_KEY"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the server faces the network (the engine's own settings live in EngineConfig)."""
+
+    model_name: str
+    api_key: str | None = None
+    metrics_require_auth: bool = False
+    allowed_origins: tuple[str, ...] = ()
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    retry_after_s: int = 1
+    shutdown_timeout_s: float = 30.0
+    open_paths: frozenset[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
+        paths = {"/health"} if self.metrics_require_auth else {"/health", "/metrics"}
+        object.__setattr__(self, "open_paths", frozenset(paths))
+
+
+def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    """The FastAPI app serving `engine`; its lifespan starts and shuts down the engine."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown(settings.shutdown_timeout_s)
+
+    app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app, settings.retry_after_s)
+    _add_routes(app, engine, settings)
+    if settings.api_key:
+        app.add_middleware(AuthMiddleware, api_key=settings.api_key,
+                           open_paths=settings.open_paths)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    return app
+
+
+def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> None:
+    completions = OpenAIServingCompletion(engine, settings.model_name)
+    chat = OpenAIServingChat(engine, settings.model_name)
+    tokenizer = engine.tokenizer
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        return await _respond(request, completions.create(body, _arrival(request)))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _respond(request, chat.create(body, _arrival(request)))
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        card = {"id": settings.model_name, "object": "model", "created": now(),
+                "owned_by": "llmserve", "root": settings.model_name,
+                "max_model_len": engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        completions.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            messages = messages_to_dicts(body.messages)
+            ids = await engine.run_blocking(
+                lambda: tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=True))
+        else:
+            ids = await engine.run_blocking(tokenizer.encode, body.prompt,
+                                            body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        completions.check_model(body.model)
+        vocab = engine.engine.loaded.config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is out of range [0, {vocab})", param="tokens")
+        return {"prompt": await engine.run_blocking(tokenizer.decode, body.tokens)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return Response(status_code=200)
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+
+def _arrival(request: Request) -> float:
+    return request.scope["state"]["arrival_time"]
+
+
+async def _respond(request: Request, work: Awaitable[Any]) -> Response:
+    """Run the handler until it answers or the client goes (then it is cancelled: abort)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    result = task.result()
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return SSEResponse(result)
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ---- `llmserve serve` ---------------------------------------------------------------------
+
+
+def run_server(args: Any, engine_options: dict[str, Any]) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, shut down gracefully; returns 0."""
+    import logging
+
+    import uvicorn
+
+    from llmserve.config import EngineConfig
+    from llmserve.engine.engine import Engine
+    from llmserve.loader.catalog import DEFAULT_MODEL
+
+    logging.getLogger("llmserve").setLevel(logging.INFO)
+    model = args.model or DEFAULT_MODEL
+    settings = ServerSettings(
+        model_name=args.served_model_name or _model_id(model),
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        metrics_require_auth=args.metrics_require_auth,
+        allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o),
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+    sock = _listen(args.host, args.port)  # before loading: a busy port fails in a second
+    async_engine = AsyncEngine(Engine(EngineConfig(model=model, **engine_options)),
+                               args.max_num_waiting)
+    app = build_app(async_engine, settings)
+    config = uvicorn.Config(app, log_config=None, access_log=args.verbose,
+                            timeout_graceful_shutdown=int(settings.shutdown_timeout_s))
+    server = uvicorn.Server(config)
+    # uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done; this
+    # handler absorbs it so the process exits 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    asyncio.run(_serve(server, sock, settings.model_name))
+    return 0
+
+
+async def _serve(server: Any, sock: socket.socket, model_name: str) -> None:
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        host, port = sock.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"llmserve: serving '{model_name}' at http://{host}:{port}/v1", flush=True)
+    await task
+    if not server.started:
+        raise LLMServeError("the server failed to start (see the log above)")
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise LLMServeError(f"cannot listen on {host}:{port}: {e.strerror}; "
+                            "pick another --port or --host") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _model_id(model: str) -> str:
+    """The served id of a `--model` value: a catalog name as is, a path by its last part."""
+    path = Path(model)
+    if path.exists() or os.sep in model:
+        return path.name or str(path)
+    return model
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `llmserve serve`")

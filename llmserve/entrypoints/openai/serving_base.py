@@ -1,0 +1,168 @@
+"""What completions and chat share: model check, submission, stream merging, SSE, logprobs."""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.responses import StreamingResponse
+
+from llmserve.engine.async_engine import AsyncEngine, RequestStream
+from llmserve.engine.engine import RequestRejected
+from llmserve.entrypoints.openai.protocol import SAMPLING_FIELDS, BadRequest
+from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from llmserve.sampling_params import SamplingParams
+
+
+class OpenAIServing:
+    """Base of the completions and chat handlers: one engine, one served model name."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"the model '{model}' does not exist; this server serves "
+                             f"'{self.model_name}'", param="model", status=404,
+                             code="model_not_found")
+
+    async def submit(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str,
+        arrival_time: float, priority: int, cache_salt: str | None,
+        prompt_field: str, max_tokens_field: str,
+    ) -> list[RequestStream]:
+        """Admit every prompt or none: on the first refusal the admitted ones are aborted.
+
+        The engine's refusals become `BadRequest`s naming the field the user set.
+        """
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(
+                    {"prompt_token_ids": ids}, params, rid, arrival_time, priority, cache_salt))
+        except RequestRejected as e:
+            _abort_all(streams)
+            message = str(e)
+            first_word = message.split(" ", 1)[0]
+            param = max_tokens_field if "max_tokens" in message else prompt_field
+            if first_word in SAMPLING_FIELDS and first_word != "max_tokens":
+                param = first_word
+            if "max_tokens" in message and max_tokens_field != "max_tokens":
+                message = message.replace("max_tokens", max_tokens_field)
+            raise BadRequest(message, param=param) from None
+        except BaseException:
+            _abort_all(streams)
+            raise
+        return streams
+
+    def token_text(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The last output of every stream (they run concurrently in the engine)."""
+    finals = []
+    try:
+        for stream in streams:
+            final = None
+            async for output in stream:
+                final = output
+            finals.append(final)
+    finally:
+        _abort_all(streams)
+    return finals
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) pairs from all streams as they come; closing aborts them all."""
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        finally:
+            streams[0].abort()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((i, output))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        _abort_all(streams)
+
+
+def _abort_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.abort()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """One server-sent event, as OpenAI streams them."""
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """An event stream whose iterator is always closed, so a gone client aborts its request.
+
+    Starlette cancels the streaming task on disconnect; closing the iterator here also covers
+    a send that fails first.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def usage_of(outputs: list[RequestOutput]) -> tuple[int, int, int]:
+    """(prompt, completion, cached) token counts of the outputs, all choices included."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return prompt, completion, cached
+
+
+def new_logprobs(completion: CompletionOutput, start: int) -> list[tuple[int, dict]]:
+    """(token id, {id: Logprob}) of the generated tokens from `start` on; [] if none."""
+    if not completion.logprobs:
+        return []
+    ids = completion.token_ids[start:len(completion.logprobs)]
+    return list(zip(ids, completion.logprobs[start:start + len(ids)], strict=True))
+
+
+def top_entries(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The `k` most likely entries, best first."""
+    ranked = sorted(entries.items(),
+                    key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                    -kv[1].logprob))
+    return ranked[:k]

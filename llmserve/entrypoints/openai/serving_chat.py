@@ -1,0 +1,185 @@
+"""POST /v1/chat/completions: messages through the chat template, replies whole or streamed."""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.engine.async_engine import RequestStream
+from llmserve.entrypoints.openai.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    build_sampling_params,
+    now,
+    random_id,
+    usage,
+)
+from llmserve.entrypoints.openai.serving_base import (
+    OpenAIServing,
+    final_outputs,
+    merge_streams,
+    new_logprobs,
+    sse,
+    top_entries,
+    usage_of,
+)
+from llmserve.errors import LLMServeError
+from llmserve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class _Choice:
+    """What a stream has sent of one choice so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    role_sent: bool = False
+    finished: bool = False
+
+
+def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them; list content is joined text parts."""
+    result = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise BadRequest(f"content part type '{part.type}' is not supported; only "
+                                     "text parts", param=f"messages[{i}].content[{j}].type")
+            content = "".join(part.text for part in content)
+        message = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            message["name"] = m.name
+        result.append(message)
+    return result
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, request: ChatCompletionRequest,
+                     arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
+        """The response body, or an iterator of SSE events when `request.stream`."""
+        self.check_model(request.model)
+        fmt = (request.response_format or {}).get("type", "text")
+        if fmt != "text":
+            raise BadRequest(f"response_format type '{fmt}' is not supported",
+                             param="response_format")
+        params, max_tokens_field = self._params(request)
+        prompt_ids = await self.engine.run_blocking(self.render, request)
+        request_id = random_id("chatcmpl")
+        streams = await self.submit([prompt_ids], params, request_id, arrival_time,
+                                    request.priority, request.cache_salt, "messages",
+                                    max_tokens_field)
+        top_k = (request.top_logprobs or 0) if request.logprobs else None
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return self._stream(streams, request_id, top_k, include_usage)
+        (final,) = await final_outputs(streams)
+        choices = [self._choice(c, top_k) for c in final.outputs]
+        choices.sort(key=lambda c: c["index"])
+        return {"id": request_id, "object": "chat.completion", "created": now(),
+                "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final]))}
+
+    def _params(self, request: ChatCompletionRequest) -> tuple[Any, str]:
+        options = request.sampling_options()
+        max_tokens_field = "max_tokens"
+        options["max_tokens"] = request.max_tokens
+        if request.max_completion_tokens is not None:
+            options["max_tokens"] = request.max_completion_tokens
+            max_tokens_field = "max_completion_tokens"
+        if request.top_logprobs is not None and not request.logprobs:
+            raise BadRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+        if request.logprobs:
+            options["logprobs"] = request.top_logprobs or 0
+        try:
+            return build_sampling_params(options), max_tokens_field
+        except BadRequest as e:
+            renamed = {"max_tokens": max_tokens_field, "logprobs": "top_logprobs"}
+            if e.param not in renamed:
+                raise
+            message = str(e).replace(e.param, renamed[e.param], 1)
+            raise BadRequest(message, param=renamed[e.param]) from None
+
+    def render(self, request: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids: the messages rendered with the model's chat template."""
+        messages = messages_to_dicts(request.messages)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=request.add_generation_prompt, tokenize=True,
+                tools=request.tools, **(request.chat_template_kwargs or {}))
+        except LLMServeError as e:
+            raise BadRequest(str(e), param="messages") from None
+
+    def _choice(self, c: CompletionOutput, top_k: int | None) -> dict[str, Any]:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c, 0, top_k), "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def _logprobs(self, c: CompletionOutput, start: int, top_k: int | None) -> dict | None:
+        """OpenAI's chat logprobs of the tokens from `start` on (None when not asked)."""
+        if top_k is None:
+            return None
+        content = []
+        for token_id, entries in new_logprobs(c, start):
+            sampled = entries.get(token_id)
+            text = self.token_text(token_id, sampled)
+            top = [self._entry(self.token_text(t, lp), lp.logprob)
+                   for t, lp in top_entries(entries, top_k)]
+            content.append({**self._entry(text, sampled.logprob if sampled else None),
+                            "top_logprobs": top})
+        return {"content": content}
+
+    @staticmethod
+    def _entry(token: str, logprob: float | None) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    async def _stream(self, streams: list[RequestStream], request_id: str,
+                      top_k: int | None, include_usage: bool) -> AsyncIterator[str]:
+        created = now()
+        states: dict[int, _Choice] = {}
+        final: RequestOutput | None = None
+        try:
+            async for _, output in merge_streams(streams):
+                for c in output.outputs:
+                    state = states.setdefault(c.index, _Choice())
+                    for choice in self._chunk_choices(state, c, top_k):
+                        yield sse(self._chunk(request_id, created, [choice], include_usage))
+                if output.finished:
+                    final = output
+        except Exception as e:
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                 "code": 500}})
+        if include_usage:
+            body = self._chunk(request_id, created, [], include_usage)
+            body["usage"] = usage(*usage_of([final] if final else []))
+            yield sse(body)
+        yield sse("[DONE]")
+
+    def _chunk_choices(self, state: _Choice, c: CompletionOutput,
+                       top_k: int | None) -> list[dict[str, Any]]:
+        """The chunks one output adds to a choice: the role first, then content deltas."""
+        if state.finished:
+            return []
+        chunks = []
+        if not state.role_sent:
+            state.role_sent = True
+            chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": None})
+        delta = c.text[state.text_len:]
+        logprobs = self._logprobs(c, state.num_tokens, top_k)
+        if delta or c.finished or (logprobs and logprobs["content"]):
+            chunks.append({"index": c.index, "delta": {"content": delta} if delta else {},
+                           "logprobs": logprobs, "finish_reason": c.finish_reason,
+                           "stop_reason": c.stop_reason})
+            state.text_len = len(c.text)
+            state.num_tokens = len(c.token_ids)
+            state.finished = c.finished
+        return chunks
+
+    def _chunk(self, request_id: str, created: int, choices: list,
+               include_usage: bool) -> dict[str, Any]:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": self.model_name, "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return body

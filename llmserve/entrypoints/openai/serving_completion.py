@@ -1,0 +1,169 @@
+"""POST /v1/completions: prompt(s) in, completions out, whole or streamed (SSE)."""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from llmserve.entrypoints.openai.protocol import (
+    BadRequest,
+    CompletionRequest,
+    build_sampling_params,
+    now,
+    random_id,
+    usage,
+)
+from llmserve.entrypoints.openai.serving_base import (
+    OpenAIServing,
+    final_outputs,
+    merge_streams,
+    new_logprobs,
+    sse,
+    top_entries,
+    usage_of,
+)
+from llmserve.outputs import CompletionOutput, RequestOutput
+
+
+@dataclass
+class _Choice:
+    """What a stream has sent of one choice so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    finished: bool = False
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create(self, request: CompletionRequest,
+                     arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
+        """The response body, or an iterator of SSE events when `request.stream`."""
+        self.check_model(request.model)
+        if request.suffix:
+            raise BadRequest("suffix is not supported", param="suffix")
+        if request.echo and request.logprobs is not None:
+            raise BadRequest("echo together with logprobs is not supported", param="echo")
+        options = request.sampling_options()
+        options["max_tokens"] = request.max_tokens
+        if request.logprobs is not None:
+            options["logprobs"] = request.logprobs
+        params = build_sampling_params(options)
+        prompts = _prompt_list(request.prompt)
+        token_ids = await self.engine.run_blocking(self._tokenize, prompts,
+                                                   request.add_special_tokens)
+        echoes = [""] * len(prompts)
+        if request.echo:
+            echoes = await self.engine.run_blocking(self._prompt_texts, prompts)
+        request_id = random_id("cmpl")
+        streams = await self.submit(token_ids, params, request_id, arrival_time,
+                                    request.priority, request.cache_salt, "prompt", "max_tokens")
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return self._stream(streams, request_id, params.n, echoes, request.logprobs,
+                                include_usage)
+        finals = await final_outputs(streams)
+        choices = [
+            self._choice(i * params.n + c.index, c, echoes[i], request.logprobs)
+            for i, out in enumerate(finals) for c in out.outputs
+        ]
+        choices.sort(key=lambda c: c["index"])
+        return {"id": request_id, "object": "text_completion", "created": now(),
+                "model": self.model_name, "choices": choices, "usage": usage(*usage_of(finals))}
+
+    def _tokenize(self, prompts: list[str | list[int]], add_special: bool) -> list[list[int]]:
+        return [self.tokenizer.encode(p, add_special_tokens=add_special) if isinstance(p, str)
+                else p for p in prompts]
+
+    def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
+        return [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
+
+    def _choice(self, index: int, completion: CompletionOutput, echo: str,
+                num_logprobs: int | None) -> dict[str, Any]:
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = self._logprobs(completion, 0, 0, num_logprobs)
+        return {"index": index, "text": echo + completion.text, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+    def _logprobs(self, completion: CompletionOutput, start: int, text_offset: int,
+                  k: int) -> dict[str, Any]:
+        """OpenAI's completions logprobs of the tokens from `start` on."""
+        result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                   "text_offset": []}
+        for token_id, entries in new_logprobs(completion, start):
+            text = self.token_text(token_id, entries.get(token_id))
+            sampled = entries.get(token_id)
+            result["tokens"].append(text)
+            result["token_logprobs"].append(sampled.logprob if sampled else None)
+            top = {self.token_text(t, lp): lp.logprob for t, lp in top_entries(entries, k)}
+            if sampled is not None:
+                top.setdefault(text, sampled.logprob)
+            result["top_logprobs"].append(top)
+            result["text_offset"].append(text_offset)
+            text_offset += len(text)
+        return result
+
+    async def _stream(self, streams: list, request_id: str, n: int, echoes: list[str],
+                      num_logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
+        created = now()
+        states: dict[tuple[int, int], _Choice] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, output in merge_streams(streams):
+                for c in output.outputs:
+                    state = states.setdefault((i, c.index), _Choice())
+                    chunk = self._chunk_choice(state, c, echoes[i], num_logprobs)
+                    if chunk is None:
+                        continue
+                    chunk["index"] = i * n + c.index
+                    yield sse(self._chunk(request_id, created, [chunk], include_usage))
+                if output.finished:
+                    finals[i] = output
+        except Exception as e:
+            yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                                 "code": 500}})
+        if include_usage:
+            body = self._chunk(request_id, created, [], include_usage)
+            body["usage"] = usage(*usage_of(list(finals.values())))
+            yield sse(body)
+        yield sse("[DONE]")
+
+    def _chunk_choice(self, state: _Choice, c: CompletionOutput, echo: str,
+                      num_logprobs: int | None) -> dict[str, Any] | None:
+        """The delta of one choice since the last chunk, or None when there is nothing new."""
+        if state.finished:
+            return None
+        delta = c.text[state.text_len:]
+        if state.num_tokens == 0 and state.text_len == 0 and echo:
+            delta = echo + delta
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = self._logprobs(c, state.num_tokens, state.text_offset, num_logprobs)
+            state.text_offset += sum(len(t) for t in logprobs["tokens"])
+        if not delta and not c.finished and not (logprobs and logprobs["tokens"]):
+            return None
+        state.text_len = len(c.text)
+        state.num_tokens = len(c.token_ids)
+        state.finished = c.finished
+        return {"text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
+
+    def _chunk(self, request_id: str, created: int, choices: list,
+               include_usage: bool) -> dict[str, Any]:
+        body = {"id": request_id, "object": "text_completion", "created": created,
+                "model": self.model_name, "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """The request's prompts: a string, strings, token ids or lists of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise BadRequest("prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    return list(prompt)

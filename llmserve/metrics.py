@@ -1,0 +1,170 @@
+"""Every Prometheus metric of the server, defined once, and the periodic stats log line.
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `llmserve_time_to_first_token_
+seconds`). Each server owns its own `CollectorRegistry`, so several servers can live in one
+process (the tests start a few). `EngineMetrics` is fed by the engine thread: `observe()`
+with each step's outputs, `update_state()` after every loop turn.
+"""
+
+import logging
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from llmserve.outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+LOG_INTERVAL_S = 10.0
+
+
+@dataclass
+class _RequestState:
+    """What the metrics remember of a request between its outputs."""
+
+    last_token_time: float | None = None
+    num_generation_tokens: int = 0
+
+
+class EngineMetrics:
+    """The Prometheus metrics of one server. Thread-safe: prometheus_client locks itself."""
+
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 log_interval_s: float = LOG_INTERVAL_S) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, registry=r, buckets=buckets)
+
+        self.ttft = histogram("llmserve_time_to_first_token_seconds",
+                              "Time from the request's arrival to its first token.",
+                              LATENCY_BUCKETS)
+        self.itl = histogram("llmserve_inter_token_latency_seconds",
+                             "Time between consecutive output tokens.", LATENCY_BUCKETS)
+        self.tpot = histogram("llmserve_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              LATENCY_BUCKETS)
+        self.e2e = histogram("llmserve_e2e_request_latency_seconds",
+                             "Time from arrival to the last token.", LATENCY_BUCKETS)
+        self.queue_time = histogram("llmserve_request_queue_time_seconds",
+                                    "Time from arrival to first scheduling.", LATENCY_BUCKETS)
+        self.prefill_time = histogram("llmserve_request_prefill_time_seconds",
+                                      "Time from first scheduling to the first token.",
+                                      LATENCY_BUCKETS)
+        self.prompt_len = histogram("llmserve_request_prompt_tokens",
+                                    "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.generation_len = histogram("llmserve_request_generation_tokens",
+                                        "Generated tokens per request.", TOKEN_BUCKETS)
+        self.prompt_tokens = Counter("llmserve_prompt_tokens", "Prefilled prompt tokens.",
+                                     registry=r)
+        self.generation_tokens = Counter("llmserve_generation_tokens", "Generated tokens.",
+                                         registry=r)
+        self.request_success = Counter("llmserve_request_success",
+                                       "Finished requests by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.preemptions = Counter("llmserve_num_preemptions", "Preempted requests.",
+                                   registry=r)
+        self.prefix_queries = Counter("llmserve_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache.", registry=r)
+        self.prefix_hits = Counter("llmserve_prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache.", registry=r)
+        self.running = Gauge("llmserve_num_requests_running", "Requests being run.", registry=r)
+        self.waiting = Gauge("llmserve_num_requests_waiting", "Requests waiting to run.",
+                             registry=r)
+        self.kv_usage = Gauge("llmserve_kv_cache_usage_ratio",
+                              "Fraction of KV-cache blocks in use (1 = full).", registry=r)
+        self._requests: dict[str, _RequestState] = {}
+        self._engine_counts = (0, 0, 0)  # preemptions, prefix queries, prefix hits
+        self._log = _StatsLog(log_interval_s)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of this server's metrics."""
+        return generate_latest(self.registry)
+
+    def observe(self, outputs: list[RequestOutput]) -> None:
+        """Record one step's outputs (one per request that got tokens or finished)."""
+        for output in outputs:
+            state = self._requests.setdefault(output.request_id, _RequestState())
+            m = output.metrics
+            num_new = sum(len(c.token_ids) for c in output.outputs) - state.num_generation_tokens
+            if m is not None and m.first_token_time is not None:
+                if state.last_token_time is None:
+                    self.ttft.observe(m.first_token_time - m.arrival_time)
+                    self.prompt_tokens.inc(len(output.prompt_token_ids))
+                    self._log.prompt_tokens += len(output.prompt_token_ids)
+                elif num_new > 0:
+                    self.itl.observe((m.last_token_time - state.last_token_time) / num_new)
+                state.last_token_time = m.last_token_time
+            if num_new > 0:
+                self.generation_tokens.inc(num_new)
+                self._log.generation_tokens += num_new
+                state.num_generation_tokens += num_new
+            if output.finished:
+                self._finish(output, state)
+                del self._requests[output.request_id]
+
+    def _finish(self, output: RequestOutput, state: _RequestState) -> None:
+        reason = output.outputs[0].finish_reason if output.outputs else "abort"
+        self.request_success.labels(finished_reason=reason or "abort").inc()
+        self.prompt_len.observe(len(output.prompt_token_ids))
+        self.generation_len.observe(state.num_generation_tokens)
+        m = output.metrics
+        if m is None:
+            return
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
+        if m.first_scheduled_time is not None and m.first_token_time is not None:
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        if m.time_per_output_token is not None:
+            self.tpot.observe(m.time_per_output_token)
+
+    def update_state(self, num_running: int, num_waiting: int, kv_usage: float,
+                     num_preemptions: int, prefix_queries: int, prefix_hits: int) -> None:
+        """Set the gauges and advance the counters kept by the engine as running totals."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+        old = self._engine_counts
+        self._engine_counts = (num_preemptions, prefix_queries, prefix_hits)
+        deltas = [max(new - prev, 0) for new, prev in zip(self._engine_counts, old, strict=True)]
+        self.preemptions.inc(deltas[0])
+        self.prefix_queries.inc(deltas[1])
+        self.prefix_hits.inc(deltas[2])
+        self._log.prefix_queries += deltas[1]
+        self._log.prefix_hits += deltas[2]
+        self._log.maybe_log(num_running, num_waiting, kv_usage)
+
+
+class _StatsLog:
+    """One INFO line every `interval_s` while there is work: throughput and engine state."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last = time.monotonic()
+        self.prompt_tokens = self.generation_tokens = 0
+        self.prefix_queries = self.prefix_hits = 0
+
+    def maybe_log(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        now = time.monotonic()
+        elapsed = now - self.last
+        if elapsed < self.interval_s:
+            return
+        busy = num_running or num_waiting or self.prompt_tokens or self.generation_tokens
+        if busy:
+            hit_rate = self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+            logger.info(
+                "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, "
+                "running %d, waiting %d, KV cache usage %.1f%%, prefix cache hit rate %.1f%%",
+                self.prompt_tokens / elapsed, self.generation_tokens / elapsed,
+                num_running, num_waiting, 100 * kv_usage, 100 * hit_rate,
+            )
+        self.last = now
+        self.prompt_tokens = self.generation_tokens = 0
+        self.prefix_queries = self.prefix_hits = 0

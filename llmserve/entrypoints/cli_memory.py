@@ -88,15 +88,9 @@ def read_model_config(source: ModelSource) -> ModelConfig:
             raise ModelFormatError(f"cannot read {path}: {e}") from None
         except KeyError as e:
             raise ModelFormatError(f"{path} lacks the field {e}") from None
-    from llmserve.loader import gguf as gguf_loader
-    from llmserve.loader.gguf_meta import open_gguf, read_metadata
+    from llmserve.loader.gguf import read_gguf_config
 
-    reader = open_gguf(source.path)
-    metadata = read_metadata(reader)
-    arch = gguf_loader._architecture(metadata)
-    tensors = {t.name: t for t in reader.tensors}
-    rope_freqs = tensors.pop(gguf_loader.ROPE_FREQS_TENSOR, None)
-    return gguf_loader._build_config(metadata, arch, tensors, rope_freqs)
+    return read_gguf_config(source.path)
 
 
 def _kv_dtype(name: str | None, weight_dtype: torch.dtype) -> torch.dtype:

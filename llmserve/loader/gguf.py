@@ -84,6 +84,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWei
     return LoadedWeights(config=config, tensors=tensors, metadata=metadata)
 
 
+def read_gguf_config(path: str | Path) -> ModelConfig:
+    """The model config of a GGUF file, without reading or dequantizing its weights."""
+    reader = open_gguf(require_path(path, is_dir=False))
+    metadata = read_metadata(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    rope_freqs = by_name.pop(ROPE_FREQS_TENSOR, None)
+    return _build_config(metadata, _architecture(metadata), by_name, rope_freqs)
+
+
 def hf_name(gguf_name: str) -> str:
     """The Hugging Face name of a GGUF tensor (`blk.3.attn_q.weight` -> `model.layers.3...`)."""
     if gguf_name in GGUF_GLOBAL_NAMES:

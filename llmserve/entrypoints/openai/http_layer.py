@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmserve.engine.async_engine import EngineShutdown, QueueFull
+from llmserve.engine.async_engine import EngineShutdown, EngineStepError, QueueFull
 from llmserve.entrypoints.openai.protocol import BadRequest, error_body
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,10 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(EngineShutdown)
     async def _shutdown(_: Request, exc: EngineShutdown) -> JSONResponse:
         return error_response(503, str(exc), headers={"Retry-After": str(retry_after_s)})
+
+    @app.exception_handler(EngineStepError)
+    async def _step_failed(_: Request, exc: EngineStepError) -> JSONResponse:
+        return error_response(500, str(exc))  # logged with its traceback by the engine
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:

@@ -197,7 +197,7 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
     )
-    sock = _listen(args.host, args.port)  # before loading: a busy port fails in a second
+    sock = listening_socket(args.host, args.port)  # before loading: a busy port fails fast
     async_engine = AsyncEngine(Engine(EngineConfig(model=model, **engine_options)),
                                args.max_num_waiting)
     app = build_app(async_engine, settings)
@@ -224,7 +224,7 @@ async def _serve(server: Any, sock: socket.socket, model_name: str) -> None:
         raise LLMServeError("the server failed to start (see the log above)")
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,0 +1,125 @@
+"""Bad requests get 4xx in OpenAI's error shape naming the field; the server carries on."""
+
+import httpx
+import pytest
+
+from tests.entrypoints.openai.conftest import MAX_MODEL_LEN, MODEL
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+USER = [{"role": "user", "content": "hi"}]
+LONG_PROMPT = "hello " * (MAX_MODEL_LEN + 10)
+
+# (path, body, status, field named in the message)
+CASES = [
+    (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    (CHAT, {"messages": USER, "model": "no-such-model"}, 404, "model"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    (COMPLETIONS, {"prompt": 5}, 400, "prompt"),
+    (COMPLETIONS, {"max_tokens": 3}, 400, "prompt"),
+    (CHAT, {"messages": "hi"}, 400, "messages"),
+    (CHAT, {"messages": []}, 400, "messages"),
+    (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    (CHAT, {"messages": USER, "stream": "maybe"}, 400, "stream"),
+    (COMPLETIONS, {"prompt": LONG_PROMPT}, 400, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": LONG_PROMPT}]}, 400, "messages"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN * 4}, 400, "max_tokens"),
+    (CHAT, {"messages": USER, "max_tokens": MAX_MODEL_LEN * 4}, 400, "max_tokens"),
+    (CHAT, {"messages": USER, "max_completion_tokens": MAX_MODEL_LEN * 4}, 400,
+     "max_completion_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    (COMPLETIONS, {"prompt": "hi", "top_p": 2}, 400, "top_p"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    (COMPLETIONS, {"prompt": "hi", "stop": 5}, 400, "stop"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"not-a-token": 1}}, 400, "logit_bias"),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "and then"}, 400, "suffix"),
+    (COMPLETIONS, {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0].type"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
+     "response_format"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+def _check_error(resp: httpx.Response, status: int, field: str | None) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    if field is not None:
+        assert field in error["message"], error
+        assert error["param"] in (field, None), error
+    return error
+
+
+@pytest.mark.parametrize(("path", "body", "status", "field"), CASES,
+                         ids=[f"{c[0]}:{c[3]}:{i}" for i, c in enumerate(CASES)])
+def test_bad_request(server, path, body, status, field):
+    with server.http() as http:
+        _check_error(http.post(path, json=body), status, field)
+
+
+def test_invalid_json_and_non_object_body(server):
+    with server.http() as http:
+        headers = {"content-type": "application/json"}
+        error = _check_error(http.post(COMPLETIONS, content=b'{"prompt": "hi",', headers=headers),
+                             400, None)
+        assert "JSON" in error["message"]
+        _check_error(http.post(CHAT, content=b"[1, 2]", headers=headers), 400, None)
+
+
+def test_body_too_large(server):
+    huge = {"prompt": "a" * (server_limit(server) + 10)}
+    with server.http() as http:
+        _check_error(http.post(COMPLETIONS, json=huge), 413, None)
+
+
+def server_limit(server) -> int:
+    from llmserve.entrypoints.openai.server import DEFAULT_MAX_REQUEST_BYTES
+
+    return DEFAULT_MAX_REQUEST_BYTES
+
+
+def test_unknown_route_and_fields(server):
+    with server.http() as http:
+        _check_error(http.get("/v1/nothing-here"), 404, None)
+        ok = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2,
+                                          "some_future_field": 1})
+        assert ok.status_code == 200, ok.text
+
+
+def test_still_serves_after_bad_requests(server, client):
+    with server.http() as http:
+        for path, body, status, _ in CASES:
+            assert http.post(path, json=body).status_code == status
+    resp = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4)
+    assert resp.usage.completion_tokens >= 1
+    assert not server.engine.engine.has_unfinished_requests()
+
+
+def test_a_failing_step_fails_its_requests_not_the_server(server, client):
+    engine = server.engine.engine
+    real_step = engine.step
+
+    def failing_step():
+        del engine.step  # fail once, then the real step again
+        raise RuntimeError("injected failure")
+
+    engine.step = failing_step
+    try:
+        with server.http() as http:
+            resp = http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 4})
+        assert resp.status_code == 500
+        assert "injected failure" in resp.json()["error"]["message"]
+    finally:
+        engine.__dict__.pop("step", None)
+    assert engine.step == real_step
+    assert not engine.has_unfinished_requests()
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
-from llmserve.loader.gguf_meta import open_gguf, read_metadata
+from llmserve.loader.gguf_meta import GGUFTensor, open_gguf, read_metadata
 from llmserve.loader.weights import LoadedWeights, drop_tied_head, require_path
 
 # GGUF `general.architecture` -> Hugging Face `model_type`.
@@ -113,7 +113,7 @@ def _architecture(metadata: dict[str, Any]) -> str:
     return arch
 
 
-def _check_supported(tensor: gguf.ReaderTensor) -> None:
+def _check_supported(tensor: GGUFTensor) -> None:
     if tensor.tensor_type not in DEQUANTIZERS:
         raise UnsupportedModelError(
             f"unsupported GGUF tensor type {tensor.tensor_type.name} in {tensor.name} "
@@ -124,8 +124,8 @@ def _check_supported(tensor: gguf.ReaderTensor) -> None:
 def _build_config(
     metadata: dict[str, Any],
     arch: str,
-    tensors: dict[str, gguf.ReaderTensor],
-    rope_freqs: gguf.ReaderTensor | None,
+    tensors: dict[str, GGUFTensor],
+    rope_freqs: GGUFTensor | None,
 ) -> ModelConfig:
     """ModelConfig from `{arch}.*` metadata; bias, qk-norm and tying from which tensors exist."""
 
@@ -165,7 +165,7 @@ def _build_config(
 def _rope_scaling(
     metadata: dict[str, Any],
     arch: str,
-    rope_freqs: gguf.ReaderTensor | None,
+    rope_freqs: GGUFTensor | None,
     head_dim: int,
     rope_theta: float,
 ) -> dict[str, Any] | None:
@@ -209,7 +209,7 @@ def _llama3_scaling_from_divisors(
     return scaling
 
 
-def _to_torch(tensor: gguf.ReaderTensor) -> torch.Tensor:
+def _to_torch(tensor: GGUFTensor) -> torch.Tensor:
     """The tensor dequantized to float32 (F16/BF16 kept as is), in torch (out, in) order."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
     raw = np.array(tensor.data).reshape(-1).view(np.uint8)  # copy out of the read-only memmap

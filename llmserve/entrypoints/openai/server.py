@@ -6,10 +6,10 @@ small executor; the event loop only moves bytes.
 """
 
 import asyncio
+import logging
 import os
 import signal
 import socket
-import sys
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -179,8 +179,6 @@ async def _client_gone(request: Request) -> None:
 
 def run_server(args: Any, engine_options: dict[str, Any]) -> int:
     """Load the model, serve until SIGTERM/SIGINT, shut down gracefully; returns 0."""
-    import logging
-
     import uvicorn
 
     from llmserve.config import EngineConfig
@@ -245,6 +243,3 @@ def _model_id(model: str) -> str:
         return path.name or str(path)
     return model
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit("run `llmserve serve`")

@@ -166,3 +166,13 @@ def top_entries(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]
                     key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
                                     -kv[1].logprob))
     return ranked[:k]
+
+
+def prompt_logprobs_json(output: RequestOutput) -> list[dict[str, dict] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token None or {token id: {logprob, rank, ...}}."""
+    if output.prompt_logprobs is None:
+        return None
+    return [None if entries is None else {
+        str(token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                        "decoded_token": lp.decoded_token}
+        for token_id, lp in entries.items()} for entries in output.prompt_logprobs]

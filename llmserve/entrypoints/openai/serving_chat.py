@@ -19,6 +19,7 @@ from llmserve.entrypoints.openai.serving_base import (
     final_outputs,
     merge_streams,
     new_logprobs,
+    prompt_logprobs_json,
     sse,
     top_entries,
     usage_of,
@@ -78,7 +79,8 @@ class OpenAIServingChat(OpenAIServing):
         choices = [self._choice(c, top_k) for c in final.outputs]
         choices.sort(key=lambda c: c["index"])
         return {"id": request_id, "object": "chat.completion", "created": now(),
-                "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final]))}
+                "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final])),
+                "prompt_logprobs": prompt_logprobs_json(final)}
 
     def _params(self, request: ChatCompletionRequest) -> tuple[Any, str]:
         options = request.sampling_options()

@@ -17,6 +17,7 @@ from llmserve.entrypoints.openai.serving_base import (
     final_outputs,
     merge_streams,
     new_logprobs,
+    prompt_logprobs_json,
     sse,
     top_entries,
     usage_of,
@@ -63,7 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                 include_usage)
         finals = await final_outputs(streams)
         choices = [
-            self._choice(i * params.n + c.index, c, echoes[i], request.logprobs)
+            {**self._choice(i * params.n + c.index, c, echoes[i], request.logprobs),
+             "prompt_logprobs": prompt_logprobs_json(out)}
             for i, out in enumerate(finals) for c in out.outputs
         ]
         choices.sort(key=lambda c: c["index"])

@@ -166,6 +166,17 @@ def test_completion_logprobs(client):
     assert lp.text_offset == sorted(lp.text_offset)
 
 
+def test_prompt_logprobs(server, tokenizer):
+    body = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1}
+    with server.http() as http:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    ids = tokenizer.encode(PROMPT)
+    prompt_logprobs = choice["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(ids) and prompt_logprobs[0] is None
+    for token_id, entries in zip(ids[1:], prompt_logprobs[1:], strict=True):
+        assert str(token_id) in entries and entries[str(token_id)]["logprob"] <= 0
+
+
 def test_chat_logprobs(client):
     resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
                                           logprobs=True, top_logprobs=2, temperature=0,

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 
+import llmserve  # noqa: F401  (sets OpenMP's wait policy before any test imports torch)
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:

@@ -58,6 +58,7 @@ def test_logits_match_reference_on_default_model(smollm2_llm, reference_model):
     with torch.inference_mode():
         ref = reference_model(torch.tensor([ids])).logits[0].float()
     diff = (ours - ref).abs().max().item()
+    print(f"default model: max |logit diff| vs transformers over 64 positions = {diff:.2e}")
     assert diff <= LOGIT_TOLERANCE, f"max |logit diff| {diff:.2e} over {LOGIT_TOLERANCE:.0e}"
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
@@ -126,4 +127,5 @@ def test_logits_match_reference_on_tiny_hf_folders(tmp_path, kind):
     with torch.inference_mode():
         ref = reference(torch.tensor([ids])).logits[0]
     diff = (ours - ref).abs().max().item()
+    print(f"{kind}: max |logit diff| vs transformers = {diff:.2e}")
     assert diff <= LOGIT_TOLERANCE, f"{kind}: max |logit diff| {diff:.2e}"

@@ -102,6 +102,7 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = None  # "int8": W8A8 linear layers (fast on CPU); None: exact
     block_size: int = 16
     kv_cache_memory: str | int | float = "2GiB"
     max_num_seqs: int = 256
@@ -112,6 +113,8 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or none, not {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -31,11 +31,13 @@ def plot_reports(paths: list[Path], output: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_ttft, ax_tput) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ticks: set[int] = set()
     for path in paths:
         report = load_report(path)
         label = report.get("label") or path.stem
         runs = sorted(report["runs"], key=lambda r: r["concurrency"])
         x = [r["concurrency"] for r in runs]
+        ticks.update(x)
         line, = ax_ttft.plot(x, [r["p50_ttft_ms"] / 1000 for r in runs], "o-",
                              label=f"{label} p50")
         ax_ttft.plot(x, [r["p99_ttft_ms"] / 1000 for r in runs], "s--", color=line.get_color(),
@@ -44,6 +46,8 @@ def plot_reports(paths: list[Path], output: Path) -> None:
     for ax, title, unit in ((ax_ttft, "Time to first token", "seconds"),
                             (ax_tput, "Output throughput", "tokens/s")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks), [str(t) for t in sorted(ticks)])
+        ax.minorticks_off()
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel(unit)
         ax.set_title(title)

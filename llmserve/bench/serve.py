@@ -192,7 +192,8 @@ def request_body(config: ServeBenchConfig, request: BenchRequest) -> dict[str, A
 async def send_request(client: httpx.AsyncClient, config: ServeBenchConfig,
                        request: BenchRequest) -> RequestRecord:
     """Stream one request; timestamps of every chunk that carries text."""
-    record = RequestRecord(prompt_len=request.prompt_len)
+    record = RequestRecord(prompt_len=request.prompt_len,
+                           expected_output_len=request.output_len)
     body = request_body(config, request)
     usage: dict[str, Any] | None = None
     record.start = time.perf_counter()
@@ -250,6 +251,8 @@ def format_run(run: dict[str, Any]) -> str:
              _row("Request throughput (req/s)", f"{run['request_throughput']:.2f}"),
              _row("Output token throughput (tok/s)", f"{run['output_throughput']:.2f}"),
              _row("Total token throughput (tok/s)", f"{run['total_token_throughput']:.2f}")]
+    if run["short_outputs"]:
+        lines.append(_row("WARNING: short outputs", run["short_outputs"]))
     if run["goodput"] is not None:
         lines.append(_row("Goodput (req/s)", f"{run['goodput']:.2f}"))
     for name, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token"),

@@ -26,6 +26,7 @@ class RequestRecord:
     """What the client saw of one request (perf_counter seconds)."""
 
     prompt_len: int
+    expected_output_len: int = 0
     output_len: int = 0
     start: float = 0.0
     chunk_times: list[float] = field(default_factory=list)
@@ -53,6 +54,7 @@ class RequestRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"success": self.success, "error": self.error, "prompt_len": self.prompt_len,
+                "expected_output_len": self.expected_output_len,
                 "output_len": self.output_len, "ttft_s": self.ttft, "tpot_s": self.tpot,
                 "e2el_s": self.e2el, "itl_s": self.itl}
 
@@ -120,6 +122,8 @@ def summarize(records: Sequence[RequestRecord], duration_s: float,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
         "goodput": None,
+        # finished, but fewer tokens than asked: the server ignored min_tokens or cut the stream
+        "short_outputs": sum(r.output_len < r.expected_output_len for r in ok),
     }
     if slo.given:
         metrics["goodput"] = sum(slo.met_by(r) for r in ok) / duration_s

@@ -71,8 +71,8 @@ class ServerTokenizer:
     def available(cls, client: httpx.Client, model: str) -> bool:
         try:
             response = client.post("/tokenize", json={"model": model, "prompt": "hi"})
-        except httpx.HTTPError:
-            return False
+        except httpx.TransportError as e:
+            raise LLMServeError(f"cannot reach {client.base_url}: {e}") from None
         return response.status_code == 200 and "tokens" in response.json()
 
     def encode(self, text: str) -> list[int]:

@@ -72,7 +72,9 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.loaded = loaded or load_model(config.model, self.dtype, self.device)
+        self.loaded = loaded or load_model(
+            config.model, self.dtype, self.device, config.quantization
+        )
         self.tokenizer = self.loaded.tokenizer
         model_cfg = self.loaded.config
         self.max_model_len = min(

@@ -12,6 +12,7 @@ from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
 from llmserve.models.registry import model_class
+from llmserve.quantization import quantize_model
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,9 +27,15 @@ class LoadedModel:
 
 
 def load_model(
-    spec: str | None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    spec: str | None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Resolve `spec`, read weights and tokenizer, and return the model in eval mode."""
+    """Resolve `spec`, read weights and tokenizer, and return the model in eval mode.
+
+    `quantization` (e.g. "int8") repacks the linear layers after loading; None is exact.
+    """
     start = time.perf_counter()
     source = resolve_model(spec)
     if source.kind == "gguf":
@@ -41,6 +48,7 @@ def load_model(
         model = model_class(weights.config)(weights.config)
     model.to(dtype=dtype)
     model.load_weights(weights.tensors)
+    quantize_model(model, quantization)
     model.eval()
     logger.info("loaded %s (%s) in %.1fs", source.name, source.kind,
                 time.perf_counter() - start)

@@ -20,6 +20,9 @@ class LinearMethod:
             torch.empty(layer.out_features, layer.in_features), requires_grad=False
         )
 
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        """Repack the loaded float weight (quantize it, ...); the float method keeps it."""
+
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
 

@@ -1,0 +1,46 @@
+"""Quantization methods for linear layers, picked by name from a registry.
+
+`None` (the default) is the exact path: float weights, `F.linear`. Other methods replace
+how a `Linear` stores its weight and computes its product, without the model changing.
+"""
+
+from torch import nn
+
+from llmserve.models.layers import Linear, LinearMethod
+from llmserve.quantization.int8 import Int8Head, Int8LinearMethod
+
+QUANTIZATION_METHODS: dict[str, type[LinearMethod]] = {
+    "int8": Int8LinearMethod,
+}
+
+
+def linear_method(name: str | None) -> LinearMethod:
+    """A fresh method instance for one layer; `None` gives the exact float method."""
+    if name is None:
+        return LinearMethod()
+    try:
+        return QUANTIZATION_METHODS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown quantization {name!r}; choose one of: {', '.join(QUANTIZATION_METHODS)}"
+        ) from None
+
+
+QUANTIZED_HEADS: dict[str, type[nn.Module]] = {"int8": Int8Head}
+
+
+def quantize_model(model: nn.Module, name: str | None) -> None:
+    """Switch every `Linear` of a loaded model to method `name` and repack its weights.
+
+    A model with tied embeddings gets a separate quantized LM head (the embedding lookup
+    itself stays in float).
+    """
+    if name is None:
+        return
+    linear_method(name)  # validates the name
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method = linear_method(name)
+            module.method.process_weights_after_loading(module)
+    if getattr(model, "lm_head", False) is None:
+        model.lm_head = QUANTIZED_HEADS[name](model.model.embed_tokens.weight.data)

@@ -15,7 +15,7 @@ from tests.entrypoints.openai.conftest import MODEL, _engine_config, run_server
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 8, 24, 8, 4
 RUN_FIELDS = {"concurrency", "request_rate", "burstiness", "completed", "failed", "duration_s",
               "total_input_tokens", "total_output_tokens", "request_throughput",
-              "output_throughput", "total_token_throughput", "goodput", "requests",
+              "output_throughput", "total_token_throughput", "goodput", "short_outputs", "requests",
               *(f"{stat}_{name}_ms" for name in LATENCY_METRICS
                 for stat in ("mean", *(f"p{q}" for q in PERCENTILES)))}
 REQUEST_FIELDS = {"success", "error", "prompt_len", "output_len", "ttft_s", "tpot_s", "e2el_s",
@@ -74,6 +74,7 @@ def test_token_counts_exact_and_ttft_within_e2e(bench):
         assert request["output_len"] == OUTPUT_LEN
         assert 0 < request["ttft_s"] <= request["e2el_s"]
     assert run["total_output_tokens"] == NUM_PROMPTS * OUTPUT_LEN
+    assert run["short_outputs"] == 0
 
 
 def test_client_ttft_agrees_with_server_histogram(bench):

@@ -90,6 +90,14 @@ def test_goodput_counts_requests_meeting_every_slo():
     assert summarize(records, 2.0, SLO(5.0, 5.0))["goodput"] == pytest.approx(1.5)
 
 
+def test_short_outputs_are_counted():
+    short = record(0.0, [0.1, 0.2], 0.2)
+    short.expected_output_len = 4
+    exact = record(0.0, [0.1, 0.2], 0.2)
+    exact.expected_output_len = 2
+    assert summarize([short, exact], 1.0)["short_outputs"] == 1
+
+
 def test_no_successes_gives_nan_latencies():
     m = summarize([record(0.0, [], 1.0, success=False)], 1.0)
     assert m["completed"] == 0 and math.isnan(m["mean_ttft_ms"])

@@ -2,9 +2,11 @@
 
     python benchmarks/offline.py --engine transformers --output-json t.json
     python benchmarks/offline.py --engine llmserve --output-json l.json
+    python benchmarks/offline.py --engine llmserve --quantization int8 --output-json q.json
 
 32 chat prompts (the model's chat template, token ids identical for both engines), 64 output
-tokens each, greedy, EOS ignored, fp32. transformers runs them as one static batch
+tokens each, greedy, EOS ignored, fp32 (llmserve optionally with `--quantization int8`, its
+W8A8 linear layers; transformers always fp32). transformers runs them as one static batch
 (`generate`, left padding) on the same GGUF file; llmserve as one continuous batch
 (`LLM.generate`, the path `llmserve bench throughput` times). Each engine gets one warm-up
 call first. Run each engine in its own process so neither inherits the other's threads.
@@ -75,12 +77,13 @@ def run_transformers(gguf: Path, prompts: list[list[int]], output_len: int) -> f
     return elapsed
 
 
-def run_llmserve(gguf: Path, prompts: list[list[int]], output_len: int) -> float:
-    """Seconds for one continuous batch through `LLM.generate`, fp32, greedy."""
+def run_llmserve(gguf: Path, prompts: list[list[int]], output_len: int,
+                 quantization: str | None = None) -> float:
+    """Seconds for one continuous batch through `LLM.generate`, fp32 (or int8), greedy."""
     from llmserve import LLM
     from llmserve.sampling_params import SamplingParams
 
-    llm = LLM(str(gguf), dtype="float32")
+    llm = LLM(str(gguf), dtype="float32", quantization=quantization)
     items = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(items[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)
@@ -98,18 +101,26 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--quantization", choices=("int8",),
+                        help="llmserve only: W8A8 int8 linear layers (default: exact fp32)")
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
+    if args.quantization and args.engine != "llmserve":
+        parser.error("--quantization applies to --engine llmserve only")
     torch.set_num_threads(NUM_THREADS)
     prompts = chat_prompt_ids(args.gguf, args.num_prompts)
-    run = run_transformers if args.engine == "transformers" else run_llmserve
-    elapsed = run(args.gguf, prompts, args.output_len)
+    if args.engine == "transformers":
+        elapsed = run_transformers(args.gguf, prompts, args.output_len)
+    else:
+        elapsed = run_llmserve(args.gguf, prompts, args.output_len, args.quantization)
     output_tokens = args.output_len * len(prompts)
-    result = {"engine": args.engine, "num_prompts": len(prompts),
+    result = {"engine": args.engine, "quantization": args.quantization,
+              "num_prompts": len(prompts),
               "prompt_tokens": sum(len(p) for p in prompts), "output_len": args.output_len,
               "elapsed_s": elapsed, "output_tokens_per_s": output_tokens / elapsed,
               "requests_per_s": len(prompts) / elapsed, "num_threads": NUM_THREADS}
-    print(f"{args.engine}: {len(prompts)} prompts x {args.output_len} tokens in "
+    name = args.engine + (f" ({args.quantization})" if args.quantization else "")
+    print(f"{name}: {len(prompts)} prompts x {args.output_len} tokens in "
           f"{elapsed:.2f}s = {result['output_tokens_per_s']:.1f} output tok/s")
     if args.output_json:
         args.output_json.write_text(json.dumps(result, indent=2) + "\n")

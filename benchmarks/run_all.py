@@ -4,14 +4,18 @@
     python benchmarks/run_all.py [--gguf FILE] [--out DIR] [--only STAGE] [--servers NAMES]
 
 1. offline: the same 32 chat prompts x 64 tokens through transformers' static-batch
-   `generate` and llmserve's `LLM.generate` (benchmarks/offline.py, one process each), and
-   `llmserve bench throughput` on synthetic prompts;
+   `generate` and llmserve's `LLM.generate` (benchmarks/offline.py, one process each, back
+   to back: transformers, llmserve fp32, llmserve int8), and `llmserve bench throughput`
+   on synthetic prompts;
 2. latency: `llmserve bench latency --batch 1,8` (prefill, TPOT, MBU, MFU);
 3. serving: llama.cpp's OpenAI server (llama-cpp-python, 2 threads) and `llmserve serve`
    on the same GGUF, one at a time, each driven by `llmserve bench serve` at concurrency
-   1/4/16/32 with identical prompts; then `llmserve bench plot` of both.
+   1/4/16/32 with identical prompts; then `llmserve bench plot` of all.
 
-Results (JSON, PNG and summary.md with the llmserve / peer ratios) go to --out.
+llmserve runs in each of --variants: `fp32` (the exact path, `--dtype float32`) and `int8`
+(`--quantization int8`, W8A8 linear layers); files of the int8 variant end in `_int8`
+(`serve_llmserve-int8.json`). Results (JSON, PNG and summary.md with the llmserve / peer
+ratios) go to --out.
 """
 
 import argparse
@@ -34,6 +38,11 @@ CONCURRENCIES = "1,4,16,32"
 SERVE_ARGS = ["--num-prompts", "32", "--input-len", "128", "--output-len", "64"]
 THREADS = 2
 HERE = Path(__file__).resolve().parent
+VARIANTS = {"fp32": [], "int8": ["--quantization", "int8"]}  # extra llmserve flags
+
+
+def suffix(variant: str) -> str:
+    return "" if variant == "fp32" else f"_{variant}"
 
 
 def sh(cmd: list[str], log: Path | None = None) -> None:
@@ -78,19 +87,49 @@ def server(cmd: list[str], health_url: str, log: Path) -> Iterator[float]:
             proc.kill()
 
 
-def run_offline(gguf: Path, out: Path, commands: Path) -> None:
-    for engine in ("transformers", "llmserve"):
-        sh([sys.executable, str(HERE / "offline.py"), "--engine", engine, "--gguf", str(gguf),
-            "--output-json", str(out / f"offline_{engine}.json")], commands)
-    sh(["llmserve", "bench", "throughput", "--model", str(gguf), "--num-prompts", "32",
-        "--input-len", "32", "--output-len", "64", "--dtype", "float32",
-        "--output-json", str(out / "throughput_llmserve.json")], commands)
+def run_offline(gguf: Path, out: Path, commands: Path, variants: list[str]) -> None:
+    offline = [sys.executable, str(HERE / "offline.py"), "--gguf", str(gguf)]
+    sh([*offline, "--engine", "transformers",
+        "--output-json", str(out / "offline_transformers.json")], commands)
+    for v in variants:  # right after transformers: the ratio is measured side by side
+        sh([*offline, "--engine", "llmserve", *VARIANTS[v],
+            "--output-json", str(out / f"offline_llmserve{suffix(v)}.json")], commands)
+    for v in variants:
+        sh(["llmserve", "bench", "throughput", "--model", str(gguf), "--num-prompts", "32",
+            "--input-len", "32", "--output-len", "64", "--dtype", "float32", *VARIANTS[v],
+            "--output-json", str(out / f"throughput_llmserve{suffix(v)}.json")], commands)
 
 
-def run_latency(gguf: Path, out: Path, commands: Path) -> None:
-    sh(["llmserve", "bench", "latency", "--model", str(gguf), "--batch", "1,8",
-        "--input-len", "128", "--output-len", "64", "--dtype", "float32",
-        "--output-json", str(out / "latency_llmserve.json")], commands)
+def weights_read_per_step(gguf: Path, variant: str) -> int:
+    """Bytes of weights one decode step reads, counted from the loaded model.
+
+    `llmserve bench latency` counts parameters; int8 weights are buffers (qweight and
+    weight_scale), and the float embedding of a quantized model is only gathered (a row per
+    token), its LM head being a separate int8 copy. fp32: every parameter once (tied).
+    """
+    from llmserve import LLM
+
+    llm = LLM(str(gguf), dtype="float32", quantization=None if variant == "fp32" else variant)
+    model = llm.engine.loaded.model
+    params = {id(p): (n, p) for n, p in model.named_parameters()}.values()
+    if variant == "fp32":
+        return sum(p.numel() * p.element_size() for _, p in params)
+    floats = sum(p.numel() * p.element_size() for n, p in params if "embed_tokens" not in n)
+    packed = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                 if n.endswith(("qweight", "weight_scale")))
+    return floats + packed
+
+
+def run_latency(gguf: Path, out: Path, commands: Path, variants: list[str]) -> None:
+    for v in variants:
+        path = out / f"latency_llmserve{suffix(v)}.json"
+        sh(["llmserve", "bench", "latency", "--model", str(gguf), "--batch", "1,8",
+            "--input-len", "128", "--output-len", "64", "--dtype", "float32", *VARIANTS[v],
+            "--output-json", str(path)], commands)
+        result = json.loads(path.read_text())
+        result["quantization"] = None if v == "fp32" else v
+        result["weight_bytes_read_per_step"] = weights_read_per_step(gguf, v)
+        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 def bench_serve(label: str, url: str, gguf: Path, out: Path, commands: Path) -> None:
@@ -99,7 +138,8 @@ def bench_serve(label: str, url: str, gguf: Path, out: Path, commands: Path) -> 
         "--label", label, "--output-json", str(out / f"serve_{label}.json")], commands)
 
 
-def run_serving(gguf: Path, out: Path, commands: Path, servers: list[str]) -> dict:
+def run_serving(gguf: Path, out: Path, commands: Path, servers: list[str],
+                variants: list[str]) -> dict:
     startup = {}
     if "llama.cpp" in servers:
         port = free_port()
@@ -108,17 +148,24 @@ def run_serving(gguf: Path, out: Path, commands: Path, servers: list[str]) -> di
                "--n_threads_batch", str(THREADS), "--n_ctx", "4096", "--host", "127.0.0.1",
                "--interrupt_requests", "False",  # else each new request cuts the running one
                "--port", str(port)]
-        with server(cmd, f"http://127.0.0.1:{port}/v1/models", out / "llamacpp.log") as t:
+        log = out / "llamacpp.log"
+        with server(cmd, f"http://127.0.0.1:{port}/v1/models", log) as t:
             startup["llama.cpp"] = t
             bench_serve("llama.cpp", f"http://127.0.0.1:{port}", gguf, out, commands)
-    if "llmserve" in servers:
+        if log.stat().st_size > 100_000:
+            log.unlink()
+    for v in variants if "llmserve" in servers else []:
+        label = "llmserve" if v == "fp32" else f"llmserve-{v}"
         port = free_port()
         cmd = ["llmserve", "serve", "--model", str(gguf), "--served-model-name", MODEL_ID,
-               "--port", str(port), "--dtype", "float32"]
-        with server(cmd, f"http://127.0.0.1:{port}/health", out / "llmserve.log") as t:
-            startup["llmserve"] = t
-            bench_serve("llmserve", f"http://127.0.0.1:{port}", gguf, out, commands)
-    files = [str(out / f"serve_{n}.json") for n in ("llama.cpp", "llmserve")
+               "--port", str(port), "--dtype", "float32", *VARIANTS[v]]
+        log = out / f"{label}.log"
+        with server(cmd, f"http://127.0.0.1:{port}/health", log) as t:
+            startup[label] = t
+            bench_serve(label, f"http://127.0.0.1:{port}", gguf, out, commands)
+        if log.stat().st_size > 100_000:  # keep the results folder small
+            log.unlink()
+    files = [str(out / f"serve_{n}.json") for n in ("llama.cpp", "llmserve", "llmserve-int8")
              if (out / f"serve_{n}.json").exists()]
     sh(["llmserve", "bench", "plot", *files, "--output", str(out / "serve.png")], commands)
     return startup
@@ -130,8 +177,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--servers", default="llama.cpp,llmserve",
                         help="servers of the serving stage, comma-separated")
+    parser.add_argument("--variants", default="fp32,int8",
+                        help="llmserve variants, comma-separated: fp32 (exact), int8 (W8A8)")
     parser.add_argument("--only", choices=("offline", "latency", "serving"), action="append")
     args = parser.parse_args()
+    variants = args.variants.split(",")
+    if unknown := set(variants) - set(VARIANTS):
+        parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     commands = args.out / "commands.txt"  # appended to: several sessions may fill one folder
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
@@ -139,16 +191,17 @@ def main() -> int:
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f}", flush=True)
     if "offline" in stages:
-        run_offline(args.gguf, args.out, commands)
+        run_offline(args.gguf, args.out, commands, variants)
     if "latency" in stages:
-        run_latency(args.gguf, args.out, commands)
+        run_latency(args.gguf, args.out, commands, variants)
     startup = {}
     if "serving" in stages:
-        startup = run_serving(args.gguf, args.out, commands, args.servers.split(","))
+        startup = run_serving(args.gguf, args.out, commands, args.servers.split(","), variants)
     meta_path = args.out / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     meta.setdefault("sessions", []).append(
-        {"stages": stages, "servers": args.servers, "date": time.strftime("%Y-%m-%d %H:%M"),
+        {"stages": stages, "servers": args.servers, "variants": variants,
+         "date": time.strftime("%Y-%m-%d %H:%M"),
          "load_at_start": load, "load_at_end": os.getloadavg()[0]})
     meta["startup_s"] = {**meta.get("startup_s", {}), **startup}
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")

@@ -80,9 +80,19 @@ def measure_peaks(device: torch.device | str = "cpu") -> MachinePeaks:
 
 
 def weight_bytes_and_params(llm: LLM) -> tuple[int, int]:
-    """Bytes and count of the model's parameters (shared tensors once, as a step reads them)."""
-    params = {id(p): p for p in llm.engine.loaded.model.parameters()}.values()
-    return sum(p.numel() * p.element_size() for p in params), sum(p.numel() for p in params)
+    """Bytes and count of the weights one decode step reads (shared tensors once).
+
+    Counts parameters and weight buffers (int8 weights and scales), not the rotary tables,
+    and not the embedding table when a separate LM head exists (a step reads only its rows).
+    """
+    model = llm.engine.loaded.model
+    tensors = dict(model.named_parameters())
+    tensors.update((n, b) for n, b in model.named_buffers() if "rotary" not in n)
+    embedding = model.model.embed_tokens.weight
+    if model.lm_head is not None:
+        tensors = {n: t for n, t in tensors.items() if t is not embedding}
+    unique = {id(t): t for t in tensors.values()}.values()
+    return sum(t.numel() * t.element_size() for t in unique), sum(t.numel() for t in unique)
 
 
 def _kv_bytes_per_token(llm: LLM) -> int:

@@ -73,13 +73,18 @@ def test_greedy_generation_matches_reference(smollm2_llm, reference_model):
     ours += smollm2_llm.generate([{"prompt_token_ids": p} for p in prompts[2:]], params,
                                  use_tqdm=False)
     for prompt, out in zip(prompts, ours, strict=True):
-        with torch.inference_mode():
-            ref = reference_model.generate(
-                torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                pad_token_id=tokenizer.eos_token_id, eos_token_id=None,
-            )[0, len(prompt):].tolist()
-        assert out.outputs[0].token_ids == ref
+        assert out.outputs[0].token_ids == reference_greedy(reference_model, prompt, 64)
+
+
+def reference_greedy(reference_model, prompt: list[int], num_tokens: int) -> list[int]:
+    """`transformers` greedy continuation of `prompt`, never stopping early."""
+    with torch.inference_mode():
+        out = reference_model.generate(
+            torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            pad_token_id=0, eos_token_id=None,
+        )
+    return out[0, len(prompt):].tolist()
 
 
 def _tiny_folder(tmp_path, kind: str):

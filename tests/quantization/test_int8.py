@@ -9,7 +9,7 @@ from llmserve.config import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.loader.model_loader import load_model
 from llmserve.quantization.int8 import int8_linear, quantize_rows
-from tests.models.test_llama_reference import CHAT, PROMPTS, full_logits
+from tests.models.test_llama_reference import CHAT, PROMPTS, full_logits, reference_greedy
 
 
 def test_int8_linear_is_close_to_float():
@@ -59,12 +59,7 @@ def test_int8_greedy_follows_reference(int8_llm, reference_model):
     for conversation in PROMPTS:
         prompt = tokenizer.apply_chat_template(conversation, tokenize=True)
         ours = int8_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-        with torch.inference_mode():
-            ref = reference_model.generate(
-                torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                pad_token_id=tokenizer.eos_token_id, eos_token_id=None,
-            )[0, len(prompt):].tolist()
+        ref = reference_greedy(reference_model, prompt, 16)
         assert ours[0].outputs[0].token_ids == ref
 
 

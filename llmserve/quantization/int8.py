@@ -48,11 +48,12 @@ def int8_linear(
     """
     rows = x.reshape(-1, x.shape[-1]).float()
     n = rows.shape[0]
-    hi, scale = quantize_rows(rows)
-    lo_scale = scale / 254.0
-    lo = torch.round((rows - hi.float() * scale) / lo_scale).clamp_(-127, 127).to(torch.int8)
-    acc = torch._int_mm(torch.cat([hi, lo]), qweight).float()  # (2n, out)
-    y = (acc[:n] * scale + acc[n:] * lo_scale) * weight_scale
+    scale = rows.abs().amax(dim=-1, keepdim=True).clamp_(min=_EPS).div_(127.0)  # (n, 1)
+    t = rows / scale  # in [-127, 127]
+    hi = t.round()
+    lo = (t - hi).mul_(254.0).round_()  # the remainder, in [-127, 127]
+    acc = torch._int_mm(torch.cat([hi, lo]).to(torch.int8), qweight).float()  # (2n, out)
+    y = acc[:n].add_(acc[n:], alpha=1 / 254.0).mul_(scale).mul_(weight_scale)
     if bias is not None:
         y = y + bias
     return y.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[1])

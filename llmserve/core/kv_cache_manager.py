@@ -27,6 +27,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=True)
         self.enable_caching = enable_caching
         self.req_blocks: dict[str, list[Block]] = {}
+        # leading full blocks of each request already offered to the prefix cache, so a
+        # step only looks at the blocks that became full since the last one
+        self.num_offered: dict[str, int] = {}
         self.num_queries = 0  # prompt tokens looked up in the prefix cache, at admission
         self.num_hits = 0  # of which found
 
@@ -87,6 +90,7 @@ class KVCacheManager:
         self.pool.touch(blocks)
         self.req_blocks[child.request_id] = blocks
         child.block_hashes = list(parent.block_hashes)
+        self.num_offered[child.request_id] = self.num_offered.get(parent.request_id, 0)
 
     def make_last_block_private(self, request: Request) -> tuple[int, int] | None:
         """Copy-on-write: if the block the next token lands in is shared, swap in a copy.
@@ -114,6 +118,7 @@ class KVCacheManager:
         `allocate_slots` cached them), so they also leave the prefix cache.
         """
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_offered.pop(request.request_id, None)
         self.pool.uncache_blocks(blocks[request.num_computed_tokens // self.block_size :])
         self.pool.free_blocks(reversed(blocks))
 
@@ -141,5 +146,7 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        for block, block_hash in zip(blocks[:num_full], request.block_hashes, strict=False):
-            self.pool.cache_block(block, block_hash)
+        start = self.num_offered.get(request.request_id, 0)  # blocks before it are done
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_offered[request.request_id] = max(start, num_full)

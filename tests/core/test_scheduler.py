@@ -612,6 +612,7 @@ def test_random_operations_keep_the_invariants(seed, enable_caching, policy):
 
     assert sched.num_preemptions > 0, "the pool was too big to exercise preemption"
     assert not enable_caching or sched.kv.num_hits > 0
+    assert sched.kv.req_blocks == {} and sched.kv.num_offered == {}  # no per-request leftovers
     for request in tracked.values():
         assert request.status.finished
         if request.status == RequestStatus.FINISHED_LENGTH:

@@ -29,8 +29,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--quantization", default=None)
     args = parser.parse_args()
-    llm = LLM(str(args.gguf), dtype="float32")
+    llm = LLM(str(args.gguf), dtype="float32", quantization=args.quantization)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
     for prompt in synthetic_prompts(llm, args.batch, args.input_len, seed=0):

@@ -11,7 +11,7 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
-from llmserve.worker.attention import AttentionMetadata, KVCache, paged_attention
+from llmserve.worker.attention import AttentionMetadata, KVCache, LayerKV
 
 # Checkpoint (Hugging Face) projection names fused into one matmul: name -> (fused, shard).
 STACKED_PARAMS = {
@@ -47,8 +47,7 @@ class LlamaAttention(nn.Module):
         self,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         x: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
@@ -59,7 +58,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, cos_sin)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (T, H, D)
+        out = meta.backend.forward(q, k, v, cache, meta, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -83,8 +82,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, cos_sin, x, k_cache, v_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), k_cache, v_cache, meta)
+    def forward(self, cos_sin, x, cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -119,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(cos_sin, x, kv_cache.key[i], kv_cache.value[i], meta)
+            x = layer(cos_sin, x, kv_cache.layer(i), meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,22 @@
 """Paged attention over a block-table KV cache, for a flat batch of prefill chunks and decodes.
 
-Token layout of one forward (T tokens in all):
+Token layout of one forward (T tokens in all), sequences ordered by query length:
 
-    | decode tokens: one per decoding sequence (B_d) | prefill chunk of seq 0 | chunk of seq 1 | ...
+    | seq 0 queries | seq 1 queries | ... |      query_start[b] .. query_start[b + 1]
 
-A sequence whose query length is 1 is a "decode" whatever its phase; all of them share one
-batched attention call. Prefill chunks are attended one sequence at a time (their query
-lengths differ); a chunk with no cached context attends only to itself, causally.
+Sequence b's queries sit at positions `context_lens[b] + i` and attend causally to its
+cached keys `0 .. context_lens[b] + i` through row b of `block_tables`. New keys/values are
+written through `slot_mapping` (slot = block_id * block_size + offset) before attention
+reads them back, in place.
+
+Backends (picked per device, registry below):
+* `NativeCPUBackend`: one C++ call per layer for every decode and short chunk (its cost is
+  each sequence's own length, no gather, no padding); a long prompt chunk goes to SDPA
+  (flash attention), fed from the cache only when it has cached context.
+* `TorchBackend` (CUDA, or no compiler): gathers each sequence's blocks and calls SDPA.
 
 The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_heads,
-head_dim]`. New keys/values are written through `slot_mapping` (slot = block_id *
-block_size + offset) before attention reads them back through block tables.
+head_dim]` in the cache dtype; an int8 cache adds one fp32 scale per (slot, kv head).
 """
 
 from dataclasses import dataclass, field
@@ -18,59 +24,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from llmserve.kernels import native, ptr
 
-@dataclass
-class PrefillChunk:
-    """One sequence's chunk of new tokens, `| context (cached) | chunk |`."""
+# Chunks with at most this many queries run in the paged kernel; longer ones use SDPA,
+# whose blocked matmuls win once the chunk is long (measured crossover: 16-32 queries).
+MAX_KERNEL_QUERY_LEN = 16
 
-    query_start: int  # index of the chunk's first token in the flat batch
-    query_len: int
-    context_len: int  # tokens already in the cache before this chunk
-    block_table: torch.Tensor  # (num_blocks_of_seq,) int64
-    mask: torch.Tensor | None = field(init=False, default=None)
-
-    def __post_init__(self) -> None:
-        if self.context_len == 0:
-            return  # attends only to itself: plain causal attention, no mask needed
-        total = self.context_len + self.query_len
-        device = self.block_table.device
-        # query i sits at position context_len + i and sees keys 0..context_len + i
-        q_pos = torch.arange(self.query_len, device=device)[:, None] + self.context_len
-        self.mask = torch.arange(total, device=device)[None, :] <= q_pos  # (n, total)
-
-
-@dataclass
-class AttentionMetadata:
-    """Everything attention needs for one step; built by the model runner, never global."""
-
-    slot_mapping: torch.Tensor  # (T,) int64, where each new token's K/V is written
-    num_decode_tokens: int  # the first B_d tokens are decodes
-    decode_block_tables: torch.Tensor | None  # (B_d, max_blocks) int64, padded with 0
-    decode_seq_lens: torch.Tensor | None  # (B_d,) context length incl. the new token
-    prefills: list[PrefillChunk]
-    block_size: int
-    decode_mask: torch.Tensor | None = field(init=False, default=None)  # (B_d, 1, 1, L)
-
-    def __post_init__(self) -> None:
-        if self.num_decode_tokens:  # built once per step; every layer reuses it
-            max_len = self.decode_block_tables.shape[1] * self.block_size
-            self.decode_mask = build_decode_mask(self.decode_seq_lens, max_len)
-
-
-def build_decode_mask(seq_lens: torch.Tensor, max_len: int) -> torch.Tensor | None:
-    """Key-validity mask for decodes gathered to `max_len` keys; None if no row is padded."""
-    if bool((seq_lens == max_len).all()):
-        return None
-    valid = torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
-    return valid[:, None, None, :]
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
+_KERNEL_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 @dataclass
 class KVCache:
-    """Paged K and V for every layer: each `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """Paged K and V for every layer: each `[num_blocks, block_size, num_kv_heads, head_dim]`.
+
+    An int8 cache keeps per-(slot, kv head) fp32 scales: `[num_blocks, block_size, H_kv]`.
+    """
 
     key: list[torch.Tensor]
     value: list[torch.Tensor]
+    key_scales: list[torch.Tensor] | None = None
+    value_scales: list[torch.Tensor] | None = None
 
     @property
     def block_size(self) -> int:
@@ -80,12 +54,22 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.key[0].shape[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.key[0].dtype
+
+    def layer(self, i: int) -> "LayerKV":
+        scales = (None, None) if self.key_scales is None else (
+            self.key_scales[i], self.value_scales[i])
+        return LayerKV(self.key[i], self.value[i], *scales)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks src -> dst in every layer (copy-on-write of shared blocks)."""
         device = self.key[0].device
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
-        for cache in (*self.key, *self.value):
+        tensors = [*self.key, *self.value, *(self.key_scales or []), *(self.value_scales or [])]
+        for cache in tensors:
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
     @classmethod
@@ -100,81 +84,192 @@ class KVCache:
         device: torch.device | str = "cpu",
     ) -> "KVCache":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+
+        def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+        scales = (None, None)
+        if dtype == torch.int8:
+            scales = (zeros(shape[:3], torch.float32), zeros(shape[:3], torch.float32))
+        return cls(zeros(shape, dtype), zeros(shape, dtype), *scales)
+
+
+@dataclass
+class LayerKV:
+    key: torch.Tensor  # (num_blocks, block_size, H_kv, D)
+    value: torch.Tensor
+    key_scales: torch.Tensor | None = None  # (num_blocks, block_size, H_kv), int8 only
+    value_scales: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs for one step; built by the model runner, never global.
+
+    Sequences come shortest query first, so the ones the paged kernel takes (at most
+    `MAX_KERNEL_QUERY_LEN` queries) form a prefix of the batch.
+    """
+
+    slot_mapping: torch.Tensor  # (T,) int64, where each new token's K/V is written
+    query_start: list[int]  # (B + 1,) token offsets of each sequence's queries
+    context_lens: list[int]  # (B,) tokens already cached before this step's queries
+    block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
+    block_size: int
+    backend: "AttentionBackend | None" = None  # None: the plain torch backend
+    num_kernel_seqs: int = field(init=False)
+    query_start_t: torch.Tensor = field(init=False)  # int32 tensors for the kernel
+    context_lens_t: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        lens = [b - a for a, b in zip(self.query_start, self.query_start[1:], strict=False)]
+        if any(x > y for x, y in zip(lens, lens[1:], strict=False)):
+            raise ValueError("sequences must be ordered by query length")
+        self.num_kernel_seqs = sum(1 for n in lens if n <= MAX_KERNEL_QUERY_LEN)
+        self.query_start_t = torch.tensor(self.query_start, dtype=torch.int32)
+        self.context_lens_t = torch.tensor(self.context_lens, dtype=torch.int32)
+        if self.backend is None:
+            self.backend = TorchBackend()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+    @classmethod
+    def build(
+        cls, query_lens: list[int], context_lens: list[int], block_ids: list[list[int]],
+        block_size: int, device: torch.device | str = "cpu",
+        backend: "AttentionBackend | None" = None,
+    ) -> "AttentionMetadata":
+        """From per-sequence query lengths, cached lengths and block ids (batch order)."""
+        starts = [0]
+        slots: list[int] = []
+        for n, ctx, blocks in zip(query_lens, context_lens, block_ids, strict=True):
+            starts.append(starts[-1] + n)
+            slots.extend(blocks[p // block_size] * block_size + p % block_size
+                         for p in range(ctx, ctx + n))
+        width = max(-(-(c + n) // block_size) for c, n in zip(context_lens, query_lens,
+                                                               strict=True))
+        rows = [b[:width] + [0] * (width - len(b[:width])) for b in block_ids]
         return cls(
-            key=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-            value=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            query_start=starts,
+            context_lens=list(context_lens),
+            block_tables=torch.tensor(rows, dtype=torch.int32, device=device),
+            block_size=block_size,
+            backend=backend,
         )
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """q: (T, H, D), k/v: (T, H_kv, D) for the new tokens -> output (T, H, D)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-    out = torch.empty_like(q)
-    n_dec = meta.num_decode_tokens
-    if n_dec:
-        out[:n_dec] = _decode_attention(q[:n_dec], k_cache, v_cache, meta, scale)
-    for chunk in meta.prefills:
-        rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scale)
-    return out
+class AttentionBackend:
+    """Writes a layer's new K/V into the paged cache, then attends every query.
+
+    `forward(q (T, H, D), k/v (T, H_kv, D), cache, meta, scale) -> (T, H, D)`; it must not
+    depend on module-global state, and a sequence's output must not depend on the others.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """(num_blocks, bs, H_kv, D) gathered by (B, n) block ids -> (B, H_kv, n*bs, D)."""
-    b, n = block_tables.shape
-    blocks = cache[block_tables]  # (B, n, bs, H_kv, D)
-    return blocks.view(b, n * cache.shape[1], cache.shape[2], cache.shape[3]).transpose(1, 2)
+class TorchBackend(AttentionBackend):
+    """Plain torch: per-sequence gather of the cached blocks and SDPA (any device)."""
+
+    def forward(self, q, k, v, cache, meta, scale):
+        if cache.key.dtype == torch.int8:
+            raise ValueError("kv_cache_dtype int8 needs the native CPU kernels")
+        num_kv_heads, head_dim = cache.key.shape[2], cache.key.shape[3]
+        cache.key.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, meta.slot_mapping, k.to(cache.key.dtype))
+        cache.value.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, meta.slot_mapping, v.to(cache.value.dtype))
+        out = torch.empty_like(q)
+        for b in range(meta.num_seqs):
+            rows = slice(meta.query_start[b], meta.query_start[b + 1])
+            out[rows] = _sdpa_from_cache(q[rows], k[rows], v[rows], cache, meta, b, scale,
+                                         _gather_torch)
+        return out
 
 
-def _decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """One batched call for all single-token queries. q: (B, H, D) -> (B, H, D)."""
-    keys = _gather(k_cache, meta.decode_block_tables)  # (B, H_kv, L, D)
-    values = _gather(v_cache, meta.decode_block_tables)
+class NativeCPUBackend(AttentionBackend):
+    """The C++ paged kernel for decodes and short chunks; SDPA for long prompt chunks."""
+
+    def __init__(self) -> None:
+        self.lib = native()
+        if self.lib is None:
+            raise RuntimeError("native CPU kernels are not available")
+
+    def forward(self, q, k, v, cache, meta, scale):
+        t, h, d = q.shape
+        num_kv_heads = k.shape[1]
+        dtype = _KERNEL_DTYPE[cache.key.dtype]
+        q, k, v = q.float().contiguous(), k.float().contiguous(), v.float().contiguous()
+        self.lib.llmserve_kv_cache_write(
+            ptr(k), ptr(v), t, num_kv_heads, d, ptr(meta.slot_mapping), ptr(cache.key),
+            ptr(cache.value), ptr(cache.key_scales), ptr(cache.value_scales), dtype,
+        )
+        out = torch.empty_like(q)
+        nk = meta.num_kernel_seqs
+        if nk:
+            self.lib.llmserve_paged_attention(
+                ptr(q), h, d, ptr(cache.key), ptr(cache.value), ptr(cache.key_scales),
+                ptr(cache.value_scales), dtype, meta.block_size, num_kv_heads,
+                ptr(meta.block_tables), meta.block_tables.shape[1], ptr(meta.query_start_t),
+                ptr(meta.context_lens_t), nk, scale, ptr(out),
+            )
+        for b in range(nk, meta.num_seqs):
+            rows = slice(meta.query_start[b], meta.query_start[b + 1])
+            out[rows] = _sdpa_from_cache(q[rows], k[rows], v[rows], cache, meta, b, scale,
+                                         self._gather)
+        return out
+
+    def _gather(self, cache: LayerKV, which: str, block_ids: torch.Tensor,
+                total: int) -> torch.Tensor:
+        """(H_kv, total, D) fp32 keys or values of the first `total` slots of the blocks."""
+        data = cache.key if which == "key" else cache.value
+        scales = cache.key_scales if which == "key" else cache.value_scales
+        if data.dtype != torch.int8:
+            return _gather_torch(cache, which, block_ids, total).float()
+        block_size, num_kv_heads, head_dim = data.shape[1], data.shape[2], data.shape[3]
+        offsets = torch.arange(block_size)
+        slots = (block_ids.long()[:, None] * block_size + offsets).reshape(-1)[:total]
+        rows = (slots[:, None] * num_kv_heads + torch.arange(num_kv_heads)).reshape(-1)
+        out = torch.empty(rows.numel(), head_dim)
+        self.lib.llmserve_kv_cache_gather(ptr(data), ptr(scales), 2, ptr(rows), rows.numel(),
+                                          head_dim, ptr(out))
+        return out.view(total, num_kv_heads, head_dim).transpose(0, 1)
+
+
+def _gather_torch(cache: LayerKV, which: str, block_ids: torch.Tensor,
+                  total: int) -> torch.Tensor:
+    data = cache.key if which == "key" else cache.value
+    blocks = data[block_ids.long()]  # (n, bs, H_kv, D)
+    return blocks.flatten(0, 1)[:total].transpose(0, 1)  # (H_kv, total, D)
+
+
+def _sdpa_from_cache(q, k, v, cache, meta, b, scale, gather) -> torch.Tensor:
+    """Causal attention of sequence b's chunk over `| context | chunk |`. q: (n, H, D)."""
+    n = q.shape[0]
+    context = meta.context_lens[b]
+    if context == 0:  # attends only to itself: the fresh k/v, no cache read
+        keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
+    else:
+        total = context + n
+        table = meta.block_tables[b, : -(-total // meta.block_size)]
+        keys = gather(cache, "key", table, total).to(q.dtype)
+        values = gather(cache, "value", table, total).to(q.dtype)
+        # query i sits at position context + i and sees keys 0 .. context + i
+        q_pos = torch.arange(n, device=q.device)[:, None] + context
+        mask = torch.arange(total, device=q.device)[None, :] <= q_pos  # (n, total)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )  # (B, H, 1, D)
-    return out.squeeze(2)
-
-
-def _prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    chunk: PrefillChunk,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of one chunk over `| context | chunk |`. q: (n, H, D) -> (n, H, D)."""
-    n = chunk.query_len
-    if chunk.context_len == 0:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=True,
-        )  # (H, n, D)
-        return out.transpose(0, 1)
-    total = chunk.context_len + n
-    num_blocks = -(-total // k_cache.shape[1])
-    table = chunk.block_table[:num_blocks].unsqueeze(0)
-    keys = _gather(k_cache, table)[0, :, :total]  # (H_kv, total, D)
-    values = _gather(v_cache, table)[0, :, :total]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=chunk.mask, scale=scale, enable_gqa=True
-    )
+        q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
+        scale=scale, enable_gqa=True,
+    )  # (H, n, D)
     return out.transpose(0, 1)
+
+
+def attention_backend(device: torch.device) -> AttentionBackend:
+    """The fastest backend for `device`: native kernels on the CPU when they build."""
+    if device.type == "cpu" and native() is not None:
+        return NativeCPUBackend()
+    return TorchBackend()

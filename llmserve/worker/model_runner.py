@@ -10,11 +10,7 @@ import torch
 from torch import nn
 
 from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from llmserve.worker.attention import (
-    AttentionMetadata,
-    KVCache,
-    PrefillChunk,
-)
+from llmserve.worker.attention import AttentionMetadata, KVCache, attention_backend
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
 from llmserve.worker.sampler import SamplingBatch, sample
 
@@ -44,6 +40,7 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
+        self.attention = attention_backend(self.device)
         self.generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
@@ -57,8 +54,8 @@ class ModelRunner:
         result = RunnerOutput()
         if not out.scheduled:
             return result
-        # decodes first: the attention metadata expects them at the front of the batch
-        batch = sorted(out.scheduled, key=lambda s: len(s.token_ids) != 1)
+        # shortest query first: the attention metadata expects that order
+        batch = sorted(out.scheduled, key=lambda s: len(s.token_ids))
         input_ids, positions, meta = self._prepare_inputs(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (T, hidden)
         ends = torch.tensor([len(s.token_ids) for s in batch]).cumsum(0) - 1
@@ -121,42 +118,18 @@ class ModelRunner:
     def _prepare_inputs(
         self, batch: list[ScheduledRequest]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillChunk] = []
-        decodes = [s for s in batch if len(s.token_ids) == 1]
         for s in batch:
-            start = s.start_position
-            n = len(s.token_ids)
-            if n > 1:
-                table = torch.tensor(s.block_ids, dtype=torch.long, device=self.device)
-                prefills.append(PrefillChunk(len(token_ids), n, start, table))
             token_ids.extend(s.token_ids)
-            pos = range(start, start + n)
-            positions.extend(pos)
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=self._padded_tables(decodes) if decodes else None,
-            decode_seq_lens=torch.tensor(
-                [s.start_position + 1 for s in decodes], device=self.device
-            ) if decodes else None,
-            prefills=prefills,
-            block_size=bs,
+            positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
+        meta = AttentionMetadata.build(
+            [len(s.token_ids) for s in batch], [s.start_position for s in batch],
+            [s.block_ids for s in batch], self.block_size, self.device, self.attention,
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(positions, dtype=torch.long, device=self.device)
         return ids, pos_t, meta
-
-    def _padded_tables(self, decodes: list[ScheduledRequest]) -> torch.Tensor:
-        """Block tables cut to the blocks in use and padded with block 0 (masked out)."""
-        lens = [-(-(s.start_position + 1) // self.block_size) for s in decodes]
-        width = max(lens)
-        rows = [s.block_ids[:n] + [0] * (width - n) for s, n in zip(decodes, lens, strict=True)]
-        return torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _generator(self, s: ScheduledRequest) -> torch.Generator | None:
         seed = s.sampling_params.seed

@@ -7,7 +7,7 @@ import transformers
 from llmserve import SamplingParams
 from llmserve.loader.hf import load_hf_folder
 from llmserve.models.registry import model_class
-from llmserve.worker.attention import AttentionMetadata, KVCache, PrefillChunk
+from llmserve.worker.attention import AttentionMetadata, KVCache
 
 LOGIT_TOLERANCE = 1e-3
 
@@ -37,14 +37,7 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
         cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
         torch.float32,
     )
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_seq_lens=None,
-        prefills=[PrefillChunk(0, n, 0, torch.arange(num_blocks))],
-        block_size=block_size,
-    )
+    meta = AttentionMetadata.build([n], [0], [list(range(num_blocks))], block_size)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), kv, meta)
         return model.compute_logits(hidden)

@@ -8,29 +8,52 @@ from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.loader.model_loader import load_model
-from llmserve.quantization.int8 import int8_linear, quantize_rows
+from llmserve.kernels import native
+from llmserve.quantization.int8 import (
+    NATIVE_MAX_ROWS,
+    PackedInt8Weight,
+    _int8_linear_fused,
+    _int8_linear_int_mm,
+    _int8_linear_torch,
+    int8_linear,
+)
 from tests.models.test_llama_reference import CHAT, PROMPTS, full_logits, reference_greedy
 
 
 def test_int8_linear_is_close_to_float():
     torch.manual_seed(0)
-    weight = torch.randn(300, 256) * 0.05
-    x = torch.randn(16, 256)
+    weight = torch.randn(300, 250) * 0.05  # neither dimension a multiple of the tiles
+    x = torch.randn(16, 250)
     x[:, 3] *= 40  # an outlier channel, as in real residual streams
-    qweight, scale = quantize_rows(weight)
-    ours = int8_linear(x, qweight.t().contiguous(), scale.reshape(-1))
+    ours = int8_linear(x, PackedInt8Weight(weight))
     ref = F.linear(x, weight)
     assert (ours - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
 def test_int8_linear_rows_do_not_depend_on_the_batch():
     torch.manual_seed(1)
-    qweight, scale = quantize_rows(torch.randn(64, 128))
-    qweight, scale = qweight.t().contiguous(), scale.reshape(-1)
-    x = torch.randn(9, 128)
-    together = int8_linear(x, qweight, scale)
-    for i in range(9):
-        assert torch.equal(int8_linear(x[i : i + 1], qweight, scale)[0], together[i])
+    weight = PackedInt8Weight(torch.randn(64, 128))
+    x = torch.randn(40, 128)  # more rows than the fused kernel takes: the oneDNN path
+    together = int8_linear(x, weight)
+    for i in range(40):
+        assert torch.equal(int8_linear(x[i : i + 1], weight)[0], together[i])
+
+
+@pytest.mark.parametrize("rows", [1, 3, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 70])
+def test_int8_kernels_agree_bit_for_bit(rows):
+    """Fused native kernel, oneDNN path and plain torch ops compute the same numbers."""
+    lib = native()
+    assert lib is not None, "the native kernels must build on the CPU test machines"
+    torch.manual_seed(rows)
+    weight = PackedInt8Weight(torch.randn(90, 200) * 0.1)
+    bias = torch.randn(90)
+    x = torch.randn(rows, 200)
+    x[:, 7] *= 30
+    fused = _int8_linear_fused(lib, x, weight, bias)
+    onednn = _int8_linear_int_mm(lib, x, weight, bias)
+    plain = _int8_linear_torch(x, weight, bias)
+    assert torch.equal(fused, onednn)
+    assert torch.equal(fused, plain)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,120 @@
+"""Native CPU kernels, built on first use with the machine's own instruction set.
+
+`cpu_kernels.cpp` is compiled by the system C++ compiler against torch's headers
+(`-O3 -march=native`, about a second) into the llmserve cache, one build per source, torch
+version and CPU-flag set, and loaded with ctypes. It uses torch's own thread pool. When no
+compiler is present (or `LLMSERVE_NATIVE_KERNELS=0`), `native()` returns None and callers
+fall back to plain torch ops: slower, never wrong.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import subprocess
+import sysconfig
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_ABI = 3
+_LOCK = threading.Lock()
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_I32 = ctypes.c_int32
+_F32 = ctypes.c_float
+
+# name -> argument types (all return void unless listed in _RESTYPES)
+_SIGNATURES = {
+    "llmserve_kernels_abi": [],
+    "llmserve_quantize_rows_s8": [_P, _I64, _I64, _P, _P],
+    "llmserve_int8_epilogue": [_P, _I64, _I64, _P, _P, _P, _P],
+    "llmserve_int8_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P],
+    "llmserve_kv_cache_write": [_P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
+    "llmserve_paged_attention": [
+        _P, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _I64, _F32, _P,
+    ],
+    "llmserve_kv_cache_gather": [_P, _P, _I32, _P, _I64, _I64, _P],
+}
+_RESTYPES = {"llmserve_kernels_abi": _I32}
+
+
+def cpu_flags() -> list[str]:
+    """The x86 feature flags that matter for kernel choice, from /proc/cpuinfo."""
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
+              "amx_tile", "amx_bf16", "amx_int8")
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "")
+    except OSError:
+        return []
+    present = set(line.split())
+    return [flag for flag in wanted if flag in present]
+
+
+def _build_dir() -> Path:
+    root = os.environ.get("LLMSERVE_CACHE") or Path.home() / ".cache" / "llmserve"
+    return Path(root) / "kernels"
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    key.update(_SOURCE.read_bytes())
+    key.update(torch.__version__.encode())
+    key.update(" ".join(cpu_flags()).encode())
+    key.update(Path("/proc/cpuinfo").read_bytes().split(b"flags", 1)[-1][:2048]
+               if Path("/proc/cpuinfo").exists() else b"")
+    return _build_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def _compile(target: Path) -> None:
+    torch_dir = Path(torch.__file__).parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [
+        os.environ.get("CXX", "g++"), "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
+        "-fopenmp", "-ffp-contract=off", "-DNDEBUG",
+        f"-I{torch_dir / 'include'}", f"-I{sysconfig.get_paths()['include']}",
+        str(_SOURCE), "-o", str(tmp),
+        f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+    tmp.replace(target)
+
+
+@cache
+def native() -> ctypes.CDLL | None:
+    """The loaded kernel library, or None (no compiler, disabled, or a build error)."""
+    if os.environ.get("LLMSERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    with _LOCK:
+        path = _library_path()
+        try:
+            if not path.exists():
+                _compile(path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or str(exc)
+            logger.warning("native CPU kernels unavailable, using torch ops: %s",
+                           detail.strip().splitlines()[-1] if detail.strip() else exc)
+            return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = _RESTYPES.get(name)
+    if lib.llmserve_kernels_abi() != _ABI:
+        logger.warning("native CPU kernels: ABI mismatch, using torch ops")
+        return None
+    logger.info("native CPU kernels loaded (%s)", " ".join(cpu_flags()) or "no x86 flags")
+    return lib
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's data pointer for a ctypes call (None for a missing optional tensor)."""
+    return None if t is None else t.data_ptr()

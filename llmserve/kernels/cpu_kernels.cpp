@@ -1,0 +1,336 @@
+// llmserve CPU kernels: W8A8 int8 linear with fused activation quantization, and paged
+// attention that reads the KV cache in place (fp32, bf16 or int8 entries).
+//
+// Plain C ABI (called through ctypes with tensor data pointers); threads come from
+// at::parallel_for, i.e. torch's own intra-op pool, so no second OpenMP runtime competes
+// with torch's. Built at first use with -march=native (one build per CPU-flag set).
+//
+// Every output row depends only on its own input row: integer dot products are exact, and
+// the float epilogue is the same elementwise code whatever M is, so a request's results do
+// not depend on what else is in the batch.
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kQuantBlock = 64;  // K is padded to a multiple of this in packed weights
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---- activation quantization -------------------------------------------------------------
+// x ~ (hi + lo / 254) * scale with hi, lo in [-127, 127]: about 15 bits per activation, so
+// an outlier channel does not wash out the rest of the token. Stored as u8 (value + 128) for
+// VNNI's u8 x s8 dot product; padding columns hold 128 (zero).
+void quantize_row(const float* x, int64_t K, int64_t Kp, uint8_t* hi, uint8_t* lo,
+                  float* scale_out) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
+  float scale = std::max(amax, 1e-8f) / 127.f;
+  float inv = 1.f / scale;
+  for (int64_t k = 0; k < K; ++k) {
+    float t = x[k] * inv;
+    float h = std::nearbyint(t);
+    float l = std::nearbyint((t - h) * 254.f);
+    hi[k] = static_cast<uint8_t>(static_cast<int>(h) + 128);
+    lo[k] = static_cast<uint8_t>(static_cast<int>(std::clamp(l, -127.f, 127.f)) + 128);
+  }
+  for (int64_t k = K; k < Kp; ++k) hi[k] = lo[k] = 128;
+  *scale_out = scale;
+}
+
+inline float epilogue(int32_t acc_hi, int32_t acc_lo, float x_scale, float w_scale) {
+  return (static_cast<float>(acc_hi) + static_cast<float>(acc_lo) * (1.f / 254.f)) * x_scale *
+         w_scale;
+}
+
+// ---- u8 x s8 dot products over Kp (multiple of 64) ----------------------------------------
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+// MT rows (each hi and lo) against 4 weight rows; results are raw sums of (x+128)*w.
+template <int MT>
+inline void dot_tile(const uint8_t* const* xh, const uint8_t* const* xl, const int8_t* w,
+                     int64_t Kp, int32_t out_hi[MT][4], int32_t out_lo[MT][4]) {
+  __m512i ah[MT][4], al[MT][4];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) ah[m][j] = al[m][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < Kp; k += 64) {
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + j * Kp + k);
+    for (int m = 0; m < MT; ++m) {
+      __m512i h = _mm512_loadu_si512(xh[m] + k);
+      __m512i l = _mm512_loadu_si512(xl[m] + k);
+      for (int j = 0; j < 4; ++j) {
+        ah[m][j] = _mm512_dpbusd_epi32(ah[m][j], h, wv[j]);
+        al[m][j] = _mm512_dpbusd_epi32(al[m][j], l, wv[j]);
+      }
+    }
+  }
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) {
+      out_hi[m][j] = _mm512_reduce_add_epi32(ah[m][j]);
+      out_lo[m][j] = _mm512_reduce_add_epi32(al[m][j]);
+    }
+}
+#else
+template <int MT>
+inline void dot_tile(const uint8_t* const* xh, const uint8_t* const* xl, const int8_t* w,
+                     int64_t Kp, int32_t out_hi[MT][4], int32_t out_lo[MT][4]) {
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) {
+      int32_t sh = 0, sl = 0;
+      const int8_t* wr = w + j * Kp;
+      for (int64_t k = 0; k < Kp; ++k) {
+        sh += static_cast<int32_t>(xh[m][k]) * wr[k];
+        sl += static_cast<int32_t>(xl[m][k]) * wr[k];
+      }
+      out_hi[m][j] = sh;
+      out_lo[m][j] = sl;
+    }
+}
+#endif
+
+template <int MT>
+inline void gemm_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp,
+                      const int8_t* w, const int32_t* wsum, const float* wscale,
+                      const float* bias, int64_t n0, int64_t N, float* y) {
+  const uint8_t* xh[MT];
+  const uint8_t* xl[MT];
+  for (int m = 0; m < MT; ++m) {
+    xh[m] = xq + (m0 + m) * 2 * Kp;
+    xl[m] = xh[m] + Kp;
+  }
+  int32_t hi[MT][4], lo[MT][4];
+  dot_tile<MT>(xh, xl, w + n0 * Kp, Kp, hi, lo);
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < 4; ++j) {
+      int64_t n = n0 + j;
+      if (n >= N) continue;
+      int32_t offset = 128 * wsum[n];
+      float v = epilogue(hi[m][j] - offset, lo[m][j] - offset, xs[m0 + m], wscale[n]);
+      y[(m0 + m) * N + n] = bias ? v + bias[n] : v;
+    }
+}
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return 0x7fc0;
+  bits += 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+enum KVDtype : int32_t { kF32 = 0, kBF16 = 1, kInt8 = 2 };
+
+// Loads `D` entries of one cached key/value row as floats.
+inline void load_row(const void* base, int64_t index, int64_t D, int32_t dtype,
+                     const float* scales, float* dst) {
+  if (dtype == kF32) {
+    std::memcpy(dst, static_cast<const float*>(base) + index * D, D * sizeof(float));
+  } else if (dtype == kBF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(base) + index * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_float(src[d]);
+  } else {
+    const int8_t* src = static_cast<const int8_t*>(base) + index * D;
+    float s = scales[index];
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16)
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) y[d] += a * x[d];
+}
+
+inline void scale_row(float* y, float a, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) y[d] *= a;
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t llmserve_kernels_abi() { return 3; }
+
+// Quantizes rows of x (M, K) into int8 parts: out rows 0..M-1 hold hi, rows M..2M-1 lo
+// (for torch._int_mm), with each row's scale.
+void llmserve_quantize_rows_s8(const float* x, int64_t M, int64_t K, int8_t* out,
+                               float* scales) {
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> hi(K), lo(K);
+    for (int64_t m = b; m < e; ++m) {
+      quantize_row(x + m * K, K, K, hi.data(), lo.data(), scales + m);
+      for (int64_t k = 0; k < K; ++k) {
+        out[m * K + k] = static_cast<int8_t>(static_cast<int>(hi[k]) - 128);
+        out[(M + m) * K + k] = static_cast<int8_t>(static_cast<int>(lo[k]) - 128);
+      }
+    }
+  });
+}
+
+// y (M, N) from exact int32 sums acc (2M, N) (hi rows, then lo rows) [+ bias].
+void llmserve_int8_epilogue(const int32_t* acc, int64_t M, int64_t N, const float* x_scale,
+                            const float* w_scale, const float* bias, float* y) {
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        float v = epilogue(acc[m * N + n], acc[(M + m) * N + n], x_scale[m], w_scale[n]);
+        y[m * N + n] = bias ? v + bias[n] : v;
+      }
+  });
+}
+
+// y (M, N) = W8A8(x (M, K)) with packed weight (N_pad, Kp) [+ bias]. `workspace` holds
+// M * 2 * Kp bytes (quantized rows) plus M floats (their scales).
+void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
+                          const int32_t* wsum, const float* wscale, const float* bias,
+                          int64_t N, float* y, uint8_t* workspace) {
+  const int64_t Kp = round_up(K, kQuantBlock);
+  uint8_t* xq = workspace;
+  float* xs = reinterpret_cast<float*>(workspace + M * 2 * Kp);
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      quantize_row(x + m * K, K, Kp, xq + m * 2 * Kp, xq + m * 2 * Kp + Kp, xs + m);
+  });
+  const int64_t n_tiles = round_up(N, 4) / 4;
+  constexpr int64_t kRowBlock = 64;  // rows of x kept hot while weight tiles stream past
+  // grain: enough tiles per task that a batch-1 call still splits across the threads
+  at::parallel_for(0, n_tiles, 8, [&](int64_t tb, int64_t te) {
+    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+      int64_t r1 = std::min(M, r0 + kRowBlock);
+      for (int64_t t = tb; t < te; ++t) {
+        int64_t m = r0;
+        for (; m + 2 <= r1; m += 2) gemm_tile<2>(xq, xs, m, Kp, w, wsum, wscale, bias, t * 4, N, y);
+        for (; m < r1; ++m) gemm_tile<1>(xq, xs, m, Kp, w, wsum, wscale, bias, t * 4, N, y);
+      }
+    }
+  });
+}
+
+// Writes new keys and values (T, Hkv, D) fp32 into the paged cache at `slot_mapping`,
+// converting to the cache's dtype (int8: one scale per token and head).
+void llmserve_kv_cache_write(const float* k, const float* v, int64_t T, int64_t Hkv, int64_t D,
+                             const int64_t* slot_mapping, void* k_cache, void* v_cache,
+                             float* k_scales, float* v_scales, int32_t dtype) {
+  at::parallel_for(0, T * Hkv, 64, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      int64_t t = i / Hkv, h = i % Hkv;
+      int64_t dst = slot_mapping[t] * Hkv + h;
+      for (int which = 0; which < 2; ++which) {
+        const float* src = (which ? v : k) + i * D;
+        void* cache = which ? v_cache : k_cache;
+        if (dtype == kF32) {
+          std::memcpy(static_cast<float*>(cache) + dst * D, src, D * sizeof(float));
+        } else if (dtype == kBF16) {
+          uint16_t* out = static_cast<uint16_t*>(cache) + dst * D;
+          for (int64_t d = 0; d < D; ++d) out[d] = float_to_bf16(src[d]);
+        } else {
+          float amax = 0.f;
+          for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(src[d]));
+          float s = std::max(amax, 1e-8f) / 127.f;
+          int8_t* out = static_cast<int8_t*>(cache) + dst * D;
+          for (int64_t d = 0; d < D; ++d)
+            out[d] = static_cast<int8_t>(std::nearbyint(std::clamp(src[d] / s, -127.f, 127.f)));
+          (which ? v_scales : k_scales)[dst] = s;
+        }
+      }
+    }
+  });
+}
+
+// Paged attention for a flat batch of B sequences. Sequence b owns queries
+// [query_start[b], query_start[b + 1]) at positions context_lens[b] + i, and attends
+// causally to its cached keys 0 .. context_lens[b] + i through its row of block_tables
+// (B, max_blocks). q, out: (T, H, D) fp32; cache: (num_blocks, block_size, Hkv, D).
+// Softmax in fp32 with a running max (one pass over the keys); cost is each sequence's own
+// length.
+void llmserve_paged_attention(const float* q, int64_t H, int64_t D, const void* k_cache,
+                              const void* v_cache, const float* k_scales,
+                              const float* v_scales, int32_t dtype, int64_t block_size,
+                              int64_t Hkv, const int32_t* block_tables, int64_t max_blocks,
+                              const int32_t* query_start, const int32_t* context_lens,
+                              int64_t B, float scale, float* out) {
+  const int64_t group = H / Hkv;
+  // work items: (sequence, head, query); a sequence's queries are contiguous
+  std::vector<int64_t> item_start(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b)
+    item_start[b + 1] = item_start[b] + (query_start[b + 1] - query_start[b]) * H;
+  at::parallel_for(0, item_start[B], 1, [&](int64_t ib, int64_t ie) {
+    std::vector<float> key(D), value(D), acc(D), scores(block_size);
+    int64_t b = std::upper_bound(item_start.begin(), item_start.end(), ib) - item_start.begin() - 1;
+    for (int64_t item = ib; item < ie; ++item) {
+      while (item >= item_start[b + 1]) ++b;
+      int64_t local = item - item_start[b];
+      int64_t i = local / H, h = local % H, kvh = h / group;
+      int64_t token = query_start[b] + i;
+      int64_t num_keys = context_lens[b] + i + 1;
+      const float* qv = q + (token * H + h) * D;
+      const int32_t* table = block_tables + b * max_blocks;
+      float running_max = -INFINITY, denom = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k0 = 0; k0 < num_keys; k0 += block_size) {
+        int64_t n = std::min(block_size, num_keys - k0);
+        int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_size;
+        float block_max = -INFINITY;
+        for (int64_t j = 0; j < n; ++j) {
+          load_row(k_cache, (base + j) * Hkv + kvh, D, dtype, k_scales, key.data());
+          scores[j] = dot(qv, key.data(), D) * scale;
+          block_max = std::max(block_max, scores[j]);
+        }
+        if (block_max > running_max) {
+          float correction = std::exp(running_max - block_max);
+          scale_row(acc.data(), correction, D);
+          denom *= correction;
+          running_max = block_max;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          float p = std::exp(scores[j] - running_max);
+          denom += p;
+          load_row(v_cache, (base + j) * Hkv + kvh, D, dtype, v_scales, value.data());
+          axpy(acc.data(), p, value.data(), D);
+        }
+      }
+      float* o = out + (token * H + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / denom;
+    }
+  });
+}
+
+// Dequantizes (or widens) cached rows to fp32: rows (R,) cache-row indices (slot * Hkv + h)
+// -> dst (R, D). For gathering a long prefill chunk's context.
+void llmserve_kv_cache_gather(const void* cache, const float* scales, int32_t dtype,
+                              const int64_t* rows, int64_t R, int64_t D, float* dst) {
+  at::parallel_for(0, R, 256, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) load_row(cache, rows[r], D, dtype, scales, dst + r * D);
+  });
+}
+
+}  // extern "C"

@@ -30,8 +30,9 @@ def main() -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    llm = LLM(str(args.gguf), dtype="float32", quantization=args.quantization)
+    llm = LLM(str(args.gguf), dtype=args.dtype, quantization=args.quantization)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
     for prompt in synthetic_prompts(llm, args.batch, args.input_len, seed=0):

@@ -86,6 +86,10 @@ class ModelConfig:
         )
 
 
+# "auto" keeps a quantized checkpoint (GGUF Q4/Q5/Q6/Q8) quantized, on the int8 kernels.
+QUANTIZATION_CHOICES = ("auto", "none", "int8")
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
+
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
 
@@ -102,7 +106,11 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    quantization: str | None = None  # "int8": W8A8 linear layers (fast on CPU); None: exact
+    # None: "auto" with dtype auto (a quantized checkpoint runs on the int8 kernels), exact
+    # float weights otherwise; "none": always float; "int8": W8A8 linear layers
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype), float32, bfloat16 or int8
+    num_threads: int | None = None  # compute threads (torch's intra-op pool); None: all cores
     block_size: int = 16
     kv_cache_memory: str | int | float = "2GiB"
     max_num_seqs: int = 256
@@ -113,8 +121,16 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or none, not {self.quantization!r}")
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                f"not {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                f"not {self.kv_cache_dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -127,3 +143,10 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}"
             )
+
+    @property
+    def weight_quantization(self) -> str | None:
+        """What the loader is asked for: "auto" only on the fast default (dtype auto)."""
+        if self.quantization is None:
+            return "auto" if self.dtype == "auto" else None
+        return None if self.quantization == "none" else self.quantization

@@ -31,8 +31,12 @@ def parse_size(text: str | int) -> int:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * DTYPE_BYTES[dtype]
+    """2 (K and V) x layers x kv_heads x (head_dim x bytes per element [+ an fp32 scale]).
+
+    An int8 cache keeps one fp32 scale per token and KV head, beside the int8 entries.
+    """
+    per_head = cfg.head_dim * DTYPE_BYTES[dtype] + (4 if dtype == torch.int8 else 0)
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * per_head
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:

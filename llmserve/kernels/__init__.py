@@ -22,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_ABI = 3
+_ABI = 4
 _LOCK = threading.Lock()
 
 _P = ctypes.c_void_p
@@ -33,6 +33,9 @@ _F32 = ctypes.c_float
 # name -> argument types (all return void unless listed in _RESTYPES)
 _SIGNATURES = {
     "llmserve_kernels_abi": [],
+    "llmserve_rms_norm": [_P, _I64, _I64, _P, _F32, _P],
+    "llmserve_rotary_inplace": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],
+    "llmserve_silu_and_mul": [_P, _I64, _I64, _P],
     "llmserve_quantize_rows_s8": [_P, _I64, _I64, _P, _P],
     "llmserve_int8_epilogue": [_P, _I64, _I64, _P, _P, _P, _P],
     "llmserve_int8_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P],
@@ -113,6 +116,14 @@ def native() -> ctypes.CDLL | None:
         return None
     logger.info("native CPU kernels loaded (%s)", " ".join(cpu_flags()) or "no x86 flags")
     return lib
+
+
+def native_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The kernels, if every tensor is a contiguous fp32 CPU tensor they can take."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+    return native()
 
 
 def ptr(t: torch.Tensor | None) -> int | None:

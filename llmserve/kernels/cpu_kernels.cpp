@@ -178,7 +178,58 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 3; }
+int32_t llmserve_kernels_abi() { return 4; }
+
+// out (T, C) = weight * x * rsqrt(mean(x^2) + eps), row by row (fp32, as HF Llama's RMSNorm).
+void llmserve_rms_norm(const float* x, int64_t T, int64_t C, const float* weight, float eps,
+                       float* out) {
+  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = x + t * C;
+      float sum = 0.f;
+      for (int64_t c = 0; c < C; ++c) sum += row[c] * row[c];
+      float r = 1.f / std::sqrt(sum / static_cast<float>(C) + eps);
+      float* o = out + t * C;
+      for (int64_t c = 0; c < C; ++c) o[c] = weight[c] * (row[c] * r);
+    }
+  });
+}
+
+// Rotary embedding (rotate-half layout) in place on the q and k heads of a fused qkv row
+// (T, row_stride): heads [0, num_heads) start at column 0, k heads follow, each D wide.
+// cos/sin tables (max_position, D); the same products and sums as the torch formula.
+void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t num_heads,
+                             int64_t D, const int64_t* positions, const float* cos_table,
+                             const float* sin_table) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(D);
+    for (int64_t t = b; t < e; ++t) {
+      const float* c = cos_table + positions[t] * D;
+      const float* s = sin_table + positions[t] * D;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* x = qkv + t * row_stride + h * D;
+        for (int64_t i = 0; i < half; ++i) {
+          tmp[i] = x[i] * c[i] + (-x[i + half]) * s[i];
+          tmp[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+        }
+        std::memcpy(x, tmp.data(), D * sizeof(float));
+      }
+    }
+  });
+}
+
+// out (T, I) = silu(gate) * up for gate_up (T, 2I) = [gate | up].
+void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* out) {
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const float* g = gate_up + t * 2 * I;
+      const float* u = g + I;
+      float* o = out + t * I;
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+}
 
 // Quantizes rows of x (M, K) into int8 parts: out rows 0..M-1 hold hi, rows M..2M-1 lo
 // (for torch._int_mm), with each row's scale.

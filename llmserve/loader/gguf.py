@@ -23,6 +23,8 @@ from llmserve.loader.weights import LoadedWeights, drop_tied_head, require_path
 # GGUF `general.architecture` -> Hugging Face `model_type`.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
+FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16})
+
 # llama.cpp's convert script permutes Q/K rows (interleaved -> half-split rotary) for these.
 ROTARY_PERMUTED_ARCHITECTURES = frozenset({"llama"})
 
@@ -81,7 +83,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWei
             weight = _unpermute_qk(name, weight, config)
         tensors[hf_name(name)] = weight.to(dtype)
     drop_tied_head(config, tensors)
-    return LoadedWeights(config=config, tensors=tensors, metadata=metadata)
+    quantized = any(t.tensor_type not in FLOAT_TYPES for t in by_name.values())
+    return LoadedWeights(config=config, tensors=tensors, metadata=metadata, quantized=quantized)
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:

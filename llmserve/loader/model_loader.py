@@ -24,6 +24,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     config: ModelConfig
     source: ModelSource
+    quantization: str | None = None  # what the linear layers actually run ("int8"; None: float)
 
 
 def load_model(
@@ -34,7 +35,9 @@ def load_model(
 ) -> LoadedModel:
     """Resolve `spec`, read weights and tokenizer, and return the model in eval mode.
 
-    `quantization` (e.g. "int8") repacks the linear layers after loading; None is exact.
+    `quantization` (e.g. "int8") repacks the linear layers after loading; None is exact;
+    "auto" means int8 for a quantized checkpoint on the CPU (as llama.cpp keeps a GGUF's
+    quantization), exact float otherwise.
     """
     start = time.perf_counter()
     source = resolve_model(spec)
@@ -48,8 +51,12 @@ def load_model(
         model = model_class(weights.config)(weights.config)
     model.to(dtype=dtype)
     model.load_weights(weights.tensors)
+    weights.tensors.clear()  # the model holds the only copy now: lower peak memory
+    if quantization == "auto":
+        on_cpu = torch.device(device).type == "cpu"
+        quantization = "int8" if weights.quantized and on_cpu else None
     quantize_model(model, quantization)
     model.eval()
-    logger.info("loaded %s (%s) in %.1fs", source.name, source.kind,
-                time.perf_counter() - start)
-    return LoadedModel(model, tokenizer, weights.config, source)
+    logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
+                quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)
+    return LoadedModel(model, tokenizer, weights.config, source, quantization)

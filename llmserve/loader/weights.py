@@ -26,6 +26,7 @@ class LoadedWeights:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any] = field(default_factory=dict)
+    quantized: bool = False  # the file stores quantized weights (e.g. GGUF Q4_1)
 
 
 def require_path(path: str | Path, *, is_dir: bool) -> Path:

@@ -1,11 +1,15 @@
 """Shared layers of decoder models: linear (pluggable weight method), RMSNorm, rotary, embedding."""
 
 import math
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmserve.kernels import native_for, ptr
 
 
 class LinearMethod:
@@ -57,6 +61,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lib = native_for(x, self.weight) if x.dim() == 2 else None
+        if lib is not None:  # one pass instead of seven ops
+            out = torch.empty_like(x)
+            lib.llmserve_rms_norm(ptr(x), x.shape[0], x.shape[1], ptr(self.weight), self.eps,
+                                  ptr(out))
+            return out
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -103,20 +113,44 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Looked up once per step and shared by all layers: each (T, 1, head_dim)."""
-        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(dtype)
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryPositions":
+        """The rotation for one step's tokens, shared by all layers."""
+        return RotaryPositions(positions, self.cos_cache, self.sin_cache, dtype)
+
+
+@dataclass
+class RotaryPositions:
+    """Rotary tables at one step's positions (T,); cos/sin looked up once, when first used."""
+
+    positions: torch.Tensor
+    cos_cache: torch.Tensor  # (max_position, head_dim)
+    sin_cache: torch.Tensor
+    dtype: torch.dtype
+
+    @cached_property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each (T, 1, head_dim) in the compute dtype."""
+        cos = self.cos_cache[self.positions].unsqueeze(1).to(self.dtype)
+        sin = self.sin_cache[self.positions].unsqueeze(1).to(self.dtype)
         return cos, sin
+
+    def rotate_qkv_(self, qkv: torch.Tensor, num_rotated_heads: int, head_dim: int) -> bool:
+        """Rotate the first `num_rotated_heads` heads (q, then k) of fused qkv rows (T, C)
+        in place with the native kernel; False (nothing done) where it cannot run."""
+        lib = native_for(qkv, self.cos_cache)
+        if lib is None or qkv.dim() != 2 or self.positions.dtype != torch.long:
+            return False
+        lib.llmserve_rotary_inplace(
+            ptr(qkv), qkv.shape[0], qkv.shape[1], num_rotated_heads, head_dim,
+            ptr(self.positions), ptr(self.cos_cache), ptr(self.sin_cache))
+        return True
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    q: torch.Tensor, k: torch.Tensor, rope: RotaryPositions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim) rotated by position."""
-    cos, sin = cos_sin
+    cos, sin = rope.cos_sin
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -134,3 +168,15 @@ class Embedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.weight)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """(T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
+    lib = native_for(gate_up) if gate_up.dim() == 2 else None
+    if lib is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    t, width = gate_up.shape
+    out = gate_up.new_empty(t, width // 2)
+    lib.llmserve_silu_and_mul(ptr(gate_up), t, width // 2, ptr(out))
+    return out

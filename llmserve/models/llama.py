@@ -10,7 +10,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.config import ModelConfig
-from llmserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from llmserve.models.layers import (
+    Embedding,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    RotaryPositions,
+    apply_rotary,
+    silu_and_mul,
+)
 from llmserve.worker.attention import AttentionMetadata, KVCache, LayerKV
 
 # Checkpoint (Hugging Face) projection names fused into one matmul: name -> (fused, shard).
@@ -45,19 +53,24 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RotaryPositions,
         x: torch.Tensor,
         cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        # rotated in place when it can be (no q/k norm between projection and rotation)
+        rotated = self.q_norm is None and rope.rotate_qkv_(
+            qkv, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
+        if not rotated:
+            q, k = apply_rotary(q, k, rope)
         out = meta.backend.forward(q, k, v, cache, meta, self.scale)  # (T, H, D)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -70,8 +83,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -82,8 +94,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, cos_sin, x, cache: LayerKV, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), cache, meta)
+    def forward(self, rope: RotaryPositions, x: torch.Tensor, cache: LayerKV,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -116,9 +129,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
         x = self.model.embed_tokens(input_ids)
-        cos_sin = self.model.rotary.cos_sin(positions, x.dtype)
+        rope = self.model.rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(cos_sin, x, kv_cache.layer(i), meta)
+            x = layer(rope, x, kv_cache.layer(i), meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """W8A8 int8: weights per output channel, activations per token, products in int32.
 
-    y[t, o] = (sum_i hi[t, i] * wq[o, i] + sum_i lo[t, i] * wq[o, i] / 254) * x_scale[t] * w_scale[o]
+    y[t, o] = (hi[t] . wq[o] + lo[t] . wq[o] / 254) * x_scale[t] * w_scale[o]
 
 Activations are split into two int8 parts, x ~ (hi + lo / 254) * x_scale: about 15 bits,
 so an outlier channel does not wash out the rest of a token. Integer accumulation is exact

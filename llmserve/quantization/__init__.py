@@ -32,8 +32,8 @@ QUANTIZED_HEADS: dict[str, type[nn.Module]] = {"int8": Int8Head}
 def quantize_model(model: nn.Module, name: str | None) -> None:
     """Switch every `Linear` of a loaded model to method `name` and repack its weights.
 
-    A model with tied embeddings gets a separate quantized LM head (the embedding lookup
-    itself stays in float).
+    A model with tied embeddings gets a quantized LM head, and its embedding lookup reads
+    that same int8 table (one row gathered and scaled per token): no float copy remains.
     """
     if name is None:
         return
@@ -44,3 +44,4 @@ def quantize_model(model: nn.Module, name: str | None) -> None:
             module.method.process_weights_after_loading(module)
     if getattr(model, "lm_head", False) is None:
         model.lm_head = QUANTIZED_HEADS[name](model.model.embed_tokens.weight.data)
+        model.model.embed_tokens = model.lm_head.as_embedding()

@@ -137,3 +137,19 @@ class Int8Head(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return int8_linear(hidden, self.weight).float()
+
+    def as_embedding(self) -> "Int8Embedding":
+        return Int8Embedding(self.weight)
+
+
+class Int8Embedding(nn.Module):
+    """Token embedding read from an int8 table (the tied LM head's): row * its scale."""
+
+    def __init__(self, weight: PackedInt8Weight) -> None:
+        super().__init__()
+        self.table = weight
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        w = self.table
+        rows = w.packed[token_ids, : w.in_features].float()  # (T, hidden)
+        return rows * w.scale[token_ids, None]

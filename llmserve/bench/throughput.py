@@ -11,6 +11,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
+from llmserve.bench.machine import format_machine, format_path, machine_info, path_info
 from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
 
@@ -102,8 +103,8 @@ def report(llm: LLM, results: list[ThroughputResult], seed: int) -> dict[str, An
         ratio = by_mode["batched"].output_tokens_per_s / by_mode["sequential"].output_tokens_per_s
     return {
         "model": llm.engine.loaded.source.name,
-        "dtype": str(llm.engine.dtype).removeprefix("torch."),
-        "device": str(llm.engine.device),
+        **path_info(llm),
+        "machine": machine_info(),
         "num_prompts": results[0].num_requests,
         "input_len": results[0].input_len,
         "output_len": results[0].output_len,
@@ -113,8 +114,8 @@ def report(llm: LLM, results: list[ThroughputResult], seed: int) -> dict[str, An
     }
 
 
-def format_table(results: list[ThroughputResult]) -> str:
-    """A fixed-width table, one row per run."""
+def format_table(results: list[ThroughputResult], llm: LLM | None = None) -> str:
+    """A fixed-width table, one row per run, under the machine (and the engine's path)."""
     header = (f"{'mode':<11}{'requests':>9}{'time (s)':>10}{'req/s':>9}{'out tok/s':>11}"
               f"{'tok/s':>10}")
     rows = [
@@ -122,4 +123,5 @@ def format_table(results: list[ThroughputResult]) -> str:
         f"{r.output_tokens_per_s:>11.1f}{r.total_tokens_per_s:>10.1f}"
         for r in results
     ]
-    return "\n".join([header, *rows])
+    path = [format_path(path_info(llm))] if llm is not None else []
+    return "\n".join([format_machine(), *path, header, *rows])

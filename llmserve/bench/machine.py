@@ -1,0 +1,100 @@
+"""What a benchmark ran on: the CPU and the SIMD flags kernels dispatch on, and which
+compute path of the engine (dtype, quantization, KV-cache dtype) it measured.
+
+Every bench command prints `format_machine()` above its table and stores `machine_info()`
+in its JSON, so a number is never read apart from the hardware (and the instruction set
+PyTorch chose) that produced it. `bench serve` reports the machine running the client.
+"""
+
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from llmserve.llm import LLM
+
+# The x86 flags that decide which GEMM kernels run: fp32 (avx2/avx512f), int8 dot
+# products (VNNI), bf16 (avx512_bf16) and Intel's matrix tiles (AMX).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+_CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_flags(cpuinfo: str | None = None) -> list[str]:
+    """The `CPU_FLAGS` this CPU has, in `CPU_FLAGS` order ([] where /proc/cpuinfo is absent)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = _CPUINFO.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return []
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            present = set(value.split())
+            return [flag for flag in CPU_FLAGS if flag in present]
+    return []
+
+
+def _cpu_model(cpuinfo: str) -> str:
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, flags, PyTorch's CPU capability, threads, and the GPU if there is one."""
+    try:
+        cpuinfo = _CPUINFO.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        cpuinfo = ""
+    info: dict[str, Any] = {
+        "cpu": _cpu_model(cpuinfo),
+        "cpu_flags": cpu_flags(cpuinfo),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_version": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def format_machine(info: dict[str, Any] | None = None, what: str = "machine") -> str:
+    """One line for a table header: CPU, flags, torch's capability, threads (and GPU)."""
+    info = info or machine_info()
+    flags = " ".join(info["cpu_flags"]) or "none known"
+    line = (f"{what}: {info['cpu']}; flags: {flags}; torch cpu capability "
+            f"{info['torch_cpu_capability']}; {info['num_threads']} threads")
+    return line + (f"; gpu: {info['gpu']}" if info["gpu"] else "")
+
+
+def effective_quantization(llm: "LLM") -> str | None:
+    """The quantization method the loaded linear layers run (None: float weights).
+
+    What the loader reports when it says (`loaded.quantization`: a requested "auto" has
+    become a method or None by then), else what the engine was asked for.
+    """
+    engine = llm.engine
+    if hasattr(engine.loaded, "quantization"):
+        method = engine.loaded.quantization
+    else:
+        method = getattr(engine.config, "quantization", None)
+    return None if method == "none" else method
+
+
+def path_info(llm: "LLM") -> dict[str, Any]:
+    """The engine's compute path, for a report: dtype, quantization, KV dtype, device."""
+    engine = llm.engine
+    kv_dtype = getattr(engine, "kv_cache_dtype", engine.dtype)
+    return {"dtype": str(engine.dtype).removeprefix("torch."),
+            "quantization": effective_quantization(llm),
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+            "device": str(engine.device)}
+
+
+def format_path(path: dict[str, Any]) -> str:
+    return (f"path: dtype {path['dtype']}, quantization {path['quantization'] or 'none'}, "
+            f"KV cache {path['kv_cache_dtype']}, device {path['device']}")

@@ -1,33 +1,93 @@
 """`llmserve bench latency`: prefill time and decode TPOT per batch size, with MBU and MFU.
 
 The machine's peaks are measured once: memory bandwidth as a large tensor copy (bytes read
-+ bytes written per second) and compute as an fp32 GEMM. Decode at small batch is bound by
-memory, so its yardstick is MBU::
++ bytes written per second) and compute as a GEMM of the kind the path computes in
+(`peak_kind`: fp32 for float32, bf16 for bfloat16, int8 `_int_mm` for the int8 path).
+Decode at small batch is bound by memory, so its yardstick is MBU::
 
     MBU = (weight bytes + KV bytes read per step) / TPOT / peak bandwidth
 
-and prefill's (and large batches') is MFU = model FLOPs per second / peak FLOP/s.
+and prefill's (and large batches') is MFU = model FLOPs per second / peak FLOP/s. A ratio
+above 1 means the peak was underestimated; it is reported as ">100%", never as a number.
 """
 
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from llmserve.bench.machine import (
+    effective_quantization,
+    format_machine,
+    format_path,
+    machine_info,
+    path_info,
+)
 from llmserve.bench.throughput import synthetic_prompts
 from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
 
 _COPY_BYTES = 512 * 2**20
-_GEMM_SIZE = 2048
+_GEMM_SIZE = 2048  # M >= 32 as `_int_mm` wants, and big enough to reach the kernel's peak
 _REPEATS = 5
+_TIME_BUDGET_S = 3.0  # per measurement: a slow (emulated) GEMM stops repeating after this
+
+GEMM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+               "int8": torch.int8}
+DTYPE_PEAK_KIND = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# The GEMM each quantization method's linear layers run; a method missing here is compared
+# with the largest measured peak, so its MFU stays a lower bound. (The int8 path multiplies
+# two int8 parts of every activation, so its MFU in model FLOPs tops out near 50%.)
+QUANTIZATION_PEAK_KIND = {"int8": "int8"}
+
+
+def peak_kind(quantization: str | None, dtype: torch.dtype) -> str | None:
+    """The GEMM kind a path computes in, or None when it is not known (use the max peak)."""
+    if quantization in (None, "none"):
+        return DTYPE_PEAK_KIND.get(dtype)
+    return QUANTIZATION_PEAK_KIND.get(quantization)
+
+
+def llm_peak_kind(llm: LLM) -> str | None:
+    """`peak_kind` of a loaded LLM: the quantization its linear layers run, and its dtype."""
+    return peak_kind(effective_quantization(llm), llm.engine.dtype)
 
 
 @dataclass(frozen=True)
 class MachinePeaks:
+    """Copy bandwidth and GEMM throughput per kind; `kind` picks the MFU yardstick."""
+
     bandwidth_bytes_per_s: float
-    flops_per_s: float
+    gemm_flops_per_s: dict[str, float] = field(default_factory=dict)
+    kind: str | None = None  # None: the largest measured peak
+
+    @property
+    def flops_per_s(self) -> float:
+        if self.kind is not None and self.kind in self.gemm_flops_per_s:
+            return self.gemm_flops_per_s[self.kind]
+        return max(self.gemm_flops_per_s.values())
+
+    @property
+    def flops_label(self) -> str:
+        if self.kind is not None and self.kind in self.gemm_flops_per_s:
+            return f"{self.kind} GEMM"
+        best = max(self.gemm_flops_per_s, key=self.gemm_flops_per_s.__getitem__)
+        return f"max of measured GEMMs ({best}; compute kind unknown)"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "peak_kind": self.kind, "flops_per_s": self.flops_per_s}
+
+
+def format_ratio(value: float) -> str:
+    """A utilisation as a percentage, never above 100%: an excess means the peak is low."""
+    return ">100%*" if value > 1.0 else f"{value:.1%}"
+
+
+def capped(name: str, value: float) -> dict[str, Any]:
+    """JSON fields of a utilisation: `name` at most 1.0, and whether it went past that."""
+    return {name: min(value, 1.0), f"{name}_exceeds_peak": value > 1.0}
 
 
 @dataclass(frozen=True)
@@ -52,31 +112,72 @@ class LatencyResult:
 
     def to_dict(self, peaks: MachinePeaks) -> dict[str, Any]:
         return {**asdict(self), "decode_tokens_per_s": self.batch / self.tpot_s,
-                "mbu": self.mbu(peaks), "decode_mfu": self.decode_mfu(peaks),
-                "prefill_mfu": self.prefill_mfu(peaks)}
+                **capped("mbu", self.mbu(peaks)), **capped("decode_mfu", self.decode_mfu(peaks)),
+                **capped("prefill_mfu", self.prefill_mfu(peaks))}
 
 
-def _best_time(fn: Any, repeats: int = _REPEATS) -> float:
+def _best_time(fn: Callable[[], object], repeats: int = _REPEATS) -> float:
     fn()  # warm-up: page faults, thread pool start
     best = float("inf")
-    for _ in range(repeats):
+    budget_end = time.perf_counter() + _TIME_BUDGET_S
+    for i in range(repeats):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
+        if i >= 1 and time.perf_counter() > budget_end:
+            break
     return best
 
 
-def measure_peaks(device: torch.device | str = "cpu") -> MachinePeaks:
-    """Copy bandwidth (read + write bytes/s) and fp32 GEMM FLOP/s on `device`."""
+def _sync_fn(device: torch.device) -> Callable[[], None]:
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def measure_gemm(kind: str, device: torch.device | str = "cpu") -> float:
+    """FLOP/s (ops/s for int8) of one square GEMM of `kind` on `device`."""
+    device = torch.device(device)
+    sync = _sync_fn(device)
+    n = _GEMM_SIZE
+    if kind == "int8":  # int8 x int8 -> int32, the product the int8 path computes
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+        seconds = _best_time(lambda: (torch._int_mm(a, b), sync()))
+    else:
+        a = torch.randn(n, n, device=device).to(GEMM_DTYPES[kind])
+        b = torch.randn(n, n, device=device).to(GEMM_DTYPES[kind])
+        seconds = _best_time(lambda: (torch.mm(a, b), sync()))
+    return 2 * n**3 / seconds
+
+
+def measure_bandwidth(device: torch.device | str = "cpu") -> float:
+    """Copy bandwidth, bytes read + bytes written per second."""
+    device = torch.device(device)
+    sync = _sync_fn(device)
     src = torch.ones(_COPY_BYTES // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
-    copy_s = _best_time(lambda: (dst.copy_(src), sync()))
-    a = torch.randn(_GEMM_SIZE, _GEMM_SIZE, device=device)
-    b = torch.randn(_GEMM_SIZE, _GEMM_SIZE, device=device)
-    gemm_s = _best_time(lambda: (torch.mm(a, b), sync()))
-    return MachinePeaks(bandwidth_bytes_per_s=2 * _COPY_BYTES / copy_s,
-                        flops_per_s=2 * _GEMM_SIZE**3 / gemm_s)
+    return 2 * _COPY_BYTES / _best_time(lambda: (dst.copy_(src), sync()))
+
+
+def measured_kinds(kind: str | None, device: torch.device | str = "cpu") -> tuple[str, ...]:
+    """`kind` alone when known; else every GEMM kind worth measuring on `device` (fp16 is
+    emulated on most CPUs and would only be slow, never the max)."""
+    if kind is not None:
+        return (kind,)
+    if torch.device(device).type == "cuda":
+        return tuple(GEMM_DTYPES)
+    return ("fp32", "bf16", "int8")
+
+
+def measure_peaks(device: torch.device | str = "cpu", kind: str | None = "fp32",
+                  kinds: Iterable[str] | None = None) -> MachinePeaks:
+    """Copy bandwidth and the GEMM peak(s) MFU is measured against on `device`.
+
+    `kind` is the path's compute kind (`llm_peak_kind`); None measures every kind and
+    takes the largest, so the MFU of a path of unknown kind is a lower bound.
+    """
+    kinds = tuple(kinds) if kinds is not None else measured_kinds(kind, device)
+    gemm = {k: measure_gemm(k, device) for k in kinds}
+    return MachinePeaks(measure_bandwidth(device), gemm, kind)
 
 
 def weight_bytes_and_params(llm: LLM) -> tuple[int, int]:
@@ -97,7 +198,8 @@ def weight_bytes_and_params(llm: LLM) -> tuple[int, int]:
 
 def _kv_bytes_per_token(llm: LLM) -> int:
     c = llm.engine.loaded.config
-    element = torch.finfo(llm.engine.dtype).bits // 8
+    kv_dtype = getattr(llm.engine, "kv_cache_dtype", llm.engine.dtype)
+    element = torch.empty((), dtype=kv_dtype).element_size()  # scales of an int8 KV not counted
     return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * element  # K and V
 
 
@@ -132,23 +234,30 @@ def run_latency(llm: LLM, batch: int, input_len: int, output_len: int,
     )
 
 
-def format_table(results: list[LatencyResult], peaks: MachinePeaks) -> str:
-    lines = [f"peak copy bandwidth {peaks.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-             f"fp32 GEMM {peaks.flops_per_s / 1e9:.1f} GFLOP/s",
+def format_table(results: list[LatencyResult], peaks: MachinePeaks, llm: LLM | None = None,
+                 machine: dict[str, Any] | None = None) -> str:
+    lines = [format_machine(machine), *([format_path(path_info(llm))] if llm else []),
+             f"peak copy bandwidth {peaks.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+             f"{peaks.flops_label} {peaks.flops_per_s / 1e9:.1f} GFLOP/s",
              f"{'batch':>6}{'prefill ms':>12}{'prefill MFU':>13}{'TPOT ms':>10}{'tok/s':>9}"
-             f"{'MB/step':>9}{'MBU':>7}{'dec MFU':>9}"]
+             f"{'MB/step':>9}{'MBU':>8}{'dec MFU':>9}"]
+    ratios = []
     for r in results:
-        lines.append(f"{r.batch:>6}{1000 * r.prefill_s:>12.1f}{r.prefill_mfu(peaks):>13.1%}"
+        ratios += [r.prefill_mfu(peaks), r.mbu(peaks), r.decode_mfu(peaks)]
+        lines.append(f"{r.batch:>6}{1000 * r.prefill_s:>12.1f}"
+                     f"{format_ratio(r.prefill_mfu(peaks)):>13}"
                      f"{1000 * r.tpot_s:>10.2f}{r.batch / r.tpot_s:>9.1f}"
-                     f"{r.bytes_per_step / 1e6:>9.1f}{r.mbu(peaks):>7.1%}"
-                     f"{r.decode_mfu(peaks):>9.1%}")
+                     f"{r.bytes_per_step / 1e6:>9.1f}{format_ratio(r.mbu(peaks)):>8}"
+                     f"{format_ratio(r.decode_mfu(peaks)):>9}")
+    if max(ratios) > 1.0:
+        lines.append("* >100%: the path beat the measured peak, so the peak is underestimated "
+                     "(e.g. a faster kernel than the benchmark GEMM); the ratio is not shown")
     return "\n".join(lines)
 
 
 def report(llm: LLM, results: list[LatencyResult], peaks: MachinePeaks) -> dict[str, Any]:
     weights, num_params = weight_bytes_and_params(llm)
-    return {"model": llm.engine.loaded.source.name,
-            "dtype": str(llm.engine.dtype).removeprefix("torch."),
-            "device": str(llm.engine.device), "num_threads": torch.get_num_threads(),
-            "weight_bytes": weights, "num_params": num_params, **asdict(peaks),
+    return {"model": llm.engine.loaded.source.name, **path_info(llm),
+            "num_threads": torch.get_num_threads(), "machine": machine_info(),
+            "weight_bytes": weights, "num_params": num_params, **peaks.to_dict(),
             "runs": [r.to_dict(peaks) for r in results]}

@@ -1,0 +1,90 @@
+"""`bench latency`'s yardsticks: the peak matches the path's compute kind, a ratio above 1 is
+never printed as a number, and every bench reports the machine's CPU flags."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from llmserve.bench.latency import (
+    LatencyResult,
+    MachinePeaks,
+    capped,
+    format_ratio,
+    format_table,
+    llm_peak_kind,
+    measure_gemm,
+    peak_kind,
+)
+from llmserve.bench.machine import cpu_flags, format_machine, machine_info
+
+CPUINFO = """processor\t: 0
+model name\t: Some CPU
+flags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_int8
+"""
+
+
+@pytest.mark.parametrize("quantization,dtype,kind", [
+    (None, torch.float32, "fp32"), (None, torch.bfloat16, "bf16"),
+    (None, torch.float16, "fp16"), ("none", torch.float32, "fp32"),
+    ("int8", torch.float32, "int8"), ("int8", torch.bfloat16, "int8"),
+    ("some-future-method", torch.float32, None), ("auto", torch.float32, None),
+])
+def test_peak_kind(quantization, dtype, kind):
+    assert peak_kind(quantization, dtype) == kind
+
+
+def _fake_llm(config_quantization, loaded_quantization="absent", dtype=torch.float32):
+    loaded = SimpleNamespace()
+    if loaded_quantization != "absent":
+        loaded.quantization = loaded_quantization
+    engine = SimpleNamespace(config=SimpleNamespace(quantization=config_quantization),
+                             loaded=loaded, dtype=dtype, device=torch.device("cpu"))
+    return SimpleNamespace(engine=engine)
+
+
+def test_llm_peak_kind_follows_what_the_loader_ran():
+    assert llm_peak_kind(_fake_llm("int8")) == "int8"
+    assert llm_peak_kind(_fake_llm(None, dtype=torch.bfloat16)) == "bf16"
+    # a requested "auto" that the loader turned into int8 (a quantized checkpoint) or float
+    assert llm_peak_kind(_fake_llm("auto", loaded_quantization="int8")) == "int8"
+    assert llm_peak_kind(_fake_llm("auto", loaded_quantization=None)) == "fp32"
+
+
+def test_unknown_kind_takes_the_max_peak():
+    gemm = {"fp32": 50e9, "bf16": 300e9, "int8": 370e9}
+    assert MachinePeaks(10e9, gemm, "bf16").flops_per_s == 300e9
+    unknown = MachinePeaks(10e9, gemm, None)
+    assert unknown.flops_per_s == 370e9 and "int8" in unknown.flops_label
+    assert unknown.to_dict()["flops_per_s"] == 370e9
+
+
+def test_ratio_above_one_is_never_a_number():
+    assert format_ratio(0.423) == "42.3%"
+    assert format_ratio(1.37) == ">100%*"
+    assert capped("prefill_mfu", 1.37) == {"prefill_mfu": 1.0, "prefill_mfu_exceeds_peak": True}
+    assert capped("mbu", 0.5) == {"mbu": 0.5, "mbu_exceeds_peak": False}
+    result = LatencyResult(batch=8, input_len=128, output_len=64, prefill_s=0.01, tpot_s=0.02,
+                           bytes_per_step=1e8, decode_flops_per_step=1e9, prefill_flops=1e12)
+    peaks = MachinePeaks(10e9, {"fp32": 50e9}, "fp32")  # prefill at 100 TFLOP/s: > peak
+    table = format_table([result], peaks)
+    assert ">100%*" in table and "peak is underestimated" in table
+    assert "fp32 GEMM 50.0 GFLOP/s" in table and "torch cpu capability" in table
+    data = result.to_dict(peaks)
+    assert data["prefill_mfu"] == 1.0 and data["prefill_mfu_exceeds_peak"]
+
+
+def test_int8_gemm_peak_is_measured():
+    assert measure_gemm("int8") > 1e9  # _int_mm, 2048 x 2048, ops per second
+
+
+def test_cpu_flags_and_machine_info():
+    assert cpu_flags(CPUINFO) == ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16",
+                                  "amx_tile", "amx_int8"]
+    assert cpu_flags("no flags here") == []
+    info = machine_info()
+    assert info["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["num_threads"] == torch.get_num_threads()
+    line = format_machine({**info, "cpu_flags": ["avx2", "amx_int8"]})
+    assert "flags: avx2 amx_int8" in line
+    assert f"torch cpu capability {info['torch_cpu_capability']}" in line

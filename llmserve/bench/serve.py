@@ -5,9 +5,10 @@ same machine). Each request streams (SSE) and the time of every token-bearing ch
 `stats.summarize` turns the timelines into TTFT / TPOT / ITL / E2E and throughputs. Load is
 a fixed concurrency (a semaphore) or Poisson arrivals at `--request-rate` with gamma
 `--burstiness` (1 = Poisson; < 1 burstier), capped by the concurrency; several
-concurrencies make a sweep. Token counts are exact where the server allows: prompts encode
-to `input_len` tokens and requests ask for `max_tokens = min_tokens = output_len` with
-`ignore_eos`.
+concurrencies make a sweep, and every level gets fresh prompts (its own seed; the warm-up
+request its own too), so no level runs on prefixes an earlier one left in the server's
+cache. Token counts are exact where the server allows: prompts encode to `input_len` tokens
+and requests ask for `max_tokens = min_tokens = output_len` with `ignore_eos`.
 """
 
 import asyncio
@@ -23,6 +24,7 @@ from typing import Any
 import httpx
 from tqdm.auto import tqdm
 
+from llmserve.bench.machine import format_machine, machine_info
 from llmserve.bench.stats import SLO, RequestRecord, summarize
 from llmserve.bench.workloads import (
     BenchRequest,
@@ -86,44 +88,67 @@ def run_serve_bench(config: ServeBenchConfig, use_tqdm: bool = True) -> dict[str
     """Build the prompts, warm the server up, run every concurrency; the JSON report."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     with httpx.Client(base_url=config.base_url, headers=headers, timeout=60) as client:
-        requests = build_workload(config, pick_tokenizer(config, client))
-    warmup, runs = asyncio.run(_run_all(config, requests, headers, use_tqdm))
+        tokenizer = pick_tokenizer(config, client)
+        warmup_request = random_workload(tokenizer, 1, config.input_len, config.output_len,
+                                         level_seed(config.seed, None))[0]
+        levels = [build_workload(config, tokenizer, level)
+                  for level in range(len(config.concurrencies))]
+    warmup, runs = asyncio.run(_run_all(config, warmup_request, levels, headers, use_tqdm))
     return {"label": config.label or config.base_url, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "config": config.to_dict(), "warmup": warmup.to_dict(), "runs": runs}
+            "machine": machine_info(), "config": config.to_dict(), "warmup": warmup.to_dict(),
+            "runs": runs}
 
 
 def pick_tokenizer(config: ServeBenchConfig, client: httpx.Client) -> PromptTokenizer:
-    """The server's /tokenize if it has one, else the local `--tokenizer-model`."""
-    if config.tokenizer_model is None and ServerTokenizer.available(client, config.model):
-        return ServerTokenizer(client, config.model)
-    if config.tokenizer_model is None:
-        raise LLMServeError(f"{config.base_url} has no /tokenize; pass --tokenizer-model "
-                            "(a catalog name, .gguf file or Hugging Face folder)")
-    return LocalTokenizer(config.tokenizer_model)
+    """Prompts are built with, in order: `--tokenizer-model`; the model's own tokenizer when
+    `--model` is a catalog name or a local file or folder; the server's /tokenize."""
+    if config.tokenizer_model is not None:
+        return LocalTokenizer(config.tokenizer_model)
+    if LocalTokenizer.can_load(config.model):
+        return LocalTokenizer(config.model)
+    server = ServerTokenizer.probe(client, config.model)
+    if server is None:
+        raise LLMServeError(f"{config.base_url} has no /tokenize llmserve understands and "
+                            f"{config.model!r} is not a model llmserve knows; pass "
+                            "--tokenizer-model (a catalog name, .gguf file or Hugging Face "
+                            "folder)")
+    return server
 
 
-def build_workload(config: ServeBenchConfig, tokenizer: PromptTokenizer) -> list[BenchRequest]:
+def level_seed(seed: int, level: int | None) -> int:
+    """The prompt seed of sweep level `level` (0, 1, ...); None: the warm-up request's."""
+    return seed * 1_000_003 + (0 if level is None else level + 1)
+
+
+def build_workload(config: ServeBenchConfig, tokenizer: PromptTokenizer,
+                   level: int = 0) -> list[BenchRequest]:
+    """The requests of sweep level `level`: prompts of its own, none shared with another
+    level (jsonl: the next `num_prompts` lines of the file)."""
     c = config
-    if c.workload == "shared-prefix":
+    seed = level_seed(c.seed, level)
+    if c.workload == "shared-prefix":  # each level pays for its own prefix once
         return shared_prefix_workload(tokenizer, c.num_prompts, c.shared_prefix_len,
-                                      c.input_len, c.output_len, c.seed)
+                                      c.input_len, c.output_len, seed)
     if c.workload == "jsonl":
-        return jsonl_workload(Path(c.dataset), tokenizer, c.num_prompts, c.output_len)
-    return random_workload(tokenizer, c.num_prompts, c.input_len, c.output_len, c.seed)
+        return jsonl_workload(Path(c.dataset), tokenizer, c.num_prompts, c.output_len,
+                              offset=level * c.num_prompts)
+    return random_workload(tokenizer, c.num_prompts, c.input_len, c.output_len, seed)
 
 
-async def _run_all(config: ServeBenchConfig, requests: list[BenchRequest],
-                   headers: dict[str, str],
+async def _run_all(config: ServeBenchConfig, warmup_request: BenchRequest,
+                   levels: list[list[BenchRequest]], headers: dict[str, str],
                    use_tqdm: bool) -> tuple[RequestRecord, list[dict[str, Any]]]:
     limits = httpx.Limits(max_connections=max(config.concurrencies),
                           max_keepalive_connections=max(config.concurrencies))
     timeout = httpx.Timeout(connect=10, read=None, write=30, pool=None)
     async with httpx.AsyncClient(base_url=config.base_url, headers=headers, limits=limits,
                                  timeout=timeout) as client:
-        warmup = await _warm_up(client, config, requests[0])
+        warmup = await _warm_up(client, config, warmup_request)
         runs = []
-        for concurrency in config.concurrencies:
-            runs.append(await run_load(client, config, requests, concurrency, use_tqdm))
+        for level, (concurrency, requests) in enumerate(zip(config.concurrencies, levels,
+                                                             strict=True)):
+            run = await run_load(client, config, requests, concurrency, use_tqdm)
+            runs.append({**run, "seed": level_seed(config.seed, level)})
             print(format_run(runs[-1]), file=sys.stderr)
         return warmup, runs
 
@@ -268,7 +293,7 @@ def format_summary(report: dict[str, Any]) -> str:
     """One row per concurrency: the numbers people compare."""
     header = (f"{'conc':>5}{'ok':>5}{'fail':>5}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}"
               f"{'TTFT p99':>10}{'TPOT p50':>10}{'E2E p50':>10}")
-    rows = [header]
+    rows = [format_machine(report.get("machine"), "client machine"), header]
     for r in report["runs"]:
         rows.append(f"{r['concurrency']:>5}{r['completed']:>5}{r['failed']:>5}"
                     f"{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"

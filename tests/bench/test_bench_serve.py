@@ -88,11 +88,15 @@ def test_client_ttft_agrees_with_server_histogram(bench):
     assert client_mean - server_mean < 0.015, (client_mean, server_mean)
 
 
-def test_request_rate_and_chat_endpoint(live_server):
-    config = ServeBenchConfig(base_url=f"{live_server.url}/v1", model=MODEL, concurrencies=(2,),
-                              request_rate=20.0, burstiness=0.5, num_prompts=3, input_len=8,
-                              output_len=4, endpoint="chat")
+def test_request_rate_chat_endpoint_and_sweep(live_server):
+    """A two-level sweep through the server's own /tokenize (MODEL is no catalog name)."""
+    config = ServeBenchConfig(base_url=f"{live_server.url}/v1", model=MODEL,
+                              concurrencies=(1, 2), request_rate=20.0, burstiness=0.5,
+                              num_prompts=3, input_len=8, output_len=4, endpoint="chat")
     report = run_serve_bench(config, use_tqdm=False)
-    (run,) = report["runs"]
-    assert run["completed"] == 3 and run["request_rate"] == 20.0
-    assert all(r["output_len"] == 4 for r in run["requests"])
+    assert [run["concurrency"] for run in report["runs"]] == [1, 2]
+    assert len({run["seed"] for run in report["runs"]}) == 2  # fresh prompts per level
+    for run in report["runs"]:
+        assert run["completed"] == 3 and run["request_rate"] == 20.0
+        assert all(r["output_len"] == 4 for r in run["requests"])
+    assert report["machine"]["torch_cpu_capability"]

@@ -7,7 +7,6 @@ engine) itself, so that `--help` and usage errors stay quick. User errors (`LLMS
 """
 
 import argparse
-import json
 import logging
 import sys
 from functools import partial
@@ -125,94 +124,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = {name: getattr(args, name) for name in ENGINE_FLAGS}
     return run_server(args, {k: v for k, v in options.items() if v is not None})
-
-
-def cmd_bench_throughput(args: argparse.Namespace) -> int:
-    from llmserve.bench.throughput import format_table, report, run_throughput
-
-    for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    modes = ["batched", "sequential"] if args.compare else [
-        "sequential" if args.sequential else "batched"]
-    llm = _make_llm(args)
-    results = [
-        run_throughput(llm, args.num_prompts, args.input_len, args.output_len, mode,
-                       seed=args.seed + i)  # a seed per run: no prefix-cache hits across runs
-        for i, mode in enumerate(modes)
-    ]
-    print(format_table(results))
-    if args.compare:
-        speedup = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        print(f"batched / sequential output throughput: {speedup:.2f}x")
-    if args.output_json:
-        data = report(llm, results, seed=args.seed)
-        try:
-            Path(args.output_json).write_text(json.dumps(data, indent=2) + "\n")
-        except OSError as e:
-            raise LLMServeError(f"cannot write {args.output_json}: {e.strerror or e}") from None
-    return 0
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    try:
-        from llmserve.bench.serve import ServeBenchConfig, format_summary, run_serve_bench
-    except ModuleNotFoundError as e:
-        raise LLMServeError(f"bench serve needs {e.name}: pip install 'llmserve[bench]'") from None
-    from llmserve.bench.stats import SLO
-
-    config = ServeBenchConfig(
-        base_url=args.base_url, model=args.model, concurrencies=args.concurrency,
-        request_rate=args.request_rate, burstiness=args.burstiness,
-        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        workload=args.workload, dataset=args.dataset, shared_prefix_len=args.shared_prefix_len,
-        slo=SLO(args.slo_ttft, args.slo_tpot), api_key=args.api_key, endpoint=args.endpoint,
-        tokenizer_model=args.tokenizer_model, label=args.label, seed=args.seed)
-    data = run_serve_bench(config)
-    print(format_summary(data))
-    if args.output_json:
-        _write_json(args.output_json, data)
-    if args.plot:
-        if not args.output_json:
-            raise LLMServeError("--plot draws from the result file: give --output-json too")
-        from llmserve.bench.plot import plot_reports
-
-        plot_reports([Path(args.output_json)], Path(args.plot))
-    return 0
-
-
-def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from llmserve.bench.latency import format_table, measure_peaks, report, run_latency
-
-    for name in ("input_len", "output_len"):
-        if getattr(args, name) < 2:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 2")
-    if min(args.batch) < 1:
-        raise ValueError("--batch takes positive integers, e.g. 1,8")
-    llm = _make_llm(args)
-    run_latency(llm, max(args.batch), 16, 4, seed=99)  # warm-up
-    results = [run_latency(llm, b, args.input_len, args.output_len, seed=i)
-               for i, b in enumerate(args.batch)]
-    peaks = measure_peaks(llm.engine.device)
-    print(format_table(results, peaks))
-    if args.output_json:
-        _write_json(args.output_json, report(llm, results, peaks))
-    return 0
-
-
-def cmd_bench_plot(args: argparse.Namespace) -> int:
-    from llmserve.bench.plot import plot_reports
-
-    plot_reports([Path(f) for f in args.results], Path(args.output))
-    print(f"wrote {args.output}", file=sys.stderr)
-    return 0
-
-
-def _write_json(path: str, data: Any) -> None:
-    try:
-        Path(path).write_text(json.dumps(data, indent=2) + "\n")
-    except OSError as e:
-        raise LLMServeError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 # ---- shared helpers ------------------------------------------------------------------------
@@ -360,90 +271,9 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
-    bench = sub.add_parser("bench", help="benchmarks")
-    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
-    tp = kinds.add_parser("throughput", parents=[common],
-                          help="offline throughput of synthetic prompts through LLM.generate")
-    _add_model_flag(tp)
-    tp.add_argument("--num-prompts", type=int, default=64)
-    tp.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    tp.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
-    tp.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
-    mode = tp.add_mutually_exclusive_group()
-    mode.add_argument("--sequential", action="store_true",
-                      help="one request at a time through the same engine")
-    mode.add_argument("--compare", action="store_true",
-                      help="run batched and sequential and print the speed-up")
-    tp.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
-    _add_engine_flags(tp)
-    tp.set_defaults(func=cmd_bench_throughput)
-    _add_bench_serve(kinds, common)
-    _add_bench_latency(kinds, common)
-    _add_bench_plot(kinds, common)
+    from llmserve.entrypoints.cli_bench import add_bench  # imports this module's helpers
 
-
-def _add_bench_serve(kinds: Any, common: argparse.ArgumentParser) -> None:
-    sv = kinds.add_parser("serve", parents=[common],
-                          help="load-test an OpenAI-compatible server (streaming)")
-    sv.add_argument("--base-url", required=True, help="server address, e.g. http://127.0.0.1:8000")
-    sv.add_argument("--model", required=True, help="model id the server serves")
-    sv.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
-    sv.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
-    load = sv.add_argument_group("load")
-    load.add_argument("--concurrency", type=_int_list, default=(1,),
-                      help="concurrent requests at most; a list sweeps (default 1)")
-    load.add_argument("--request-rate", type=float, default=float("inf"),
-                      help="Poisson arrivals per second (default inf: all at once)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of arrival gaps: 1 Poisson, < 1 burstier (default 1)")
-    load.add_argument("--num-prompts", type=int, default=32)
-    work = sv.add_argument_group("workload")
-    work.add_argument("--workload", choices=("random", "shared-prefix", "jsonl"),
-                      default="random")
-    work.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
-    work.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
-    work.add_argument("--shared-prefix-len", type=int, default=512,
-                      help="tokens of the common prefix of --workload shared-prefix")
-    work.add_argument("--dataset", metavar="FILE.jsonl",
-                      help='--workload jsonl: lines {"prompt": ..., "output_len"?: N}')
-    work.add_argument("--tokenizer-model", help="tokenizer for prompts when the server has no "
-                      "/tokenize (catalog name, .gguf or folder)")
-    work.add_argument("--seed", type=int, default=0)
-    out = sv.add_argument_group("results")
-    out.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT, seconds")
-    out.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT, seconds")
-    out.add_argument("--output-json", metavar="FILE", help="write every field as JSON")
-    out.add_argument("--plot", metavar="FILE.png", help="plot TTFT and tokens/s (needs "
-                     "--output-json)")
-    out.add_argument("--label", help="name of this server in the results and plots")
-    sv.set_defaults(func=cmd_bench_serve)
-
-
-def _add_bench_latency(kinds: Any, common: argparse.ArgumentParser) -> None:
-    lt = kinds.add_parser("latency", parents=[common],
-                          help="prefill time, decode TPOT, MBU and MFU on the engine")
-    _add_model_flag(lt)
-    lt.add_argument("--batch", type=_int_list, default=(1, 8), help="batch sizes (default 1,8)")
-    lt.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
-    lt.add_argument("--output-len", type=int, default=64, help="decode steps (default 64)")
-    lt.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
-    _add_engine_flags(lt)
-    lt.set_defaults(func=cmd_bench_latency)
-
-
-def _add_bench_plot(kinds: Any, common: argparse.ArgumentParser) -> None:
-    pl = kinds.add_parser("plot", parents=[common],
-                          help="plot `bench serve` result files against each other")
-    pl.add_argument("results", nargs="+", metavar="RESULT.json")
-    pl.add_argument("--output", required=True, metavar="FILE.png")
-    pl.set_defaults(func=cmd_bench_plot)
-
-
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,4,16, got {text!r}") from None
+    add_bench(sub, common)
 
 
 def _add_model_flag(parser: argparse.ArgumentParser) -> None:

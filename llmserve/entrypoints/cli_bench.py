@@ -1,0 +1,320 @@
+"""`llmserve bench ...`: throughput, serve, latency, quality and plot, as `cmd_*` functions
+and their argument parsers. Errors follow the CLI's rule: one `error: ...` line, exit 1.
+"""
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from llmserve.entrypoints.cli import (
+    _add_engine_flags,
+    _add_model_flag,
+    _make_llm,
+    kv_cache_memory,
+)
+from llmserve.errors import LLMServeError
+
+# `bench quality`'s engines hold one window's KV cache, not the serving default
+QUALITY_KV_CACHE_MEMORY = "256MiB"
+
+
+def cmd_bench_throughput(args: argparse.Namespace) -> int:
+    from llmserve.bench.throughput import format_table, report, run_throughput
+
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    modes = ["batched", "sequential"] if args.compare else [
+        "sequential" if args.sequential else "batched"]
+    llm = _make_llm(args)
+    results = [
+        run_throughput(llm, args.num_prompts, args.input_len, args.output_len, mode,
+                       seed=args.seed + i)  # a seed per run: no prefix-cache hits across runs
+        for i, mode in enumerate(modes)
+    ]
+    print(format_table(results, llm))
+    if args.compare:
+        speedup = results[0].output_tokens_per_s / results[1].output_tokens_per_s
+        print(f"batched / sequential output throughput: {speedup:.2f}x")
+    if args.output_json:
+        write_json(args.output_json, report(llm, results, seed=args.seed))
+    return 0
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    try:
+        import httpx
+
+        from llmserve.bench.serve import ServeBenchConfig, format_summary, run_serve_bench
+    except ModuleNotFoundError as e:
+        raise LLMServeError(f"bench serve needs {e.name}: pip install 'llmserve[bench]'") from None
+    from llmserve.bench.stats import SLO
+
+    config = ServeBenchConfig(
+        base_url=args.base_url, model=args.model, concurrencies=args.concurrency,
+        request_rate=args.request_rate, burstiness=args.burstiness,
+        num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        workload=args.workload, dataset=args.dataset, shared_prefix_len=args.shared_prefix_len,
+        slo=SLO(args.slo_ttft, args.slo_tpot), api_key=args.api_key, endpoint=args.endpoint,
+        tokenizer_model=args.tokenizer_model, label=args.label, seed=args.seed)
+    try:
+        data = run_serve_bench(config)
+    except httpx.HTTPError as e:  # what the client did not already turn into a message
+        raise LLMServeError(f"talking to {config.base_url}: {type(e).__name__}: {e}") from None
+    print(format_summary(data))
+    if args.output_json:
+        write_json(args.output_json, data)
+    if args.plot:
+        if not args.output_json:
+            raise LLMServeError("--plot draws from the result file: give --output-json too")
+        from llmserve.bench.plot import plot_reports
+
+        plot_reports([Path(args.output_json)], Path(args.plot))
+    return 0
+
+
+def cmd_bench_latency(args: argparse.Namespace) -> int:
+    from llmserve.bench.latency import (
+        format_table,
+        llm_peak_kind,
+        measure_peaks,
+        report,
+        run_latency,
+    )
+
+    for name in ("input_len", "output_len"):
+        if getattr(args, name) < 2:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 2")
+    if min(args.batch) < 1:
+        raise ValueError("--batch takes positive integers, e.g. 1,8")
+    llm = _make_llm(args)
+    run_latency(llm, max(args.batch), 16, 4, seed=99)  # warm-up
+    results = [run_latency(llm, b, args.input_len, args.output_len, seed=i)
+               for i, b in enumerate(args.batch)]
+    peaks = measure_peaks(llm.engine.device, llm_peak_kind(llm))
+    print(format_table(results, peaks, llm))
+    if args.output_json:
+        write_json(args.output_json, report(llm, results, peaks))
+    return 0
+
+
+def cmd_bench_quality(args: argparse.Namespace) -> int:
+    from llmserve.bench.quality import (
+        QUALITY_TEXT,
+        format_table,
+        plan_windows,
+        read_text_file,
+        report,
+        run_quality,
+    )
+
+    stride = args.window if args.stride is None else args.stride
+    plan_windows(1, args.window, stride, has_bos=False)  # bad sizes fail before any loading
+    if args.max_tokens is not None and args.max_tokens < 2:
+        raise ValueError("--max-tokens must be at least 2")
+    _set_threads(args)
+    common = {k: v for k, v in (("device", args.device),
+                                ("kv_cache_memory", args.kv_cache_memory)) if v is not None}
+    text = read_text_file(args.text) if args.text else None
+    source = args.text or f"llmserve/bench/{QUALITY_TEXT}"
+    candidates = quality_candidates(args.quantization, candidate_options(args))
+    scored, results = run_quality(args.model, candidates, common, text, args.window, stride,
+                                  args.max_tokens)
+    print(format_table(scored, results, args.window, stride, source))
+    if args.output_json:
+        write_json(args.output_json, report(args.model, scored, results, args.window, stride,
+                                            source, common))
+    return 0
+
+
+def candidate_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Engine options every non-default candidate gets: --dtype, --kv-cache-dtype and each
+    --engine-arg, passed to `LLM` as they are (the engine judges them)."""
+    options: dict[str, Any] = {}
+    if args.dtype is not None:
+        options["dtype"] = args.dtype
+    if args.kv_cache_dtype is not None:
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    options.update(args.engine_arg or [])
+    return options
+
+
+def quality_candidates(quantizations: list[str] | None,
+                       options: dict[str, Any]) -> list[dict[str, Any]]:
+    """The default configuration first, then one candidate per --quantization, each with
+    `options`; a configuration appears once. Names go to the engine as they are."""
+    candidates: list[dict[str, Any]] = [{}]
+    for name in quantizations or [None]:
+        candidate = {**options, **({} if name is None else {"quantization": name})}
+        if candidate not in candidates:
+            candidates.append(candidate)
+    return candidates
+
+
+def cmd_bench_plot(args: argparse.Namespace) -> int:
+    import sys
+
+    from llmserve.bench.plot import plot_reports
+
+    plot_reports([Path(f) for f in args.results], Path(args.output))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def write_json(path: str, data: Any) -> None:
+    try:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as e:
+        raise LLMServeError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    threads = getattr(args, "num_threads", None)  # the engine flag --threads
+    if threads is None:
+        return
+    if threads < 1:
+        raise ValueError("--threads must be at least 1")
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+# ---- argument parsers ----------------------------------------------------------------------
+
+
+def add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
+    bench = sub.add_parser("bench", help="benchmarks")
+    kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCHMARK")
+    _add_bench_throughput(kinds, common)
+    _add_bench_serve(kinds, common)
+    _add_bench_latency(kinds, common)
+    _add_bench_quality(kinds, common)
+    _add_bench_plot(kinds, common)
+
+
+def _add_bench_throughput(kinds: Any, common: argparse.ArgumentParser) -> None:
+    tp = kinds.add_parser("throughput", parents=[common],
+                          help="offline throughput of synthetic prompts through LLM.generate")
+    _add_model_flag(tp)
+    tp.add_argument("--num-prompts", type=int, default=64)
+    tp.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    tp.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    tp.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    mode = tp.add_mutually_exclusive_group()
+    mode.add_argument("--sequential", action="store_true",
+                      help="one request at a time through the same engine")
+    mode.add_argument("--compare", action="store_true",
+                      help="run batched and sequential and print the speed-up")
+    tp.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
+    _add_engine_flags(tp)
+    tp.set_defaults(func=cmd_bench_throughput)
+
+
+def _add_bench_serve(kinds: Any, common: argparse.ArgumentParser) -> None:
+    sv = kinds.add_parser("serve", parents=[common],
+                          help="load-test an OpenAI-compatible server (streaming)")
+    sv.add_argument("--base-url", required=True, help="server address, e.g. http://127.0.0.1:8000")
+    sv.add_argument("--model", required=True, help="model id the server serves")
+    sv.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    sv.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    load = sv.add_argument_group("load")
+    load.add_argument("--concurrency", type=_int_list, default=(1,),
+                      help="concurrent requests at most; a list sweeps (default 1)")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="Poisson arrivals per second (default inf: all at once)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of arrival gaps: 1 Poisson, < 1 burstier (default 1)")
+    load.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency")
+    work = sv.add_argument_group("workload (every concurrency level gets prompts of its own)")
+    work.add_argument("--workload", choices=("random", "shared-prefix", "jsonl"),
+                      default="random", help="random: unrelated random-token prompts; "
+                      "shared-prefix: one common prefix per level, to measure prefix caching")
+    work.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
+    work.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
+    work.add_argument("--shared-prefix-len", type=int, default=512,
+                      help="tokens of the common prefix of --workload shared-prefix")
+    work.add_argument("--dataset", metavar="FILE.jsonl",
+                      help='--workload jsonl: lines {"prompt": ..., "output_len"?: N}')
+    work.add_argument("--tokenizer-model", help="tokenizer for prompts (catalog name, .gguf or "
+                      "folder); default: --model's own when llmserve knows it, else the "
+                      "server's /tokenize")
+    work.add_argument("--seed", type=int, default=0)
+    out = sv.add_argument_group("results")
+    out.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT, seconds")
+    out.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT, seconds")
+    out.add_argument("--output-json", metavar="FILE", help="write every field as JSON")
+    out.add_argument("--plot", metavar="FILE.png", help="plot TTFT and tokens/s (needs "
+                     "--output-json)")
+    out.add_argument("--label", help="name of this server in the results and plots")
+    sv.set_defaults(func=cmd_bench_serve)
+
+
+def _add_bench_latency(kinds: Any, common: argparse.ArgumentParser) -> None:
+    lt = kinds.add_parser("latency", parents=[common],
+                          help="prefill time, decode TPOT, MBU and MFU on the engine")
+    _add_model_flag(lt)
+    lt.add_argument("--batch", type=_int_list, default=(1, 8), help="batch sizes (default 1,8)")
+    lt.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
+    lt.add_argument("--output-len", type=int, default=64, help="decode steps (default 64)")
+    lt.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
+    _add_engine_flags(lt)
+    lt.set_defaults(func=cmd_bench_latency)
+
+
+def _add_bench_quality(kinds: Any, common: argparse.ArgumentParser) -> None:
+    qa = kinds.add_parser(
+        "quality", parents=[common],
+        help="perplexity, KL and top-1 agreement of a path against the exact float32 path",
+        description="Run a fixed English text through the exact float32 path and through "
+        "each candidate: the default configuration, then one per --quantization (with "
+        "--dtype, --kv-cache-dtype and --engine-arg applied to it).")
+    _add_model_flag(qa)
+    qa.add_argument("--quantization", nargs="+", metavar="Q",
+                    help="candidate quantization methods, one candidate each")
+    qa.add_argument("--kv-cache-dtype", help="KV-cache dtype of the candidates")
+    qa.add_argument("--dtype", help="compute dtype of the candidates (default auto)")
+    qa.add_argument("--engine-arg", action="append", type=_engine_arg, metavar="KEY=VALUE",
+                    help="any other LLM(...) option for the candidates (repeatable; VALUE "
+                    "is read as JSON when it parses, else as a string)")
+    qa.add_argument("--device", help="auto, cpu or cuda[:N] (reference and candidates)")
+    qa.add_argument("--kv-cache-memory", type=kv_cache_memory, default=QUALITY_KV_CACHE_MEMORY,
+                    help=f"KV-cache budget of each engine (default {QUALITY_KV_CACHE_MEMORY})")
+    qa.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    qa.add_argument("--stride", type=int,
+                    help="tokens between window starts (default --window: no overlap)")
+    qa.add_argument("--max-tokens", type=int, help="score only the text's first N tokens")
+    qa.add_argument("--text", metavar="FILE", help="another UTF-8 text to score instead")
+    qa.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
+    _add_threads_flag(qa)
+    qa.set_defaults(func=cmd_bench_quality)
+
+
+def _add_bench_plot(kinds: Any, common: argparse.ArgumentParser) -> None:
+    pl = kinds.add_parser("plot", parents=[common],
+                          help="plot `bench serve` result files against each other")
+    pl.add_argument("results", nargs="+", metavar="RESULT.json")
+    pl.add_argument("--output", required=True, metavar="FILE.png")
+    pl.set_defaults(func=cmd_bench_plot)
+
+
+def _add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", dest="num_threads", type=int,
+                        help="compute threads (default: all cores)")
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,4,16, got {text!r}") from None
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip().replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip().replace("-", "_"), value

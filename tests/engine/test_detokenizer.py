@@ -105,3 +105,71 @@ def test_skip_special_tokens(tokenizer):
         skipped.append(token)
     assert kept.text == "Hi<|im_end|>"
     assert skipped.text == "Hi"
+
+
+def _deltas(tokenizer, text, **kwargs) -> tuple[IncrementalDetokenizer, list[str], str | None]:
+    """Feed `text` token by token, taking `next_text()` after each; flush at the end."""
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Prompt:"), **kwargs)
+    deltas, stop = [], None
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        stop = detok.append(token)
+        if stop is not None:
+            break
+        deltas.append(detok.next_text(finished=False))
+    if stop is None:
+        detok.flush()
+    deltas.append(detok.next_text(finished=True))
+    return detok, deltas, stop
+
+
+@pytest.mark.parametrize(("stop", "include"), [
+    ([], False), (["STOP here"], False), (["STOP here"], True), (["##", "e. T"], False),
+])
+def test_next_text_pieces_add_up_to_the_text(tokenizer, stop, include):
+    text = "One. Two. Three. STOP here. Four 😀 ## five"
+    detok, deltas, found = _deltas(tokenizer, text, stop=stop, include_stop_str_in_output=include)
+    assert "".join(deltas) == detok.text
+    if stop:
+        assert found is not None
+        cut = text.index(found) + (len(found) if include else 0)
+        assert detok.text == text[:cut]
+        # held back while running: no piece but the last one shows any of the stop string
+        assert all(found[:2] not in piece for piece in deltas[:-1])
+    else:
+        assert detok.text == text
+
+
+class ByteDecoder:
+    """A byte-level fake tokenizer: token id i is byte i; counts the ids it decodes."""
+
+    def __init__(self) -> None:
+        self.num_decoded = 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.num_decoded += len(ids)
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_per_token_work_is_bounded():
+    """Decoding cost per token does not grow with the text, even for bytes that never
+    form a character (lone continuation bytes, as a random model may sample)."""
+    decoder = ByteDecoder()
+    detok = IncrementalDetokenizer(decoder, [], stop=["xyz"])
+    num_tokens = 4000
+    for i in range(num_tokens):
+        detok.append(0x80 if i % 2000 < 1000 else ord("a"))  # long runs of invalid bytes
+        detok.next_text(finished=False)
+    # a bounded window decodes ~2 x (context + pending) ids a token (~86k here); a window
+    # growing over each invalid run would decode ~1M, the whole text every time ~16M
+    assert decoder.num_decoded < 40 * num_tokens
+    detok.flush()
+    assert len(detok.text) == num_tokens  # each invalid byte shows as one U+FFFD
+
+
+def test_character_split_over_byte_tokens_waits_for_its_last_byte():
+    detok = IncrementalDetokenizer(ByteDecoder(), [])
+    pieces = []
+    for byte in "a😀b".encode():
+        detok.append(byte)
+        pieces.append(detok.next_text(finished=False))
+    assert pieces == ["a", "", "", "", "😀", "b"]

@@ -1,6 +1,7 @@
 """The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(...)`, vLLM-shaped."""
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -8,7 +9,7 @@ from tqdm.auto import tqdm
 from llmserve.config import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | dict[str, Any] | list[int]
 
@@ -19,6 +20,10 @@ class LLM:
     `LLM(model=None, dtype="auto", **engine_options)`; options are `EngineConfig` fields
     (block_size, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, scheduling_policy, seed, device).
+
+    The engine is asked for final outputs only (`RequestOutputKind.FINAL_ONLY`, whatever
+    the params say), so a request costs no per-step output work and each full
+    `RequestOutput` is built once, when its request finishes.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto", **engine_options: Any):
@@ -43,7 +48,7 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str | dict) or _is_token_ids(prompts):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        params = _final_only(_per_prompt(sampling_params, len(prompts)))
         ids = []
         for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             try:
@@ -78,9 +83,9 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    num_tokens += 1
                     if output.finished:
                         finished[output.request_id] = output
+                        num_tokens += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix_str(f"output {num_tokens / elapsed:.1f} tok/s", refresh=False)
@@ -95,6 +100,16 @@ class LLM:
 
 def _is_token_ids(prompts: Any) -> bool:
     return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The params with output_kind FINAL_ONLY (copies; the caller's objects are kept)."""
+    copies: dict[int, SamplingParams] = {}
+    for sp in params:
+        if id(sp) not in copies:
+            final = RequestOutputKind.FINAL_ONLY
+            copies[id(sp)] = sp if sp.output_kind is final else replace(sp, output_kind=final)
+    return [copies[id(sp)] for sp in params]
 
 
 def _per_prompt(

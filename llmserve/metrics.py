@@ -87,11 +87,15 @@ class EngineMetrics:
         return generate_latest(self.registry)
 
     def observe(self, outputs: list[RequestOutput]) -> None:
-        """Record one step's outputs (one per request that got tokens or finished)."""
+        """Record one step's outputs (one per request that got tokens or finished).
+
+        The outputs are deltas (`RequestOutputKind.DELTA`, as `AsyncEngine` asks of the
+        engine): their token ids are the ones generated since the request's last output.
+        """
         for output in outputs:
             state = self._requests.setdefault(output.request_id, _RequestState())
             m = output.metrics
-            num_new = sum(len(c.token_ids) for c in output.outputs) - state.num_generation_tokens
+            num_new = sum(len(c.token_ids) for c in output.outputs)
             if m is not None and m.first_token_time is not None:
                 if state.last_token_time is None:
                     self.ttft.observe(m.first_token_time - m.arrival_time)

@@ -1,4 +1,10 @@
-"""What generation returns: vLLM-shaped `RequestOutput` and `CompletionOutput`."""
+"""What generation returns: vLLM-shaped `RequestOutput` and `CompletionOutput`.
+
+A running request's outputs are snapshots, deltas or only the final one, as its
+`SamplingParams.output_kind` asks (`RequestOutputKind`). A delta has the same shape as a
+full output with only what is new in `outputs[i]` (text, token_ids, logprobs), each
+completion keyed by its `index`; `OutputAccumulator` sums deltas back into full outputs.
+"""
 
 from dataclasses import dataclass, field
 
@@ -8,6 +14,10 @@ class Logprob:
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+
+
+# per prompt token {token_id: Logprob} (actual token + top-k); the first is None
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -73,4 +83,68 @@ class RequestOutput:
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
     # per prompt token {token_id: Logprob} (actual token + top-k); the first is None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+
+
+@dataclass
+class _CompletionParts:
+    """One choice's deltas so far; text stays in pieces until `build()`."""
+
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason = delta.finish_reason
+        self.stop_reason = delta.stop_reason
+
+    def build(self, index: int) -> CompletionOutput:
+        text = "".join(self.text)
+        self.text[:] = [text]  # a later build joins only what came after
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        return CompletionOutput(index, text, list(self.token_ids), self.cumulative_logprob,
+                                logprobs, self.finish_reason, self.stop_reason)
+
+
+class OutputAccumulator:
+    """Sums one request's delta `RequestOutput`s into the full output (amortized O(1) per add).
+
+    `build()` copies what was gathered (O(length)): call it once at the end, or per step
+    only where snapshots are wanted (`RequestOutputKind.CUMULATIVE`).
+    """
+
+    def __init__(self) -> None:
+        self._last: RequestOutput | None = None
+        self._choices: dict[int, _CompletionParts] = {}
+        self._prompt_logprobs: PromptLogprobs | None = None
+
+    def add(self, delta: RequestOutput) -> None:
+        self._last = delta
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
+        for completion in delta.outputs:
+            parts = self._choices.get(completion.index)
+            if parts is None:
+                parts = self._choices[completion.index] = _CompletionParts()
+            parts.add(completion)
+
+    def build(self) -> RequestOutput:
+        last = self._last
+        if last is None:
+            raise ValueError("no output was added yet")
+        completions = [self._choices[i].build(i) for i in sorted(self._choices)]
+        return RequestOutput(
+            last.request_id, last.prompt, last.prompt_token_ids, completions, last.finished,
+            last.metrics, last.num_cached_tokens, dict(last.extra),
+            prompt_logprobs=self._prompt_logprobs,
+        )

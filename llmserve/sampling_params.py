@@ -4,6 +4,7 @@ Field names follow vLLM's. A value out of range raises `ValueError` whose messag
 field and the allowed range.
 """
 
+import enum
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 64
@@ -11,6 +12,22 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_BEST_OF = 64
 MAX_BEAM_WIDTH = 16
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a running request carries (vLLM's names and values).
+
+    * CUMULATIVE: everything so far, every step (text, token ids, logprobs re-sent: O(n)).
+    * DELTA: only what is new since the request's previous output: new token ids, newly
+      visible text, new logprobs entries; prompt logprobs once, in the first output;
+      finish_reason and stop_reason in the last. Concatenating the deltas gives the
+      CUMULATIVE output (`outputs.OutputAccumulator` does it).
+    * FINAL_ONLY: nothing until the request finishes, then one full output.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -40,6 +57,10 @@ class SamplingParams:
     first. Both are of the RAW model distribution (log_softmax of the logits before
     temperature, penalties, bias, masks and truncation), like vLLM's default
     `raw_logprobs` mode.
+
+    `output_kind` says whether the engine reports each step's snapshot (CUMULATIVE, the
+    default, as in vLLM), only what is new (DELTA: what servers stream) or only the final
+    output (FINAL_ONLY: what `LLM.generate` asks for).
     """
 
     n: int = 1
@@ -68,8 +89,14 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be one of {[k.name for k in RequestOutputKind]}"
+                             f", got {self.output_kind!r}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -8,6 +8,10 @@
 Only the engine thread touches the `Engine`; callers talk to it through a locked command
 list and a wake-up event, so the thread sleeps when there is nothing to do. Tokenization and
 chat templating run on a small executor (`run_in_executor`), never on the event loop.
+
+The engine always reports deltas (`RequestOutputKind.DELTA`): the engine thread does no
+per-step copying, the metrics see each step's new tokens, and a stream whose caller asked
+for FINAL_ONLY or CUMULATIVE outputs sums the deltas on its own event loop.
 """
 
 import asyncio
@@ -17,14 +21,14 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from llmserve.engine.engine import Engine
 from llmserve.errors import LLMServeError
 from llmserve.metrics import LOG_INTERVAL_S, EngineMetrics
-from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.outputs import OutputAccumulator, RequestOutput
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -62,15 +66,18 @@ class RequestStream:
     """The outputs of one request, delivered on the event loop that submitted it.
 
     Iterate it with `async for`; leaving the loop early (or cancelling the task) must be
-    followed by `abort()` — `AsyncEngine.generate()` does this for you.
+    followed by `abort()` — `AsyncEngine.generate()` does this for you. The outputs are of
+    the request's `output_kind`: deltas as they come, snapshots, or only the final one.
     """
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     engine: "AsyncEngine"
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
     admitted: asyncio.Future = field(init=False)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    _accumulated: OutputAccumulator = field(default_factory=OutputAccumulator)
 
     def __post_init__(self) -> None:
         self.admitted = self.loop.create_future()
@@ -79,15 +86,19 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        if item.finished:
-            self.finished = True
-        return item
+        while not self.finished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if item.finished:
+                self.finished = True
+            if self.output_kind is RequestOutputKind.DELTA:
+                return item
+            self._accumulated.add(item)
+            if self.output_kind is RequestOutputKind.CUMULATIVE or item.finished:
+                return self._accumulated.build()
+        raise StopAsyncIteration
 
     def abort(self) -> None:
         if not self.finished:
@@ -146,6 +157,9 @@ class AsyncEngine:
         Raises `QueueFull`, `EngineShutdown`, or the engine's `RequestRejected`/`ValueError`.
         """
         loop = asyncio.get_running_loop()
+        deltas = params
+        if params.output_kind is not RequestOutputKind.DELTA:
+            deltas = replace(params, output_kind=RequestOutputKind.DELTA)
         with self._lock:
             if not self._accepting or not self._thread.is_alive():
                 raise EngineShutdown("the server is shutting down; no new requests")
@@ -155,8 +169,8 @@ class AsyncEngine:
             if request_id is None:
                 request_id = f"req-{self._next_id}"
                 self._next_id += 1
-            stream = RequestStream(request_id, loop, self)
-            self._adds.append(_Add(request_id, prompt, params, arrival_time or time.time(),
+            stream = RequestStream(request_id, loop, self, params.output_kind)
+            self._adds.append(_Add(request_id, prompt, deltas, arrival_time or time.time(),
                                    priority, cache_salt, stream))
         self._wakeup.set()
         try:

@@ -14,7 +14,8 @@ candidates `score + logprob` and
 The search ends when no running beam can still beat the worst finished hypothesis (the same
 heuristic as `transformers`' `early_stopping=False`), when all candidates finished
 (`early_stopping=True` stops as soon as `width` hypotheses are finished), or at max_tokens.
-Scores are accumulated in float32, as the reference does.
+Scores are accumulated in float32, as the reference does. A search has no partial result to
+stream: whatever the `output_kind`, it yields one full output, when it ends.
 """
 
 import time
@@ -55,6 +56,9 @@ class BeamSearchGroup:
     params: SamplingParams
     stop_token_ids: frozenset[int]
     max_tokens: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    timings: RequestTimings  # the first beam's, shared by all its descendants
     beams: dict[str, np.float32] = field(default_factory=dict)  # running id -> score
     reports: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)
@@ -141,7 +145,6 @@ class BeamSearchRunner:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.group_of: dict[str, BeamSearchGroup] = {}  # running beam id -> its group
-        self.prompts: dict[str, tuple[str | None, list[int], RequestTimings]] = {}
 
     def owns(self, request_id: str) -> bool:
         return request_id in self.group_of
@@ -149,16 +152,16 @@ class BeamSearchRunner:
     def add(self, request_id: str, new, params: SamplingParams) -> BeamSearchGroup:
         """Start a search: one beam (the prompt) asking for the top-K next-token logprobs."""
         stop_ids = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
-        group = BeamSearchGroup(request_id, params, stop_ids, new.max_tokens)
         beam_params = SamplingParams(temperature=0, max_tokens=new.max_tokens, ignore_eos=True)
-        beam_params.logprobs = group.num_candidates  # internal: may exceed the user maximum
         first = Request(
-            group.new_beam_id(), new.ids, beam_params, new.max_tokens,
+            f"{request_id}#beam0", new.ids, beam_params, new.max_tokens,
             priority=new.priority, cache_salt=new.cache_salt, arrival_time=new.arrival_time,
         )
+        group = BeamSearchGroup(request_id, params, stop_ids, new.max_tokens, new.text,
+                                new.ids, first.timings)
+        beam_params.logprobs = group.num_candidates  # internal: may exceed the user maximum
         group.add_beam(first.request_id, np.float32(0.0))
         self.group_of[first.request_id] = group
-        self.prompts[request_id] = (new.text, new.ids, first.timings)
         self.scheduler.add_request(first)
         return group
 
@@ -182,9 +185,8 @@ class BeamSearchRunner:
     def _advance(self, group: BeamSearchGroup) -> RequestOutput | None:
         requests = self.scheduler.requests
         parents = [requests[beam_id] for beam_id in group.beams]
-        timings = self.prompts[group.request_id][2]
-        if timings.first_token is None:
-            timings.first_token = time.time()
+        if group.timings.first_token is None:
+            group.timings.first_token = time.time()
         continuations = group.advance(requests)
         children = [(self._child(group, c), c.parent) for c in continuations]
         for parent in parents:
@@ -215,7 +217,7 @@ class BeamSearchRunner:
             self.scheduler.finish_request(beam_id, RequestStatus.FINISHED_ABORTED)
 
     def _output(self, group: BeamSearchGroup, aborted: bool) -> RequestOutput:
-        text, ids, timings = self.prompts.pop(group.request_id)
+        timings = group.timings
         timings.finished = time.time()
         skip = group.params.skip_special_tokens
         completions = [
@@ -236,4 +238,5 @@ class BeamSearchRunner:
             timings.arrival, timings.first_scheduled, timings.first_token, timings.finished,
             timings.finished, num_tokens,
         )
-        return RequestOutput(group.request_id, text, ids, completions, True, metrics)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             completions, True, metrics)

@@ -2,6 +2,12 @@
 
     step():  scheduler.schedule() -> runner.execute() -> scheduler.update() -> detokenize/stop
              (+ logprobs and prompt logprobs from the runner, decoded into `Logprob`s)
+             -> one output per request that progressed, as its `output_kind` asks
+                (DELTA: only what is new; FINAL_ONLY: one full output at the end)
+
+Everything the engine holds about a scheduled sequence is one `RequestState` in
+`self.states`; n > 1 / best_of groups and beam searches are in `self.groups` under the
+caller's id.
 """
 
 import itertools
@@ -19,13 +25,13 @@ from llmserve.engine.beam_search import BeamSearchGroup, BeamSearchRunner
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.parallel_sampling import ParallelGroup
 from llmserve.engine.request import Request, RequestStatus
+from llmserve.engine.request_state import LogprobsDecoder, RequestState
 from llmserve.errors import LLMServeError
 from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.memory import parse_size, plan_kv_cache
-from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.attention import KVCache
-from llmserve.worker.logprobs import PositionLogprobs
 from llmserve.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -47,23 +53,6 @@ class _NewRequest:
     priority: int
     arrival_time: float
     cache_salt: str | None
-
-
-@dataclass
-class _Tracked:
-    request: Request
-    prompt: str | None
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None = None  # one per output token, if asked for
-    cumulative_logprob: float | None = None
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token
-
-    def __post_init__(self) -> None:
-        params = self.request.sampling_params
-        if params.logprobs is not None:
-            self.logprobs, self.cumulative_logprob = [], 0.0
-        if params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None] * self.request.num_prompt_tokens
 
 
 class Engine:
@@ -104,12 +93,11 @@ class Engine:
             self.kv_manager,
         )
         self.runner = ModelRunner(self.loaded.model, kv_cache, self.device)
-        self.tracked: dict[str, _Tracked] = {}  # single requests, siblings and not beams
+        self.states: dict[str, RequestState] = {}  # single requests and siblings, not beams
         self.groups: dict[str, ParallelGroup | BeamSearchGroup] = {}  # by the caller's id
-        self.parent_of: dict[str, tuple[ParallelGroup, int]] = {}  # sibling id -> group
         self.beams = BeamSearchRunner(self.scheduler, self.tokenizer)
+        self.logprobs_decoder = LogprobsDecoder(self.tokenizer)
         self._ids = itertools.count()
-        self._token_texts: dict[int, str] = {}  # decoded single tokens, for logprobs
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -130,7 +118,7 @@ class Engine:
         params = params or SamplingParams()
         text, ids = self._tokenize(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.tracked or request_id in self.groups:
+        if request_id in self.states or request_id in self.groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         max_tokens = self._check_length(len(ids), params)
         self._check_token_ids(params)
@@ -141,27 +129,27 @@ class Engine:
             group = ParallelGroup(request_id, params)
             self.groups[request_id] = group
             for i in range(group.best_of):
-                self._add_one(group.child_id(i), new, group.child_params(i), request_id)
-                self.parent_of[group.child_id(i)] = (group, i)
+                self._add_one(group.child_id(i), new, group.child_params(i), group, i)
         else:
             self._add_one(request_id, new, params)
         return request_id
 
     def _add_one(
         self, request_id: str, new: "_NewRequest", params: SamplingParams,
-        share_group: str | None = None,
+        parent: ParallelGroup | None = None, index: int = 0,
     ) -> None:
         stop_ids = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
         request = Request(
             request_id, new.ids, params, new.max_tokens, stop_ids, new.priority,
-            new.cache_salt, share_group=share_group, arrival_time=new.arrival_time,
+            new.cache_salt, share_group=parent.request_id if parent else None,
+            arrival_time=new.arrival_time,
         )
         request.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
         detok = IncrementalDetokenizer(
             self.tokenizer, new.ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output,
         )
-        self.tracked[request_id] = _Tracked(request, new.text, detok)
+        self.states[request_id] = RequestState(request, new.text, detok, parent, index)
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -170,71 +158,71 @@ class Engine:
         if isinstance(group, BeamSearchGroup):
             return self.beams.abort(group)
         if isinstance(group, ParallelGroup):
-            output = None
             for i in range(group.best_of):
                 child = self._abort_one(group.child_id(i))
                 if child is not None:
-                    output = group.update(i, child) or output
-                self.parent_of.pop(group.child_id(i), None)
-            return output
+                    group.add(i, child)
+            return group.output()
         return self._abort_one(request_id)
 
     def _abort_one(self, request_id: str) -> RequestOutput | None:
-        tracked = self.tracked.pop(request_id, None)
-        if tracked is None:
+        state = self.states.pop(request_id, None)
+        if state is None:
             return None
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        return self._output(tracked)
+        return state.output()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.tracked or self.groups)
+        return bool(self.states or self.groups)
 
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling + forward step; outputs of every request that got a token."""
+        """One scheduling + forward step; the outputs (per `output_kind`) of every request
+        that got a token, one per caller's request id."""
         out = self.scheduler.schedule()
         runner_out = self.runner.execute(out)
         self._record_prompt_logprobs(runner_out)
         sampled = {rid: t for rid, t in runner_out.sampled.items() if not self.beams.owns(rid)}
         updated = self.scheduler.update(out, sampled)
-        outputs: dict[str, RequestOutput] = {}
+        outputs: list[RequestOutput] = []
+        groups: dict[str, ParallelGroup] = {}  # groups with a sibling output this step
         for request in updated:
-            output = self._process(request, runner_out)
-            parent = self.parent_of.get(request.request_id)
-            if parent is not None:
-                output = self._route_to_parent(parent, output)
+            state = self.states[request.request_id]
+            output = self._process(state, runner_out)
+            if output is None:
+                continue
+            if state.parent is None:
+                outputs.append(output)
+            else:
+                state.parent.add(state.index, output)
+                groups[state.parent.request_id] = state.parent
+        for group in groups.values():
+            output = group.output()
             if output is not None:
-                outputs[output.request_id] = output
+                outputs.append(output)
+                if output.finished:
+                    del self.groups[group.request_id]
         for output in self.beams.step(runner_out.logprobs):
             self.groups.pop(output.request_id, None)
-            outputs[output.request_id] = output
-        return list(outputs.values())
+            outputs.append(output)
+        return outputs
 
-    def _process(self, request: Request, runner_out: RunnerOutput) -> RequestOutput:
+    def _process(self, state: RequestState, runner_out: RunnerOutput) -> RequestOutput | None:
         """Detokenize the new token, apply stop strings, and build the request's output."""
-        tracked = self.tracked[request.request_id]
-        self._record_logprobs(tracked, runner_out)
-        stop = tracked.detokenizer.append(request.output_token_ids[-1])
+        request = state.request
+        position = runner_out.logprobs.get(request.request_id)
+        if position is not None:
+            state.add_logprobs(self.logprobs_decoder.entries(position), position.logprobs[0])
+        stop = state.detokenizer.append(request.output_token_ids[-1])
         if stop is not None and not request.status.finished:
             request.stop_reason = stop
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
         if request.status.finished:
             if stop is None:
-                tracked.detokenizer.flush()
-            del self.tracked[request.request_id]
-        return self._output(tracked)
-
-    def _route_to_parent(
-        self, parent: tuple[ParallelGroup, int], output: RequestOutput
-    ) -> RequestOutput | None:
-        group, index = parent
-        merged = group.update(index, output)
-        if output.finished:
-            del self.parent_of[output.request_id]
-        if merged is not None and merged.finished:
-            self.groups.pop(group.request_id, None)
-        return merged
+                state.detokenizer.flush()
+            del self.states[request.request_id]
+        return state.output()
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -278,34 +266,10 @@ class Engine:
 
     def _record_prompt_logprobs(self, runner_out: RunnerOutput) -> None:
         for request_id, (first, positions) in runner_out.prompt_logprobs.items():
-            tracked = self.tracked.get(request_id)
-            if tracked is None or tracked.prompt_logprobs is None:
+            state = self.states.get(request_id)
+            if state is None or state.prompt_logprobs is None:
                 continue
-            for i, position in enumerate(positions, start=first):
-                tracked.prompt_logprobs[i] = self._logprob_dict(position)
-
-    def _record_logprobs(self, tracked: _Tracked, runner_out: RunnerOutput) -> None:
-        position = runner_out.logprobs.get(tracked.request.request_id)
-        if position is None or tracked.logprobs is None:
-            return
-        tracked.logprobs.append(self._logprob_dict(position))
-        tracked.cumulative_logprob += position.logprobs[0]
-
-    def _logprob_dict(self, position: PositionLogprobs) -> dict[int, Logprob]:
-        """Chosen token first, then the top-k (a chosen token in the top-k appears once)."""
-        entries: dict[int, Logprob] = {}
-        for token, logprob, rank in zip(
-            position.token_ids, position.logprobs, position.ranks, strict=True
-        ):
-            if token not in entries:
-                entries[token] = Logprob(logprob, rank, self._token_text(token))
-        return entries
-
-    def _token_text(self, token: int) -> str:
-        text = self._token_texts.get(token)
-        if text is None:
-            text = self._token_texts[token] = self.tokenizer.decode([token])
-        return text
+            state.set_prompt_logprobs(first, [self.logprobs_decoder.entries(p) for p in positions])
 
     def _check_length(self, num_prompt: int, params: SamplingParams) -> int:
         if num_prompt == 0:
@@ -328,30 +292,6 @@ class Engine:
                 f"({self.kv_plan.num_tokens} tokens); raise --kv-cache-memory"
             )
         return max_tokens
-
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        request = tracked.request
-        finished = request.status.finished
-        t = request.timings
-        completion = CompletionOutput(
-            index=0,
-            text=tracked.detokenizer.visible_text(finished),
-            token_ids=list(request.output_token_ids),
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason,
-            cumulative_logprob=tracked.cumulative_logprob,
-            logprobs=None if tracked.logprobs is None else list(tracked.logprobs),
-        )
-        metrics = RequestMetrics(
-            t.arrival, t.first_scheduled, t.first_token, t.last_token, t.finished,
-            request.num_output_tokens,
-        )
-        return RequestOutput(
-            request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
-            finished, metrics, request.num_cached_tokens,
-            prompt_logprobs=None if tracked.prompt_logprobs is None
-            else list(tracked.prompt_logprobs),
-        )
 
     def _kv_budget(self) -> int:
         budget = self.config.kv_cache_memory

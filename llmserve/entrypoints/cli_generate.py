@@ -9,17 +9,18 @@ conversation, rendered with the model's template) or `"prompt_token_ids"`, an op
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from llmserve.engine.engine import Engine
 from llmserve.errors import LLMServeError
 from llmserve.llm import LLM
-from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.outputs import OutputAccumulator, RequestOutput
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
-SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+# what an input line may set (how outputs are reported is not the line's business)
+SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams)) - {"output_kind"}
 PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _REPL_EXIT = "/exit"
 _REPL_RESET = "/reset"
@@ -42,22 +43,24 @@ class BatchItem:
 def stream_completion(
     engine: Engine, prompt: str | dict[str, Any], params: SamplingParams, out: TextIO
 ) -> RequestOutput:
-    """Run one request alone, writing each new piece of its text to `out` as it comes."""
+    """Run one request alone, writing each new piece of its text (of choice 0) to `out` as
+    it comes; returns the full output."""
+    params = replace(params, output_kind=RequestOutputKind.DELTA)
     request_id = engine.add_request(prompt, params)
-    shown = ""
+    accumulated = OutputAccumulator()
     try:
         while True:
-            for output in engine.step():
-                if output.request_id != request_id:
+            for delta in engine.step():
+                if delta.request_id != request_id:
                     continue
-                text = output.outputs[0].text
-                # The visible text only grows; a held-back stop-string prefix is never shown.
-                if text.startswith(shown) and len(text) > len(shown):
-                    out.write(text[len(shown):])
+                accumulated.add(delta)
+                # newly visible text only: a held-back stop-string prefix is never shown
+                text = "".join(c.text for c in delta.outputs if c.index == 0)
+                if text:
+                    out.write(text)
                     out.flush()
-                    shown = text
-                if output.finished:
-                    return output
+                if delta.finished:
+                    return accumulated.build()
     except BaseException:
         engine.abort_request(request_id)
         raise

@@ -36,9 +36,8 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, uint8_t* hi, uint8_t* l
   float amax = 0.f;
   for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x[k]));
   float scale = std::max(amax, 1e-8f) / 127.f;
-  float inv = 1.f / scale;
   for (int64_t k = 0; k < K; ++k) {
-    float t = x[k] * inv;
+    float t = x[k] / scale;  // a division, as the torch fallback computes it
     float h = std::nearbyint(t);
     float l = std::nearbyint((t - h) * 254.f);
     hi[k] = static_cast<uint8_t>(static_cast<int>(h) + 128);

@@ -1,4 +1,8 @@
-"""What completions and chat share: model check, submission, stream merging, SSE, logprobs."""
+"""What completions and chat share: model check, submission, stream merging, SSE, logprobs.
+
+Whole responses ask the engine for the final output only (`RequestOutputKind.FINAL_ONLY`);
+streams ask for deltas (`DELTA`) and turn each into chunks as it comes, nothing re-sent.
+"""
 
 import asyncio
 import json
@@ -11,7 +15,7 @@ from llmserve.engine.async_engine import AsyncEngine, RequestStream
 from llmserve.engine.engine import RequestRejected
 from llmserve.entrypoints.openai.protocol import SAMPLING_FIELDS, BadRequest
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class OpenAIServing:
@@ -152,12 +156,35 @@ def usage_of(outputs: list[RequestOutput]) -> tuple[int, int, int]:
     return prompt, completion, cached
 
 
-def new_logprobs(completion: CompletionOutput, start: int) -> list[tuple[int, dict]]:
-    """(token id, {id: Logprob}) of the generated tokens from `start` on; [] if none."""
+def output_kind(stream: bool) -> RequestOutputKind:
+    """Deltas for a streamed response, the final output only for a whole one."""
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+
+
+class StreamUsage:
+    """Token counts of a streamed response, summed from its deltas (all choices)."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens: dict[int, int] = {}  # per prompt index
+        self.cached_tokens: dict[int, int] = {}
+        self.completion_tokens = 0
+
+    def add(self, prompt_index: int, delta: RequestOutput) -> None:
+        self.prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
+        self.cached_tokens[prompt_index] = delta.num_cached_tokens
+        self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(prompt, completion, cached), as `usage_of` counts them."""
+        return (sum(self.prompt_tokens.values()), self.completion_tokens,
+                sum(self.cached_tokens.values()))
+
+
+def token_logprobs(completion: CompletionOutput) -> list[tuple[int, dict]]:
+    """(token id, {id: Logprob}) of the completion's tokens (of a delta: its new ones)."""
     if not completion.logprobs:
         return []
-    ids = completion.token_ids[start:len(completion.logprobs)]
-    return list(zip(ids, completion.logprobs[start:start + len(ids)], strict=True))
+    return list(zip(completion.token_ids, completion.logprobs, strict=False))
 
 
 def top_entries(entries: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:

@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: messages through the chat template, replies whole or streamed."""
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from llmserve.engine.async_engine import RequestStream
@@ -16,26 +15,18 @@ from llmserve.entrypoints.openai.protocol import (
 )
 from llmserve.entrypoints.openai.serving_base import (
     OpenAIServing,
+    StreamUsage,
     final_outputs,
     merge_streams,
-    new_logprobs,
+    output_kind,
     prompt_logprobs_json,
     sse,
+    token_logprobs,
     top_entries,
     usage_of,
 )
 from llmserve.errors import LLMServeError
-from llmserve.outputs import CompletionOutput, RequestOutput
-
-
-@dataclass
-class _Choice:
-    """What a stream has sent of one choice so far."""
-
-    text_len: int = 0
-    num_tokens: int = 0
-    role_sent: bool = False
-    finished: bool = False
+from llmserve.outputs import CompletionOutput
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -66,6 +57,7 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest(f"response_format type '{fmt}' is not supported",
                              param="response_format")
         params, max_tokens_field = self._params(request)
+        params.output_kind = output_kind(request.stream)
         prompt_ids = await self.engine.run_blocking(self.render, request)
         request_id = random_id("chatcmpl")
         streams = await self.submit([prompt_ids], params, request_id, arrival_time,
@@ -114,15 +106,15 @@ class OpenAIServingChat(OpenAIServing):
 
     def _choice(self, c: CompletionOutput, top_k: int | None) -> dict[str, Any]:
         return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c, 0, top_k), "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c, top_k), "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
-    def _logprobs(self, c: CompletionOutput, start: int, top_k: int | None) -> dict | None:
-        """OpenAI's chat logprobs of the tokens from `start` on (None when not asked)."""
+    def _logprobs(self, c: CompletionOutput, top_k: int | None) -> dict | None:
+        """OpenAI's chat logprobs of the completion's tokens (None when not asked)."""
         if top_k is None:
             return None
         content = []
-        for token_id, entries in new_logprobs(c, start):
+        for token_id, entries in token_logprobs(c):
             sampled = entries.get(token_id)
             text = self.token_text(token_id, sampled)
             top = [self._entry(self.token_text(t, lp), lp.logprob)
@@ -138,45 +130,41 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, streams: list[RequestStream], request_id: str,
                       top_k: int | None, include_usage: bool) -> AsyncIterator[str]:
         created = now()
-        states: dict[int, _Choice] = {}
-        final: RequestOutput | None = None
+        role_sent: set[int] = set()  # choice indexes whose first chunk (the role) went out
+        tally = StreamUsage()
         try:
-            async for _, output in merge_streams(streams):
-                for c in output.outputs:
-                    state = states.setdefault(c.index, _Choice())
-                    for choice in self._chunk_choices(state, c, top_k):
+            async for _, delta in merge_streams(streams):
+                tally.add(0, delta)
+                for c in delta.outputs:
+                    if c.index not in role_sent:
+                        role_sent.add(c.index)
+                        yield sse(self._chunk(request_id, created, [self._role(c.index)],
+                                              include_usage))
+                    choice = self._delta_choice(c, top_k)
+                    if choice is not None:
                         yield sse(self._chunk(request_id, created, [choice], include_usage))
-                if output.finished:
-                    final = output
         except Exception as e:
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
                                  "code": 500}})
         if include_usage:
             body = self._chunk(request_id, created, [], include_usage)
-            body["usage"] = usage(*usage_of([final] if final else []))
+            body["usage"] = usage(*tally.counts())
             yield sse(body)
         yield sse("[DONE]")
 
-    def _chunk_choices(self, state: _Choice, c: CompletionOutput,
-                       top_k: int | None) -> list[dict[str, Any]]:
-        """The chunks one output adds to a choice: the role first, then content deltas."""
-        if state.finished:
-            return []
-        chunks = []
-        if not state.role_sent:
-            state.role_sent = True
-            chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
-                           "logprobs": None, "finish_reason": None})
-        delta = c.text[state.text_len:]
-        logprobs = self._logprobs(c, state.num_tokens, top_k)
-        if delta or c.finished or (logprobs and logprobs["content"]):
-            chunks.append({"index": c.index, "delta": {"content": delta} if delta else {},
-                           "logprobs": logprobs, "finish_reason": c.finish_reason,
-                           "stop_reason": c.stop_reason})
-            state.text_len = len(c.text)
-            state.num_tokens = len(c.token_ids)
-            state.finished = c.finished
-        return chunks
+    @staticmethod
+    def _role(index: int) -> dict[str, Any]:
+        return {"index": index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+
+    def _delta_choice(self, c: CompletionOutput, top_k: int | None) -> dict[str, Any] | None:
+        """One choice's chunk for a delta; None when it brings nothing to show."""
+        logprobs = self._logprobs(c, top_k)
+        if not (c.text or c.finished or (logprobs and logprobs["content"])):
+            return None
+        return {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
 
     def _chunk(self, request_id: str, created: int, choices: list,
                include_usage: bool) -> dict[str, Any]:

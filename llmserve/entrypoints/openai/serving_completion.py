@@ -14,25 +14,25 @@ from llmserve.entrypoints.openai.protocol import (
 )
 from llmserve.entrypoints.openai.serving_base import (
     OpenAIServing,
+    StreamUsage,
     final_outputs,
     merge_streams,
-    new_logprobs,
+    output_kind,
     prompt_logprobs_json,
     sse,
+    token_logprobs,
     top_entries,
     usage_of,
 )
-from llmserve.outputs import CompletionOutput, RequestOutput
+from llmserve.outputs import CompletionOutput
 
 
 @dataclass
 class _Choice:
     """What a stream has sent of one choice so far."""
 
-    text_len: int = 0
-    num_tokens: int = 0
-    text_offset: int = 0
-    finished: bool = False
+    started: bool = False
+    text_offset: int = 0  # characters sent, for the logprobs' text_offset
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -48,6 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
         options["max_tokens"] = request.max_tokens
         if request.logprobs is not None:
             options["logprobs"] = request.logprobs
+        options["output_kind"] = output_kind(request.stream)
         params = build_sampling_params(options)
         prompts = _prompt_list(request.prompt)
         token_ids = await self.engine.run_blocking(self._tokenize, prompts,
@@ -83,17 +84,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_logprobs: int | None) -> dict[str, Any]:
         logprobs = None
         if num_logprobs is not None:
-            logprobs = self._logprobs(completion, 0, 0, num_logprobs)
+            logprobs = self._logprobs(completion, 0, num_logprobs)
         return {"index": index, "text": echo + completion.text, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason}
 
-    def _logprobs(self, completion: CompletionOutput, start: int, text_offset: int,
+    def _logprobs(self, completion: CompletionOutput, text_offset: int,
                   k: int) -> dict[str, Any]:
-        """OpenAI's completions logprobs of the tokens from `start` on."""
+        """OpenAI's completions logprobs of the completion's tokens, the first at `text_offset`."""
         result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                    "text_offset": []}
-        for token_id, entries in new_logprobs(completion, start):
+        for token_id, entries in token_logprobs(completion):
             text = self.token_text(token_id, entries.get(token_id))
             sampled = entries.get(token_id)
             result["tokens"].append(text)
@@ -110,45 +111,40 @@ class OpenAIServingCompletion(OpenAIServing):
                       num_logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
         created = now()
         states: dict[tuple[int, int], _Choice] = {}
-        finals: dict[int, RequestOutput] = {}
+        tally = StreamUsage()
         try:
-            async for i, output in merge_streams(streams):
-                for c in output.outputs:
+            async for i, delta in merge_streams(streams):
+                tally.add(i, delta)
+                for c in delta.outputs:
                     state = states.setdefault((i, c.index), _Choice())
-                    chunk = self._chunk_choice(state, c, echoes[i], num_logprobs)
+                    chunk = self._delta_choice(state, c, echoes[i], num_logprobs)
                     if chunk is None:
                         continue
                     chunk["index"] = i * n + c.index
                     yield sse(self._chunk(request_id, created, [chunk], include_usage))
-                if output.finished:
-                    finals[i] = output
         except Exception as e:
             yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
                                  "code": 500}})
         if include_usage:
             body = self._chunk(request_id, created, [], include_usage)
-            body["usage"] = usage(*usage_of(list(finals.values())))
+            body["usage"] = usage(*tally.counts())
             yield sse(body)
         yield sse("[DONE]")
 
-    def _chunk_choice(self, state: _Choice, c: CompletionOutput, echo: str,
+    def _delta_choice(self, state: _Choice, c: CompletionOutput, echo: str,
                       num_logprobs: int | None) -> dict[str, Any] | None:
-        """The delta of one choice since the last chunk, or None when there is nothing new."""
-        if state.finished:
-            return None
-        delta = c.text[state.text_len:]
-        if state.num_tokens == 0 and state.text_len == 0 and echo:
-            delta = echo + delta
+        """One choice's chunk for a delta, or None when it brings nothing to show."""
+        text = c.text
+        if not state.started and echo:
+            text = echo + text
         logprobs = None
         if num_logprobs is not None:
-            logprobs = self._logprobs(c, state.num_tokens, state.text_offset, num_logprobs)
+            logprobs = self._logprobs(c, state.text_offset, num_logprobs)
             state.text_offset += sum(len(t) for t in logprobs["tokens"])
-        if not delta and not c.finished and not (logprobs and logprobs["tokens"]):
+        if not text and not c.finished and not (logprobs and logprobs["tokens"]):
             return None
-        state.text_len = len(c.text)
-        state.num_tokens = len(c.token_ids)
-        state.finished = c.finished
-        return {"text": delta, "logprobs": logprobs, "finish_reason": c.finish_reason,
+        state.started = True
+        return {"text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason}
 
     def _chunk(self, request_id: str, created: int, choices: list,

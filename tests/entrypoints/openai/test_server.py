@@ -284,3 +284,27 @@ def test_cors_off_by_default_and_configurable(server, keyed_server):
     with keyed_server.http() as http:
         resp = http.options("/v1/completions", headers=preflight)
         assert resp.headers["access-control-allow-origin"] == "http://example.com"
+
+
+def test_streamed_choices_add_up_to_the_whole_response(client):
+    """n=2 streamed with a stop string and logprobs: each choice's chunks join up to that
+    choice of the whole response (text, logprob tokens, finish reason), usage included."""
+    options = {"prompt": "Once upon a time", "max_tokens": 16, "n": 2, "seed": 21,
+               "temperature": 1.0, "logprobs": 1}
+    first = client.completions.create(model=MODEL, **options).choices[0].text
+    stop = first[len(first) // 2:][:4]
+    assert stop.strip(), first
+    whole = client.completions.create(model=MODEL, stop=[stop], **options)
+    assert whole.choices[0].finish_reason == "stop"
+    chunks, _ = _stream_completion(client, stop=[stop], stream_options={"include_usage": True},
+                                   **options)
+    streamed: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            choice = streamed.setdefault(c.index, {"text": "", "tokens": [], "finish": None})
+            choice["text"] += c.text
+            choice["tokens"] += c.logprobs.tokens if c.logprobs else []
+            choice["finish"] = choice["finish"] or c.finish_reason
+    assert streamed == {c.index: {"text": c.text, "tokens": c.logprobs.tokens,
+                                  "finish": c.finish_reason} for c in whole.choices}
+    assert _counts(chunks[-1].usage) == _counts(whole.usage)

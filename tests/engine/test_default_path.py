@@ -1,0 +1,87 @@
+"""The default (fast) path: what it picks, that batching and preemption change nothing, and
+how closely it follows the exact float32 path; the int8 KV cache likewise."""
+
+import pytest
+import torch
+
+from llmserve import LLM, SamplingParams
+from llmserve.config import EngineConfig
+from llmserve.engine.engine import Engine
+from tests.engine.test_transparency import TOPICS, chat_ids, token_ids
+from tests.models.test_llama_reference import PROMPTS
+
+GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def default_llm(smollm2_gguf) -> LLM:
+    return LLM(str(smollm2_gguf), kv_cache_memory="128MiB")
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(default_llm):
+    tokenizer = default_llm.tokenizer
+    prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(c, tokenize=True)}
+               for c in PROMPTS]
+    return prompts + [chat_ids(default_llm, f"Tell me about {t}.") for t in TOPICS]
+
+
+def test_default_keeps_the_checkpoint_quantized(default_llm, smollm2_llm, smollm2_gguf):
+    assert default_llm.engine.loaded.quantization == "int8"  # a Q4_1 GGUF
+    assert smollm2_llm.engine.loaded.quantization is None  # dtype="float32": exact
+    plain = EngineConfig(model=str(smollm2_gguf), quantization="none")
+    assert plain.weight_quantization is None
+    assert EngineConfig().weight_quantization == "auto"
+
+
+def test_default_path_is_batch_invariant(default_llm, chat_prompts):
+    # prefix caching off: alone, later prompts would hit blocks the earlier ones cached
+    config = EngineConfig(kv_cache_memory="64MiB", enable_prefix_caching=False)
+    llm = LLM.from_engine(Engine(config, loaded=default_llm.engine.loaded))
+    alone = [token_ids(llm.generate(p, GREEDY_16, use_tqdm=False))[0] for p in chat_prompts]
+    together = token_ids(llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
+    assert together == alone
+
+
+def test_default_path_preemption_is_transparent(default_llm, chat_prompts):
+    roomy = token_ids(default_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
+    config = EngineConfig(kv_cache_memory=24 * 16 * 46080)  # 24 blocks for 20 requests
+    tight = LLM.from_engine(Engine(config, loaded=default_llm.engine.loaded))
+    outputs = tight.generate(chat_prompts, GREEDY_16, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert token_ids(outputs) == roomy
+
+
+def agreement(ours: list[list[int]], exact: list[list[int]]) -> tuple[float, float]:
+    """(share of prompts whose 16 tokens all agree, mean tokens agreeing before the first
+    difference)."""
+    prefixes = []
+    for a, b in zip(ours, exact, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        prefixes.append(n)
+    full = sum(n == len(a) for n, a in zip(prefixes, ours, strict=True)) / len(ours)
+    return full, sum(prefixes) / len(prefixes)
+
+
+def test_default_path_follows_the_exact_path(default_llm, smollm2_llm, chat_prompts):
+    exact = token_ids(smollm2_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
+    fast = token_ids(default_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
+    full, mean_prefix = agreement(fast, exact)
+    print(f"default vs float32: {full:.0%} of {len(exact)} chat prompts agree on all 16 "
+          f"greedy tokens; mean agreeing prefix {mean_prefix:.1f} tokens")
+    assert full >= 0.6  # measured: 65 % (13 of 20), mean agreeing prefix 11.8
+
+
+def test_int8_kv_cache_follows_the_float_cache(default_llm, chat_prompts):
+    config = EngineConfig(kv_cache_memory="64MiB", kv_cache_dtype="int8")
+    int8_kv = LLM.from_engine(Engine(config, loaded=default_llm.engine.loaded))
+    assert int8_kv.engine.runner.kv_cache.dtype == torch.int8
+    float_kv = token_ids(default_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
+    ours = token_ids(int8_kv.generate(chat_prompts, GREEDY_16, use_tqdm=False))
+    full, mean_prefix = agreement(ours, float_kv)
+    print(f"int8 KV vs float32 KV: {full:.0%} agree on all 16 greedy tokens; "
+          f"mean agreeing prefix {mean_prefix:.1f}")
+    assert full >= 0.6  # measured: 65 % (13 of 20), mean agreeing prefix 13.4
+    alone = [token_ids(int8_kv.generate(p, GREEDY_16, use_tqdm=False))[0]
+             for p in chat_prompts[:6]]
+    assert alone == ours[:6]  # batch invariant too

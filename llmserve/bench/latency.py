@@ -184,16 +184,25 @@ def weight_bytes_and_params(llm: LLM) -> tuple[int, int]:
     """Bytes and count of the weights one decode step reads (shared tensors once).
 
     Counts parameters and weight buffers (int8 weights and scales), not the rotary tables,
-    and not the embedding table when a separate LM head exists (a step reads only its rows).
+    and not the embedding table's own tensors when a separate LM head exists (a step reads
+    only its rows); tensors the embedding shares with the head (tied) are counted.
     """
     model = llm.engine.loaded.model
-    tensors = dict(model.named_parameters())
-    tensors.update((n, b) for n, b in model.named_buffers() if "rotary" not in n)
-    embedding = model.model.embed_tokens.weight
-    if model.lm_head is not None:
-        tensors = {n: t for n, t in tensors.items() if t is not embedding}
-    unique = {id(t): t for t in tensors.values()}.values()
+    named = [*model.named_parameters(), *model.named_buffers()]
+    tensors = {id(t): t for n, t in named if "rotary" not in n}
+    embed = getattr(model.model, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    if embed is not None and head is not None:
+        in_head = {id(t) for t in _module_tensors(head)}
+        for t in _module_tensors(embed):
+            if id(t) not in in_head:
+                tensors.pop(id(t), None)
+    unique = tensors.values()
     return sum(t.numel() * t.element_size() for t in unique), sum(t.numel() for t in unique)
+
+
+def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers()]
 
 
 def _kv_bytes_per_token(llm: LLM) -> int:

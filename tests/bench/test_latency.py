@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from llmserve import LLM
 from llmserve.bench.latency import (
     LatencyResult,
     MachinePeaks,
@@ -15,6 +16,7 @@ from llmserve.bench.latency import (
     llm_peak_kind,
     measure_gemm,
     peak_kind,
+    weight_bytes_and_params,
 )
 from llmserve.bench.machine import cpu_flags, format_machine, machine_info
 
@@ -88,3 +90,15 @@ def test_cpu_flags_and_machine_info():
     line = format_machine({**info, "cpu_flags": ["avx2", "amx_int8"]})
     assert "flags: avx2 amx_int8" in line
     assert f"torch cpu capability {info['torch_cpu_capability']}" in line
+
+
+def test_weight_bytes_skip_an_untied_embedding(tiny_folder):
+    llm = LLM(str(tiny_folder), dtype="float32", kv_cache_memory="4MiB")
+    num_bytes, num_params = weight_bytes_and_params(llm)
+    total = sum(p.numel() for p in llm.engine.loaded.model.parameters())
+    config = llm.engine.loaded.config
+    assert num_params == total - config.vocab_size * config.hidden_size
+    assert num_bytes == 4 * num_params
+    int8 = LLM(str(tiny_folder), dtype="float32", quantization="int8", kv_cache_memory="4MiB")
+    int8_bytes, _ = weight_bytes_and_params(int8)
+    assert num_bytes / 4.5 < int8_bytes < num_bytes / 3  # int8 weights + fp32 scales, norms

@@ -43,7 +43,6 @@ _SIGNATURES = {
     "llmserve_paged_attention": [
         _P, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _I64, _F32, _P,
     ],
-    "llmserve_kv_cache_gather": [_P, _P, _I32, _P, _I64, _I64, _P],
 }
 _RESTYPES = {"llmserve_kernels_abi": _I32}
 

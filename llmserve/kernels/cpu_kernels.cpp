@@ -320,66 +320,83 @@ void llmserve_kv_cache_write(const float* k, const float* v, int64_t T, int64_t 
 // [query_start[b], query_start[b + 1]) at positions context_lens[b] + i, and attends
 // causally to its cached keys 0 .. context_lens[b] + i through its row of block_tables
 // (B, max_blocks). q, out: (T, H, D) fp32; cache: (num_blocks, block_size, Hkv, D).
-// Softmax in fp32 with a running max (one pass over the keys); cost is each sequence's own
-// length.
+//
+// Work items are (sequence, kv head, tile of queries): a block of keys and values is read
+// (and widened) once for every query head of the group and every query of the tile. Each
+// query then runs the same arithmetic whatever its tile, chunk or batch: keys in cache
+// blocks from position 0, an online softmax per block. So a query's output depends only on
+// its q and keys, and chunked prefill, prefix-cache hits and batching change no bits.
 void llmserve_paged_attention(const float* q, int64_t H, int64_t D, const void* k_cache,
                               const void* v_cache, const float* k_scales,
                               const float* v_scales, int32_t dtype, int64_t block_size,
                               int64_t Hkv, const int32_t* block_tables, int64_t max_blocks,
                               const int32_t* query_start, const int32_t* context_lens,
                               int64_t B, float scale, float* out) {
+  constexpr int64_t kTile = 8;
   const int64_t group = H / Hkv;
-  // work items: (sequence, head, query); a sequence's queries are contiguous
   std::vector<int64_t> item_start(B + 1, 0);
-  for (int64_t b = 0; b < B; ++b)
-    item_start[b + 1] = item_start[b] + (query_start[b + 1] - query_start[b]) * H;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t tiles = (query_start[b + 1] - query_start[b] + kTile - 1) / kTile;
+    item_start[b + 1] = item_start[b] + tiles * Hkv;
+  }
   at::parallel_for(0, item_start[B], 1, [&](int64_t ib, int64_t ie) {
-    std::vector<float> key(D), value(D), acc(D), scores(block_size);
+    const int64_t rows = kTile * group;
+    std::vector<float> keys(block_size * D), values(block_size * D), scores(block_size);
+    std::vector<float> acc(rows * D), running_max(rows), denom(rows);
     int64_t b = std::upper_bound(item_start.begin(), item_start.end(), ib) - item_start.begin() - 1;
     for (int64_t item = ib; item < ie; ++item) {
       while (item >= item_start[b + 1]) ++b;
       int64_t local = item - item_start[b];
-      int64_t i = local / H, h = local % H, kvh = h / group;
-      int64_t token = query_start[b] + i;
-      int64_t num_keys = context_lens[b] + i + 1;
-      const float* qv = q + (token * H + h) * D;
+      int64_t tile = local / Hkv, kvh = local % Hkv;
+      int64_t q0 = tile * kTile;
+      int64_t nq = std::min(kTile, static_cast<int64_t>(query_start[b + 1] - query_start[b]) - q0);
+      int64_t context = context_lens[b];
+      int64_t last_key = context + q0 + nq;  // keys the tile's last query sees
       const int32_t* table = block_tables + b * max_blocks;
-      float running_max = -INFINITY, denom = 0.f;
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t k0 = 0; k0 < num_keys; k0 += block_size) {
-        int64_t n = std::min(block_size, num_keys - k0);
+      std::fill(running_max.begin(), running_max.end(), -INFINITY);
+      std::fill(denom.begin(), denom.end(), 0.f);
+      for (int64_t k0 = 0; k0 < last_key; k0 += block_size) {
+        int64_t n = std::min(block_size, last_key - k0);
         int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_size;
-        float block_max = -INFINITY;
         for (int64_t j = 0; j < n; ++j) {
-          load_row(k_cache, (base + j) * Hkv + kvh, D, dtype, k_scales, key.data());
-          scores[j] = dot(qv, key.data(), D) * scale;
-          block_max = std::max(block_max, scores[j]);
+          load_row(k_cache, (base + j) * Hkv + kvh, D, dtype, k_scales, &keys[j * D]);
+          load_row(v_cache, (base + j) * Hkv + kvh, D, dtype, v_scales, &values[j * D]);
         }
-        if (block_max > running_max) {
-          float correction = std::exp(running_max - block_max);
-          scale_row(acc.data(), correction, D);
-          denom *= correction;
-          running_max = block_max;
-        }
-        for (int64_t j = 0; j < n; ++j) {
-          float p = std::exp(scores[j] - running_max);
-          denom += p;
-          load_row(v_cache, (base + j) * Hkv + kvh, D, dtype, v_scales, value.data());
-          axpy(acc.data(), p, value.data(), D);
+        for (int64_t i = 0; i < nq; ++i) {
+          int64_t visible = std::min(n, context + q0 + i + 1 - k0);  // causal
+          if (visible <= 0) continue;
+          int64_t token = query_start[b] + q0 + i;
+          for (int64_t g = 0; g < group; ++g) {
+            int64_t h = kvh * group + g, r = i * group + g;
+            const float* qv = q + (token * H + h) * D;
+            float block_max = -INFINITY;
+            for (int64_t j = 0; j < visible; ++j) {
+              scores[j] = dot(qv, &keys[j * D], D) * scale;
+              block_max = std::max(block_max, scores[j]);
+            }
+            float* a = &acc[r * D];
+            if (block_max > running_max[r]) {
+              float correction = std::exp(running_max[r] - block_max);
+              scale_row(a, correction, D);
+              denom[r] *= correction;
+              running_max[r] = block_max;
+            }
+            for (int64_t j = 0; j < visible; ++j) {
+              float p = std::exp(scores[j] - running_max[r]);
+              denom[r] += p;
+              axpy(a, p, &values[j * D], D);
+            }
+          }
         }
       }
-      float* o = out + (token * H + h) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[d] / denom;
+      for (int64_t i = 0; i < nq; ++i)
+        for (int64_t g = 0; g < group; ++g) {
+          int64_t token = query_start[b] + q0 + i, h = kvh * group + g, r = i * group + g;
+          float* o = out + (token * H + h) * D;
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] / denom[r];
+        }
     }
-  });
-}
-
-// Dequantizes (or widens) cached rows to fp32: rows (R,) cache-row indices (slot * Hkv + h)
-// -> dst (R, D). For gathering a long prefill chunk's context.
-void llmserve_kv_cache_gather(const void* cache, const float* scales, int32_t dtype,
-                              const int64_t* rows, int64_t R, int64_t D, float* dst) {
-  at::parallel_for(0, R, 256, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) load_row(cache, rows[r], D, dtype, scales, dst + r * D);
   });
 }
 

@@ -54,8 +54,7 @@ class ModelRunner:
         result = RunnerOutput()
         if not out.scheduled:
             return result
-        # shortest query first: the attention metadata expects that order
-        batch = sorted(out.scheduled, key=lambda s: len(s.token_ids))
+        batch = out.scheduled
         input_ids, positions, meta = self._prepare_inputs(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)  # (T, hidden)
         ends = torch.tensor([len(s.token_ids) for s in batch]).cumsum(0) - 1

@@ -35,12 +35,24 @@ def test_default_keeps_the_checkpoint_quantized(default_llm, smollm2_llm, smollm
 
 
 def test_default_path_is_batch_invariant(default_llm, chat_prompts):
-    # prefix caching off: alone, later prompts would hit blocks the earlier ones cached
-    config = EngineConfig(kv_cache_memory="64MiB", enable_prefix_caching=False)
-    llm = LLM.from_engine(Engine(config, loaded=default_llm.engine.loaded))
-    alone = [token_ids(llm.generate(p, GREEDY_16, use_tqdm=False))[0] for p in chat_prompts]
-    together = token_ids(llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
+    # run alone, later prompts hit the chat template's blocks cached by earlier ones:
+    # prefix-cache hits must change nothing either
+    alone = [token_ids(default_llm.generate(p, GREEDY_16, use_tqdm=False))[0]
+             for p in chat_prompts]
+    together = token_ids(default_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
     assert together == alone
+    config = EngineConfig(kv_cache_memory="64MiB", enable_prefix_caching=False)
+    uncached = LLM.from_engine(Engine(config, loaded=default_llm.engine.loaded))
+    assert token_ids(uncached.generate(chat_prompts, GREEDY_16, use_tqdm=False)) == alone
+
+
+def test_default_path_chunked_prefill_is_transparent(default_llm):
+    text = "Summarize: " + " ".join(f"Item {i} is a {t}." for i, t in enumerate(TOPICS * 2))
+    prompt = chat_ids(default_llm, text)
+    config = EngineConfig(kv_cache_memory="64MiB", max_num_batched_tokens=32)
+    chunked = LLM.from_engine(Engine(config, loaded=default_llm.engine.loaded))
+    whole = default_llm.generate(prompt, GREEDY_16, use_tqdm=False)
+    assert token_ids(chunked.generate(prompt, GREEDY_16, use_tqdm=False)) == token_ids(whole)
 
 
 def test_default_path_preemption_is_transparent(default_llm, chat_prompts):

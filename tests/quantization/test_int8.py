@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.engine.engine import Engine
-from llmserve.loader.model_loader import load_model
 from llmserve.kernels import native
+from llmserve.loader.model_loader import load_model
 from llmserve.quantization.int8 import (
     NATIVE_MAX_ROWS,
     PackedInt8Weight,

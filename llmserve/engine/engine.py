@@ -61,8 +61,10 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(
-            config.model, self.dtype, self.device, config.quantization
+            config.model, self.dtype, self.device, config.weight_quantization
         )
         self.tokenizer = self.loaded.tokenizer
         model_cfg = self.loaded.config
@@ -70,15 +72,20 @@ class Engine:
             config.max_model_len or model_cfg.max_position_embeddings,
             model_cfg.max_position_embeddings,
         )
-        plan = plan_kv_cache(model_cfg, self.dtype, self._kv_budget(), config.block_size)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        plan = plan_kv_cache(model_cfg, self.kv_cache_dtype, self._kv_budget(),
+                             config.block_size)
         logger.info(
-            "KV cache: %d blocks = %d tokens (%.2f GiB)",
-            plan.num_blocks, plan.num_tokens, plan.total_bytes / 2**30,
+            "KV cache: %d blocks = %d tokens (%.2f GiB, %s); weights: %s, %.0f MiB; "
+            "%d threads", plan.num_blocks, plan.num_tokens, plan.total_bytes / 2**30,
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            self.loaded.quantization or str(self.dtype).removeprefix("torch."),
+            model_bytes(self.loaded.model) / 2**20, torch.get_num_threads(),
         )
         self.kv_plan = plan
         kv_cache = KVCache.allocate(
             model_cfg.num_hidden_layers, plan.num_blocks, plan.block_size,
-            model_cfg.num_key_value_heads, model_cfg.head_dim, self.dtype, self.device,
+            model_cfg.num_key_value_heads, model_cfg.head_dim, self.kv_cache_dtype, self.device,
         )
         self.kv_manager = KVCacheManager(
             plan.num_blocks, plan.block_size, config.enable_prefix_caching
@@ -315,6 +322,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         name = "bfloat16" if device.type == "cuda" else "float32"
     return _TORCH_DTYPES[name]
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters and buffers hold (quantized weights as stored)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """"auto" is the compute dtype; int8 needs the native CPU kernels (checked at use)."""
+    from llmserve.worker.attention import KV_CACHE_DTYPES
+
+    return dtype if kv_cache_dtype == "auto" else KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def free_memory_bytes(device: torch.device) -> int:

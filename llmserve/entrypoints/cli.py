@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from llmserve.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
 from llmserve.errors import LLMServeError
 from llmserve.loader.catalog import DEFAULT_MODEL
 
@@ -24,7 +25,8 @@ EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
                   "ignore_eos")
-ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_memory", "max_num_seqs",
+ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_threads",
+                "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
                 "scheduling_policy")
 GENERATE_DEFAULTS = {"max_tokens": 256}
@@ -299,8 +301,14 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--dtype", help="auto, float32, float16 or bfloat16")
     group.add_argument("--device", help="auto, cpu or cuda[:N]")
-    group.add_argument("--quantization", choices=("int8",),
-                       help="int8: W8A8 linear layers, 2x faster on CPU, not bit-exact")
+    group.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
+                       help="auto (default with --dtype auto): a quantized checkpoint runs on "
+                            "the int8 kernels; none: float weights; int8: W8A8 linear layers")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
+                       help="KV-cache entries: auto (the compute dtype), float32, bfloat16, "
+                            "int8 (per-token scales)")
+    group.add_argument("--threads", dest="num_threads", type=int,
+                       help="compute threads (default: all cores)")
     group.add_argument("--kv-cache-memory", type=kv_cache_memory,
                        help="KV-cache budget: a size (2GiB) or a fraction of free memory (0.3)")
     group.add_argument("--max-num-seqs", type=int)

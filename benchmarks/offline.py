@@ -1,24 +1,27 @@
 """Offline throughput side by side: the same chat prompts through `transformers` and llmserve.
 
-    python benchmarks/offline.py --engine transformers --output-json t.json
-    python benchmarks/offline.py --engine llmserve --output-json l.json
-    python benchmarks/offline.py --engine llmserve --quantization int8 --output-json q.json
+    python benchmarks/offline.py --engine transformers --gguf F --output-json t.json
+    python benchmarks/offline.py --engine llmserve --gguf F --output-json l.json   # default path
+    python benchmarks/offline.py --engine llmserve --gguf F --dtype float32 --output-json x.json
 
 32 chat prompts (the model's chat template, token ids identical for both engines), 64 output
-tokens each, greedy, EOS ignored, fp32 (llmserve optionally with `--quantization int8`, its
-W8A8 linear layers; transformers always fp32). transformers runs them as one static batch
-(`generate`, left padding) on the same GGUF file; llmserve as one continuous batch
-(`LLM.generate`, the path `llmserve bench throughput` times). Each engine gets one warm-up
-call first. Run each engine in its own process so neither inherits the other's threads.
+tokens each, greedy, EOS ignored, 2 threads. transformers runs them as one static batch
+(`generate`, left padding, fp32) on the same GGUF file; llmserve as one continuous batch
+(`LLM.generate`) on the path `--dtype`/`--quantization` pick: none given is llmserve's
+default (a quantized GGUF stays on the int8 kernels), `--dtype float32` the exact path.
+Each engine gets one warm-up call first. Run each engine in its own process so neither
+inherits the other's threads. Each engine runs with the OpenMP wait policy its users get:
+llmserve sets OMP_WAIT_POLICY=PASSIVE on import (unless set), transformers leaves OpenMP's
+default; the JSON records which.
 """
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import Any
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in one paragraph.",
@@ -53,6 +56,7 @@ def chat_prompt_ids(gguf: Path, num_prompts: int) -> list[list[int]]:
 
 def run_transformers(gguf: Path, prompts: list[list[int]], output_len: int) -> float:
     """Seconds for one static batch through `generate`, fp32, greedy, exactly output_len."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
@@ -77,13 +81,14 @@ def run_transformers(gguf: Path, prompts: list[list[int]], output_len: int) -> f
     return elapsed
 
 
-def run_llmserve(gguf: Path, prompts: list[list[int]], output_len: int,
-                 quantization: str | None = None) -> float:
-    """Seconds for one continuous batch through `LLM.generate`, fp32 (or int8), greedy."""
+def run_llmserve(gguf: Path, prompts: list[list[int]], output_len: int, dtype: str,
+                 quantization: str | None) -> tuple[float, dict[str, Any]]:
+    """Seconds for one continuous batch through `LLM.generate`, greedy; the path it ran."""
     from llmserve import LLM
+    from llmserve.bench.machine import path_info
     from llmserve.sampling_params import SamplingParams
 
-    llm = LLM(str(gguf), dtype="float32", quantization=quantization)
+    llm = LLM(str(gguf), dtype=dtype, quantization=quantization, num_threads=NUM_THREADS)
     items = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(items[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)
@@ -92,7 +97,7 @@ def run_llmserve(gguf: Path, prompts: list[list[int]], output_len: int,
     outputs = llm.generate(items, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
-    return elapsed
+    return elapsed, path_info(llm)
 
 
 def main() -> int:
@@ -101,27 +106,37 @@ def main() -> int:
     parser.add_argument("--gguf", type=Path, required=True)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--quantization", choices=("int8",),
-                        help="llmserve only: W8A8 int8 linear layers (default: exact fp32)")
+    parser.add_argument("--dtype", default="auto",
+                        help="llmserve only: auto (default: the fast path), float32 (exact)")
+    parser.add_argument("--quantization", choices=("auto", "none", "int8"),
+                        help="llmserve only (default: the engine's choice for --dtype)")
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
-    if args.quantization and args.engine != "llmserve":
-        parser.error("--quantization applies to --engine llmserve only")
+    if args.engine != "llmserve" and (args.quantization or args.dtype != "auto"):
+        parser.error("--dtype and --quantization apply to --engine llmserve only")
+    if args.engine == "llmserve":
+        import llmserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
+    import torch
+
+    wait_policy = os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP default)")
     torch.set_num_threads(NUM_THREADS)
     prompts = chat_prompt_ids(args.gguf, args.num_prompts)
     if args.engine == "transformers":
         elapsed = run_transformers(args.gguf, prompts, args.output_len)
+        path = {"dtype": "float32", "quantization": None, "kv_cache_dtype": "float32",
+                "device": "cpu"}
     else:
-        elapsed = run_llmserve(args.gguf, prompts, args.output_len, args.quantization)
+        elapsed, path = run_llmserve(args.gguf, prompts, args.output_len, args.dtype,
+                                     args.quantization)
     output_tokens = args.output_len * len(prompts)
-    result = {"engine": args.engine, "quantization": args.quantization,
-              "num_prompts": len(prompts),
+    result = {"engine": args.engine, **path, "num_prompts": len(prompts),
               "prompt_tokens": sum(len(p) for p in prompts), "output_len": args.output_len,
               "elapsed_s": elapsed, "output_tokens_per_s": output_tokens / elapsed,
-              "requests_per_s": len(prompts) / elapsed, "num_threads": NUM_THREADS}
-    name = args.engine + (f" ({args.quantization})" if args.quantization else "")
-    print(f"{name}: {len(prompts)} prompts x {args.output_len} tokens in "
-          f"{elapsed:.2f}s = {result['output_tokens_per_s']:.1f} output tok/s")
+              "requests_per_s": len(prompts) / elapsed, "num_threads": NUM_THREADS,
+              "omp_wait_policy": wait_policy}
+    print(f"{args.engine} (dtype {path['dtype']}, quantization {path['quantization'] or 'none'}"
+          f"): {len(prompts)} prompts x {args.output_len} tokens in {elapsed:.2f}s = "
+          f"{result['output_tokens_per_s']:.1f} output tok/s")
     if args.output_json:
         args.output_json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -1,21 +1,24 @@
 """Every side-by-side benchmark of docs/benchmarks.md, in one command.
 
-    pip install -e '.[bench]'        # llama-cpp-python[server] (compiles llama.cpp), matplotlib
-    python benchmarks/run_all.py [--gguf FILE] [--out DIR] [--only STAGE] [--servers NAMES]
+    python benchmarks/run_all.py [--gguf FILE] [--out DIR] [--only STAGE] [--smoke]
 
+Stages, one engine at a time, 2 threads each:
 1. offline: the same 32 chat prompts x 64 tokens through transformers' static-batch
-   `generate` and llmserve's `LLM.generate` (benchmarks/offline.py, one process each, back
-   to back: transformers, llmserve fp32, llmserve int8), and `llmserve bench throughput`
-   on synthetic prompts;
-2. latency: `llmserve bench latency --batch 1,8` (prefill, TPOT, MBU, MFU);
-3. serving: llama.cpp's OpenAI server (llama-cpp-python, 2 threads) and `llmserve serve`
-   on the same GGUF, one at a time, each driven by `llmserve bench serve` at concurrency
-   1/4/16/32 with identical prompts; then `llmserve bench plot` of all.
+   `generate` and llmserve's `LLM.generate` in each variant (benchmarks/offline.py);
+2. latency: `llmserve bench latency --batch 1,8,32` per variant (prefill, TPOT, MBU, MFU);
+3. llama-bench: llama.cpp's own pp128/tg128 figures on the same GGUF;
+4. serving: llama.cpp's C++ `llama-server` (32 parallel slots, continuous batching) and
+   `llmserve serve` in each variant, each alone, driven by `llmserve bench serve` at
+   concurrency 1/16/32 (32 requests x (128 in, 64 out) per level), with start-to-healthy
+   seconds and peak RSS of each server; then `llmserve bench plot`.
 
-llmserve runs in each of --variants: `fp32` (the exact path, `--dtype float32`) and `int8`
-(`--quantization int8`, W8A8 linear layers); files of the int8 variant end in `_int8`
-(`serve_llmserve-int8.json`). Results (JSON, PNG and summary.md with the llmserve / peer
-ratios) go to --out.
+llmserve variants: `default` (no dtype/quantization flags: the fast path, a quantized GGUF
+on the int8 kernels) and `fp32` (`--dtype float32`, the exact path); fp32 files end in
+`_fp32` / `-fp32`. During every stage the machine's load is sampled (benchmarks/monitor.py)
+and a warning printed when other processes used more than a tenth of a core. Results
+(JSON, serve.png, commands.txt, meta.json) go to --out; then benchmarks/summarize.py
+writes summary.md there and --doc (docs/benchmarks.md). --smoke runs tiny sizes only to
+check that everything works end to end; its figures mean nothing.
 """
 
 import argparse
@@ -28,29 +31,92 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from monitor import LoadMonitor, warning
 
-DEFAULT_GGUF = Path.home() / ".cache/llmserve/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_ID = "smollm2-135m"
-CONCURRENCIES = "1,4,16,32"
-SERVE_ARGS = ["--num-prompts", "32", "--input-len", "128", "--output-len", "64"]
-THREADS = 2
 HERE = Path(__file__).resolve().parent
-VARIANTS = {"fp32": [], "int8": ["--quantization", "int8"]}  # extra llmserve flags
+DEFAULT_GGUF = Path.home() / ".cache/llmserve/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_LLAMA_SERVER = Path.home() / ".cache/llmserve-anchors/bin/llama-server"
+MODEL_ID = "smollm2-135m"
+THREADS = 2
+VARIANTS = {"default": [], "fp32": ["--dtype", "float32"]}  # extra llmserve flags
+STAGES = ("offline", "latency", "llama-bench", "serving")
+SERVERS = ("llama.cpp", "llmserve")
+CTX_SLACK = 64  # tokens per llama.cpp slot beyond prompt + output
 
 
-def suffix(variant: str) -> str:
-    return "" if variant == "fp32" else f"_{variant}"
+@dataclass(frozen=True)
+class Sizes:
+    num_prompts: int = 32  # offline and per serving level
+    input_len: int = 128  # serving and latency prompt tokens
+    output_len: int = 64
+    concurrency: tuple[int, ...] = (1, 16, 32)
+    batch: tuple[int, ...] = (1, 8, 32)
+    llama_bench: tuple[str, ...] = ("-p", "128", "-n", "128")
 
 
-def sh(cmd: list[str], log: Path | None = None) -> None:
-    print(f"$ {shlex.join(cmd)}", flush=True)
-    if log is not None:
-        with log.open("a") as f:
-            f.write(shlex.join(cmd) + "\n")
-    subprocess.run(cmd, check=True)
+SMOKE = Sizes(num_prompts=4, input_len=16, output_len=8, concurrency=(1, 2), batch=(1, 2),
+              llama_bench=("-p", "16", "-n", "8", "-r", "1"))
+
+
+def csv(xs: tuple[int, ...]) -> str:
+    return ",".join(map(str, xs))
+
+
+def command_line(cmd: list[str], env: dict[str, str] | None = None) -> str:
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in (env or {}).items()),
+                     shlex.join(cmd)])
+
+
+def llmserve_command() -> str:
+    """The llmserve CLI beside this Python (a venv need not be activated), else from PATH."""
+    beside = Path(sys.executable).with_name("llmserve")
+    return str(beside) if beside.exists() else "llmserve"
+
+
+@dataclass
+class Session:
+    gguf: Path
+    out: Path
+    llama_server: Path
+    sizes: Sizes
+    variants: list[str]
+    llmserve: str = field(default_factory=llmserve_command)
+    load: dict = field(default_factory=dict)  # stage -> LoadMonitor.summary()
+    servers: dict = field(default_factory=dict)  # label -> start-up, memory
+
+    def sh(self, cmd: list[str], env: dict[str, str] | None = None,
+           capture: bool = False) -> str:
+        """Run a command (logged to commands.txt as run); its stdout when `capture`."""
+        self.log(command_line(cmd, env))
+        done = subprocess.run(cmd, check=True, env={**os.environ, **(env or {})},
+                              stdout=subprocess.PIPE if capture else None, text=True)
+        return done.stdout or ""
+
+    def log(self, line: str) -> None:
+        print(f"$ {line}", flush=True)
+        with (self.out / "commands.txt").open("a") as f:
+            f.write(line + "\n")
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[LoadMonitor]:
+        """Sample the machine's load while the body runs; warn when it was not quiet."""
+        with LoadMonitor() as monitor:
+            yield monitor
+        self.load[name] = summary = monitor.summary()
+        other, load = summary["other_cores"], summary["load_avg_1min"]
+        print(f"[{name}] {summary['seconds']:.0f} s; load average mean {load['mean'] or 0:.2f}"
+              f"; other processes {other['mean'] or 0:.2f} cores mean, "
+              f"{other['max'] or 0:.2f} max", flush=True)
+        if line := warning(name, summary):
+            print(line, flush=True)
+
+
+def suffix(variant: str, sep: str = "_") -> str:
+    return "" if variant == "default" else f"{sep}{variant}"
 
 
 def free_port() -> int:
@@ -60,152 +126,184 @@ def free_port() -> int:
 
 
 @contextmanager
-def server(cmd: list[str], health_url: str, log: Path) -> Iterator[float]:
-    """Start a server process; yield its seconds to healthy; stop it (SIGTERM) on exit."""
-    print(f"$ {shlex.join(cmd)} &", flush=True)
+def server(cmd: list[str], port: int, log: Path, monitor: LoadMonitor,
+           env: dict[str, str] | None = None) -> Iterator[dict]:
+    """Start a server; yield {start_to_healthy_s}; on exit add its peak memory and stop it.
+
+    Healthy: GET /health answers 200 (llama-server answers 503 while loading).
+    """
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+    monitor.watch(proc.pid)
+    info: dict = {}
     try:
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
             try:
-                if httpx.get(health_url, timeout=2).status_code == 200:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.perf_counter() - start > 300:
                 raise RuntimeError(f"server not healthy after 300 s; see {log}")
-            time.sleep(0.25)
-        yield time.perf_counter() - start
+            time.sleep(0.1)
+        info["start_to_healthy_s"] = time.perf_counter() - start
+        yield info
+        info.update(monitor.sample_memory(proc.pid))
     finally:
         proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
 
 
-def run_offline(gguf: Path, out: Path, commands: Path, variants: list[str]) -> None:
-    offline = [sys.executable, str(HERE / "offline.py"), "--gguf", str(gguf)]
-    sh([*offline, "--engine", "transformers",
-        "--output-json", str(out / "offline_transformers.json")], commands)
-    for v in variants:  # right after transformers: the ratio is measured side by side
-        sh([*offline, "--engine", "llmserve", *VARIANTS[v],
-            "--output-json", str(out / f"offline_llmserve{suffix(v)}.json")], commands)
-    for v in variants:
-        sh(["llmserve", "bench", "throughput", "--model", str(gguf), "--num-prompts", "32",
-            "--input-len", "32", "--output-len", "64", "--dtype", "float32", *VARIANTS[v],
-            "--output-json", str(out / f"throughput_llmserve{suffix(v)}.json")], commands)
+def run_offline(s: Session) -> None:
+    offline = [sys.executable, str(HERE / "offline.py"), "--gguf", str(s.gguf),
+               "--num-prompts", str(s.sizes.num_prompts), "--output-len", str(s.sizes.output_len)]
+    with s.stage("offline"):
+        s.sh([*offline, "--engine", "transformers",
+              "--output-json", str(s.out / "offline_transformers.json")])
+        for v in s.variants:  # right after transformers: the ratio is measured side by side
+            s.sh([*offline, "--engine", "llmserve", *VARIANTS[v],
+                  "--output-json", str(s.out / f"offline_llmserve{suffix(v)}.json")])
 
 
-def weights_read_per_step(gguf: Path, variant: str) -> int:
-    """Bytes of weights one decode step reads, counted from the loaded model.
-
-    `llmserve bench latency` counts parameters; int8 weights are buffers (qweight and
-    weight_scale), and the float embedding of a quantized model is only gathered (a row per
-    token), its LM head being a separate int8 copy. fp32: every parameter once (tied).
-    """
-    from llmserve import LLM
-
-    llm = LLM(str(gguf), dtype="float32", quantization=None if variant == "fp32" else variant)
-    model = llm.engine.loaded.model
-    params = {id(p): (n, p) for n, p in model.named_parameters()}.values()
-    if variant == "fp32":
-        return sum(p.numel() * p.element_size() for _, p in params)
-    floats = sum(p.numel() * p.element_size() for n, p in params if "embed_tokens" not in n)
-    packed = sum(b.numel() * b.element_size() for n, b in model.named_buffers()
-                 if n.endswith(("qweight", "weight_scale")))
-    return floats + packed
+def run_latency(s: Session) -> None:
+    with s.stage("latency"):
+        for v in s.variants:
+            s.sh([s.llmserve, "bench", "latency", "--model", str(s.gguf),
+                  "--batch", csv(s.sizes.batch), "--input-len", str(s.sizes.input_len),
+                  "--output-len", str(s.sizes.output_len), "--threads", str(THREADS),
+                  *VARIANTS[v], "--output-json", str(s.out / f"latency_llmserve{suffix(v)}.json")])
 
 
-def run_latency(gguf: Path, out: Path, commands: Path, variants: list[str]) -> None:
-    for v in variants:
-        path = out / f"latency_llmserve{suffix(v)}.json"
-        sh(["llmserve", "bench", "latency", "--model", str(gguf), "--batch", "1,8",
-            "--input-len", "128", "--output-len", "64", "--dtype", "float32", *VARIANTS[v],
-            "--output-json", str(path)], commands)
-        result = json.loads(path.read_text())
-        result["quantization"] = None if v == "fp32" else v
-        result["weight_bytes_read_per_step"] = weights_read_per_step(gguf, v)
-        path.write_text(json.dumps(result, indent=2) + "\n")
+def llama_env(s: Session) -> dict[str, str]:
+    return {"LD_LIBRARY_PATH": str(s.llama_server.parent)}
 
 
-def bench_serve(label: str, url: str, gguf: Path, out: Path, commands: Path) -> None:
-    sh(["llmserve", "bench", "serve", "--base-url", url, "--model", MODEL_ID,
-        "--tokenizer-model", str(gguf), "--concurrency", CONCURRENCIES, *SERVE_ARGS,
-        "--label", label, "--output-json", str(out / f"serve_{label}.json")], commands)
+def run_llama_bench(s: Session) -> None:
+    """llama-bench's markdown is for people; its JSON (a list, one entry per test) is kept."""
+    cmd = [str(s.llama_server.with_name("llama-bench")), "-m", str(s.gguf), "-t", str(THREADS),
+           *s.sizes.llama_bench, "-o", "json"]
+    with s.stage("llama-bench"):
+        tests = json.loads(s.sh(cmd, llama_env(s), capture=True))
+    result = {"tests": {("pp" if t["n_gen"] == 0 else "tg") + str(t["n_prompt"] or t["n_gen"]):
+                        {"tokens_per_s": t["avg_ts"], "stddev": t["stddev_ts"]} for t in tests},
+              "build_commit": tests[0].get("build_commit"), "cpu_info": tests[0].get("cpu_info"),
+              "n_threads": tests[0].get("n_threads")}
+    (s.out / "llama_bench.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("llama-bench: " + ", ".join(f"{k} {v['tokens_per_s']:.1f} tok/s"
+                                      for k, v in result["tests"].items()), flush=True)
 
 
-def run_serving(gguf: Path, out: Path, commands: Path, servers: list[str],
-                variants: list[str]) -> dict:
-    startup = {}
+def bench_serve(s: Session, label: str, port: int) -> None:
+    s.sh([s.llmserve, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+          "--model", MODEL_ID, "--concurrency", csv(s.sizes.concurrency),
+          "--num-prompts", str(s.sizes.num_prompts), "--input-len", str(s.sizes.input_len),
+          "--output-len", str(s.sizes.output_len), "--label", label,
+          "--output-json", str(s.out / f"serve_{label}.json")])
+
+
+def serve_one(s: Session, label: str, cmd: list[str], port: int,
+              env: dict[str, str] | None = None) -> None:
+    log = s.out / f"{label}.log"
+    s.log(command_line(cmd, env) + " &")
+    with s.stage(f"serving:{label}") as monitor:
+        with server(cmd, port, log, monitor, env) as info:
+            bench_serve(s, label, port)
+    s.servers[label] = info
+    if log.stat().st_size > 100_000:  # keep the results folder small
+        log.unlink()
+
+
+def run_serving(s: Session, servers: list[str]) -> None:
     if "llama.cpp" in servers:
         port = free_port()
-        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
-               "--model_alias", MODEL_ID, "--n_threads", str(THREADS),
-               "--n_threads_batch", str(THREADS), "--n_ctx", "4096", "--host", "127.0.0.1",
-               "--interrupt_requests", "False",  # else each new request cuts the running one
-               "--port", str(port)]
-        log = out / "llamacpp.log"
-        with server(cmd, f"http://127.0.0.1:{port}/v1/models", log) as t:
-            startup["llama.cpp"] = t
-            bench_serve("llama.cpp", f"http://127.0.0.1:{port}", gguf, out, commands)
-        if log.stat().st_size > 100_000:
-            log.unlink()
-    for v in variants if "llmserve" in servers else []:
-        label = "llmserve" if v == "fp32" else f"llmserve-{v}"
+        slots = max(s.sizes.concurrency)
+        ctx = slots * (s.sizes.input_len + s.sizes.output_len + CTX_SLACK)
+        cmd = [str(s.llama_server), "-m", str(s.gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-a", MODEL_ID, "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots), "-cb",
+               "-c", str(ctx), "--no-webui"]
+        serve_one(s, "llama.cpp", cmd, port, llama_env(s))
+    for v in s.variants if "llmserve" in servers else []:
         port = free_port()
-        cmd = ["llmserve", "serve", "--model", str(gguf), "--served-model-name", MODEL_ID,
-               "--port", str(port), "--dtype", "float32", *VARIANTS[v]]
-        log = out / f"{label}.log"
-        with server(cmd, f"http://127.0.0.1:{port}/health", log) as t:
-            startup[label] = t
-            bench_serve(label, f"http://127.0.0.1:{port}", gguf, out, commands)
-        if log.stat().st_size > 100_000:  # keep the results folder small
-            log.unlink()
-    files = [str(out / f"serve_{n}.json") for n in ("llama.cpp", "llmserve", "llmserve-int8")
-             if (out / f"serve_{n}.json").exists()]
-    sh(["llmserve", "bench", "plot", *files, "--output", str(out / "serve.png")], commands)
-    return startup
+        cmd = [s.llmserve, "serve", "--model", str(s.gguf), "--served-model-name", MODEL_ID,
+               "--port", str(port), "--threads", str(THREADS), *VARIANTS[v]]
+        serve_one(s, "llmserve" + suffix(v, "-"), cmd, port)
+    files = [str(s.out / f"serve_{n}.json") for n in ("llama.cpp", "llmserve", "llmserve-fp32")
+             if (s.out / f"serve_{n}.json").exists()]
+    s.sh([s.llmserve, "bench", "plot", *files, "--output", str(s.out / "serve.png")])
+
+
+def write_meta(s: Session, stages: list[str], fresh: bool) -> None:
+    """meta.json: per-stage load and per-server start-up/memory; a partial run (--only) adds
+    to what the folder holds, a full run starts it afresh."""
+    from llmserve.bench.machine import machine_info
+
+    path = s.out / "meta.json"
+    meta = {} if fresh or not path.exists() else json.loads(path.read_text())
+    meta.setdefault("sessions", []).append(
+        {"date": time.strftime("%Y-%m-%d %H:%M"), "stages": stages, "variants": s.variants})
+    meta["machine"] = {**machine_info(), "cores": os.cpu_count(), "threads_per_engine": THREADS}
+    meta["smoke"] = s.sizes == SMOKE
+    meta["sizes"] = asdict(s.sizes)
+    meta["load"] = {**meta.get("load", {}), **s.load}
+    meta["servers"] = {**meta.get("servers", {}), **s.servers}
+    meta["path_names"] = {str(s.gguf): "$GGUF", str(s.out): "$OUT", s.llmserve: "llmserve",
+                          sys.executable: "python", str(s.llama_server.parent): "$LLAMA_BIN",
+                          str(HERE.parent) + "/": ""}
+    path.write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--servers", default="llama.cpp,llmserve",
+    parser.add_argument("--doc", type=Path, default=HERE.parent / "docs/benchmarks.md",
+                        help="the Markdown report summarize.py writes")
+    parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER,
+                        help="llama.cpp's llama-server binary (llama-bench beside it)")
+    parser.add_argument("--servers", default=",".join(SERVERS),
                         help="servers of the serving stage, comma-separated")
-    parser.add_argument("--variants", default="fp32,int8",
-                        help="llmserve variants, comma-separated: fp32 (exact), int8 (W8A8)")
-    parser.add_argument("--only", choices=("offline", "latency", "serving"), action="append")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="llmserve variants, comma-separated: default (fast), fp32 (exact)")
+    parser.add_argument("--only", choices=STAGES, action="append", help="run only this stage")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes, to check the pipeline; figures mean nothing")
     args = parser.parse_args()
-    variants = args.variants.split(",")
+    variants, servers = args.variants.split(","), args.servers.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    if unknown := set(servers) - set(SERVERS):
+        parser.error(f"unknown servers {sorted(unknown)}; choose from {', '.join(SERVERS)}")
+    if not args.gguf.is_file():
+        parser.error(f"no GGUF at {args.gguf}: `llmserve pull {MODEL_ID}` fetches the default")
+    default_stages = [st for st in STAGES if st != "llama-bench" or "llama.cpp" in servers]
+    stages = args.only or default_stages
+    needs_llama = "llama-bench" in stages or ("serving" in stages and "llama.cpp" in servers)
+    if needs_llama and not args.llama_server.is_file():
+        parser.error(f"no llama-server at {args.llama_server}: build it with "
+                     "tools/build_llama_server.sh from the shared tools, or pass --llama-server")
     args.out.mkdir(parents=True, exist_ok=True)
-    commands = args.out / "commands.txt"  # appended to: several sessions may fill one folder
+    s = Session(args.gguf.resolve(), args.out.resolve(), args.llama_server.resolve(),
+                SMOKE if args.smoke else Sizes(), variants)
+    if not args.only:
+        (s.out / "commands.txt").unlink(missing_ok=True)  # a full run: the folder is its own
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
-    stages = args.only or ["offline", "latency", "serving"]
-    load = os.getloadavg()[0]
-    print(f"load average at start: {load:.2f}", flush=True)
-    if "offline" in stages:
-        run_offline(args.gguf, args.out, commands, variants)
-    if "latency" in stages:
-        run_latency(args.gguf, args.out, commands, variants)
-    startup = {}
-    if "serving" in stages:
-        startup = run_serving(args.gguf, args.out, commands, args.servers.split(","), variants)
-    meta_path = args.out / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    meta.setdefault("sessions", []).append(
-        {"stages": stages, "servers": args.servers, "variants": variants,
-         "date": time.strftime("%Y-%m-%d %H:%M"),
-         "load_at_start": load, "load_at_end": os.getloadavg()[0]})
-    meta["startup_s"] = {**meta.get("startup_s", {}), **startup}
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-    sh([sys.executable, str(HERE / "summarize.py"), str(args.out)])
+    print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
+    runners = {"offline": lambda: run_offline(s), "latency": lambda: run_latency(s),
+               "llama-bench": lambda: run_llama_bench(s),
+               "serving": lambda: run_serving(s, servers)}
+    for stage in stages:
+        runners[stage]()
+    write_meta(s, stages, fresh=not args.only)
+    subprocess.run([sys.executable, str(HERE / "summarize.py"), str(s.out), "--doc",
+                    str(args.doc)], check=True)
     return 0
 
 

@@ -1,12 +1,24 @@
-"""Markdown tables (with llmserve / peer ratios) from a benchmarks/run_all.py results folder.
+"""docs/benchmarks.md from a benchmarks/run_all.py results folder: every figure, the issue's
+targets (met, or missed by how much), the machine, its load per stage and the commands.
 
-    python benchmarks/summarize.py benchmarks/results   # writes results/summary.md, prints it
+    python benchmarks/summarize.py benchmarks/results [--doc docs/benchmarks.md]
+
+Writes the same text to the folder's summary.md and to --doc (a full regeneration).
 """
 
+import argparse
 import json
+import os
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SERVERS = (("llama.cpp", "llama.cpp server"), ("llmserve", "llmserve default"),
+           ("llmserve-fp32", "llmserve fp32"))
+VARIANTS = (("default", ""), ("fp32", "_fp32"))  # llmserve variant, results file suffix
 
 
 def load(folder: Path, name: str) -> Any:
@@ -14,126 +26,278 @@ def load(folder: Path, name: str) -> Any:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-VARIANTS = (("fp32", ""), ("int8", "_int8"))  # llmserve variant, results file suffix
+def run_at(report: dict | None, concurrency: int) -> dict | None:
+    return next((r for r in (report or {}).get("runs", []) if r["concurrency"] == concurrency),
+                None)
 
 
-def ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "–"
+def fmt(value: float | None, spec: str, unit: str = "") -> str:
+    return "–" if value is None else f"{value:{spec}}{unit}"
 
 
-def offline_table(folder: Path) -> list[str]:
-    hf = load(folder, "offline_transformers.json")
-    ours = {v: load(folder, f"offline_llmserve{s}.json") for v, s in VARIANTS}
-    tps = {v: load(folder, f"throughput_llmserve{s}.json") for v, s in VARIANTS}
-    if not (hf or any(ours.values())):
-        return []
-    rows = ["## Offline: 32 chat prompts x 64 tokens, greedy, ignore EOS, 2 threads", "",
-            "| engine | time (s) | output tok/s | req/s | llmserve ÷ transformers |",
+@dataclass(frozen=True)
+class Target:
+    name: str
+    value: float | None  # None: not measured in this folder
+    bound: float
+    higher_is_better: bool
+    spec: str  # format of value and bound, e.g. ".2f" with unit "x"
+    unit: str
+    detail: str  # the figures the value comes from
+
+    def verdict(self) -> str:
+        if self.value is None:
+            return "not measured"
+        if not self.value:
+            return "**missed** (zero)"
+        margin = self.value / self.bound if self.higher_is_better else self.bound / self.value
+        if margin >= 1:
+            return f"met ({margin:.2f}x the bound)"
+        word = "short" if self.higher_is_better else "over"
+        return f"**missed**: {1 / margin:.2f}x {word}"
+
+    def row(self) -> str:
+        goal = (">= " if self.higher_is_better else "<= ") + fmt(self.bound, self.spec, self.unit)
+        return (f"| {self.name} | {fmt(self.value, self.spec, self.unit)} | {goal} "
+                f"| {self.verdict()} | {self.detail} |")
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def targets(folder: Path) -> list[Target]:
+    peer, ours = load(folder, "serve_llama.cpp.json"), load(folder, "serve_llmserve.json")
+    p1, o1 = run_at(peer, 1), run_at(ours, 1)
+    p16, o16 = run_at(peer, 16), run_at(ours, 16)
+    p32, o32 = run_at(peer, 32), run_at(ours, 32)
+    tpot = (o1 or {}).get("p50_tpot_ms"), (p1 or {}).get("p50_tpot_ms")
+    out32 = (o32 or {}).get("output_throughput"), (p32 or {}).get("output_throughput")
+    ttft16 = (o16 or {}).get("p50_ttft_ms"), (p16 or {}).get("p50_ttft_ms")
+    hf = (load(folder, "offline_transformers.json") or {}).get("output_tokens_per_s")
+    off = {v: (load(folder, f"offline_llmserve{s}.json") or {}).get("output_tokens_per_s")
+           for v, s in VARIANTS}
+    lat = load(folder, "latency_llmserve.json") or {}
+    b1 = next((r for r in lat.get("runs", []) if r["batch"] == 1), {})
+    servers = (load(folder, "meta.json") or {}).get("servers", {})
+    start = servers.get("llmserve", {}).get("start_to_healthy_s")
+    ms, toks = (lambda x: fmt(x, ".1f", " ms")), (lambda x: fmt(x, ".1f", " tok/s"))
+    return [
+        Target("batch-1 decode vs llama.cpp server, 1 stream", ratio(tpot[1], tpot[0]), 1.1,
+               True, ".2f", "x", f"TPOT p50 {ms(tpot[0])} vs {ms(tpot[1])}"),
+        Target("output tok/s at 32 streams vs llama.cpp", ratio(*out32), 3.0, True, ".2f", "x",
+               f"{toks(out32[0])} vs {toks(out32[1])}"),
+        Target("TTFT p50 at 16 streams vs llama.cpp", ratio(*ttft16), 0.25, False, ".2f", "x",
+               f"{ms(ttft16[0])} vs {ms(ttft16[1])}"),
+        Target("offline 32x64, default vs transformers", ratio(off["default"], hf), 3.0, True,
+               ".2f", "x", f"{toks(off['default'])} vs {toks(hf)}"),
+        Target("offline 32x64, fp32 vs transformers", ratio(off["fp32"], hf), 1.5, True, ".2f",
+               "x", f"{toks(off['fp32'])} vs {toks(hf)}"),
+        Target("MBU at batch 1 (default)", b1.get("mbu"), 0.70, True, ".0%", "",
+               f"TPOT {fmt(b1.get('tpot_s') and 1000 * b1['tpot_s'], '.1f', ' ms')}, "
+               f"{fmt(b1.get('bytes_per_step') and b1['bytes_per_step'] / 1e6, '.0f', ' MB')}"
+               f"/step" + (" (exceeds the measured peak)" if b1.get("mbu_exceeds_peak") else "")),
+        Target("start to healthy (default)", start, 10.0, False, ".1f", " s",
+               f"llama.cpp {fmt(servers.get('llama.cpp', {}).get('start_to_healthy_s'), '.1f')} s"),
+    ]
+
+
+def mib(kib: int | None) -> str:
+    return fmt(kib and kib / 1024, ".0f", " MiB")
+
+
+def header(meta: dict, folder: Path) -> list[str]:
+    m = meta.get("machine", {})
+    sizes, llama = meta.get("sizes", {}), load(folder, "llama_bench.json") or {}
+    lines = ["# Benchmarks", ""]
+    if meta.get("smoke"):
+        lines += ["**SMOKE RUN** (`--smoke`: tiny sizes, to check the pipeline only). The "
+                  "figures below mean nothing; the targets are defined at sizes this run did "
+                  "not use.", ""]
+    dates = ", ".join(f"{x['date']} ({', '.join(x['stages'])})" for x in meta.get("sessions", []))
+    lines += [
+        f"Generated by `benchmarks/run_all.py` and `benchmarks/summarize.py`; runs: {dates}.",
+        "",
+        f"* Machine: {m.get('cpu', '?')}, {m.get('cores', '?')} cores; flags: "
+        f"{' '.join(m.get('cpu_flags', [])) or 'none known'}; torch {m.get('torch_version', '?')}"
+        f" (CPU capability {m.get('torch_cpu_capability', '?')}); "
+        f"{m.get('threads_per_engine', 2)} threads for every engine.",
+        "* Model: SmolLM2-135M-Instruct, GGUF Q4_1 (the default `smollm2-135m`), the same file "
+        "for every engine.",
+        "* llmserve variants: **default** (no dtype or quantization flag: the quantized GGUF runs "
+        "on the int8 kernels) and **fp32** (`--dtype float32`: the exact path, equal to "
+        "transformers token for token).",
+        "* Peer: llama.cpp's C++ `llama-server` "
+        f"(build {llama.get('build_commit', '?')}, built by `tools/build_llama_server.sh` from the "
+        f"shared tools) with {max(sizes.get('concurrency', [32]))} parallel slots and continuous "
+        "batching; transformers `generate` (fp32, one static batch) offline.", ""]
+    return lines
+
+
+def target_table(folder: Path) -> list[str]:
+    rows = ["## Targets", "", "Ratios are llmserve default ÷ peer.", "",
+            "| target | measured | goal | verdict | from (llmserve vs peer) |",
             "|---|---|---|---|---|"]
-    if hf:
-        rows.append(f"| transformers generate (static batch, fp32) | {hf['elapsed_s']:.2f} "
-                    f"| {hf['output_tokens_per_s']:.1f} | {hf['requests_per_s']:.2f} | – |")
-    hf_tps = (hf or {}).get("output_tokens_per_s")
-    for v, r in ours.items():
-        if r:
-            rows.append(f"| llmserve LLM.generate ({v}) | {r['elapsed_s']:.2f} "
-                        f"| {r['output_tokens_per_s']:.1f} | {r['requests_per_s']:.2f} "
-                        f"| **{ratio(r['output_tokens_per_s'], hf_tps)}** |")
-    for v, tp in tps.items():
-        if tp:
-            run = tp["runs"][0]
-            rows.append(f"| llmserve bench throughput ({v}, 32 x {tp['input_len']} random "
-                        f"tokens) | {run['elapsed_s']:.2f} | {run['output_tokens_per_s']:.1f} "
-                        f"| {run['requests_per_s']:.2f} | – |")
+    rows += [t.row() for t in targets(folder)]
+    servers = (load(folder, "meta.json") or {}).get("servers", {})
+    peer_rss = servers.get("llama.cpp", {}).get("vm_hwm_kib")
+    rss = servers.get("llmserve", {}).get("vm_hwm_kib")
+    rows.append(f"| peak RSS (default) | {mib(rss)} | no bound | – | llama.cpp {mib(peer_rss)}; "
+                f"{fmt(ratio(rss, peer_rss), '.1f', 'x')} |")
     return rows + [""]
 
 
-def weights_read(lat: dict) -> int:
-    """Weight bytes per decode step: run_all.py's count from the loaded model, if present."""
-    return lat.get("weight_bytes_read_per_step") or lat["weight_bytes"]
-
-
-def latency_table(folder: Path) -> list[str]:
-    lats = {v: load(folder, f"latency_llmserve{s}.json") for v, s in VARIANTS}
-    if not any(lats.values()):
-        return []
-    first = next(lat for lat in lats.values() if lat)
-    rows = ["## Latency on the engine (`llmserve bench latency`)", "",
-            f"Peaks measured here: copy bandwidth "
-            f"{first['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, fp32 GEMM "
-            f"{first['flops_per_s'] / 1e9:.1f} GFLOP/s. MBU = (weight bytes read per step + KV "
-            "bytes) / TPOT / peak bandwidth; int8 weights count 1 byte per weight plus their "
-            "fp32 scales (the float embedding is only gathered, a row per token).", "",
-            "| variant | weights read/step | batch | prefill (ms) | prefill MFU | TPOT (ms) "
-            "| decode tok/s | MBU | decode MFU |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for v, lat in lats.items():
-        if not lat:
-            continue
-        weights = weights_read(lat)
-        for r in lat["runs"]:
-            step_bytes = r["bytes_per_step"] - lat["weight_bytes"] + weights
-            mbu = step_bytes / r["tpot_s"] / lat["bandwidth_bytes_per_s"]
-            rows.append(f"| {v} | {weights / 1e6:.0f} MB | {r['batch']} "
-                        f"| {1000 * r['prefill_s']:.0f} | {r['prefill_mfu']:.1%} "
-                        f"| {1000 * r['tpot_s']:.1f} | {r['decode_tokens_per_s']:.1f} "
-                        f"| {mbu:.1%} | {r['decode_mfu']:.1%} |")
-    rows += ["", "MFU is against the fp32 GEMM peak for both variants (int8 has its own, higher, "
-             "peak), so int8's MFU is not a utilisation of the int8 units."]
+def load_table(meta: dict) -> list[str]:
+    rows = ["## Machine load per stage", "",
+            "Sampled every second: the 1-minute load average, and the CPU used by processes "
+            "other than the benchmark's own (servers, clients and their children), in cores. "
+            "A stage is quiet when the others used at most 0.10 cores on average.", "",
+            "| stage | seconds | load avg mean / max | others, cores mean / max "
+            "| busiest others (CPU s) | quiet |", "|---|---|---|---|---|---|"]
+    for stage, x in meta.get("load", {}).items():
+        la, other = x["load_avg_1min"], x["other_cores"]
+        busiest = ", ".join(f"{k} {v:.1f}" for k, v in x["busiest_other_cpu_s"].items()) or "–"
+        rows.append(f"| {stage} | {x['seconds']:.0f} | {fmt(la['mean'], '.2f')} / "
+                    f"{fmt(la['max'], '.2f')} | {fmt(other['mean'], '.2f')} / "
+                    f"{fmt(other['max'], '.2f')} | {busiest} | "
+                    f"{'yes' if x['quiet'] else '**no**'} |")
     return rows + [""]
 
 
-def serving_table(folder: Path) -> list[str]:
-    peer = load(folder, "serve_llama.cpp.json")
-    ours = {v: load(folder, f"serve_{label}.json")
-            for v, label in (("fp32", "llmserve"), ("int8", "llmserve-int8"))}
-    if not any(ours.values()):
+def serving_table(folder: Path, meta: dict, doc: Path) -> list[str]:
+    reports = {label: load(folder, f"serve_{label}.json") for label, _ in SERVERS}
+    if not any(reports.values()):
         return []
-    peer_runs = {r["concurrency"]: r for r in (peer or {"runs": []})["runs"]}
-    nan = float("nan")
-    rows = ["## Serving: 32 requests x (128 in, 64 out) per concurrency, `/v1/completions`", "",
-            "| conc | llmserve variant | out tok/s | llama.cpp out tok/s | ratio "
-            "| TTFT p50 (s) | llama.cpp TTFT p50 (s) | ratio | TPOT p50 (ms) "
-            "| llama.cpp TPOT p50 (ms) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    concurrencies = sorted({r["concurrency"] for o in ours.values() if o for r in o["runs"]})
-    for c in concurrencies:
-        p = peer_runs.get(c, {})
-        for v, o in ours.items():
-            r = next((r for r in (o or {"runs": []})["runs"] if r["concurrency"] == c), None)
+    s = meta.get("sizes", {})
+    peer = reports["llama.cpp"]
+    rows = [f"## Serving: {s.get('num_prompts')} requests x ({s.get('input_len')} in, "
+            f"{s.get('output_len')} out) per concurrency, streamed `/v1/completions`", "",
+            "Each server alone on the machine; fresh random prompts per level; `max_tokens = "
+            "min_tokens` = output length, `ignore_eos`. TTFT: request sent to first text chunk; "
+            "TPOT: (E2E - TTFT) / (output tokens - 1). ÷ llama.cpp: above 1 is better for tok/s, "
+            "below 1 for TTFT. short: streams with fewer tokens than asked.", "",
+            "| conc | server | ok / failed / short | out tok/s | ÷ llama.cpp | TTFT p50 (ms) "
+            "| ÷ llama.cpp | TTFT p99 (ms) | TPOT p50 (ms) |", "|---" * 9 + "|"]
+    levels = sorted({r["concurrency"] for rep in reports.values() if rep for r in rep["runs"]})
+    for c in levels:
+        p = run_at(peer, c) or {}
+        for label, name in SERVERS:
+            r = run_at(reports[label], c)
             if r is None:
                 continue
             rows.append(
-                f"| {c} | {v} | {r['output_throughput']:.1f} "
-                f"| {p.get('output_throughput', nan):.1f} "
-                f"| {ratio(r['output_throughput'], p.get('output_throughput'))} "
-                f"| {r['p50_ttft_ms'] / 1000:.2f} | {p.get('p50_ttft_ms', nan) / 1000:.2f} "
-                f"| {ratio(r['p50_ttft_ms'], p.get('p50_ttft_ms'))} | {r['p50_tpot_ms']:.1f} "
-                f"| {p.get('p50_tpot_ms', nan):.1f} |")
-    rows += ["", "Ratios are llmserve ÷ llama.cpp: above 1 is better for tok/s, below 1 is "
-             "better for TTFT."]
-    meta = load(folder, "meta.json")
-    if meta and meta.get("startup_s"):
-        rows.append("Start-up to healthy: " + ", ".join(
-            f"{k} {v:.1f} s" for k, v in meta["startup_s"].items()) + ".")
+                f"| {c} | {name} | {r['completed']} / {r['failed']} / {r['short_outputs']} "
+                f"| {r['output_throughput']:.1f} "
+                f"| {fmt(ratio(r['output_throughput'], p.get('output_throughput')), '.2f', 'x')} "
+                f"| {r['p50_ttft_ms']:.0f} "
+                f"| {fmt(ratio(r['p50_ttft_ms'], p.get('p50_ttft_ms')), '.2f', 'x')} "
+                f"| {r['p99_ttft_ms']:.0f} | {r['p50_tpot_ms']:.1f} |")
+    rows += ["", "| server | start to healthy (s) | peak RSS (VmHWM) | max sampled VmRSS |",
+             "|---|---|---|---|"]
+    for label, name in SERVERS:
+        if x := meta.get("servers", {}).get(label):
+            rows.append(f"| {name} | {fmt(x.get('start_to_healthy_s'), '.1f')} "
+                        f"| {mib(x.get('vm_hwm_kib'))} | {mib(x.get('vm_rss_max_kib'))} |")
+    if (folder / "serve.png").exists():
+        rows += ["", f"![serving]({os.path.relpath(folder / 'serve.png', doc.parent)})"]
     return rows + [""]
 
 
-def main() -> int:
-    folder = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "results")
+def llama_bench_table(folder: Path) -> list[str]:
+    lb = load(folder, "llama_bench.json")
+    if not lb:
+        return []
+    rows = ["## llama.cpp's own figures (`llama-bench`, the same GGUF, "
+            f"{lb.get('n_threads')} threads)", "", "| test | tok/s | stddev |", "|---|---|---|"]
+    rows += [f"| {name} | {t['tokens_per_s']:.1f} | {t['stddev']:.1f} |"
+             for name, t in lb["tests"].items()]
+    return rows + [""]
+
+
+def offline_table(folder: Path, meta: dict) -> list[str]:
+    runs = [("transformers generate (static batch)", load(folder, "offline_transformers.json"))]
+    runs += [(f"llmserve LLM.generate ({v})", load(folder, f"offline_llmserve{s}.json"))
+             for v, s in VARIANTS]
+    if not any(r for _, r in runs):
+        return []
+    hf = (runs[0][1] or {}).get("output_tokens_per_s")
+    s = meta.get("sizes", {})
+    rows = [f"## Offline: {s.get('num_prompts')} chat prompts x {s.get('output_len')} tokens, "
+            "greedy, EOS ignored (`benchmarks/offline.py`)", "",
+            "Same token ids for every engine. Each runs with the OpenMP wait policy its users "
+            "get: llmserve sets PASSIVE, transformers keeps OpenMP's default (spinning, which "
+            "collapses when another process competes for the cores).", "",
+            "| engine | path | OpenMP wait | time (s) | output tok/s | ÷ transformers |",
+            "|---|---|---|---|---|---|"]
+    for name, r in runs:
+        if r:
+            path = f"{r.get('dtype', '?')}, {r.get('quantization') or 'no'} quantization"
+            rows.append(f"| {name} | {path} | {r.get('omp_wait_policy', '?')} "
+                        f"| {r['elapsed_s']:.2f} | {r['output_tokens_per_s']:.1f} "
+                        f"| {fmt(ratio(r['output_tokens_per_s'], hf), '.2f', 'x')} |")
+    return rows + [""]
+
+
+def latency_table(folder: Path) -> list[str]:
+    lats = [(v, load(folder, f"latency_llmserve{s}.json")) for v, s in VARIANTS]
+    if not any(lat for _, lat in lats):
+        return []
+    rows = ["## Latency on the engine (`llmserve bench latency`)", "",
+            "MBU = (weight bytes + KV bytes read per decode step) / TPOT / measured copy "
+            "bandwidth; MFU against the measured GEMM peak of the kind the path computes in.", "",
+            "| variant | peaks: copy GB/s, GEMM GFLOP/s (kind) | batch | prefill (ms) "
+            "| prefill MFU | TPOT (ms) | decode tok/s | MB/step | MBU | decode MFU |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for v, lat in lats:
+        peaks = (f"{lat['bandwidth_bytes_per_s'] / 1e9:.1f}, {lat['flops_per_s'] / 1e9:.0f} "
+                 f"({lat.get('peak_kind') or 'max'})") if lat else ""
+        for r in (lat or {}).get("runs", []):
+            rows.append(f"| {v} | {peaks} | {r['batch']} | {1000 * r['prefill_s']:.0f} "
+                        f"| {r['prefill_mfu']:.1%} | {1000 * r['tpot_s']:.1f} "
+                        f"| {r['decode_tokens_per_s']:.1f} | {r['bytes_per_step'] / 1e6:.0f} "
+                        f"| {r['mbu']:.1%} | {r['decode_mfu']:.1%} |")
+    return rows + [""]
+
+
+def commands(folder: Path, meta: dict) -> list[str]:
+    path = folder / "commands.txt"
+    if not path.exists():
+        return []
+    names = sorted(meta.get("path_names", {}).items(), key=lambda kv: -len(kv[0]))
+    lines = []
+    for line in path.read_text().splitlines():
+        for full, short in names:
+            line = line.replace(full, short)
+        line = re.sub(r"(--port |127\.0\.0\.1:)\d+", r"\1$PORT", line)  # a free port per run
+        if line not in lines:
+            lines.append(line)
+    return ["## Commands, as run", "",
+            "`$GGUF`: the model file; `$OUT`: the results folder; `$LLAMA_BIN`: the folder of "
+            "`llama-server` and `llama-bench`. Regenerate everything with "
+            "`python benchmarks/run_all.py` (`--only STAGE` reruns one stage).", "",
+            "```bash", *lines, "```", ""]
+
+
+def render(folder: Path, doc: Path) -> str:
     meta = load(folder, "meta.json") or {}
-    lines = ["# Benchmark results", ""]
-    for session in meta.get("sessions", []):
-        lines.append(f"- {session['date']}: stages {', '.join(session['stages'])} "
-                     f"(servers {session['servers']}, llmserve "
-                     f"{', '.join(session.get('variants', ['fp32']))}); load average "
-                     f"{session['load_at_start']:.2f} at start, "
-                     f"{session['load_at_end']:.2f} at end")
-    lines.append("")
-    lines += offline_table(folder) + latency_table(folder) + serving_table(folder)
-    text = "\n".join(lines)
-    (folder / "summary.md").write_text(text + "\n")
+    parts = [header(meta, folder), target_table(folder), load_table(meta),
+             serving_table(folder, meta, doc), llama_bench_table(folder),
+             offline_table(folder, meta), latency_table(folder), commands(folder, meta)]
+    return "\n".join(line for part in parts for line in part)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, nargs="?", default=HERE / "results")
+    parser.add_argument("--doc", type=Path, default=HERE.parent / "docs/benchmarks.md")
+    args = parser.parse_args()
+    summary = args.folder / "summary.md"
+    summary.write_text(render(args.folder, summary))  # links relative to each file
+    text = render(args.folder, args.doc)
+    args.doc.parent.mkdir(parents=True, exist_ok=True)
+    args.doc.write_text(text)
     print(text)
+    print(f"wrote {args.folder / 'summary.md'} and {args.doc}", file=sys.stderr)
     return 0
 
 

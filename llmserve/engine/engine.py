@@ -27,6 +27,7 @@ from llmserve.engine.parallel_sampling import ParallelGroup
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.request_state import LogprobsDecoder, RequestState
 from llmserve.errors import LLMServeError
+from llmserve.kernels import set_num_threads
 from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.memory import parse_size, plan_kv_cache
 from llmserve.outputs import RequestOutput
@@ -62,7 +63,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
+            set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(
             config.model, self.dtype, self.device, config.weight_quantization
         )

@@ -1,10 +1,12 @@
 """Native CPU kernels, built on first use with the machine's own instruction set.
 
-`cpu_kernels.cpp` is compiled by the system C++ compiler against torch's headers
-(`-O3 -march=native`, about a second) into the llmserve cache, one build per source, torch
-version and CPU-flag set, and loaded with ctypes. It uses torch's own thread pool. When no
-compiler is present (or `LLMSERVE_NATIVE_KERNELS=0`), `native()` returns None and callers
-fall back to plain torch ops: slower, never wrong.
+`cpu_kernels.cpp` (plain C++, no torch headers) is compiled by the system C++ compiler
+(`-O3 -march=native`, about a second) into the llmserve cache, one build per source and
+CPU-flag set, and loaded with ctypes. Its threads are its own spin-then-sleep pool
+(`thread_pool.h`), sized like torch's (`set_num_threads`); `LLMSERVE_SPIN_US` (default
+1000) is how long an idle worker spins before it sleeps. When no compiler is present (or
+`LLMSERVE_NATIVE_KERNELS=0`), `native()` returns None and callers fall back to plain
+torch ops: slower, never wrong.
 """
 
 import ctypes
@@ -12,7 +14,6 @@ import hashlib
 import logging
 import os
 import subprocess
-import sysconfig
 import threading
 from functools import cache
 from pathlib import Path
@@ -22,7 +23,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-_ABI = 4
+_SOURCES = (_SOURCE, _SOURCE.with_name("llama_layers.cpp"), _SOURCE.with_name("thread_pool.h"))
+DEFAULT_SPIN_US = 1000
+_ABI = 5
 _LOCK = threading.Lock()
 
 _P = ctypes.c_void_p
@@ -33,15 +36,18 @@ _F32 = ctypes.c_float
 # name -> argument types (all return void unless listed in _RESTYPES)
 _SIGNATURES = {
     "llmserve_kernels_abi": [],
+    "llmserve_set_num_threads": [_I32, _I64],
     "llmserve_rms_norm": [_P, _I64, _I64, _P, _F32, _P],
     "llmserve_rotary_inplace": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],
     "llmserve_silu_and_mul": [_P, _I64, _I64, _P],
+    "llmserve_llama_layers_int8": [_P, _I64, _P, _P, _I64, _P, _P, _P],
     "llmserve_quantize_rows_s8": [_P, _I64, _I64, _P, _P],
     "llmserve_int8_epilogue": [_P, _I64, _I64, _P, _P, _P, _P],
     "llmserve_int8_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P],
-    "llmserve_kv_cache_write": [_P, _P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
+    "llmserve_kv_cache_write": [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
     "llmserve_paged_attention": [
-        _P, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _I64, _F32, _P,
+        _P, _I64, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _I64, _F32,
+        _P,
     ],
 }
 _RESTYPES = {"llmserve_kernels_abi": _I32}
@@ -67,8 +73,8 @@ def _build_dir() -> Path:
 
 def _library_path() -> Path:
     key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
-    key.update(torch.__version__.encode())
+    for source in _SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join(cpu_flags()).encode())
     key.update(Path("/proc/cpuinfo").read_bytes().split(b"flags", 1)[-1][:2048]
                if Path("/proc/cpuinfo").exists() else b"")
@@ -76,15 +82,13 @@ def _library_path() -> Path:
 
 
 def _compile(target: Path) -> None:
-    torch_dir = Path(torch.__file__).parent
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    # -ffp-contract=off: no fused multiply-adds, so results match torch's elementwise ops
     cmd = [
         os.environ.get("CXX", "g++"), "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-        "-fopenmp", "-ffp-contract=off", "-DNDEBUG",
-        f"-I{torch_dir / 'include'}", f"-I{sysconfig.get_paths()['include']}",
-        str(_SOURCE), "-o", str(tmp),
-        f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_dir / 'lib'}",
+        "-pthread", "-ffp-contract=off", "-DNDEBUG",
+        *(str(f) for f in _SOURCES if f.suffix == ".cpp"), "-o", str(tmp),
     ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
     tmp.replace(target)
@@ -113,8 +117,19 @@ def native() -> ctypes.CDLL | None:
     if lib.llmserve_kernels_abi() != _ABI:
         logger.warning("native CPU kernels: ABI mismatch, using torch ops")
         return None
+    spin_us = int(os.environ.get("LLMSERVE_SPIN_US", DEFAULT_SPIN_US))
+    lib.llmserve_set_num_threads(torch.get_num_threads(), spin_us)
     logger.info("native CPU kernels loaded (%s)", " ".join(cpu_flags()) or "no x86 flags")
     return lib
+
+
+def set_num_threads(num_threads: int) -> None:
+    """Compute threads for torch's ops and for the native kernels' pool alike."""
+    torch.set_num_threads(num_threads)
+    lib = native()
+    if lib is not None:
+        spin_us = int(os.environ.get("LLMSERVE_SPIN_US", DEFAULT_SPIN_US))
+        lib.llmserve_set_num_threads(num_threads, spin_us)
 
 
 def native_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:

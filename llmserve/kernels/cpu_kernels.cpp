@@ -1,15 +1,15 @@
 // llmserve CPU kernels: W8A8 int8 linear with fused activation quantization, and paged
 // attention that reads the KV cache in place (fp32, bf16 or int8 entries).
 //
-// Plain C ABI (called through ctypes with tensor data pointers); threads come from
-// at::parallel_for, i.e. torch's own intra-op pool, so no second OpenMP runtime competes
-// with torch's. Built at first use with -march=native (one build per CPU-flag set).
+// Plain C ABI (called through ctypes with tensor data pointers), no dependency on torch.
+// Threads come from our own spin-then-sleep pool (thread_pool.h). Built at first use with
+// -march=native (one build per CPU-flag set).
 //
 // Every output row depends only on its own input row: integer dot products are exact, and
 // the float epilogue is the same elementwise code whatever M is, so a request's results do
 // not depend on what else is in the batch.
 
-#include <ATen/Parallel.h>
+#include "thread_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +22,13 @@
 #endif
 
 namespace {
+
+std::unique_ptr<llmserve::ThreadPool> g_pool;
+
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  g_pool->parallel_for(end - begin, grain, [&](int64_t b, int64_t e) { fn(begin + b, begin + e); });
+}
 
 constexpr int64_t kQuantBlock = 64;  // K is padded to a multiple of this in packed weights
 
@@ -177,12 +184,19 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 4; }
+int32_t llmserve_kernels_abi() { return 5; }
+
+// (Re)starts the pool: `num_threads` in all (the caller included); idle workers spin for
+// `spin_us` microseconds before they sleep. Not thread-safe against running kernels.
+void llmserve_set_num_threads(int32_t num_threads, int64_t spin_us) {
+  g_pool.reset();
+  g_pool = std::make_unique<llmserve::ThreadPool>(std::max(1, num_threads), spin_us);
+}
 
 // out (T, C) = weight * x * rsqrt(mean(x^2) + eps), row by row (fp32, as HF Llama's RMSNorm).
 void llmserve_rms_norm(const float* x, int64_t T, int64_t C, const float* weight, float eps,
                        float* out) {
-  at::parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
+  parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* row = x + t * C;
       float sum = 0.f;
@@ -201,7 +215,7 @@ void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t 
                              int64_t D, const int64_t* positions, const float* cos_table,
                              const float* sin_table) {
   const int64_t half = D / 2;
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     std::vector<float> tmp(D);
     for (int64_t t = b; t < e; ++t) {
       const float* c = cos_table + positions[t] * D;
@@ -220,7 +234,7 @@ void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t 
 
 // out (T, I) = silu(gate) * up for gate_up (T, 2I) = [gate | up].
 void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* out) {
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* g = gate_up + t * 2 * I;
       const float* u = g + I;
@@ -234,7 +248,7 @@ void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* ou
 // (for torch._int_mm), with each row's scale.
 void llmserve_quantize_rows_s8(const float* x, int64_t M, int64_t K, int8_t* out,
                                float* scales) {
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     std::vector<uint8_t> hi(K), lo(K);
     for (int64_t m = b; m < e; ++m) {
       quantize_row(x + m * K, K, K, hi.data(), lo.data(), scales + m);
@@ -249,7 +263,7 @@ void llmserve_quantize_rows_s8(const float* x, int64_t M, int64_t K, int8_t* out
 // y (M, N) from exact int32 sums acc (2M, N) (hi rows, then lo rows) [+ bias].
 void llmserve_int8_epilogue(const int32_t* acc, int64_t M, int64_t N, const float* x_scale,
                             const float* w_scale, const float* bias, float* y) {
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
       for (int64_t n = 0; n < N; ++n) {
         float v = epilogue(acc[m * N + n], acc[(M + m) * N + n], x_scale[m], w_scale[n]);
@@ -266,14 +280,14 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
   const int64_t Kp = round_up(K, kQuantBlock);
   uint8_t* xq = workspace;
   float* xs = reinterpret_cast<float*>(workspace + M * 2 * Kp);
-  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+  parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
       quantize_row(x + m * K, K, Kp, xq + m * 2 * Kp, xq + m * 2 * Kp + Kp, xs + m);
   });
   const int64_t n_tiles = round_up(N, 4) / 4;
   constexpr int64_t kRowBlock = 64;  // rows of x kept hot while weight tiles stream past
   // grain: enough tiles per task that a batch-1 call still splits across the threads
-  at::parallel_for(0, n_tiles, 8, [&](int64_t tb, int64_t te) {
+  parallel_for(0, n_tiles, 8, [&](int64_t tb, int64_t te) {
     for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
       int64_t r1 = std::min(M, r0 + kRowBlock);
       for (int64_t t = tb; t < te; ++t) {
@@ -285,17 +299,18 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
   });
 }
 
-// Writes new keys and values (T, Hkv, D) fp32 into the paged cache at `slot_mapping`,
+// Writes new keys and values (T, Hkv, D) fp32 (rows `kv_stride` floats apart) into the
+// paged cache at `slot_mapping`,
 // converting to the cache's dtype (int8: one scale per token and head).
-void llmserve_kv_cache_write(const float* k, const float* v, int64_t T, int64_t Hkv, int64_t D,
-                             const int64_t* slot_mapping, void* k_cache, void* v_cache,
-                             float* k_scales, float* v_scales, int32_t dtype) {
-  at::parallel_for(0, T * Hkv, 64, [&](int64_t b, int64_t e) {
+void llmserve_kv_cache_write(const float* k, const float* v, int64_t kv_stride, int64_t T,
+                             int64_t Hkv, int64_t D, const int64_t* slot_mapping, void* k_cache,
+                             void* v_cache, float* k_scales, float* v_scales, int32_t dtype) {
+  parallel_for(0, T * Hkv, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       int64_t t = i / Hkv, h = i % Hkv;
       int64_t dst = slot_mapping[t] * Hkv + h;
       for (int which = 0; which < 2; ++which) {
-        const float* src = (which ? v : k) + i * D;
+        const float* src = (which ? v : k) + t * kv_stride + h * D;
         void* cache = which ? v_cache : k_cache;
         if (dtype == kF32) {
           std::memcpy(static_cast<float*>(cache) + dst * D, src, D * sizeof(float));
@@ -319,14 +334,16 @@ void llmserve_kv_cache_write(const float* k, const float* v, int64_t T, int64_t 
 // Paged attention for a flat batch of B sequences. Sequence b owns queries
 // [query_start[b], query_start[b + 1]) at positions context_lens[b] + i, and attends
 // causally to its cached keys 0 .. context_lens[b] + i through its row of block_tables
-// (B, max_blocks). q, out: (T, H, D) fp32; cache: (num_blocks, block_size, Hkv, D).
+// (B, max_blocks). q: (T, H, D) fp32 with rows `q_stride` floats apart; out: (T, H, D)
+// contiguous; cache: (num_blocks, block_size, Hkv, D).
 //
 // Work items are (sequence, kv head, tile of queries): a block of keys and values is read
 // (and widened) once for every query head of the group and every query of the tile. Each
 // query then runs the same arithmetic whatever its tile, chunk or batch: keys in cache
 // blocks from position 0, an online softmax per block. So a query's output depends only on
 // its q and keys, and chunked prefill, prefix-cache hits and batching change no bits.
-void llmserve_paged_attention(const float* q, int64_t H, int64_t D, const void* k_cache,
+void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64_t D,
+                              const void* k_cache,
                               const void* v_cache, const float* k_scales,
                               const float* v_scales, int32_t dtype, int64_t block_size,
                               int64_t Hkv, const int32_t* block_tables, int64_t max_blocks,
@@ -339,7 +356,7 @@ void llmserve_paged_attention(const float* q, int64_t H, int64_t D, const void* 
     int64_t tiles = (query_start[b + 1] - query_start[b] + kTile - 1) / kTile;
     item_start[b + 1] = item_start[b] + tiles * Hkv;
   }
-  at::parallel_for(0, item_start[B], 1, [&](int64_t ib, int64_t ie) {
+  parallel_for(0, item_start[B], 1, [&](int64_t ib, int64_t ie) {
     const int64_t rows = kTile * group;
     std::vector<float> keys(block_size * D), values(block_size * D), scores(block_size);
     std::vector<float> acc(rows * D), running_max(rows), denom(rows);
@@ -369,7 +386,7 @@ void llmserve_paged_attention(const float* q, int64_t H, int64_t D, const void* 
           int64_t token = query_start[b] + q0 + i;
           for (int64_t g = 0; g < group; ++g) {
             int64_t h = kvh * group + g, r = i * group + g;
-            const float* qv = q + (token * H + h) * D;
+            const float* qv = q + token * q_stride + h * D;
             float block_max = -INFINITY;
             for (int64_t j = 0; j < visible; ++j) {
               scores[j] = dot(qv, &keys[j * D], D) * scale;

@@ -56,6 +56,8 @@ def load_model(
         on_cpu = torch.device(device).type == "cpu"
         quantization = "int8" if weights.quantized and on_cpu else None
     quantize_model(model, quantization)
+    if hasattr(model, "enable_native_layers"):
+        model.enable_native_layers()
     model.eval()
     logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
                 quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)

@@ -19,6 +19,7 @@ from llmserve.models.layers import (
     apply_rotary,
     silu_and_mul,
 )
+from llmserve.models.llama_native import NativeLlamaLayers
 from llmserve.worker.attention import AttentionMetadata, KVCache, LayerKV
 
 # Checkpoint (Hugging Face) projection names fused into one matmul: name -> (fused, shard).
@@ -119,6 +120,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.native_layers: NativeLlamaLayers | None = None  # see enable_native_layers
+
+    def enable_native_layers(self) -> None:
+        """Run the decoder stack as one native call when the weights allow it (int8 on the
+        CPU, no biases or q/k norms); same bits as the per-op path, less Python."""
+        self.native_layers = NativeLlamaLayers.build(self)
 
     def forward(
         self,
@@ -129,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
         x = self.model.embed_tokens(input_ids)
+        native = self.native_layers
+        if native is not None and native.can_run(x, positions, kv_cache, meta):
+            return self.model.norm(native.forward(x, positions, kv_cache, meta))
         rope = self.model.rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(rope, x, kv_cache.layer(i), meta)

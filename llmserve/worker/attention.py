@@ -195,19 +195,32 @@ class NativeCPUBackend(AttentionBackend):
         t, h, d = q.shape
         num_kv_heads = k.shape[1]
         dtype = _KERNEL_DTYPE[cache.key.dtype]
-        q, k, v = q.float().contiguous(), k.float().contiguous(), v.float().contiguous()
+        q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
+        if k.stride(0) != v.stride(0):
+            k, v = k.contiguous(), v.contiguous()
         self.lib.llmserve_kv_cache_write(
-            ptr(k), ptr(v), t, num_kv_heads, d, ptr(meta.slot_mapping), ptr(cache.key),
-            ptr(cache.value), ptr(cache.key_scales), ptr(cache.value_scales), dtype,
+            ptr(k), ptr(v), k.stride(0), t, num_kv_heads, d, ptr(meta.slot_mapping),
+            ptr(cache.key), ptr(cache.value), ptr(cache.key_scales), ptr(cache.value_scales),
+            dtype,
         )
-        out = torch.empty_like(q)
+        out = torch.empty(t, h, d)
         self.lib.llmserve_paged_attention(
-            ptr(q), h, d, ptr(cache.key), ptr(cache.value), ptr(cache.key_scales),
+            ptr(q), q.stride(0), h, d, ptr(cache.key), ptr(cache.value), ptr(cache.key_scales),
             ptr(cache.value_scales), dtype, meta.block_size, num_kv_heads,
             ptr(meta.block_tables), meta.block_tables.shape[1], ptr(meta.query_start_t),
             ptr(meta.context_lens_t), meta.num_seqs, scale, ptr(out),
         )
         return out
+
+
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """fp32 (T, heads, D) whose heads are contiguous within a row (rows may be strided, as
+    views into a fused qkv projection are); copies only when that does not hold."""
+    x = x.float()
+    d = x.shape[2]
+    if x.stride(2) != 1 or x.stride(1) != d:
+        x = x.contiguous()
+    return x
 
 
 def _gather_torch(cache: LayerKV, which: str, block_ids: torch.Tensor,

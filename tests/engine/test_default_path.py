@@ -97,3 +97,23 @@ def test_int8_kv_cache_follows_the_float_cache(default_llm, chat_prompts):
     alone = [token_ids(int8_kv.generate(p, GREEDY_16, use_tqdm=False))[0]
              for p in chat_prompts[:6]]
     assert alone == ours[:6]  # batch invariant too
+
+
+def test_native_decoder_stack_equals_the_per_op_path(default_llm, chat_prompts):
+    """The one-call native stack and the per-op path give the same bits (logits)."""
+    from tests.models.test_llama_reference import full_logits
+
+    model = default_llm.engine.loaded.model
+    assert model.native_layers is not None
+    ids = chat_prompts[0]["prompt_token_ids"]
+    fused = full_logits(model, ids)
+    native, model.native_layers = model.native_layers, None
+    try:
+        per_op = full_logits(model, ids)
+        per_op_tokens = token_ids(default_llm.generate(chat_prompts[:4], GREEDY_16,
+                                                       use_tqdm=False))
+    finally:
+        model.native_layers = native
+    assert torch.equal(fused, per_op)
+    assert token_ids(default_llm.generate(chat_prompts[:4], GREEDY_16,
+                                          use_tqdm=False)) == per_op_tokens

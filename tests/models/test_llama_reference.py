@@ -7,7 +7,7 @@ import transformers
 from llmserve import SamplingParams
 from llmserve.loader.hf import load_hf_folder
 from llmserve.models.registry import model_class
-from llmserve.worker.attention import AttentionMetadata, KVCache
+from llmserve.worker.attention import AttentionMetadata, KVCache, attention_backend
 
 LOGIT_TOLERANCE = 1e-3
 
@@ -37,7 +37,8 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
         cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
         torch.float32,
     )
-    meta = AttentionMetadata.build([n], [0], [list(range(num_blocks))], block_size)
+    meta = AttentionMetadata.build([n], [0], [list(range(num_blocks))], block_size,
+                                   backend=attention_backend(torch.device("cpu")))
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(n), kv, meta)
         return model.compute_logits(hidden)

@@ -1,0 +1,136 @@
+"""The Llama decoder stack on int8 weights as one native call (`kernels/llama_layers.cpp`).
+
+Used by `LlamaForCausalLM.forward` when every layer runs the int8 method without biases or
+q/k norms, on the CPU with the native attention backend and an fp32 residual stream. The
+kernels and their order are the per-op path's, so both paths give identical bits; this one
+only skips the Python between kernels. The ctypes structures mirror the C++ ones field by
+field and are built once per model (weights) and once per step (attention metadata).
+"""
+
+import ctypes
+
+import torch
+from torch import nn
+
+from llmserve.kernels import native, ptr
+from llmserve.worker.attention import _KERNEL_DTYPE, AttentionMetadata, KVCache, NativeCPUBackend
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+class _Int8Weight(ctypes.Structure):
+    _fields_ = [("packed", _P), ("row_sums", _P), ("scale", _P),
+                ("out_features", _I64), ("in_features", _I64)]
+
+
+class _LlamaLayer(ctypes.Structure):
+    _fields_ = [("input_norm", _P), ("post_attention_norm", _P),
+                ("qkv", _Int8Weight), ("o", _Int8Weight), ("gate_up", _Int8Weight),
+                ("down", _Int8Weight), ("key_cache", _P), ("value_cache", _P),
+                ("key_scales", _P), ("value_scales", _P)]
+
+
+class _LlamaShape(ctypes.Structure):
+    _fields_ = [("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
+                ("head_dim", _I64), ("intermediate", _I64), ("eps", ctypes.c_float),
+                ("attention_scale", ctypes.c_float)]
+
+
+class _AttentionStep(ctypes.Structure):
+    _fields_ = [("positions", _P), ("cos_table", _P), ("sin_table", _P),
+                ("slot_mapping", _P), ("block_tables", _P), ("max_blocks", _I64),
+                ("query_start", _P), ("context_lens", _P), ("num_seqs", _I64),
+                ("block_size", _I64), ("kv_dtype", ctypes.c_int32)]
+
+
+def _address(obj: ctypes.Structure | ctypes.Array) -> int:
+    return ctypes.addressof(obj)
+
+
+def _int8_weight(linear: nn.Module) -> _Int8Weight | None:
+    from llmserve.quantization.int8 import Int8LinearMethod
+
+    if not isinstance(linear.method, Int8LinearMethod) or linear.bias is not None:
+        return None
+    w = linear.method.weight
+    return _Int8Weight(ptr(w.packed), ptr(w.row_sums), ptr(w.scale), w.out_features,
+                       w.in_features)
+
+
+class NativeLlamaLayers:
+    """The decoder layers of one model as native structures; `forward` runs them all."""
+
+    def __init__(self, model: nn.Module, lib: ctypes.CDLL) -> None:
+        cfg = model.config
+        self.lib = lib
+        self.model = model
+        self.shape = _LlamaShape(cfg.hidden_size, cfg.num_attention_heads,
+                                 cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
+                                 cfg.rms_norm_eps, cfg.head_dim**-0.5)
+        self.weights = []
+        for layer in model.model.layers:
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            self.weights.append([_int8_weight(m) for m in linears])
+        self.k_pad = max(w.packed.shape[1] for layer in model.model.layers
+                         for w in (layer.self_attn.qkv_proj.method.weight,
+                                   layer.mlp.down_proj.method.weight))
+        self._cache_key: tuple | None = None
+        self._layers = None
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "NativeLlamaLayers | None":
+        """For a model the fused call can run exactly; None otherwise."""
+        lib = native()
+        if lib is None or model.config.qk_norm:
+            return None
+        if next(model.parameters()).device.type != "cpu":
+            return None
+        for layer in model.model.layers:
+            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                      layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                if _int8_weight(m) is None:
+                    return None
+        return cls(model, lib)
+
+    def _layer_array(self, kv_cache: KVCache) -> ctypes.Array:
+        key = tuple(t.data_ptr() for t in kv_cache.key[:1] + kv_cache.value[:1])
+        if key != self._cache_key:  # built once per KV cache
+            layers = self.model.model.layers
+            array = (_LlamaLayer * len(layers))()
+            for i, (layer, (qkv, o, gate_up, down)) in enumerate(
+                    zip(layers, self.weights, strict=True)):
+                cache = kv_cache.layer(i)
+                array[i] = _LlamaLayer(
+                    ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+                    qkv, o, gate_up, down, ptr(cache.key), ptr(cache.value),
+                    ptr(cache.key_scales), ptr(cache.value_scales))
+            self._layers, self._cache_key = array, key
+        return self._layers
+
+    def can_run(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> bool:
+        return (isinstance(meta.backend, NativeCPUBackend) and x.dtype == torch.float32
+                and positions.dtype == torch.long and kv_cache.dtype in _KERNEL_DTYPE)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """x (T, hidden) fp32 embeddings -> hidden states after the last layer (in place)."""
+        rotary = self.model.model.rotary
+        t, s = x.shape[0], self.shape
+        x = x.contiguous()
+        step = _AttentionStep(
+            ptr(positions), ptr(rotary.cos_cache), ptr(rotary.sin_cache),
+            ptr(meta.slot_mapping), ptr(meta.block_tables), meta.block_tables.shape[1],
+            ptr(meta.query_start_t), ptr(meta.context_lens_t), meta.num_seqs,
+            meta.block_size, _KERNEL_DTYPE[kv_cache.dtype])
+        width = (2 * s.hidden + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+                 + s.num_heads * s.head_dim + 3 * s.intermediate)
+        scratch = torch.empty(t * width)
+        qscratch = torch.empty(t * 2 * self.k_pad + 4 * t, dtype=torch.uint8)
+        layers = self._layer_array(kv_cache)
+        self.lib.llmserve_llama_layers_int8(
+            ptr(x), t, _address(self.shape), _address(layers), len(layers), _address(step),
+            ptr(scratch), ptr(qscratch))
+        return x

@@ -59,71 +59,73 @@ inline float epilogue(int32_t acc_hi, int32_t acc_lo, float x_scale, float w_sca
          w_scale;
 }
 
-// ---- u8 x s8 dot products over Kp (multiple of 64) ----------------------------------------
+// ---- the int8 GEMM ------------------------------------------------------------------------
+// Weights are packed for VNNI: for each block of 16 output channels, Kp/4 groups of
+// [16 channels x 4 consecutive k] bytes (64 bytes, one zmm). A row's 4 activation bytes are
+// broadcast to all 16 lanes and `vpdpbusd` adds the 4 products into each channel's int32:
+// 16 outputs per instruction, no horizontal sums. Activations are u8 (value + 128), so the
+// raw sum exceeds the true one by 128 * (row sum of w), subtracted once at the end.
+constexpr int64_t kBlockN = 16;
+
+inline int64_t packed_index(int64_t n, int64_t k, int64_t Kp) {
+  return ((n / kBlockN) * (Kp / 4) + k / 4) * (kBlockN * 4) + (n % kBlockN) * 4 + k % 4;
+}
+
+// Accumulates MT rows (hi and lo parts) x NB blocks of 16 channels; acc[m][part][b][lane].
+template <int MT, int NB>
+inline void gemm_block(const uint8_t* xq, int64_t m0, int64_t Kp, const int8_t* w, int64_t nb0,
+                       int32_t acc[MT][2][NB][kBlockN]) {
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-// MT rows (each hi and lo) against 4 weight rows; results are raw sums of (x+128)*w.
-template <int MT>
-inline void dot_tile(const uint8_t* const* xh, const uint8_t* const* xl, const int8_t* w,
-                     int64_t Kp, int32_t out_hi[MT][4], int32_t out_lo[MT][4]) {
-  __m512i ah[MT][4], al[MT][4];
+  __m512i a[MT][2][NB];
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < 4; ++j) ah[m][j] = al[m][j] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < Kp; k += 64) {
-    __m512i wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + j * Kp + k);
-    for (int m = 0; m < MT; ++m) {
-      __m512i h = _mm512_loadu_si512(xh[m] + k);
-      __m512i l = _mm512_loadu_si512(xl[m] + k);
-      for (int j = 0; j < 4; ++j) {
-        ah[m][j] = _mm512_dpbusd_epi32(ah[m][j], h, wv[j]);
-        al[m][j] = _mm512_dpbusd_epi32(al[m][j], l, wv[j]);
+    for (int p = 0; p < 2; ++p)
+      for (int b = 0; b < NB; ++b) a[m][p][b] = _mm512_setzero_si512();
+  const int64_t block_bytes = (Kp / 4) * 64;
+  for (int64_t k4 = 0; k4 < Kp / 4; ++k4) {
+    __m512i wv[NB];
+    for (int b = 0; b < NB; ++b)
+      wv[b] = _mm512_loadu_si512(w + (nb0 + b) * block_bytes + k4 * 64);
+    for (int m = 0; m < MT; ++m)
+      for (int p = 0; p < 2; ++p) {
+        int32_t x4;
+        std::memcpy(&x4, xq + ((m0 + m) * 2 + p) * Kp + k4 * 4, 4);
+        __m512i xb = _mm512_set1_epi32(x4);
+        for (int b = 0; b < NB; ++b) a[m][p][b] = _mm512_dpbusd_epi32(a[m][p][b], xb, wv[b]);
       }
-    }
   }
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < 4; ++j) {
-      out_hi[m][j] = _mm512_reduce_add_epi32(ah[m][j]);
-      out_lo[m][j] = _mm512_reduce_add_epi32(al[m][j]);
-    }
-}
+    for (int p = 0; p < 2; ++p)
+      for (int b = 0; b < NB; ++b) _mm512_storeu_si512(acc[m][p][b], a[m][p][b]);
 #else
-template <int MT>
-inline void dot_tile(const uint8_t* const* xh, const uint8_t* const* xl, const int8_t* w,
-                     int64_t Kp, int32_t out_hi[MT][4], int32_t out_lo[MT][4]) {
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < 4; ++j) {
-      int32_t sh = 0, sl = 0;
-      const int8_t* wr = w + j * Kp;
-      for (int64_t k = 0; k < Kp; ++k) {
-        sh += static_cast<int32_t>(xh[m][k]) * wr[k];
-        sl += static_cast<int32_t>(xl[m][k]) * wr[k];
-      }
-      out_hi[m][j] = sh;
-      out_lo[m][j] = sl;
-    }
-}
+    for (int p = 0; p < 2; ++p)
+      for (int b = 0; b < NB; ++b)
+        for (int64_t j = 0; j < kBlockN; ++j) {
+          int32_t sum = 0;
+          const uint8_t* x = xq + ((m0 + m) * 2 + p) * Kp;
+          for (int64_t k = 0; k < Kp; ++k)
+            sum += static_cast<int32_t>(x[k]) * w[packed_index((nb0 + b) * kBlockN + j, k, Kp)];
+          acc[m][p][b][j] = sum;
+        }
 #endif
+}
 
-template <int MT>
+template <int MT, int NB>
 inline void gemm_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp,
                       const int8_t* w, const int32_t* wsum, const float* wscale,
-                      const float* bias, int64_t n0, int64_t N, float* y) {
-  const uint8_t* xh[MT];
-  const uint8_t* xl[MT];
-  for (int m = 0; m < MT; ++m) {
-    xh[m] = xq + (m0 + m) * 2 * Kp;
-    xl[m] = xh[m] + Kp;
-  }
-  int32_t hi[MT][4], lo[MT][4];
-  dot_tile<MT>(xh, xl, w + n0 * Kp, Kp, hi, lo);
+                      const float* bias, int64_t nb0, int64_t N, float* y) {
+  int32_t acc[MT][2][NB][kBlockN];
+  gemm_block<MT, NB>(xq, m0, Kp, w, nb0, acc);
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < 4; ++j) {
-      int64_t n = n0 + j;
-      if (n >= N) continue;
-      int32_t offset = 128 * wsum[n];
-      float v = epilogue(hi[m][j] - offset, lo[m][j] - offset, xs[m0 + m], wscale[n]);
-      y[(m0 + m) * N + n] = bias ? v + bias[n] : v;
-    }
+    for (int b = 0; b < NB; ++b)
+      for (int64_t j = 0; j < kBlockN; ++j) {
+        int64_t n = (nb0 + b) * kBlockN + j;
+        if (n >= N) break;
+        int32_t offset = 128 * wsum[n];
+        float v = epilogue(acc[m][0][b][j] - offset, acc[m][1][b][j] - offset, xs[m0 + m],
+                           wscale[n]);
+        y[(m0 + m) * N + n] = bias ? v + bias[n] : v;
+      }
 }
 
 inline float bf16_to_float(uint16_t v) {
@@ -184,7 +186,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 5; }
+int32_t llmserve_kernels_abi() { return 6; }
 
 // (Re)starts the pool: `num_threads` in all (the caller included); idle workers spin for
 // `spin_us` microseconds before they sleep. Not thread-safe against running kernels.
@@ -244,35 +246,16 @@ void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* ou
   });
 }
 
-// Quantizes rows of x (M, K) into int8 parts: out rows 0..M-1 hold hi, rows M..2M-1 lo
-// (for torch._int_mm), with each row's scale.
-void llmserve_quantize_rows_s8(const float* x, int64_t M, int64_t K, int8_t* out,
-                               float* scales) {
-  parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    std::vector<uint8_t> hi(K), lo(K);
-    for (int64_t m = b; m < e; ++m) {
-      quantize_row(x + m * K, K, K, hi.data(), lo.data(), scales + m);
-      for (int64_t k = 0; k < K; ++k) {
-        out[m * K + k] = static_cast<int8_t>(static_cast<int>(hi[k]) - 128);
-        out[(M + m) * K + k] = static_cast<int8_t>(static_cast<int>(lo[k]) - 128);
-      }
-    }
-  });
+// Packs an int8 weight (N, K) into the VNNI layout (N_pad, Kp) (see `packed_index`),
+// zero-padded; N_pad, Kp: multiples of 16 and 64.
+void llmserve_pack_int8_weight(const int8_t* w, int64_t N, int64_t K, int8_t* packed) {
+  const int64_t Kp = round_up(K, kQuantBlock), Np = round_up(N, kBlockN);
+  std::memset(packed, 0, Np * Kp);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) packed[packed_index(n, k, Kp)] = w[n * K + k];
 }
 
-// y (M, N) from exact int32 sums acc (2M, N) (hi rows, then lo rows) [+ bias].
-void llmserve_int8_epilogue(const int32_t* acc, int64_t M, int64_t N, const float* x_scale,
-                            const float* w_scale, const float* bias, float* y) {
-  parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-    for (int64_t m = b; m < e; ++m)
-      for (int64_t n = 0; n < N; ++n) {
-        float v = epilogue(acc[m * N + n], acc[(M + m) * N + n], x_scale[m], w_scale[n]);
-        y[m * N + n] = bias ? v + bias[n] : v;
-      }
-  });
-}
-
-// y (M, N) = W8A8(x (M, K)) with packed weight (N_pad, Kp) [+ bias]. `workspace` holds
+// y (M, N) = W8A8(x (M, K)) with a packed weight [+ bias]. `workspace` holds
 // M * 2 * Kp bytes (quantized rows) plus M floats (their scales).
 void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
                           const int32_t* wsum, const float* wscale, const float* bias,
@@ -284,17 +267,19 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
     for (int64_t m = b; m < e; ++m)
       quantize_row(x + m * K, K, Kp, xq + m * 2 * Kp, xq + m * 2 * Kp + Kp, xs + m);
   });
-  const int64_t n_tiles = round_up(N, 4) / 4;
-  constexpr int64_t kRowBlock = 64;  // rows of x kept hot while weight tiles stream past
-  // grain: enough tiles per task that a batch-1 call still splits across the threads
-  parallel_for(0, n_tiles, 8, [&](int64_t tb, int64_t te) {
-    for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
-      int64_t r1 = std::min(M, r0 + kRowBlock);
-      for (int64_t t = tb; t < te; ++t) {
-        int64_t m = r0;
-        for (; m + 2 <= r1; m += 2) gemm_tile<2>(xq, xs, m, Kp, w, wsum, wscale, bias, t * 4, N, y);
-        for (; m < r1; ++m) gemm_tile<1>(xq, xs, m, Kp, w, wsum, wscale, bias, t * 4, N, y);
-      }
+  const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
+  // split over channel blocks; grain: a batch-1 call still splits across the threads
+  parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) {
+      int64_t b = nb;
+      for (; b + 2 <= ne; b += 2) gemm_tile<4, 2>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
+      for (; b < ne; ++b) gemm_tile<4, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
+    }
+    for (; m < M; ++m) {
+      int64_t b = nb;
+      for (; b + 4 <= ne; b += 4) gemm_tile<1, 4>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
+      for (; b < ne; ++b) gemm_tile<1, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
     }
   });
 }

@@ -7,13 +7,11 @@ so an outlier channel does not wash out the rest of a token. Integer accumulatio
 and each token's scale depends on that token alone, so a request's outputs do not depend on
 what else is in the batch.
 
-Kernels, all giving bit-identical results (same integers, same float epilogue):
-* up to `NATIVE_MAX_ROWS` tokens: the native fused kernel (quantize + VNNI dot products +
-  epilogue in one call; reads each weight byte once);
-* more tokens: native quantization, `torch._int_mm` (oneDNN, VNNI/AMX) and the native
-  epilogue;
-* no native kernels (CUDA, no compiler): the same arithmetic in torch ops.
-One int8 copy of each weight, `(N_pad, K_pad)`, serves all three.
+Kernels, giving bit-identical results (the same integers, the same float epilogue):
+* on the CPU, the native kernel (quantize + VNNI dot products + epilogue in one call;
+  weights packed for VNNI at load, read once per call);
+* elsewhere (CUDA, no compiler): the same arithmetic in torch ops and `torch._int_mm`,
+  on plain `(N, K)` weights.
 """
 
 import torch
@@ -24,11 +22,7 @@ from llmserve.models.layers import Linear, LinearMethod
 
 _EPS = 1e-8
 _K_ALIGN = 64  # packed weights pad K to this (the kernel's vector width in bytes)
-_N_ALIGN = 4  # and N to the kernel's tile of output channels
-
-# Above this many tokens oneDNN's blocked GEMM beats the fused kernel (measured on 2-core
-# Zen 5 and Sapphire Rapids VMs: native 3-5x faster at 1-8 tokens, even at 16, slower from 32).
-NATIVE_MAX_ROWS = 16
+_N_ALIGN = 16  # and N to the kernel's block of output channels
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,43 +32,54 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PackedInt8Weight:
-    """An int8 weight `(N, K)` padded to `(N_pad, K_pad)`, its row sums and fp32 scales."""
+    """An int8 weight `(N, K)` with its row sums and fp32 per-channel scales.
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    `layout` "vnni": packed for the native kernel, `(N_pad, K_pad)` bytes in blocks of 16
+    channels x 4 k (see `cpu_kernels.cpp`); "plain": `(N, K)` for `torch._int_mm`.
+    """
+
+    def __init__(self, weight: torch.Tensor, layout: str | None = None) -> None:
         qweight, scale = quantize_rows(weight.float())
         n, k = qweight.shape
         self.out_features, self.in_features = n, k
-        k_pad = -(-k // _K_ALIGN) * _K_ALIGN
-        n_pad = -(-n // _N_ALIGN) * _N_ALIGN
-        self.packed = torch.zeros(n_pad, k_pad, dtype=torch.int8, device=weight.device)
-        self.packed[:n, :k] = qweight
         self.row_sums = qweight.sum(dim=1, dtype=torch.int32)
         self.scale = scale.reshape(-1).float().contiguous()  # (N,)
-
-    @property
-    def kn(self) -> torch.Tensor:
-        """The weight as `(K, N)` for `torch._int_mm` (a strided view, no copy)."""
-        return self.packed[: self.out_features, : self.in_features].t()
+        lib = native() if weight.device.type == "cpu" else None
+        self.layout = layout or ("vnni" if lib is not None else "plain")
+        if self.layout == "plain":
+            self.packed = qweight.contiguous()
+            return
+        k_pad = -(-k // _K_ALIGN) * _K_ALIGN
+        n_pad = -(-n // _N_ALIGN) * _N_ALIGN
+        self.packed = torch.empty(n_pad, k_pad, dtype=torch.int8)
+        lib.llmserve_pack_int8_weight(ptr(qweight.contiguous()), n, k, ptr(self.packed))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.packed, "row_sums": self.row_sums, "weight_scale": self.scale}
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The int8 rows `ids` (T,) as `(T, K)`, whatever the layout (embedding lookups)."""
+        if self.layout == "plain":
+            return self.packed[ids]
+        k = torch.arange(self.in_features, device=ids.device)
+        k_pad = self.packed.shape[1]
+        within = (k // 4) * (_N_ALIGN * 4) + k % 4  # (K,) offsets inside a channel block
+        base = (ids // _N_ALIGN) * (k_pad // 4) * (_N_ALIGN * 4) + (ids % _N_ALIGN) * 4
+        return self.packed.view(-1)[base[:, None] + within[None, :]]
 
 
 def int8_linear(x: torch.Tensor, w: PackedInt8Weight, bias: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """x (..., K) float -> (..., N) in x's dtype."""
     rows = x.reshape(-1, x.shape[-1])
-    lib = native() if x.device.type == "cpu" else None
-    if lib is None:
-        y = _int8_linear_torch(rows.float(), w, bias)
-    elif rows.shape[0] <= NATIVE_MAX_ROWS:
-        y = _int8_linear_fused(lib, rows.float().contiguous(), w, bias)
+    if w.layout == "vnni":
+        y = _int8_linear_native(native(), rows.float().contiguous(), w, bias)
     else:
-        y = _int8_linear_int_mm(lib, rows.float().contiguous(), w, bias)
+        y = _int8_linear_torch(rows.float(), w, bias)
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 
-def _int8_linear_fused(lib, x: torch.Tensor, w: PackedInt8Weight, bias) -> torch.Tensor:
+def _int8_linear_native(lib, x: torch.Tensor, w: PackedInt8Weight, bias) -> torch.Tensor:
     m, k = x.shape
     k_pad = w.packed.shape[1]
     y = torch.empty(m, w.out_features)
@@ -84,20 +89,8 @@ def _int8_linear_fused(lib, x: torch.Tensor, w: PackedInt8Weight, bias) -> torch
     return y
 
 
-def _int8_linear_int_mm(lib, x: torch.Tensor, w: PackedInt8Weight, bias) -> torch.Tensor:
-    m, k = x.shape
-    parts = torch.empty(2 * m, k, dtype=torch.int8)  # hi rows, then lo rows
-    scales = torch.empty(m)
-    lib.llmserve_quantize_rows_s8(ptr(x), m, k, ptr(parts), ptr(scales))
-    acc = torch._int_mm(parts, w.kn)  # (2m, N) int32, exact
-    y = torch.empty(m, w.out_features)
-    lib.llmserve_int8_epilogue(ptr(acc), m, w.out_features, ptr(scales), ptr(w.scale),
-                               ptr(bias), ptr(y))
-    return y
-
-
 def _int8_linear_torch(x: torch.Tensor, w: PackedInt8Weight, bias) -> torch.Tensor:
-    """The same arithmetic in torch ops (any device)."""
+    """The same arithmetic in torch ops (any device), on a plain-layout weight."""
     n = x.shape[0]
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=_EPS).div_(127.0)  # (n, 1)
     t = x / scale  # in [-127, 127]
@@ -106,7 +99,7 @@ def _int8_linear_torch(x: torch.Tensor, w: PackedInt8Weight, bias) -> torch.Tens
     parts = torch.cat([hi, lo]).to(torch.int8)
     if x.device.type == "cuda" and n <= 16:  # cuBLAS int8 GEMM wants more than 16 rows
         parts = torch.cat([parts, parts.new_zeros(17 - n, parts.shape[1])])
-    acc = torch._int_mm(parts, w.kn).float()  # (2n, out)
+    acc = torch._int_mm(parts, w.packed.t()).float()  # (2n, out)
     y = (acc[:n] + acc[n : 2 * n] * (1 / 254.0)) * scale * w.scale
     if bias is not None:
         y = y + bias
@@ -151,5 +144,4 @@ class Int8Embedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         w = self.table
-        rows = w.packed[token_ids, : w.in_features].float()  # (T, hidden)
-        return rows * w.scale[token_ids, None]
+        return w.rows(token_ids).float() * w.scale[token_ids, None]  # (T, hidden)

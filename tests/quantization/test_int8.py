@@ -10,10 +10,8 @@ from llmserve.engine.engine import Engine
 from llmserve.kernels import native
 from llmserve.loader.model_loader import load_model
 from llmserve.quantization.int8 import (
-    NATIVE_MAX_ROWS,
     PackedInt8Weight,
-    _int8_linear_fused,
-    _int8_linear_int_mm,
+    _int8_linear_native,
     _int8_linear_torch,
     int8_linear,
 )
@@ -39,21 +37,22 @@ def test_int8_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(int8_linear(x[i : i + 1], weight)[0], together[i])
 
 
-@pytest.mark.parametrize("rows", [1, 3, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
 def test_int8_kernels_agree_bit_for_bit(rows):
-    """Fused native kernel, oneDNN path and plain torch ops compute the same numbers."""
+    """The native VNNI kernel and the plain torch ops compute the same numbers."""
     lib = native()
     assert lib is not None, "the native kernels must build on the CPU test machines"
     torch.manual_seed(rows)
-    weight = PackedInt8Weight(torch.randn(90, 200) * 0.1)
+    weight = torch.randn(90, 200) * 0.1  # 90 channels: a partial block of 16
+    vnni, plain = PackedInt8Weight(weight), PackedInt8Weight(weight, layout="plain")
+    assert vnni.layout == "vnni"
     bias = torch.randn(90)
     x = torch.randn(rows, 200)
     x[:, 7] *= 30
-    fused = _int8_linear_fused(lib, x, weight, bias)
-    onednn = _int8_linear_int_mm(lib, x, weight, bias)
-    plain = _int8_linear_torch(x, weight, bias)
-    assert torch.equal(fused, onednn)
-    assert torch.equal(fused, plain)
+    assert torch.equal(_int8_linear_native(lib, x, vnni, bias),
+                       _int8_linear_torch(x, plain, bias))
+    ids = torch.tensor([0, 17, 89, 42])
+    assert torch.equal(vnni.rows(ids), plain.rows(ids))
 
 
 @pytest.fixture(scope="module")

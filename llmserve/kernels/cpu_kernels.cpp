@@ -160,6 +160,103 @@ inline void load_row(const void* base, int64_t index, int64_t D, int32_t dtype,
   }
 }
 
+// A cached row as fp32: the row itself for an fp32 cache, else widened into `buffer`.
+inline const float* cached_row(const void* base, int64_t index, int64_t D, int32_t dtype,
+                               const float* scales, float* buffer) {
+  if (dtype == kF32) return static_cast<const float*>(base) + index * D;
+  load_row(base, index, D, dtype, scales, buffer);
+  return buffer;
+}
+
+// exp(x[j]) for j < n (n <= 16), 0 for the other lanes; lane by lane the same arithmetic
+// whatever n is. A Cephes-style polynomial after range reduction (~1 ulp).
+inline void exp_block(const float* x, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+  __m512 v = _mm512_maskz_loadu_ps(mask, x);
+  v = _mm512_max_ps(v, _mm512_set1_ps(-87.0f));
+  __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v);
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r2 = _mm512_mul_ps(r, r);
+  p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  _mm512_storeu_ps(out, _mm512_maskz_mov_ps(mask, _mm512_scalef_ps(p, k)));
+#else
+  for (int64_t j = 0; j < 16; ++j) out[j] = j < n ? std::exp(x[j]) : 0.f;
+#endif
+}
+
+// out[j] = scale * (q . keys[j]) for j < n (n <= 16). With AVX-512 (D a multiple of 16):
+// 16 per-key vector accumulators reduced by one transpose-and-add tree, so each lane is
+// summed in the same order whatever n is (lanes never mix).
+inline void scores_block(const float* q, const float* const* keys, int64_t n, int64_t D,
+                         float scale, float* out) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) {
+      a[j] = _mm512_setzero_ps();
+      if (j >= n) continue;
+      for (int64_t d = 0; d < D; d += 16)
+        a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys[j] + d), a[j]);
+    }
+    __m512 c[4];
+    for (int g = 0; g < 4; ++g) {
+      __m512 b[2];
+      for (int h = 0; h < 2; ++h) {
+        __m512 x = a[4 * g + 2 * h], y = a[4 * g + 2 * h + 1];
+        b[h] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+      }
+      __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[0]), _mm512_castps_pd(b[1]));
+      __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[0]), _mm512_castps_pd(b[1]));
+      c[g] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    }
+    __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
+                               _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
+                               _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88),
+                             _mm512_shuffle_f32x4(u01, u23, 0xDD));
+    _mm512_storeu_ps(out, _mm512_mul_ps(r, _mm512_set1_ps(scale)));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    float sum = 0.f;
+    for (int64_t d = 0; d < D; ++d) sum += q[d] * keys[j][d];
+    out[j] = sum * scale;
+  }
+}
+
+// acc (D) += sum_j p[j] * values[j] for j < n, in key order. With AVX-512 (D a multiple of
+// 16, at most 256) the accumulator stays in registers across the keys.
+inline void accumulate_values(float* acc, const float* p, const float* const* values, int64_t n,
+                              int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && D <= 256) {
+    __m512 a[16];
+    const int64_t chunks = D / 16;
+    for (int64_t c = 0; c < chunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 pj = _mm512_set1_ps(p[j]);
+      for (int64_t c = 0; c < chunks; ++c)
+        a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + 16 * c), a[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * values[j][d];
+}
+
 inline float dot(const float* a, const float* b, int64_t D) {
 #if defined(__AVX512F__)
   if (D % 16 == 0) {
@@ -269,14 +366,19 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
   });
   const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
   // split over channel blocks; grain: a batch-1 call still splits across the threads
+  // rows in blocks small enough to stay in L2 while a thread's weight blocks stream past
+  const int64_t row_block = std::max<int64_t>(4, (256 * 1024 / (2 * Kp)) / 4 * 4);
   parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
     int64_t m = 0;
-    for (; m + 4 <= M; m += 4) {
+    for (int64_t r0 = 0; r0 + 4 <= M; r0 += row_block) {
+      int64_t r1 = std::min(r0 + row_block, M / 4 * 4);
       int64_t b = nb;
-      for (; b + 2 <= ne; b += 2) gemm_tile<4, 2>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
-      for (; b < ne; ++b) gemm_tile<4, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
+      for (; b + 2 <= ne; b += 2)
+        for (m = r0; m < r1; m += 4) gemm_tile<4, 2>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
+      for (; b < ne; ++b)
+        for (m = r0; m < r1; m += 4) gemm_tile<4, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
     }
-    for (; m < M; ++m) {
+    for (m = M / 4 * 4; m < M; ++m) {
       int64_t b = nb;
       for (; b + 4 <= ne; b += 4) gemm_tile<1, 4>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
       for (; b < ne; ++b) gemm_tile<1, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
@@ -343,7 +445,9 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
   }
   parallel_for(0, item_start[B], 1, [&](int64_t ib, int64_t ie) {
     const int64_t rows = kTile * group;
-    std::vector<float> keys(block_size * D), values(block_size * D), scores(block_size);
+    std::vector<float> keys(block_size * D), values(block_size * D), scores(block_size + 16);
+    std::vector<const float*> key_rows(block_size), value_rows(block_size);
+    float shifted[16], probs[16];
     std::vector<float> acc(rows * D), running_max(rows), denom(rows);
     int64_t b = std::upper_bound(item_start.begin(), item_start.end(), ib) - item_start.begin() - 1;
     for (int64_t item = ib; item < ie; ++item) {
@@ -362,8 +466,10 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
         int64_t n = std::min(block_size, last_key - k0);
         int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_size;
         for (int64_t j = 0; j < n; ++j) {
-          load_row(k_cache, (base + j) * Hkv + kvh, D, dtype, k_scales, &keys[j * D]);
-          load_row(v_cache, (base + j) * Hkv + kvh, D, dtype, v_scales, &values[j * D]);
+          key_rows[j] = cached_row(k_cache, (base + j) * Hkv + kvh, D, dtype, k_scales,
+                                   &keys[j * D]);
+          value_rows[j] = cached_row(v_cache, (base + j) * Hkv + kvh, D, dtype, v_scales,
+                                     &values[j * D]);
         }
         for (int64_t i = 0; i < nq; ++i) {
           int64_t visible = std::min(n, context + q0 + i + 1 - k0);  // causal
@@ -373,21 +479,25 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
             int64_t h = kvh * group + g, r = i * group + g;
             const float* qv = q + token * q_stride + h * D;
             float block_max = -INFINITY;
-            for (int64_t j = 0; j < visible; ++j) {
-              scores[j] = dot(qv, &keys[j * D], D) * scale;
-              block_max = std::max(block_max, scores[j]);
-            }
+            for (int64_t j0 = 0; j0 < visible; j0 += 16)
+              scores_block(qv, &key_rows[j0], std::min<int64_t>(16, visible - j0), D, scale,
+                           &scores[j0]);
+            for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, scores[j]);
             float* a = &acc[r * D];
             if (block_max > running_max[r]) {
-              float correction = std::exp(running_max[r] - block_max);
+              float correction;
+              float delta = running_max[r] - block_max;
+              exp_block(&delta, 1, &correction);
               scale_row(a, correction, D);
               denom[r] *= correction;
               running_max[r] = block_max;
             }
-            for (int64_t j = 0; j < visible; ++j) {
-              float p = std::exp(scores[j] - running_max[r]);
-              denom[r] += p;
-              axpy(a, p, &values[j * D], D);
+            for (int64_t j0 = 0; j0 < visible; j0 += 16) {
+              int64_t m = std::min<int64_t>(16, visible - j0);
+              for (int64_t j = 0; j < m; ++j) shifted[j] = scores[j0 + j] - running_max[r];
+              exp_block(shifted, m, probs);
+              for (int64_t j = 0; j < m; ++j) denom[r] += probs[j];
+              accumulate_values(a, probs, &value_rows[j0], m, D);
             }
           }
         }

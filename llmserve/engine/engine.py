@@ -32,7 +32,7 @@ from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.memory import parse_size, plan_kv_cache
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.attention import KVCache
+from llmserve.worker.attention import KVCache, reads_only_written_slots
 from llmserve.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class Engine:
         kv_cache = KVCache.allocate(
             model_cfg.num_hidden_layers, plan.num_blocks, plan.block_size,
             model_cfg.num_key_value_heads, model_cfg.head_dim, self.kv_cache_dtype, self.device,
+            zeroed=not reads_only_written_slots(self.device),
         )
         self.kv_manager = KVCacheManager(
             plan.num_blocks, plan.block_size, config.enable_prefix_caching

@@ -77,11 +77,15 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        zeroed: bool = True,
     ) -> "KVCache":
+        """`zeroed=False` leaves memory untouched until written (no start-up cost, and the
+        process's RSS grows with use): only for backends that never read unwritten slots."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        new = torch.zeros if zeroed else torch.empty
 
         def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-            return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            return [new(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
         scales = (None, None)
         if dtype == torch.int8:
@@ -249,6 +253,13 @@ def _sdpa_from_cache(q, k, v, cache, meta, b, scale, gather) -> torch.Tensor:
         scale=scale, enable_gqa=True,
     )  # (H, n, D)
     return out.transpose(0, 1)
+
+
+def reads_only_written_slots(device: torch.device) -> bool:
+    """Whether the backend for `device` never reads a cache slot before writing it (the
+    native kernel reads keys < each query's position; SDPA over gathered blocks reads whole
+    blocks, masked, and 0 x NaN garbage would still be NaN)."""
+    return device.type == "cpu" and native() is not None
 
 
 def attention_backend(device: torch.device) -> AttentionBackend:

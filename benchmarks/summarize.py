@@ -278,11 +278,18 @@ def commands(folder: Path, meta: dict) -> list[str]:
             "```bash", *lines, "```", ""]
 
 
+def notes() -> list[str]:
+    """The hand-written analysis (benchmarks/notes.md), if present."""
+    path = HERE / "notes.md"
+    return [path.read_text().rstrip(), ""] if path.exists() else []
+
+
 def render(folder: Path, doc: Path) -> str:
     meta = load(folder, "meta.json") or {}
     parts = [header(meta, folder), target_table(folder), load_table(meta),
              serving_table(folder, meta, doc), llama_bench_table(folder),
-             offline_table(folder, meta), latency_table(folder), commands(folder, meta)]
+             offline_table(folder, meta), latency_table(folder), notes(),
+             commands(folder, meta)]
     return "\n".join(line for part in parts for line in part)
 
 

@@ -114,8 +114,29 @@ template <int MT, int NB>
 inline void gemm_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp,
                       const int8_t* w, const int32_t* wsum, const float* wscale,
                       const float* bias, int64_t nb0, int64_t N, float* y) {
-  int32_t acc[MT][2][NB][kBlockN];
+  alignas(64) int32_t acc[MT][2][NB][kBlockN];
   gemm_block<MT, NB>(xq, m0, Kp, w, nb0, acc);
+#if defined(__AVX512F__)
+  // the scalar epilogue's operations, 16 lanes at a time (no fused multiply-adds)
+  const __m512 c = _mm512_set1_ps(1.f / 254.f);
+  for (int b = 0; b < NB; ++b) {
+    int64_t n0 = (nb0 + b) * kBlockN;
+    if (n0 >= N) break;
+    __mmask16 mask = N - n0 >= kBlockN ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+    __m512i offset = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, wsum + n0), 7);
+    __m512 ws = _mm512_maskz_loadu_ps(mask, wscale + n0);
+    __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      __m512 h = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc[m][0][b]), offset));
+      __m512 l = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc[m][1][b]), offset));
+      __m512 v = _mm512_add_ps(h, _mm512_mul_ps(l, c));
+      v = _mm512_mul_ps(_mm512_mul_ps(v, _mm512_set1_ps(xs[m0 + m])), ws);
+      if (bias) v = _mm512_add_ps(v, bv);
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, v);
+    }
+  }
+  return;
+#endif
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b)
       for (int64_t j = 0; j < kBlockN; ++j) {

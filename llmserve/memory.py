@@ -50,6 +50,25 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return (cfg.num_hidden_layers * layer + embed + h) * DTYPE_BYTES[dtype]
 
 
+def int8_weight_bytes(cfg: ModelConfig) -> int:
+    """Bytes the int8 path allocates: packed linears (padded; int32 row sums, fp32 scales),
+    one int8 table for a tied embedding and head, fp32 norms and rotary tables."""
+    from llmserve.quantization.int8 import packed_int8_bytes
+
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    layer = (packed_int8_bytes(q + 2 * kv, h) + packed_int8_bytes(h, q)
+             + packed_int8_bytes(2 * i, h) + packed_int8_bytes(h, i) + 4 * 2 * h)
+    if cfg.attention_bias:
+        layer += 4 * (q + 2 * kv)
+    if cfg.qk_norm:
+        layer += 4 * 2 * d
+    head = packed_int8_bytes(cfg.vocab_size, h)
+    embed = 0 if cfg.tie_word_embeddings else 4 * cfg.vocab_size * h
+    rotary = 2 * 4 * cfg.max_position_embeddings * d
+    return cfg.num_hidden_layers * layer + head + embed + 4 * h + rotary
+
+
 @dataclass(frozen=True)
 class KVCachePlan:
     num_blocks: int

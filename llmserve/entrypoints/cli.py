@@ -117,7 +117,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from llmserve.entrypoints.cli_memory import memory_report
 
     print(memory_report(args.model, args.batch, args.seq_len, args.dtype, args.kv_dtype,
-                        args.kv_cache_memory, args.block_size, args.device))
+                        args.kv_cache_memory, args.block_size, args.device,
+                        args.quantization))
     return 0
 
 
@@ -241,6 +242,8 @@ def _add_memory(sub: Any, common: argparse.ArgumentParser) -> None:
     mem.add_argument("--seq-len", type=int, help="tokens per sequence (default: model context)")
     mem.add_argument("--dtype", default="auto", help="weight dtype (default auto)")
     mem.add_argument("--kv-dtype", help="KV-cache dtype (default: the weight dtype)")
+    mem.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
+                     help="as for serve (default: auto)")
     mem.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     mem.add_argument("--kv-cache-memory", type=kv_cache_memory, default="2GiB",
                      help="KV-cache budget: a size (2GiB) or a fraction of free memory (0.3)")

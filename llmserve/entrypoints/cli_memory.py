@@ -14,7 +14,14 @@ from llmserve.engine.engine import free_memory_bytes, resolve_device, resolve_dt
 from llmserve.entrypoints.cli import format_bytes
 from llmserve.errors import ModelFormatError
 from llmserve.loader.catalog import ModelSource, resolve_model
-from llmserve.memory import DTYPE_BYTES, kv_bytes_per_token, parse_size, plan_kv_cache, weight_bytes
+from llmserve.memory import (
+    DTYPE_BYTES,
+    int8_weight_bytes,
+    kv_bytes_per_token,
+    parse_size,
+    plan_kv_cache,
+    weight_bytes,
+)
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
              "int8": torch.int8}
@@ -29,6 +36,7 @@ def memory_report(
     kv_cache_memory: str | float,
     block_size: int,
     device: str = "auto",
+    quantization: str | None = None,
 ) -> str:
     """The lines `llmserve memory` prints."""
     if batch < 1 or (seq_len is not None and seq_len < 1):
@@ -48,6 +56,12 @@ def memory_report(
     elem = DTYPE_BYTES[kv_torch_dtype]
     wbytes = weight_bytes(cfg, weight_dtype)
     num_params = wbytes // DTYPE_BYTES[weight_dtype]
+    weights_line = (f"{num_params:,} parameters x {DTYPE_BYTES[weight_dtype]} bytes "
+                    f"({_name(weight_dtype)}) = {format_bytes(wbytes)}")
+    if _runs_int8(source, dtype, quantization, torch_device):
+        weights_line = (f"{num_params:,} parameters as int8 (packed, with per-channel "
+                        f"scales; fp32 norms and rotary tables) = "
+                        f"{format_bytes(int8_weight_bytes(cfg))}")
     tokens = batch * seq_len
     fits = plan.num_tokens // seq_len
     lines = [
@@ -56,8 +70,7 @@ def memory_report(
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads, "
         f"head_dim {cfg.head_dim}, intermediate {cfg.intermediate_size}, "
         f"vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}",
-        f"weights       {num_params:,} parameters x {DTYPE_BYTES[weight_dtype]} bytes "
-        f"({_name(weight_dtype)}) = {format_bytes(wbytes)}",
+        f"weights       {weights_line}",
         f"KV per token  2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} "
         f"kv_heads x {cfg.head_dim} head_dim x {elem} bytes ({_name(kv_torch_dtype)}) "
         f"= {per_token:,} bytes",
@@ -72,6 +85,21 @@ def memory_report(
         lines.append(f"warning       --seq-len {seq_len} exceeds the model's context of "
                      f"{cfg.max_position_embeddings} tokens")
     return "\n".join(lines)
+
+
+def _runs_int8(source: ModelSource, dtype: str, quantization: str | None,
+               device: torch.device) -> bool:
+    """Whether the engine would run this model on the int8 path (as `load_model` decides)."""
+    from llmserve.config import EngineConfig
+
+    wanted = EngineConfig(dtype=dtype, quantization=quantization).weight_quantization
+    if wanted != "auto":
+        return wanted == "int8"
+    if device.type != "cpu" or source.kind != "gguf":
+        return False
+    from llmserve.loader.gguf import gguf_is_quantized
+
+    return gguf_is_quantized(source.path)
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:

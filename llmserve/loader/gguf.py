@@ -96,6 +96,12 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return _build_config(metadata, _architecture(metadata), by_name, rope_freqs)
 
 
+def gguf_is_quantized(path: str | Path) -> bool:
+    """Whether a GGUF file stores quantized weights (reads only its header)."""
+    reader = open_gguf(require_path(path, is_dir=False))
+    return any(t.tensor_type not in FLOAT_TYPES for t in reader.tensors)
+
+
 def hf_name(gguf_name: str) -> str:
     """The Hugging Face name of a GGUF tensor (`blk.3.attn_q.weight` -> `model.layers.3...`)."""
     if gguf_name in GGUF_GLOBAL_NAMES:

@@ -42,6 +42,7 @@ class PackedInt8Weight:
         qweight, scale = quantize_rows(weight.float())
         n, k = qweight.shape
         self.out_features, self.in_features = n, k
+        self._within: torch.Tensor | None = None
         self.row_sums = qweight.sum(dim=1, dtype=torch.int32)
         self.scale = scale.reshape(-1).float().contiguous()  # (N,)
         lib = native() if weight.device.type == "cpu" else None
@@ -61,11 +62,19 @@ class PackedInt8Weight:
         """The int8 rows `ids` (T,) as `(T, K)`, whatever the layout (embedding lookups)."""
         if self.layout == "plain":
             return self.packed[ids]
-        k = torch.arange(self.in_features, device=ids.device)
         k_pad = self.packed.shape[1]
-        within = (k // 4) * (_N_ALIGN * 4) + k % 4  # (K,) offsets inside a channel block
+        if self._within is None:  # (K,) offsets of a channel's bytes inside its block
+            k = torch.arange(self.in_features)
+            self._within = (k // 4) * (_N_ALIGN * 4) + k % 4
         base = (ids // _N_ALIGN) * (k_pad // 4) * (_N_ALIGN * 4) + (ids % _N_ALIGN) * 4
-        return self.packed.view(-1)[base[:, None] + within[None, :]]
+        return self.packed.view(-1)[base[:, None] + self._within[None, :]]
+
+
+def packed_int8_bytes(out_features: int, in_features: int) -> int:
+    """Bytes one packed weight holds: padded int8 entries, int32 row sums, fp32 scales."""
+    k_pad = -(-in_features // _K_ALIGN) * _K_ALIGN
+    n_pad = -(-out_features // _N_ALIGN) * _N_ALIGN
+    return n_pad * k_pad + 8 * out_features
 
 
 def int8_linear(x: torch.Tensor, w: PackedInt8Weight, bias: torch.Tensor | None = None

@@ -117,3 +117,17 @@ def test_native_decoder_stack_equals_the_per_op_path(default_llm, chat_prompts):
     assert torch.equal(fused, per_op)
     assert token_ids(default_llm.generate(chat_prompts[:4], GREEDY_16,
                                           use_tqdm=False)) == per_op_tokens
+
+
+def test_memory_arithmetic_matches_what_is_allocated(default_llm):
+    """`llmserve memory` and the start-up log agree with the tensors the engine holds."""
+    from llmserve.engine.engine import model_bytes
+    from llmserve.memory import int8_weight_bytes, kv_bytes_per_token
+
+    engine = default_llm.engine
+    assert int8_weight_bytes(engine.loaded.config) == model_bytes(engine.loaded.model)
+    kv = engine.runner.kv_cache
+    tensors = [*kv.key, *kv.value, *(kv.key_scales or []), *(kv.value_scales or [])]
+    allocated = sum(t.numel() * t.element_size() for t in tensors)
+    assert allocated == engine.kv_plan.num_tokens * kv_bytes_per_token(
+        engine.loaded.config, engine.kv_cache_dtype)

@@ -109,7 +109,8 @@ class EngineConfig:
     # None: "auto" with dtype auto (a quantized checkpoint runs on the int8 kernels), exact
     # float weights otherwise; "none": always float; "int8": W8A8 linear layers
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype), float32, bfloat16 or int8
+    # auto: int8 on the int8 weight path (CPU, native kernels), else the compute dtype
+    kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # compute threads (torch's intra-op pool); None: all cores
     block_size: int = 16
     kv_cache_memory: str | int | float = "2GiB"

@@ -241,7 +241,7 @@ def _add_memory(sub: Any, common: argparse.ArgumentParser) -> None:
     mem.add_argument("--batch", type=int, default=1, help="concurrent sequences (default 1)")
     mem.add_argument("--seq-len", type=int, help="tokens per sequence (default: model context)")
     mem.add_argument("--dtype", default="auto", help="weight dtype (default auto)")
-    mem.add_argument("--kv-dtype", help="KV-cache dtype (default: the weight dtype)")
+    mem.add_argument("--kv-dtype", help="KV-cache dtype (default: as the engine picks it)")
     mem.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
                      help="as for serve (default: auto)")
     mem.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
@@ -308,8 +308,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="auto (default with --dtype auto): a quantized checkpoint runs on "
                             "the int8 kernels; none: float weights; int8: W8A8 linear layers")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
-                       help="KV-cache entries: auto (the compute dtype), float32, bfloat16, "
-                            "int8 (per-token scales)")
+                       help="KV-cache entries: auto (int8 on the int8 weight path, else the "
+                            "compute dtype), float32, bfloat16, int8 (per-token scales)")
     group.add_argument("--threads", dest="num_threads", type=int,
                        help="compute threads (default: all cores)")
     group.add_argument("--kv-cache-memory", type=kv_cache_memory,

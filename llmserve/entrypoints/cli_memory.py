@@ -45,8 +45,9 @@ def memory_report(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     torch_device = resolve_device(device)
     weight_dtype = resolve_dtype(dtype, torch_device)
-    kv_torch_dtype = _kv_dtype(kv_dtype, weight_dtype)
     source = resolve_model(model)
+    runs_int8 = _runs_int8(source, dtype, quantization, torch_device)
+    kv_torch_dtype = _kv_dtype(kv_dtype, torch.int8 if runs_int8 else weight_dtype)
     cfg = read_model_config(source)
     seq_len = seq_len or cfg.max_position_embeddings
     budget = (int(kv_cache_memory * free_memory_bytes(torch_device))
@@ -58,7 +59,7 @@ def memory_report(
     num_params = wbytes // DTYPE_BYTES[weight_dtype]
     weights_line = (f"{num_params:,} parameters x {DTYPE_BYTES[weight_dtype]} bytes "
                     f"({_name(weight_dtype)}) = {format_bytes(wbytes)}")
-    if _runs_int8(source, dtype, quantization, torch_device):
+    if runs_int8:
         weights_line = (f"{num_params:,} parameters as int8 (packed, with per-channel "
                         f"scales; fp32 norms and rotary tables) = "
                         f"{format_bytes(int8_weight_bytes(cfg))}")
@@ -72,7 +73,7 @@ def memory_report(
         f"vocab {cfg.vocab_size}, context {cfg.max_position_embeddings}",
         f"weights       {weights_line}",
         f"KV per token  2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} "
-        f"kv_heads x {cfg.head_dim} head_dim x {elem} bytes ({_name(kv_torch_dtype)}) "
+        f"kv_heads x {_kv_entry(cfg.head_dim, elem, kv_torch_dtype)} "
         f"= {per_token:,} bytes",
         f"KV for batch  {batch} x {seq_len} tokens = {tokens:,} tokens x {per_token:,} bytes "
         f"= {format_bytes(tokens * per_token)}",
@@ -85,6 +86,11 @@ def memory_report(
         lines.append(f"warning       --seq-len {seq_len} exceeds the model's context of "
                      f"{cfg.max_position_embeddings} tokens")
     return "\n".join(lines)
+
+
+def _kv_entry(head_dim: int, elem: int, dtype: torch.dtype) -> str:
+    entry = f"{head_dim} head_dim x {elem} bytes ({_name(dtype)})"
+    return f"({entry} + a 4-byte scale)" if dtype == torch.int8 else entry
 
 
 def _runs_int8(source: ModelSource, dtype: str, quantization: str | None,

@@ -52,6 +52,7 @@ _SIGNATURES = {
 _RESTYPES = {"llmserve_kernels_abi": _I32}
 
 
+@cache
 def cpu_flags() -> list[str]:
     """The x86 feature flags that matter for kernel choice, from /proc/cpuinfo."""
     wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",

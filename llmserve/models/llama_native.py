@@ -54,6 +54,8 @@ def _int8_weight(linear: nn.Module) -> _Int8Weight | None:
     if not isinstance(linear.method, Int8LinearMethod) or linear.bias is not None:
         return None
     w = linear.method.weight
+    if w.layout != "vnni":  # the stack calls the native GEMM, which reads packed weights
+        return None
     return _Int8Weight(ptr(w.packed), ptr(w.row_sums), ptr(w.scale), w.out_features,
                        w.in_features)
 

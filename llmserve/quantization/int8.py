@@ -17,7 +17,7 @@ Kernels, giving bit-identical results (the same integers, the same float epilogu
 import torch
 from torch import nn
 
-from llmserve.kernels import native, ptr
+from llmserve.kernels import cpu_flags, native, ptr
 from llmserve.models.layers import Linear, LinearMethod
 
 _EPS = 1e-8
@@ -46,7 +46,9 @@ class PackedInt8Weight:
         self.row_sums = qweight.sum(dim=1, dtype=torch.int32)
         self.scale = scale.reshape(-1).float().contiguous()  # (N,)
         lib = native() if weight.device.type == "cpu" else None
-        self.layout = layout or ("vnni" if lib is not None else "plain")
+        # the native GEMM is written for AVX-512 VNNI; elsewhere oneDNN's is the better one
+        fast = lib is not None and "avx512_vnni" in cpu_flags()
+        self.layout = layout or ("vnni" if fast else "plain")
         if self.layout == "plain":
             self.packed = qweight.contiguous()
             return

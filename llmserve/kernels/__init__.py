@@ -27,6 +27,7 @@ _SOURCES = (_SOURCE, _SOURCE.with_name("llama_layers.cpp"), _SOURCE.with_name("t
 DEFAULT_SPIN_US = 1000
 _ABI = 6
 _LOCK = threading.Lock()
+_pool_size: dict[str, int] = {}  # threads of the kernels' current pool
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -119,6 +120,7 @@ def native() -> ctypes.CDLL | None:
         return None
     spin_us = int(os.environ.get("LLMSERVE_SPIN_US", DEFAULT_SPIN_US))
     lib.llmserve_set_num_threads(torch.get_num_threads(), spin_us)
+    _pool_size["threads"] = torch.get_num_threads()
     logger.info("native CPU kernels loaded (%s)", " ".join(cpu_flags()) or "no x86 flags")
     return lib
 
@@ -127,9 +129,10 @@ def set_num_threads(num_threads: int) -> None:
     """Compute threads for torch's ops and for the native kernels' pool alike."""
     torch.set_num_threads(num_threads)
     lib = native()
-    if lib is not None:
+    if lib is not None and _pool_size.get("threads") != num_threads:
         spin_us = int(os.environ.get("LLMSERVE_SPIN_US", DEFAULT_SPIN_US))
         lib.llmserve_set_num_threads(num_threads, spin_us)
+        _pool_size["threads"] = num_threads
 
 
 def native_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:

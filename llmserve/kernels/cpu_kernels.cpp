@@ -23,11 +23,17 @@
 
 namespace {
 
-std::unique_ptr<llmserve::ThreadPool> g_pool;
+// The pool kernels use. A replaced pool is retired, never destroyed: a kernel still
+// running on another thread may hold it (pools are replaced rarely, when an engine asks
+// for another thread count).
+std::atomic<llmserve::ThreadPool*> g_pool{nullptr};
+std::vector<std::unique_ptr<llmserve::ThreadPool>> g_pools;
+std::mutex g_pools_mutex;
 
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
-  g_pool->parallel_for(end - begin, grain, [&](int64_t b, int64_t e) { fn(begin + b, begin + e); });
+  g_pool.load()->parallel_for(end - begin, grain,
+                              [&](int64_t b, int64_t e) { fn(begin + b, begin + e); });
 }
 
 constexpr int64_t kQuantBlock = 64;  // K is padded to a multiple of this in packed weights
@@ -306,11 +312,12 @@ extern "C" {
 
 int32_t llmserve_kernels_abi() { return 6; }
 
-// (Re)starts the pool: `num_threads` in all (the caller included); idle workers spin for
-// `spin_us` microseconds before they sleep. Not thread-safe against running kernels.
+// Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
+// idle workers spin for `spin_us` microseconds before they sleep.
 void llmserve_set_num_threads(int32_t num_threads, int64_t spin_us) {
-  g_pool.reset();
-  g_pool = std::make_unique<llmserve::ThreadPool>(std::max(1, num_threads), spin_us);
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  g_pools.push_back(std::make_unique<llmserve::ThreadPool>(std::max(1, num_threads), spin_us));
+  g_pool.store(g_pools.back().get());
 }
 
 // out (T, C) = weight * x * rsqrt(mean(x^2) + eps), row by row (fp32, as HF Llama's RMSNorm).

@@ -395,18 +395,18 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
   const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
   // split over channel blocks; grain: a batch-1 call still splits across the threads
   // rows in blocks small enough to stay in L2 while a thread's weight blocks stream past
-  const int64_t row_block = std::max<int64_t>(4, (256 * 1024 / (2 * Kp)) / 4 * 4);
+  const int64_t row_block = std::max<int64_t>(2, (256 * 1024 / (2 * Kp)) / 2 * 2);
   parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
     int64_t m = 0;
-    for (int64_t r0 = 0; r0 + 4 <= M; r0 += row_block) {
-      int64_t r1 = std::min(r0 + row_block, M / 4 * 4);
+    for (int64_t r0 = 0; r0 + 2 <= M; r0 += row_block) {
+      int64_t r1 = std::min(r0 + row_block, M / 2 * 2);
       int64_t b = nb;
-      for (; b + 2 <= ne; b += 2)
-        for (m = r0; m < r1; m += 4) gemm_tile<4, 2>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
+      for (; b + 4 <= ne; b += 4)
+        for (m = r0; m < r1; m += 2) gemm_tile<2, 4>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
       for (; b < ne; ++b)
-        for (m = r0; m < r1; m += 4) gemm_tile<4, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
+        for (m = r0; m < r1; m += 2) gemm_tile<2, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
     }
-    for (m = M / 4 * 4; m < M; ++m) {
+    for (m = M / 2 * 2; m < M; ++m) {
       int64_t b = nb;
       for (; b + 4 <= ne; b += 4) gemm_tile<1, 4>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
       for (; b < ne; ++b) gemm_tile<1, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);

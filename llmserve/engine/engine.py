@@ -340,6 +340,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
     dtype. An explicit int8 needs the native CPU kernels (checked at use)."""
     from llmserve.worker.attention import KV_CACHE_DTYPES
 
+    if kv_cache_dtype == "int8" and not reads_only_written_slots(device):
+        raise LLMServeError(
+            "kv_cache_dtype int8 needs the native CPU kernels (a C++ compiler, device cpu); "
+            "use float32 or bfloat16 here")
     if kv_cache_dtype != "auto":
         return KV_CACHE_DTYPES[kv_cache_dtype]
     if quantization == "int8" and reads_only_written_slots(device):

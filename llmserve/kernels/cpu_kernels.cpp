@@ -284,24 +284,6 @@ inline void accumulate_values(float* acc, const float* p, const float* const* va
     for (int64_t d = 0; d < D; ++d) acc[d] += p[j] * values[j][d];
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16)
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  float s = 0.f;
-  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
-  return s;
-}
-
-inline void axpy(float* y, float a, const float* x, int64_t D) {
-  for (int64_t d = 0; d < D; ++d) y[d] += a * x[d];
-}
-
 inline void scale_row(float* y, float a, int64_t D) {
   for (int64_t d = 0; d < D; ++d) y[d] *= a;
 }

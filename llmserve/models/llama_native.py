@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from llmserve.kernels import native, ptr
-from llmserve.worker.attention import _KERNEL_DTYPE, AttentionMetadata, KVCache, NativeCPUBackend
+from llmserve.worker.attention import KERNEL_KV_DTYPES, AttentionMetadata, KVCache, NativeCPUBackend
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -48,6 +48,12 @@ def _address(obj: ctypes.Structure | ctypes.Array) -> int:
     return ctypes.addressof(obj)
 
 
+def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A decoder layer's linears in the order of the C++ `LlamaLayer` fields."""
+    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+            layer.mlp.down_proj)
+
+
 def _int8_weight(linear: nn.Module) -> _Int8Weight | None:
     from llmserve.quantization.int8 import Int8LinearMethod
 
@@ -72,12 +78,9 @@ class NativeLlamaLayers:
                                  cfg.rms_norm_eps, cfg.head_dim**-0.5)
         self.weights = []
         for layer in model.model.layers:
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                       layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            self.weights.append([_int8_weight(m) for m in linears])
-        self.k_pad = max(w.packed.shape[1] for layer in model.model.layers
-                         for w in (layer.self_attn.qkv_proj.method.weight,
-                                   layer.mlp.down_proj.method.weight))
+            self.weights.append([_int8_weight(m) for m in _linears(layer)])
+        self.k_pad = max(m.method.weight.packed.shape[1] for layer in model.model.layers
+                         for m in _linears(layer))
         self._cache_key: tuple | None = None
         self._layers = None
 
@@ -90,10 +93,8 @@ class NativeLlamaLayers:
         if next(model.parameters()).device.type != "cpu":
             return None
         for layer in model.model.layers:
-            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                      layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                if _int8_weight(m) is None:
-                    return None
+            if any(_int8_weight(m) is None for m in _linears(layer)):
+                return None
         return cls(model, lib)
 
     def _layer_array(self, kv_cache: KVCache) -> ctypes.Array:
@@ -114,7 +115,7 @@ class NativeLlamaLayers:
     def can_run(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> bool:
         return (isinstance(meta.backend, NativeCPUBackend) and x.dtype == torch.float32
-                and positions.dtype == torch.long and kv_cache.dtype in _KERNEL_DTYPE)
+                and positions.dtype == torch.long and kv_cache.dtype in KERNEL_KV_DTYPES)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -126,7 +127,7 @@ class NativeLlamaLayers:
             ptr(positions), ptr(rotary.cos_cache), ptr(rotary.sin_cache),
             ptr(meta.slot_mapping), ptr(meta.block_tables), meta.block_tables.shape[1],
             ptr(meta.query_start_t), ptr(meta.context_lens_t), meta.num_seqs,
-            meta.block_size, _KERNEL_DTYPE[kv_cache.dtype])
+            meta.block_size, KERNEL_KV_DTYPES[kv_cache.dtype])
         width = (2 * s.hidden + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
                  + s.num_heads * s.head_dim + 3 * s.intermediate)
         scratch = torch.empty(t * width)

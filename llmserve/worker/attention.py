@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from llmserve.kernels import native, ptr
 
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
-_KERNEL_DTYPE = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+KERNEL_KV_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
 @dataclass
@@ -198,7 +198,7 @@ class NativeCPUBackend(AttentionBackend):
     def forward(self, q, k, v, cache, meta, scale):
         t, h, d = q.shape
         num_kv_heads = k.shape[1]
-        dtype = _KERNEL_DTYPE[cache.key.dtype]
+        dtype = KERNEL_KV_DTYPES[cache.key.dtype]
         q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
         if k.stride(0) != v.stride(0):
             k, v = k.contiguous(), v.contiguous()

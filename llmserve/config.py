@@ -86,8 +86,9 @@ class ModelConfig:
         )
 
 
-# "auto" keeps a quantized checkpoint (GGUF Q4/Q5/Q6/Q8) quantized, on the int8 kernels.
-QUANTIZATION_CHOICES = ("auto", "none", "int8")
+# "auto" keeps a quantized checkpoint quantized: GGUF Q4_* on the int4 kernels, Q5/Q6/Q8
+# on the int8 kernels.
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
@@ -106,10 +107,11 @@ class EngineConfig:
     model: str | None = None
     dtype: str = "auto"
     device: str = "auto"
-    # None: "auto" with dtype auto (a quantized checkpoint runs on the int8 kernels), exact
-    # float weights otherwise; "none": always float; "int8": W8A8 linear layers
+    # None: "auto" with dtype auto (a quantized checkpoint keeps its quantization: int4 or
+    # int8 kernels), exact float weights otherwise; "none": always float; "int8": W8A8
+    # linear layers; "int4": 4-bit weight groups of 32, two-part int8 activations
     quantization: str | None = None
-    # auto: int8 on the int8 weight path (CPU, native kernels), else the compute dtype
+    # auto: int8 on the quantized weight paths (CPU, native kernels), else the compute dtype
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # compute threads (torch's intra-op pool); None: all cores
     block_size: int = 16

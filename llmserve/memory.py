@@ -50,15 +50,18 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     return (cfg.num_hidden_layers * layer + embed + h) * DTYPE_BYTES[dtype]
 
 
-def int8_weight_bytes(cfg: ModelConfig) -> int:
-    """Bytes the int8 path allocates: packed linears (padded; int32 row sums, fp32 scales),
-    one int8 table for a tied embedding and head, fp32 norms and rotary tables."""
+def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
+    """Bytes the int8 or int4 path allocates: packed linears (int8: padded, int32 row sums,
+    fp32 scales; int4: 320-byte records per 16 channels and group of 32), one int8 table
+    for a tied embedding and head, fp32 norms and rotary tables."""
+    from llmserve.quantization.int4 import packed_int4_bytes
     from llmserve.quantization.int8 import packed_int8_bytes
 
+    packed = {"int8": packed_int8_bytes, "int4": packed_int4_bytes}[method]
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    layer = (packed_int8_bytes(q + 2 * kv, h) + packed_int8_bytes(h, q)
-             + packed_int8_bytes(2 * i, h) + packed_int8_bytes(h, i) + 4 * 2 * h)
+    layer = (packed(q + 2 * kv, h) + packed(h, q) + packed(2 * i, h) + packed(h, i)
+             + 4 * 2 * h)
     if cfg.attention_bias:
         layer += 4 * (q + 2 * kv)
     if cfg.qk_norm:

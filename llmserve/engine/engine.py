@@ -335,7 +335,7 @@ def model_bytes(model: torch.nn.Module) -> int:
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
                            quantization: str | None, device: torch.device) -> torch.dtype:
-    """"auto": int8 on the fast int8 path with the native kernels (measured: a batch-32
+    """"auto": int8 on the quantized weight paths with the native kernels (measured: a batch-32
     decode step 20 % faster, 4x the tokens per byte, +0.05 % perplexity), else the compute
     dtype. An explicit int8 needs the native CPU kernels (checked at use)."""
     from llmserve.worker.attention import KV_CACHE_DTYPES
@@ -346,7 +346,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
             "use float32 or bfloat16 here")
     if kv_cache_dtype != "auto":
         return KV_CACHE_DTYPES[kv_cache_dtype]
-    if quantization == "int8" and reads_only_written_slots(device):
+    if quantization in ("int8", "int4") and reads_only_written_slots(device):
         return torch.int8
     return dtype
 

@@ -305,10 +305,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", help="auto, float32, float16 or bfloat16")
     group.add_argument("--device", help="auto, cpu or cuda[:N]")
     group.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
-                       help="auto (default with --dtype auto): a quantized checkpoint runs on "
-                            "the int8 kernels; none: float weights; int8: W8A8 linear layers")
+                       help="auto (default with --dtype auto): a quantized checkpoint keeps "
+                            "its quantization (GGUF Q4_*: int4, other GGUF: int8); none: "
+                            "float weights; int8: W8A8 linear layers; int4: 4-bit weight "
+                            "groups of 32, two-part int8 activations")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
-                       help="KV-cache entries: auto (int8 on the int8 weight path, else the "
+                       help="KV-cache entries: auto (int8 on the quantized weight paths, else the "
                             "compute dtype), float32, bfloat16, int8 (per-token scales)")
     group.add_argument("--threads", dest="num_threads", type=int,
                        help="compute threads (default: all cores)")

@@ -16,10 +16,10 @@ from llmserve.errors import ModelFormatError
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.memory import (
     DTYPE_BYTES,
-    int8_weight_bytes,
     kv_bytes_per_token,
     parse_size,
     plan_kv_cache,
+    quantized_weight_bytes,
     weight_bytes,
 )
 
@@ -46,8 +46,8 @@ def memory_report(
     torch_device = resolve_device(device)
     weight_dtype = resolve_dtype(dtype, torch_device)
     source = resolve_model(model)
-    runs_int8 = _runs_int8(source, dtype, quantization, torch_device)
-    kv_torch_dtype = _kv_dtype(kv_dtype, torch.int8 if runs_int8 else weight_dtype)
+    method = _weight_method(source, dtype, quantization, torch_device)
+    kv_torch_dtype = _kv_dtype(kv_dtype, torch.int8 if method else weight_dtype)
     cfg = read_model_config(source)
     seq_len = seq_len or cfg.max_position_embeddings
     budget = (int(kv_cache_memory * free_memory_bytes(torch_device))
@@ -59,10 +59,12 @@ def memory_report(
     num_params = wbytes // DTYPE_BYTES[weight_dtype]
     weights_line = (f"{num_params:,} parameters x {DTYPE_BYTES[weight_dtype]} bytes "
                     f"({_name(weight_dtype)}) = {format_bytes(wbytes)}")
-    if runs_int8:
-        weights_line = (f"{num_params:,} parameters as int8 (packed, with per-channel "
-                        f"scales; fp32 norms and rotary tables) = "
-                        f"{format_bytes(int8_weight_bytes(cfg))}")
+    if method:
+        layout = {"int8": "int8 (packed, with per-channel scales",
+                  "int4": "int4 linears (groups of 32 with fp16 scales and offsets; an int8 "
+                          "head"}[method]
+        weights_line = (f"{num_params:,} parameters as {layout}; fp32 norms and rotary "
+                        f"tables) = {format_bytes(quantized_weight_bytes(cfg, method))}")
     tokens = batch * seq_len
     fits = plan.num_tokens // seq_len
     lines = [
@@ -93,19 +95,21 @@ def _kv_entry(head_dim: int, elem: int, dtype: torch.dtype) -> str:
     return f"({entry} + a 4-byte scale)" if dtype == torch.int8 else entry
 
 
-def _runs_int8(source: ModelSource, dtype: str, quantization: str | None,
-               device: torch.device) -> bool:
-    """Whether the engine would run this model on the int8 path (as `load_model` decides)."""
+def _weight_method(source: ModelSource, dtype: str, quantization: str | None,
+                   device: torch.device) -> str | None:
+    """The quantized method the engine would run this model on ("int8", "int4"), or None
+    for float weights: as `load_model` decides."""
     from llmserve.config import EngineConfig
+    from llmserve.loader.model_loader import auto_quantization
 
     wanted = EngineConfig(dtype=dtype, quantization=quantization).weight_quantization
     if wanted != "auto":
-        return wanted == "int8"
-    if device.type != "cpu" or source.kind != "gguf":
-        return False
-    from llmserve.loader.gguf import gguf_is_quantized
+        return wanted
+    if source.kind != "gguf":
+        return None
+    from llmserve.loader.gguf import gguf_stored_quantization
 
-    return gguf_is_quantized(source.path)
+    return auto_quantization(gguf_stored_quantization(source.path), device)
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:

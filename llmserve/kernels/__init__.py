@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _SOURCES = (_SOURCE, _SOURCE.with_name("llama_layers.cpp"), _SOURCE.with_name("thread_pool.h"))
 DEFAULT_SPIN_US = 1000
-_ABI = 6
+_ABI = 7
 _LOCK = threading.Lock()
 _pool_size: dict[str, int] = {}  # threads of the kernels' current pool
 
@@ -41,9 +41,11 @@ _SIGNATURES = {
     "llmserve_rms_norm": [_P, _I64, _I64, _P, _F32, _P],
     "llmserve_rotary_inplace": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],
     "llmserve_silu_and_mul": [_P, _I64, _I64, _P],
-    "llmserve_llama_layers_int8": [_P, _I64, _P, _P, _I64, _P, _P, _P],
+    "llmserve_llama_layers": [_P, _I64, _P, _P, _I64, _P, _P, _P],
     "llmserve_pack_int8_weight": [_P, _I64, _I64, _P],
     "llmserve_int8_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P],
+    "llmserve_pack_q4_weight": [_P, _P, _P, _I64, _I64, _P],
+    "llmserve_q4_linear": [_P, _I64, _I64, _P, _P, _I64, _P, _P],
     "llmserve_kv_cache_write": [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
     "llmserve_paged_attention": [
         _P, _I64, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _I64, _F32,

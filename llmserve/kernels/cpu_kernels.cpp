@@ -155,6 +155,164 @@ inline void gemm_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp
       }
 }
 
+// ---- the int4 group GEMM ------------------------------------------------------------------
+// Weights: 4-bit codes u in [0, 15] per group of 32 k, with an fp16 scale d and offset m per
+// (channel, group): w = d * u + m, a GGUF Q4_1 block exactly. Activations: two int8 parts
+// per group of 32 with one scale, x ~ (hi + lo / 254) * s (about 15 bits, as the int8 path:
+// one 8-bit part per group moved greedy output off the float path on 2x as many prompts).
+// Per row and channel, over the groups in order, with exact integer sums:
+//   y += (d * (s / 254)) * (254 * (u . hi) + u . lo);  y += m * (s * sum(hi + lo / 254))
+// The float sum runs over the groups in the same order whatever the batch, so a row's
+// result does not depend on the other rows.
+//
+// Packed weights: for each block of 16 channels, one record of 320 bytes per group: 4 chunks
+// of 64 code bytes (chunk j, lane c, byte b: low nibble k = 8j + b, high nibble k = 8j + 4 + b,
+// so a nibble mask gives VNNI's [16 channels x 4 k] layout), 16 fp16 d, 16 fp16 m. One
+// stream per block: a decode reads 5 bits per weight.
+constexpr int64_t kGroup = 32;
+constexpr int64_t kQ4Record = 256 + 64;
+
+inline float half_to_float(uint16_t h) {
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do { mant <<= 1; ++e; } while (!(mant & 0x400));
+      bits = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3FF) << 13;
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | mant << 13;
+  } else {
+    bits = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// A row (K floats, K a multiple of 32) -> two int8 parts hi, lo (K each) and per group
+// s / 254 and the group's dequantized sum s * sum(hi + lo / 254).
+void quantize_row_groups(const float* x, int64_t K, int8_t* hi, int8_t* lo, float* s254,
+                         float* sums) {
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* xg = x + g * kGroup;
+    float amax = 0.f;
+    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(xg[i]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const float t = xg[i] * inv;
+      const float h = std::nearbyint(t);
+      const float l = std::clamp(std::nearbyint((t - h) * 254.f), -127.f, 127.f);
+      hi[g * kGroup + i] = static_cast<int8_t>(h);
+      lo[g * kGroup + i] = static_cast<int8_t>(l);
+      sum += 254 * static_cast<int32_t>(h) + static_cast<int32_t>(l);
+    }
+    s254[g] = amax / 127.f / 254.f;
+    sums[g] = s254[g] * static_cast<float>(sum);  // |sum| < 2^24: exact as a float
+  }
+}
+
+// MT rows x NB blocks of 16 channels of y = Q4(w) . x [+ bias]; `a` holds each row's hi
+// then lo parts (2K bytes per row).
+template <int MT, int NB>
+inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64_t m0,
+                    int64_t K, const uint8_t* w, int64_t nb0, int64_t N, const float* bias,
+                    float* y) {
+  const int64_t G = K / kGroup, block_bytes = G * kQ4Record;
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i ihi[MT][NB], ilo[MT][NB];
+    for (int m = 0; m < MT; ++m)
+      for (int b = 0; b < NB; ++b) ihi[m][b] = ilo[m][b] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      __m512i ulo[NB], uhi[NB];  // the codes of k = 8j + 0..3 and 8j + 4..7
+      for (int b = 0; b < NB; ++b) {
+        __m512i v = _mm512_loadu_si512(w + (nb0 + b) * block_bytes + g * kQ4Record + j * 64);
+        ulo[b] = _mm512_and_si512(v, nibble);
+        uhi[b] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      }
+      for (int m = 0; m < MT; ++m) {
+        const int8_t* xh = a + (m0 + m) * 2 * K + g * kGroup + 8 * j;
+        const int8_t* xl = xh + K;
+        int32_t h0, h1, l0, l1;
+        std::memcpy(&h0, xh, 4);
+        std::memcpy(&h1, xh + 4, 4);
+        std::memcpy(&l0, xl, 4);
+        std::memcpy(&l1, xl + 4, 4);
+        for (int b = 0; b < NB; ++b) {
+          ihi[m][b] = _mm512_dpbusd_epi32(ihi[m][b], ulo[b], _mm512_set1_epi32(h0));
+          ihi[m][b] = _mm512_dpbusd_epi32(ihi[m][b], uhi[b], _mm512_set1_epi32(h1));
+          ilo[m][b] = _mm512_dpbusd_epi32(ilo[m][b], ulo[b], _mm512_set1_epi32(l0));
+          ilo[m][b] = _mm512_dpbusd_epi32(ilo[m][b], uhi[b], _mm512_set1_epi32(l1));
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const uint8_t* rec = w + (nb0 + b) * block_bytes + g * kQ4Record + 256;
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+      const __m512 mo =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+      for (int m = 0; m < MT; ++m) {
+        // 254 * hi + lo: exact in int32 and as a float (|.| < 2^24)
+        const __m512i h = ihi[m][b];
+        const __m512i t = _mm512_add_epi32(
+            _mm512_sub_epi32(_mm512_slli_epi32(h, 8), _mm512_slli_epi32(h, 1)), ilo[m][b]);
+        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(s254[(m0 + m) * G + g]));
+        acc[m][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), ds, acc[m][b]);
+        acc[m][b] = _mm512_fmadd_ps(mo, _mm512_set1_ps(sums[(m0 + m) * G + g]), acc[m][b]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n0 = (nb0 + b) * kBlockN;
+    if (n0 >= N) break;
+    const __mmask16 mask =
+        N - n0 >= kBlockN ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      __m512 v = bias ? _mm512_add_ps(acc[m][b], bv) : acc[m][b];
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, v);
+    }
+  }
+#else
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NB; ++b)
+      for (int64_t c = 0; c < kBlockN; ++c) {
+        const int64_t n = (nb0 + b) * kBlockN + c;
+        if (n >= N) break;
+        float acc = 0.f;
+        for (int64_t g = 0; g < G; ++g) {
+          const uint8_t* rec = w + (nb0 + b) * block_bytes + g * kQ4Record;
+          const int8_t* xh = a + (m0 + m) * 2 * K + g * kGroup;
+          const int8_t* xl = xh + K;
+          int32_t t = 0;
+          for (int j = 0; j < 4; ++j)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = rec[j * 64 + c * 4 + i];
+              const int32_t u0 = byte & 0x0F, u1 = byte >> 4;
+              const int k0 = 8 * j + i, k1 = 8 * j + 4 + i;
+              t += 254 * (u0 * xh[k0] + u1 * xh[k1]) + u0 * xl[k0] + u1 * xl[k1];
+            }
+          uint16_t dh, mh;
+          std::memcpy(&dh, rec + 256 + 2 * c, 2);
+          std::memcpy(&mh, rec + 288 + 2 * c, 2);
+          const float ds = half_to_float(dh) * s254[(m0 + m) * G + g];
+          acc = std::fma(static_cast<float>(t), ds, acc);
+          acc = std::fma(half_to_float(mh), sums[(m0 + m) * G + g], acc);
+        }
+        y[(m0 + m) * N + n] = bias ? acc + bias[n] : acc;
+      }
+#endif
+}
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
@@ -292,7 +450,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 6; }
+int32_t llmserve_kernels_abi() { return 7; }
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.
@@ -392,6 +550,66 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
       int64_t b = nb;
       for (; b + 4 <= ne; b += 4) gemm_tile<1, 4>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
       for (; b < ne; ++b) gemm_tile<1, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
+    }
+  });
+}
+
+// Packs 4-bit codes (N, K) (one per byte, K a multiple of 32) with fp16 scales d and
+// offsets m (N, K / 32) into the records `q4_tile` reads: (N_pad / 16, K / 32, 320) bytes,
+// padding channels zero.
+void llmserve_pack_q4_weight(const uint8_t* codes, const uint16_t* d, const uint16_t* m,
+                             int64_t N, int64_t K, uint8_t* packed) {
+  const int64_t G = K / kGroup, Np = round_up(N, kBlockN);
+  std::memset(packed, 0, (Np / kBlockN) * G * kQ4Record);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t block = n / kBlockN, c = n % kBlockN;
+    for (int64_t g = 0; g < G; ++g) {
+      uint8_t* rec = packed + (block * G + g) * kQ4Record;
+      const uint8_t* u = codes + n * K + g * kGroup;
+      for (int j = 0; j < 4; ++j)
+        for (int i = 0; i < 4; ++i)
+          rec[j * 64 + c * 4 + i] = static_cast<uint8_t>((u[8 * j + i] & 0x0F) |
+                                                         (u[8 * j + 4 + i] & 0x0F) << 4);
+      std::memcpy(rec + 256 + 2 * c, d + n * G + g, 2);
+      std::memcpy(rec + 288 + 2 * c, m + n * G + g, 2);
+    }
+  }
+}
+
+// y (M, N) = Q4 weight . x (M, K) [+ bias], K a multiple of 32. `workspace` holds
+// 2 * M * K bytes (the rows' two int8 parts) plus 2 * M * K / 32 floats (per group s / 254
+// and the dequantized sum).
+void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
+                        const float* bias, int64_t N, float* y, uint8_t* workspace) {
+  const int64_t G = K / kGroup;
+  int8_t* a = reinterpret_cast<int8_t*>(workspace);
+  float* s254 = reinterpret_cast<float*>(workspace + 2 * M * K);
+  float* sums = s254 + M * G;
+  parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m)
+      quantize_row_groups(x + m * K, K, a + m * 2 * K, a + m * 2 * K + K, s254 + m * G,
+                          sums + m * G);
+  });
+  const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
+  constexpr int kRows = 4;
+  // rows in blocks whose int8 parts stay in L2 while a thread's weight records stream past
+  const int64_t row_block = std::max<int64_t>(kRows, (256 * 1024 / (2 * K)) / kRows * kRows);
+  parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
+    const int64_t full = M / kRows * kRows;
+    for (int64_t r0 = 0; r0 < full; r0 += row_block) {
+      const int64_t r1 = std::min(r0 + row_block, full);
+      int64_t b = nb;
+      for (; b + 2 <= ne; b += 2)
+        for (int64_t m = r0; m < r1; m += kRows)
+          q4_tile<kRows, 2>(a, s254, sums, m, K, w, b, N, bias, y);
+      for (; b < ne; ++b)
+        for (int64_t m = r0; m < r1; m += kRows)
+          q4_tile<kRows, 1>(a, s254, sums, m, K, w, b, N, bias, y);
+    }
+    for (int64_t m = full; m < M; ++m) {
+      int64_t b = nb;
+      for (; b + 4 <= ne; b += 4) q4_tile<1, 4>(a, s254, sums, m, K, w, b, N, bias, y);
+      for (; b < ne; ++b) q4_tile<1, 1>(a, s254, sums, m, K, w, b, N, bias, y);
     }
   });
 }

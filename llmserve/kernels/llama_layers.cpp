@@ -1,4 +1,4 @@
-// The Llama decoder stack on int8 weights in one native call: per layer RMSNorm, fused qkv,
+// The Llama decoder stack on int8 or int4 weights in one native call: per layer RMSNorm, fused qkv,
 // rotary, KV-cache write, paged attention, o, residual, RMSNorm, gate/up, SiLU*up, down,
 // residual. It calls the very kernels the per-op path calls, in the same order, so both
 // give the same bits; it only removes the Python and dispatch between them (~0.3 ms per
@@ -16,6 +16,8 @@ void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* ou
 void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
                           const int32_t* wsum, const float* wscale, const float* bias,
                           int64_t N, float* y, uint8_t* workspace);
+void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
+                        const float* bias, int64_t N, float* y, uint8_t* workspace);
 void llmserve_kv_cache_write(const float* k, const float* v, int64_t kv_stride, int64_t T,
                              int64_t Hkv, int64_t D, const int64_t* slot_mapping, void* k_cache,
                              void* v_cache, float* k_scales, float* v_scales, int32_t dtype);
@@ -29,17 +31,20 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
 
 namespace {
 
-struct Int8Weight {
-  const int8_t* packed;  // (N_pad, K_pad)
-  const int32_t* row_sums;
-  const float* scale;
-  int64_t out_features, in_features;
+enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1 };
+
+struct PackedWeight {
+  int32_t format;
+  const void* packed;        // int8: (N_pad, K_pad) VNNI blocks; int4: group records
+  const int32_t* row_sums;   // int8 only
+  const float* scale;        // int8 only
+  int64_t out_features, in_features;  // int4: in_features a multiple of 32
 };
 
 struct LlamaLayer {
   const float* input_norm;
   const float* post_attention_norm;
-  Int8Weight qkv, o, gate_up, down;
+  PackedWeight qkv, o, gate_up, down;
   void* key_cache;
   void* value_cache;
   float* key_scales;
@@ -65,9 +70,14 @@ struct AttentionStep {
   int32_t kv_dtype;
 };
 
-void linear(const float* x, int64_t M, const Int8Weight& w, float* y, uint8_t* workspace) {
-  llmserve_int8_linear(x, M, w.in_features, w.packed, w.row_sums, w.scale, nullptr,
+void linear(const float* x, int64_t M, const PackedWeight& w, float* y, uint8_t* workspace) {
+  if (w.format == kInt4) {
+    llmserve_q4_linear(x, M, w.in_features, static_cast<const uint8_t*>(w.packed), nullptr,
                        w.out_features, y, workspace);
+  } else {
+    llmserve_int8_linear(x, M, w.in_features, static_cast<const int8_t*>(w.packed), w.row_sums,
+                         w.scale, nullptr, w.out_features, y, workspace);
+  }
 }
 
 void add_(float* x, const float* y, int64_t n) {
@@ -80,8 +90,8 @@ extern "C" {
 
 // x (T, hidden): the residual stream, updated in place through `num_layers` layers.
 // scratch: T * (2 * hidden + (H + 2 * Hkv) * D + H * D + 3 * intermediate) floats;
-// qscratch: T * 2 * K_pad_max + 4 * T bytes.
-void llmserve_llama_layers_int8(float* x, int64_t T, const LlamaShape* shape,
+// qscratch: T * 2 * K_pad_max + 4 * T bytes (enough for either format).
+void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
                                 const LlamaLayer* layers, int64_t num_layers,
                                 const AttentionStep* step, float* scratch, uint8_t* qscratch) {
   const LlamaShape& s = *shape;

@@ -24,6 +24,9 @@ from llmserve.loader.weights import LoadedWeights, drop_tied_head, require_path
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16})
+# 4-bit types whose blocks are (or refine to) groups of 32 with a scale and an offset: the
+# int4 kernels run them as stored (Q4_1, Q4_K exactly up to fp16 group scales)
+FOUR_BIT_TYPES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
 
 # llama.cpp's convert script permutes Q/K rows (interleaved -> half-split rotary) for these.
 ROTARY_PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -83,8 +86,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWei
             weight = _unpermute_qk(name, weight, config)
         tensors[hf_name(name)] = weight.to(dtype)
     drop_tied_head(config, tensors)
-    quantized = any(t.tensor_type not in FLOAT_TYPES for t in by_name.values())
-    return LoadedWeights(config=config, tensors=tensors, metadata=metadata, quantized=quantized)
+    return LoadedWeights(config=config, tensors=tensors, metadata=metadata,
+                         quantization=stored_quantization(by_name.values()))
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
@@ -96,10 +99,22 @@ def read_gguf_config(path: str | Path) -> ModelConfig:
     return _build_config(metadata, _architecture(metadata), by_name, rope_freqs)
 
 
-def gguf_is_quantized(path: str | Path) -> bool:
-    """Whether a GGUF file stores quantized weights (reads only its header)."""
-    reader = open_gguf(require_path(path, is_dir=False))
-    return any(t.tensor_type not in FLOAT_TYPES for t in reader.tensors)
+def stored_quantization(tensors) -> str | None:
+    """The kernels that keep a file's quantization: "int4" when every layer's linear
+    weight is a 4-bit type, "int8" for other quantized files (Q5, Q6, Q8 and mixes such
+    as Q4_K_M, whose Q6_K parts would lose bits at 4), None for float files."""
+    tensors = list(tensors)
+    if all(t.tensor_type in FLOAT_TYPES for t in tensors):
+        return None
+    linears = [t for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    if linears and all(t.tensor_type in FOUR_BIT_TYPES for t in linears):
+        return "int4"
+    return "int8"
+
+
+def gguf_stored_quantization(path: str | Path) -> str | None:
+    """`stored_quantization` of a GGUF file (reads only its header)."""
+    return stored_quantization(open_gguf(require_path(path, is_dir=False)).tensors)
 
 
 def hf_name(gguf_name: str) -> str:

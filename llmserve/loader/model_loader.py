@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
+from llmserve.kernels import cpu_flags, native
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
@@ -27,6 +28,17 @@ class LoadedModel:
     quantization: str | None = None  # what the linear layers actually run ("int8"; None: float)
 
 
+def auto_quantization(stored: str | None, device: torch.device) -> str | None:
+    """What "auto" runs for a checkpoint stored as `stored`: its own format on the CPU
+    (int4 only where the native kernel runs it: AVX-512 VNNI; int8 elsewhere), float on
+    other devices."""
+    if stored is None or device.type != "cpu":
+        return None
+    if stored == "int4" and not (native() is not None and "avx512_vnni" in cpu_flags()):
+        return "int8"
+    return stored
+
+
 def load_model(
     spec: str | None,
     dtype: torch.dtype = torch.float32,
@@ -35,9 +47,10 @@ def load_model(
 ) -> LoadedModel:
     """Resolve `spec`, read weights and tokenizer, and return the model in eval mode.
 
-    `quantization` (e.g. "int8") repacks the linear layers after loading; None is exact;
-    "auto" means int8 for a quantized checkpoint on the CPU (as llama.cpp keeps a GGUF's
-    quantization), exact float otherwise.
+    `quantization` ("int8", "int4") repacks the linear layers after loading; None is exact;
+    "auto" keeps a quantized checkpoint quantized on the CPU, as llama.cpp does: int4 for
+    4-bit GGUF files, int8 for other quantized ones (`auto_quantization`); exact float
+    otherwise.
     """
     start = time.perf_counter()
     source = resolve_model(spec)
@@ -53,8 +66,7 @@ def load_model(
     model.load_weights(weights.tensors)
     weights.tensors.clear()  # the model holds the only copy now: lower peak memory
     if quantization == "auto":
-        on_cpu = torch.device(device).type == "cpu"
-        quantization = "int8" if weights.quantized and on_cpu else None
+        quantization = auto_quantization(weights.quantization, torch.device(device))
     quantize_model(model, quantization)
     if hasattr(model, "enable_native_layers"):
         model.enable_native_layers()

@@ -26,7 +26,9 @@ class LoadedWeights:
     config: ModelConfig
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, Any] = field(default_factory=dict)
-    quantized: bool = False  # the file stores quantized weights (e.g. GGUF Q4_1)
+    # the kernels that keep the file's quantization ("int4" for GGUF Q4_*, "int8" for other
+    # quantized files), None for float weights
+    quantization: str | None = None
 
 
 def require_path(path: str | Path, *, is_dir: bool) -> Path:

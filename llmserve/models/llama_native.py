@@ -1,10 +1,12 @@
-"""The Llama decoder stack on int8 weights as one native call (`kernels/llama_layers.cpp`).
+"""The Llama decoder stack on int8 or int4 weights as one native call
+(`kernels/llama_layers.cpp`).
 
-Used by `LlamaForCausalLM.forward` when every layer runs the int8 method without biases or
-q/k norms, on the CPU with the native attention backend and an fp32 residual stream. The
-kernels and their order are the per-op path's, so both paths give identical bits; this one
-only skips the Python between kernels. The ctypes structures mirror the C++ ones field by
-field and are built once per model (weights) and once per step (attention metadata).
+Used by `LlamaForCausalLM.forward` when every layer runs the int8 or int4 method (native
+layout) without biases or q/k norms, on the CPU with the native attention backend and an
+fp32 residual stream. The kernels and their order are the per-op path's, so both paths give
+identical bits; this one only skips the Python between kernels. The ctypes structures
+mirror the C++ ones field by field and are built once per model (weights) and once per
+step (attention metadata).
 """
 
 import ctypes
@@ -19,15 +21,18 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-class _Int8Weight(ctypes.Structure):
-    _fields_ = [("packed", _P), ("row_sums", _P), ("scale", _P),
+_INT8, _INT4 = 0, 1  # the C++ `WeightFormat`
+
+
+class _PackedWeight(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int32), ("packed", _P), ("row_sums", _P), ("scale", _P),
                 ("out_features", _I64), ("in_features", _I64)]
 
 
 class _LlamaLayer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_attention_norm", _P),
-                ("qkv", _Int8Weight), ("o", _Int8Weight), ("gate_up", _Int8Weight),
-                ("down", _Int8Weight), ("key_cache", _P), ("value_cache", _P),
+                ("qkv", _PackedWeight), ("o", _PackedWeight), ("gate_up", _PackedWeight),
+                ("down", _PackedWeight), ("key_cache", _P), ("value_cache", _P),
                 ("key_scales", _P), ("value_scales", _P)]
 
 
@@ -54,16 +59,23 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
             layer.mlp.down_proj)
 
 
-def _int8_weight(linear: nn.Module) -> _Int8Weight | None:
+def _packed_weight(linear: nn.Module) -> _PackedWeight | None:
+    from llmserve.quantization.int4 import Int4LinearMethod
     from llmserve.quantization.int8 import Int8LinearMethod
 
-    if not isinstance(linear.method, Int8LinearMethod) or linear.bias is not None:
+    if linear.bias is not None:
         return None
-    w = linear.method.weight
-    if w.layout != "vnni":  # the stack calls the native GEMM, which reads packed weights
-        return None
-    return _Int8Weight(ptr(w.packed), ptr(w.row_sums), ptr(w.scale), w.out_features,
-                       w.in_features)
+    method = linear.method
+    # the stack calls the native GEMMs, which read packed weights
+    if isinstance(method, Int8LinearMethod) and method.weight.layout == "vnni":
+        w = method.weight
+        return _PackedWeight(_INT8, ptr(w.packed), ptr(w.row_sums), ptr(w.scale),
+                             w.out_features, w.in_features)
+    if (isinstance(method, Int4LinearMethod) and method.weight.layout == "vnni"
+            and method.weight.k_pad == method.weight.in_features):
+        w = method.weight
+        return _PackedWeight(_INT4, ptr(w.packed), None, None, w.out_features, w.in_features)
+    return None
 
 
 class NativeLlamaLayers:
@@ -78,8 +90,8 @@ class NativeLlamaLayers:
                                  cfg.rms_norm_eps, cfg.head_dim**-0.5)
         self.weights = []
         for layer in model.model.layers:
-            self.weights.append([_int8_weight(m) for m in _linears(layer)])
-        self.k_pad = max(m.method.weight.packed.shape[1] for layer in model.model.layers
+            self.weights.append([_packed_weight(m) for m in _linears(layer)])
+        self.k_pad = max(m.method.weight.k_pad for layer in model.model.layers
                          for m in _linears(layer))
         self._cache_key: tuple | None = None
         self._layers = None
@@ -93,7 +105,7 @@ class NativeLlamaLayers:
         if next(model.parameters()).device.type != "cpu":
             return None
         for layer in model.model.layers:
-            if any(_int8_weight(m) is None for m in _linears(layer)):
+            if any(_packed_weight(m) is None for m in _linears(layer)):
                 return None
         return cls(model, lib)
 
@@ -133,7 +145,7 @@ class NativeLlamaLayers:
         scratch = torch.empty(t * width)
         qscratch = torch.empty(t * 2 * self.k_pad + 4 * t, dtype=torch.uint8)
         layers = self._layer_array(kv_cache)
-        self.lib.llmserve_llama_layers_int8(
+        self.lib.llmserve_llama_layers(
             ptr(x), t, _address(self.shape), _address(layers), len(layers), _address(step),
             ptr(scratch), ptr(qscratch))
         return x

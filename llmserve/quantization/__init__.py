@@ -7,10 +7,12 @@ how a `Linear` stores its weight and computes its product, without the model cha
 from torch import nn
 
 from llmserve.models.layers import Linear, LinearMethod
+from llmserve.quantization.int4 import Int4LinearMethod
 from llmserve.quantization.int8 import Int8Head, Int8LinearMethod
 
 QUANTIZATION_METHODS: dict[str, type[LinearMethod]] = {
     "int8": Int8LinearMethod,
+    "int4": Int4LinearMethod,
 }
 
 
@@ -26,7 +28,9 @@ def linear_method(name: str | None) -> LinearMethod:
         ) from None
 
 
-QUANTIZED_HEADS: dict[str, type[nn.Module]] = {"int8": Int8Head}
+# the LM head (and a tied embedding) stays int8 under int4: its logits feed sampling
+# directly, and GGUF files keep it at 8 bits or more (Q8_0, Q6_K)
+QUANTIZED_HEADS: dict[str, type[nn.Module]] = {"int8": Int8Head, "int4": Int8Head}
 
 
 def quantize_model(model: nn.Module, name: str | None) -> None:

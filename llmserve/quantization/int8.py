@@ -57,6 +57,11 @@ class PackedInt8Weight:
         self.packed = torch.empty(n_pad, k_pad, dtype=torch.int8)
         lib.llmserve_pack_int8_weight(ptr(qweight.contiguous()), n, k, ptr(self.packed))
 
+    @property
+    def k_pad(self) -> int:
+        """Columns a packed row holds (K padded for the kernel)."""
+        return self.packed.shape[1]
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.packed, "row_sums": self.row_sums, "weight_scale": self.scale}
 

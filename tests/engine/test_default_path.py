@@ -26,8 +26,19 @@ def chat_prompts(default_llm):
     return prompts + [chat_ids(default_llm, f"Tell me about {t}.") for t in TOPICS]
 
 
+@pytest.fixture(scope="module")
+def int8_llm(smollm2_gguf) -> LLM:
+    return LLM(str(smollm2_gguf), quantization="int8", kv_cache_memory="64MiB")
+
+
 def test_default_keeps_the_checkpoint_quantized(default_llm, smollm2_llm, smollm2_gguf):
-    assert default_llm.engine.loaded.quantization == "int8"  # a Q4_1 GGUF
+    from llmserve.loader.gguf import gguf_stored_quantization
+    from llmserve.loader.model_loader import auto_quantization
+
+    assert gguf_stored_quantization(smollm2_gguf) == "int4"  # a Q4_1 GGUF
+    # int4 where the native kernel runs it (AVX-512 VNNI), int8 elsewhere
+    expected = auto_quantization("int4", torch.device("cpu"))
+    assert default_llm.engine.loaded.quantization == expected
     assert smollm2_llm.engine.loaded.quantization is None  # dtype="float32": exact
     plain = EngineConfig(model=str(smollm2_gguf), quantization="none")
     assert plain.weight_quantization is None
@@ -104,10 +115,12 @@ def test_int8_kv_cache_follows_the_float_cache(default_llm, chat_prompts):
     assert alone == ours[:6]  # batch invariant too
 
 
-def test_native_decoder_stack_equals_the_per_op_path(default_llm, chat_prompts):
+@pytest.mark.parametrize("which", ["default", "int8"])
+def test_native_decoder_stack_equals_the_per_op_path(which, request, chat_prompts):
     """The one-call native stack and the per-op path give the same bits (logits)."""
     from tests.models.test_llama_reference import full_logits
 
+    default_llm = request.getfixturevalue("default_llm" if which == "default" else "int8_llm")
     model = default_llm.engine.loaded.model
     assert model.native_layers is not None
     ids = chat_prompts[0]["prompt_token_ids"]
@@ -127,10 +140,11 @@ def test_native_decoder_stack_equals_the_per_op_path(default_llm, chat_prompts):
 def test_memory_arithmetic_matches_what_is_allocated(default_llm):
     """`llmserve memory` and the start-up log agree with the tensors the engine holds."""
     from llmserve.engine.engine import model_bytes
-    from llmserve.memory import int8_weight_bytes, kv_bytes_per_token
+    from llmserve.memory import kv_bytes_per_token, quantized_weight_bytes
 
     engine = default_llm.engine
-    assert int8_weight_bytes(engine.loaded.config) == model_bytes(engine.loaded.model)
+    method = engine.loaded.quantization
+    assert quantized_weight_bytes(engine.loaded.config, method) == model_bytes(engine.loaded.model)
     kv = engine.runner.kv_cache
     tensors = [*kv.key, *kv.value, *(kv.key_scales or []), *(kv.value_scales or [])]
     allocated = sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,152 @@
+"""int4: 4-bit weights per group of 32, two-part int8 activations, products in int32.
+
+A weight group of 32 values is `d * u + m` with codes u in [0, 15] and an fp16 scale d and
+offset m: a GGUF Q4_1 block exactly. Re-quantizing a Q4_1 checkpoint's dequantized weights
+gives back its own blocks (min and max of a block are its m and 15 * d + m), so the default
+path computes on the checkpoint's weights as stored, in 5 bits per weight. Other float
+weights get the nearest such blocks (asymmetric min/max, as llama.cpp's Q4_1 quantizer).
+
+Activations are two int8 parts per group of 32 with one fp32 scale, x ~ (hi + lo / 254) * s
+(about 15 bits; one 8-bit part, as llama.cpp's Q8 activations, moved the greedy output of
+the repo's chat prompts off the float path on 2x as many prompts: 50 % agreed on 16 tokens,
+85 % with two parts):
+
+    y[t, o] = sum over groups g of (d[o, g] * s[t, g] / 254) * (254 u[o, g] . hi + u . lo)
+                                   + m[o, g] * sum of x's dequantized group
+
+Kernels:
+* on a CPU with AVX-512 VNNI, the native kernel (`cpu_kernels.cpp`): quantize, VNNI dot
+  products of nibbles and int8 parts, float epilogue per group, in one call; integer sums are
+  exact and each row's float sum runs over its groups in order, so a request's outputs do
+  not depend on the batch;
+* elsewhere, the same quantities in torch ops: activations quantized alike, weights
+  dequantized for the call and one float matmul (equal up to float summation order).
+"""
+
+import torch
+
+from llmserve.kernels import cpu_flags, native, ptr
+from llmserve.models.layers import Linear, LinearMethod
+
+GROUP = 32
+_N_ALIGN = 16  # the kernel's block of output channels
+_RECORD = 320  # packed bytes per block of 16 channels and group: codes, d, m
+
+
+def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float, K a multiple of 32 -> codes uint8 (N, K) in [0, 15], d and m fp16
+    (N, K / 32): weight ~ d * codes + m group by group."""
+    n, k = weight.shape
+    groups = weight.float().reshape(n, k // GROUP, GROUP)
+    lo = groups.amin(dim=-1)
+    hi = groups.amax(dim=-1)
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    step = d.float()
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = ((groups - m.float()[..., None]) / safe[..., None]).round_().clamp_(0, 15)
+    codes = torch.where(step[..., None] > 0, codes, torch.zeros_like(codes))
+    return codes.to(torch.uint8).reshape(n, k), d, m
+
+
+def dequantize_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    n, k = codes.shape
+    groups = codes.reshape(n, k // GROUP, GROUP).float()
+    return (groups * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """(M, K) float -> the values the kernel multiplies: per group of 32,
+    (hi + lo / 254) * s with int8 hi, lo and s = amax / 127."""
+    mm, k = x.shape
+    groups = x.reshape(mm, k // GROUP, GROUP)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    t = groups * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    hi = t.round()
+    lo = ((t - hi) * 254.0).round_().clamp_(-127, 127)
+    return ((hi + lo / 254.0) * (amax / 127.0)).reshape(mm, k)
+
+
+class PackedInt4Weight:
+    """A float weight `(N, K)` as 4-bit groups; K is padded to a multiple of 32 with zeros.
+
+    `layout` "vnni": records for the native kernel (see `cpu_kernels.cpp`); "plain": codes
+    (N, K_pad) uint8 with d, m (N, K_pad / 32) fp16, for the torch fallback.
+    """
+
+    def __init__(self, weight: torch.Tensor, layout: str | None = None) -> None:
+        n, k = weight.shape
+        self.out_features, self.in_features = n, k
+        self.k_pad = -(-k // GROUP) * GROUP
+        padded = torch.nn.functional.pad(weight.float(), (0, self.k_pad - k))
+        codes, self.d, self.m = quantize_groups(padded)
+        lib = native() if weight.device.type == "cpu" else None
+        fast = lib is not None and "avx512_vnni" in cpu_flags()
+        self.layout = layout or ("vnni" if fast else "plain")
+        if self.layout == "plain":
+            self.codes = codes
+            self.packed = None
+            return
+        n_pad = -(-n // _N_ALIGN) * _N_ALIGN
+        self.packed = torch.empty(n_pad // _N_ALIGN, self.k_pad // GROUP, _RECORD,
+                                  dtype=torch.uint8)
+        lib.llmserve_pack_q4_weight(ptr(codes), ptr(self.d.view(torch.int16)),
+                                    ptr(self.m.view(torch.int16)), n, self.k_pad,
+                                    ptr(self.packed))
+        self.codes = None
+        self.d = self.m = None  # they live inside the packed records
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        if self.layout == "vnni":
+            return {"qweight": self.packed}
+        return {"qweight": self.codes, "group_scale": self.d, "group_offset": self.m}
+
+
+def packed_int4_bytes(out_features: int, in_features: int) -> int:
+    """Bytes one packed weight holds: 320 bytes per 16 channels (padded) and group of 32."""
+    n_pad = -(-out_features // _N_ALIGN) * _N_ALIGN
+    k_pad = -(-in_features // GROUP) * GROUP
+    return n_pad // _N_ALIGN * (k_pad // GROUP) * _RECORD
+
+
+def int4_linear(x: torch.Tensor, w: PackedInt4Weight, bias: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """x (..., K) float -> (..., N) in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    if rows.shape[1] != w.k_pad:
+        rows = torch.nn.functional.pad(rows, (0, w.k_pad - rows.shape[1]))
+    if w.layout == "vnni":
+        y = _int4_linear_native(native(), rows.contiguous(), w, bias)
+    else:
+        y = _int4_linear_torch(rows, w, bias)
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def _int4_linear_native(lib, x: torch.Tensor, w: PackedInt4Weight, bias) -> torch.Tensor:
+    m, k = x.shape
+    y = torch.empty(m, w.out_features)
+    workspace = torch.empty(2 * m * k + 8 * m * (k // GROUP), dtype=torch.uint8)
+    lib.llmserve_q4_linear(ptr(x), m, k, ptr(w.packed), ptr(bias), w.out_features, ptr(y),
+                           ptr(workspace))
+    return y
+
+
+def _int4_linear_torch(x: torch.Tensor, w: PackedInt4Weight, bias) -> torch.Tensor:
+    """The same quantities in torch ops (any device), on a plain-layout weight."""
+    y = quantize_activations(x) @ dequantize_groups(w.codes, w.d, w.m).t()
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+class Int4LinearMethod(LinearMethod):
+    """Loads float weights, then keeps only the packed 4-bit groups."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.weight = PackedInt4Weight(layer.weight.data)
+        for name, tensor in self.weight.tensors().items():
+            layer.register_buffer(name, tensor)
+        layer.weight = None  # the float copy is no longer needed
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x, self.weight, layer.bias)

@@ -90,7 +90,7 @@ extern "C" {
 
 // x (T, hidden): the residual stream, updated in place through `num_layers` layers.
 // scratch: T * (2 * hidden + (H + 2 * Hkv) * D + H * D + 3 * intermediate) floats;
-// qscratch: T * 2 * K_pad_max + 4 * T bytes (enough for either format).
+// qscratch: T * (2 * K_pad_max + K_pad_max / 4 + 4) bytes (either format's workspace).
 void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
                                 const LlamaLayer* layers, int64_t num_layers,
                                 const AttentionStep* step, float* scratch, uint8_t* qscratch) {

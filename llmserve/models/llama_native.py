@@ -143,7 +143,9 @@ class NativeLlamaLayers:
         width = (2 * s.hidden + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
                  + s.num_heads * s.head_dim + 3 * s.intermediate)
         scratch = torch.empty(t * width)
-        qscratch = torch.empty(t * 2 * self.k_pad + 4 * t, dtype=torch.uint8)
+        # the int8 GEMM's workspace (2 Kp bytes + a float per row) or the int4 one's
+        # (2 K bytes + 2 floats per group of 32, per row), whichever a layer needs
+        qscratch = torch.empty(t * (2 * self.k_pad + self.k_pad // 4 + 4), dtype=torch.uint8)
         layers = self._layer_array(kv_cache)
         self.lib.llmserve_llama_layers(
             ptr(x), t, _address(self.shape), _address(layers), len(layers), _address(step),

@@ -111,7 +111,8 @@ class EngineConfig:
     # int8 kernels), exact float weights otherwise; "none": always float; "int8": W8A8
     # linear layers; "int4": 4-bit weight groups of 32, two-part int8 activations
     quantization: str | None = None
-    # auto: int8 on the quantized weight paths (CPU, native kernels), else the compute dtype
+    # auto (CPU, native kernels): int8 on the int8 weight path, bfloat16 on the int4 path;
+    # else the compute dtype
     kv_cache_dtype: str = "auto"
     num_threads: int | None = None  # compute threads (torch's intra-op pool); None: all cores
     block_size: int = 16

@@ -310,7 +310,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "float weights; int8: W8A8 linear layers; int4: 4-bit weight "
                             "groups of 32, two-part int8 activations")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
-                       help="KV-cache entries: auto (int8 on the quantized weight paths, else the "
+                       help="KV-cache entries: auto (int8 on the int8 weight path, bfloat16 on "
+                            "the int4 path, else the "
                             "compute dtype), float32, bfloat16, int8 (per-token scales)")
     group.add_argument("--threads", dest="num_threads", type=int,
                        help="compute threads (default: all cores)")

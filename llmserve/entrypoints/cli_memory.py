@@ -10,7 +10,12 @@ import json
 import torch
 
 from llmserve.config import DTYPES, ModelConfig
-from llmserve.engine.engine import free_memory_bytes, resolve_device, resolve_dtype
+from llmserve.engine.engine import (
+    free_memory_bytes,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from llmserve.entrypoints.cli import format_bytes
 from llmserve.errors import ModelFormatError
 from llmserve.loader.catalog import ModelSource, resolve_model
@@ -47,7 +52,8 @@ def memory_report(
     weight_dtype = resolve_dtype(dtype, torch_device)
     source = resolve_model(model)
     method = _weight_method(source, dtype, quantization, torch_device)
-    kv_torch_dtype = _kv_dtype(kv_dtype, torch.int8 if method else weight_dtype)
+    auto_kv = resolve_kv_cache_dtype("auto", weight_dtype, method, torch_device)
+    kv_torch_dtype = _kv_dtype(kv_dtype, auto_kv)
     cfg = read_model_config(source)
     seq_len = seq_len or cfg.max_position_embeddings
     budget = (int(kv_cache_memory * free_memory_bytes(torch_device))

@@ -97,15 +97,17 @@ def report_agreement(label: str, ours: list[list[int]], reference: list[list[int
 def test_default_path_follows_the_exact_path(default_llm, smollm2_llm, chat_prompts):
     exact = token_ids(smollm2_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
     fast = token_ids(default_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
-    # measured: 70 % (14 of 20), mean agreeing prefix 12.4
-    assert report_agreement("default vs float32", fast, exact) >= 0.6
+    # measured (int4 weights, bfloat16 KV): 85 % (17 of 20), mean agreeing prefix 14.5;
+    # with an int8 KV cache 55 %, so the int4 path's cache is bfloat16
+    assert default_llm.engine.runner.kv_cache.dtype in (torch.bfloat16, torch.int8)
+    assert report_agreement("default vs float32", fast, exact) >= 0.7
 
 
-def test_int8_kv_cache_follows_the_float_cache(default_llm, chat_prompts):
-    int8_kv = default_llm  # the default path's KV cache is int8
+def test_int8_kv_cache_follows_the_float_cache(int8_llm, chat_prompts):
+    int8_kv = int8_llm  # the int8 weight path's KV cache is int8
     assert int8_kv.engine.runner.kv_cache.dtype == torch.int8
     config = EngineConfig(kv_cache_memory="64MiB", kv_cache_dtype="float32")
-    float_llm = LLM.from_engine(Engine(config, loaded=default_llm.engine.loaded))
+    float_llm = LLM.from_engine(Engine(config, loaded=int8_llm.engine.loaded))
     float_kv = token_ids(float_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
     ours = token_ids(int8_kv.generate(chat_prompts, GREEDY_16, use_tqdm=False))
     # measured: 75 % (15 of 20), mean agreeing prefix 13.9
@@ -137,14 +139,21 @@ def test_native_decoder_stack_equals_the_per_op_path(which, request, chat_prompt
                                           use_tqdm=False)) == per_op_tokens
 
 
-def test_memory_arithmetic_matches_what_is_allocated(default_llm):
+def test_memory_arithmetic_matches_what_is_allocated(default_llm, smollm2_gguf):
     """`llmserve memory` and the start-up log agree with the tensors the engine holds."""
     from llmserve.engine.engine import model_bytes
+    from llmserve.entrypoints.cli import format_bytes
+    from llmserve.entrypoints.cli_memory import memory_report
     from llmserve.memory import kv_bytes_per_token, quantized_weight_bytes
 
     engine = default_llm.engine
     method = engine.loaded.quantization
-    assert quantized_weight_bytes(engine.loaded.config, method) == model_bytes(engine.loaded.model)
+    weights = model_bytes(engine.loaded.model)
+    assert quantized_weight_bytes(engine.loaded.config, method) == weights
+    per_token = kv_bytes_per_token(engine.loaded.config, engine.kv_cache_dtype)
+    report = memory_report(str(smollm2_gguf), 1, 256, "auto", None, "64MiB", 16)
+    assert f"as {method}" in report and f"= {format_bytes(weights)}" in report
+    assert f"= {per_token:,} bytes" in report
     kv = engine.runner.kv_cache
     tensors = [*kv.key, *kv.value, *(kv.key_scales or []), *(kv.value_scales or [])]
     allocated = sum(t.numel() * t.element_size() for t in tensors)

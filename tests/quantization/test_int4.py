@@ -1,0 +1,100 @@
+"""The int4 path: a Q4_1 checkpoint's own weights, close to float, batch invariant (exactly)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmserve.kernels import cpu_flags, native
+from llmserve.loader.gguf import gguf_stored_quantization, load_gguf
+from llmserve.loader.model_loader import auto_quantization
+from llmserve.quantization.int4 import (
+    PackedInt4Weight,
+    dequantize_groups,
+    int4_linear,
+    packed_int4_bytes,
+    quantize_groups,
+)
+
+needs_vnni = pytest.mark.skipif(
+    "avx512_vnni" not in cpu_flags(), reason="the native int4 kernel needs AVX-512 VNNI")
+
+
+def test_int4_linear_is_close_to_the_dequantized_weight():
+    """Only the weights are 4-bit: the product follows the dequantized weight to ~15 bits."""
+    torch.manual_seed(0)
+    weight = torch.randn(300, 250) * 0.05  # K not a multiple of 32: zero-padded groups
+    x = torch.randn(16, 250)
+    x[:, 3] *= 40  # an outlier channel, as in real residual streams
+    packed = PackedInt4Weight(weight)
+    codes, d, m = quantize_groups(F.pad(weight, (0, packed.k_pad - 250)))
+    dequantized = dequantize_groups(codes, d, m)[:, :250]
+    ref = F.linear(x, dequantized)
+    assert (int4_linear(x, packed) - ref).abs().max() <= 1e-3 * ref.abs().max()
+    # and the 4-bit groups themselves stay within half a step of the float weight
+    step = d.float().repeat_interleave(32, dim=1)[:, :250]
+    assert ((dequantized - weight).abs() <= step / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+def test_int4_kernels_agree(rows):
+    """The native VNNI kernel and the torch ops compute the same quantities (up to float
+    summation order), with and without bias, on a partial block of 16 channels."""
+    assert native() is not None, "the native kernels must build on the CPU test machines"
+    torch.manual_seed(rows)
+    weight = torch.randn(90, 192) * 0.1
+    fast, plain = PackedInt4Weight(weight), PackedInt4Weight(weight, layout="plain")
+    assert fast.layout == ("vnni" if "avx512_vnni" in cpu_flags() else "plain")
+    bias = torch.randn(90)
+    x = torch.randn(rows, 192)
+    x[:, 7] *= 30
+    ours, theirs = int4_linear(x, fast, bias), int4_linear(x, plain, bias)
+    assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+
+
+@needs_vnni
+def test_int4_rows_do_not_depend_on_the_batch():
+    torch.manual_seed(1)
+    weight = PackedInt4Weight(torch.randn(100, 256))
+    x = torch.randn(23, 256)  # tiles of 4 rows and a remainder of 3
+    together = int4_linear(x, weight)
+    for i in range(23):
+        assert torch.equal(int4_linear(x[i : i + 1], weight)[0], together[i])
+    assert torch.equal(int4_linear(x[5:13], weight), together[5:13])
+
+
+def test_q4_1_blocks_round_trip_exactly():
+    """Re-quantizing dequantized Q4_1 blocks gives back their codes, scales and offsets."""
+    torch.manual_seed(2)
+    codes = torch.randint(0, 16, (64, 128), dtype=torch.uint8)
+    groups = codes.view(64, 4, 32)
+    groups[:, :, 0], groups[:, :, 1] = 0, 15  # a Q4_1 block spans its min and max
+    d = (torch.rand(64, 4) * 0.01 + 1e-3).half()
+    m = (-torch.rand(64, 4) * 0.1).half()
+    again = quantize_groups(dequantize_groups(codes, d, m))
+    assert all(torch.equal(a, b) for a, b in zip(again, (codes, d, m), strict=True))
+
+
+def test_the_default_checkpoint_runs_on_its_own_weights(smollm2_gguf):
+    """Every linear weight of the default Q4_1 model is kept exactly as the file stores it."""
+    assert gguf_stored_quantization(smollm2_gguf) == "int4"
+    tensors = load_gguf(smollm2_gguf).tensors
+    linears = [t for name, t in tensors.items() if "layers" in name and t.dim() == 2]
+    assert len(linears) == 30 * 7
+    for weight in linears[:21]:  # three layers' worth: the check is exact, one suffices
+        assert torch.equal(dequantize_groups(*quantize_groups(weight)), weight)
+
+
+def test_auto_picks_int4_only_where_the_kernel_runs():
+    cpu = torch.device("cpu")
+    fast = native() is not None and "avx512_vnni" in cpu_flags()
+    assert auto_quantization("int4", cpu) == ("int4" if fast else "int8")
+    assert auto_quantization("int8", cpu) == "int8"
+    assert auto_quantization(None, cpu) is None
+    assert auto_quantization("int4", torch.device("cuda")) is None
+
+
+@needs_vnni
+def test_packed_bytes_are_five_bits_per_weight():
+    weight = PackedInt4Weight(torch.randn(100, 70))  # 112 x 96 after padding
+    assert weight.packed.numel() == packed_int4_bytes(100, 70) == 7 * 3 * 320
+    assert packed_int4_bytes(1024, 1024) * 8 / (1024 * 1024) == 5.0

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from llmserve.bench.machine import format_machine, machine_info, path_info
-from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from llmserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from llmserve.errors import LLMServeError
 from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
@@ -61,17 +61,19 @@ def full_logits(llm: LLM, token_ids: Sequence[int]) -> torch.Tensor:
             f"a window of {n} tokens needs {num_blocks} KV blocks and the cache has "
             f"{pool.num_free_blocks} free: give a larger kv_cache_memory or a smaller window")
     blocks = pool.get_new_blocks(num_blocks)
+    request_id = "bench-quality"
+    new = NewRequestData(request_id, list(token_ids), SamplingParams(max_tokens=1),
+                         [b.block_id for b in blocks])
     step = SchedulerOutput(scheduled=[ScheduledRequest(
-        request_id="bench-quality", token_ids=list(token_ids), start_position=0,
-        block_ids=[b.block_id for b in blocks], sample=False,
-        sampling_params=SamplingParams(max_tokens=1), output_token_ids=[],
-        prompt_token_ids=list(token_ids))])
+        request_id, list(token_ids), start_position=0, new_block_ids=[], sample=False,
+        new=new)])
     captured: list[torch.Tensor] = []
     hook = runner.model.register_forward_hook(lambda _m, _args, out: captured.append(out))
     try:
         runner.execute(step)
     finally:
         hook.remove()
+        runner.execute(SchedulerOutput(finished_request_ids={request_id}))  # drop its row
         pool.free_blocks(blocks)
     with torch.inference_mode():
         return runner.model.compute_logits(captured[0]).float().cpu()
@@ -223,15 +225,18 @@ def run_quality(model: str | None, candidates: list[dict[str, Any]],
 def format_table(text: QualityText, results: list[QualityResult], window: int,
                  stride: int, source: str) -> str:
     ref_ppl = results[0].reference_perplexity if results else float("nan")
+    # columns as wide as their longest entry (a label with several engine args is long)
+    label_width = max([len("candidate"), *(len(r.label) for r in results)]) + 2
+    runs_width = max([len("runs as"), *(len(_runs_as(r.path)) for r in results)]) + 2
     lines = [format_machine(),
              f"text: {source}, {text.num_scored} tokens scored in {len(text.windows)} "
              f"windows of {window} (stride {stride})",
              f"reference: dtype float32, perplexity {ref_ppl:.4f}",
-             f"{'candidate':<30}{'runs as':<26}{'perplexity':>11}{'change':>9}{'mean KL':>10}"
-             f"{'top-1':>9}"]
+             f"{'candidate':<{label_width}}{'runs as':<{runs_width}}{'perplexity':>11}"
+             f"{'change':>9}{'mean KL':>10}{'top-1':>9}"]
     for r in results:
-        lines.append(f"{r.label:<30}{_runs_as(r.path):<26}{r.perplexity:>11.4f}"
-                     f"{r.perplexity_change_pct:>+8.2f}%{r.mean_kl:>10.2e}"
+        lines.append(f"{r.label:<{label_width}}{_runs_as(r.path):<{runs_width}}"
+                     f"{r.perplexity:>11.4f}{r.perplexity_change_pct:>+8.2f}%{r.mean_kl:>10.2e}"
                      f"{r.top1_agreement:>9.2%}")
     lines.append("(KL: mean KL(reference || candidate) in nats per token; top-1: share of "
                  "tokens whose most likely next token is the reference's)")

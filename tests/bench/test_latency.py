@@ -30,6 +30,7 @@ flags\t\t: fpu sse2 avx2 fma avx512f avx512_vnni avx512_bf16 amx_tile amx_int8
     (None, torch.float32, "fp32"), (None, torch.bfloat16, "bf16"),
     (None, torch.float16, "fp16"), ("none", torch.float32, "fp32"),
     ("int8", torch.float32, "int8"), ("int8", torch.bfloat16, "int8"),
+    ("int4", torch.float32, "int8"),
     ("some-future-method", torch.float32, None), ("auto", torch.float32, None),
 ])
 def test_peak_kind(quantization, dtype, kind):

@@ -313,6 +313,51 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
 #endif
 }
 
+// ---- the float32 GEMM ----------------------------------------------------------------------
+// The exact path's linears. Weights packed per block of 16 output channels as (K, 16) floats
+// (one zmm per k); a row's 16 outputs accumulate with one fused multiply-add per k, in k
+// order, whatever the tile, so a row's result does not depend on the other rows (torch's
+// GEMM picks its blocking by M, which can move the last bits with the batch).
+template <int MT, int NB>
+inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int64_t nb0,
+                     int64_t N, const float* bias, float* y) {
+#if defined(__AVX512F__)
+  __m512 acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(w + ((nb0 + b) * K + k) * kBlockN);
+    for (int m = 0; m < MT; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[(m0 + m) * K + k]);
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_fmadd_ps(xv, wv[b], acc[m][b]);
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n0 = (nb0 + b) * kBlockN;
+    if (n0 >= N) break;
+    const __mmask16 mask =
+        N - n0 >= kBlockN ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      __m512 v = bias ? _mm512_add_ps(acc[m][b], bv) : acc[m][b];
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, v);
+    }
+  }
+#else
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NB; ++b)
+      for (int64_t c = 0; c < kBlockN; ++c) {
+        const int64_t n = (nb0 + b) * kBlockN + c;
+        if (n >= N) break;
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; ++k)
+          acc = std::fma(x[(m0 + m) * K + k], w[((nb0 + b) * K + k) * kBlockN + c], acc);
+        y[(m0 + m) * N + n] = bias ? acc + bias[n] : acc;
+      }
+#endif
+}
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
@@ -450,7 +495,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 7; }
+int32_t llmserve_kernels_abi() { return 8; }
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.
@@ -610,6 +655,41 @@ void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
       int64_t b = nb;
       for (; b + 4 <= ne; b += 4) q4_tile<1, 4>(a, s254, sums, m, K, w, b, N, bias, y);
       for (; b < ne; ++b) q4_tile<1, 1>(a, s254, sums, m, K, w, b, N, bias, y);
+    }
+  });
+}
+
+// Packs a float weight (N, K) into blocks of 16 channels, (N_pad / 16, K, 16), padding
+// channels zero.
+void llmserve_pack_f32_weight(const float* w, int64_t N, int64_t K, float* packed) {
+  const int64_t Np = round_up(N, kBlockN);
+  std::memset(packed, 0, Np * K * sizeof(float));
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k)
+      packed[((n / kBlockN) * K + k) * kBlockN + n % kBlockN] = w[n * K + k];
+}
+
+// y (M, N) = x (M, K) . W^T [+ bias] in float32 on a packed weight.
+void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
+                         const float* bias, int64_t N, float* y) {
+  const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
+  constexpr int kRows = 4;
+  // rows in blocks that stay in L2 while a thread's weight blocks stream past
+  const int64_t row_block = std::max<int64_t>(kRows, (256 * 1024 / (4 * K)) / kRows * kRows);
+  parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
+    const int64_t full = M / kRows * kRows;
+    for (int64_t r0 = 0; r0 < full; r0 += row_block) {
+      const int64_t r1 = std::min(r0 + row_block, full);
+      int64_t b = nb;
+      for (; b + 4 <= ne; b += 4)
+        for (int64_t m = r0; m < r1; m += kRows) f32_tile<kRows, 4>(x, m, K, w, b, N, bias, y);
+      for (; b < ne; ++b)
+        for (int64_t m = r0; m < r1; m += kRows) f32_tile<kRows, 1>(x, m, K, w, b, N, bias, y);
+    }
+    for (int64_t m = full; m < M; ++m) {
+      int64_t b = nb;
+      for (; b + 4 <= ne; b += 4) f32_tile<1, 4>(x, m, K, w, b, N, bias, y);
+      for (; b < ne; ++b) f32_tile<1, 1>(x, m, K, w, b, N, bias, y);
     }
   });
 }

@@ -1,4 +1,4 @@
-// The Llama decoder stack on int8 or int4 weights in one native call: per layer RMSNorm, fused qkv,
+// The Llama decoder stack on int8, int4 or packed float32 weights in one native call: per layer RMSNorm, fused qkv,
 // rotary, KV-cache write, paged attention, o, residual, RMSNorm, gate/up, SiLU*up, down,
 // residual. It calls the very kernels the per-op path calls, in the same order, so both
 // give the same bits; it only removes the Python and dispatch between them (~0.3 ms per
@@ -18,6 +18,8 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
                           int64_t N, float* y, uint8_t* workspace);
 void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
                         const float* bias, int64_t N, float* y, uint8_t* workspace);
+void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
+                         const float* bias, int64_t N, float* y);
 void llmserve_kv_cache_write(const float* k, const float* v, int64_t kv_stride, int64_t T,
                              int64_t Hkv, int64_t D, const int64_t* slot_mapping, void* k_cache,
                              void* v_cache, float* k_scales, float* v_scales, int32_t dtype);
@@ -31,11 +33,12 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
 
 namespace {
 
-enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1 };
+enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2 };
 
 struct PackedWeight {
   int32_t format;
-  const void* packed;        // int8: (N_pad, K_pad) VNNI blocks; int4: group records
+  const void* packed;  // int8: (N_pad, K_pad) VNNI blocks; int4: group records; float32:
+                       // (N_pad / 16, K, 16)
   const int32_t* row_sums;   // int8 only
   const float* scale;        // int8 only
   int64_t out_features, in_features;  // int4: in_features a multiple of 32
@@ -71,7 +74,10 @@ struct AttentionStep {
 };
 
 void linear(const float* x, int64_t M, const PackedWeight& w, float* y, uint8_t* workspace) {
-  if (w.format == kInt4) {
+  if (w.format == kFloat32) {
+    llmserve_f32_linear(x, M, w.in_features, static_cast<const float*>(w.packed), nullptr,
+                        w.out_features, y);
+  } else if (w.format == kInt4) {
     llmserve_q4_linear(x, M, w.in_features, static_cast<const uint8_t*>(w.packed), nullptr,
                        w.out_features, y, workspace);
   } else {

@@ -12,6 +12,8 @@ from llmserve.kernels import cpu_flags, native
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
+from llmserve.models.compile import compile_model
+from llmserve.models.packed_float import can_pack, pack_float_model
 from llmserve.models.registry import model_class
 from llmserve.quantization import quantize_model
 from llmserve.tokenizer import Tokenizer
@@ -44,6 +46,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     quantization: str | None = None,
+    enforce_eager: bool = False,
 ) -> LoadedModel:
     """Resolve `spec`, read weights and tokenizer, and return the model in eval mode.
 
@@ -51,6 +54,7 @@ def load_model(
     "auto" keeps a quantized checkpoint quantized on the CPU, as llama.cpp does: int4 for
     4-bit GGUF files, int8 for other quantized ones (`auto_quantization`); exact float
     otherwise.
+    Float weights get a compiled step unless `enforce_eager` (`models/compile.py`).
     """
     start = time.perf_counter()
     source = resolve_model(spec)
@@ -68,9 +72,12 @@ def load_model(
     if quantization == "auto":
         quantization = auto_quantization(weights.quantization, torch.device(device))
     quantize_model(model, quantization)
+    if quantization is None and can_pack(model, dtype):
+        pack_float_model(model)  # the exact path on the native float32 GEMM
     if hasattr(model, "enable_native_layers"):
         model.enable_native_layers()
     model.eval()
+    compile_model(model, device, quantization, enforce_eager)
     logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
                 quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return LoadedModel(model, tokenizer, weights.config, source, quantization)

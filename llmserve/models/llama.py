@@ -123,8 +123,9 @@ class LlamaForCausalLM(nn.Module):
         self.native_layers: NativeLlamaLayers | None = None  # see enable_native_layers
 
     def enable_native_layers(self) -> None:
-        """Run the decoder stack as one native call when the weights allow it (int8 on the
-        CPU, no biases or q/k norms); same bits as the per-op path, less Python."""
+        """Run the decoder stack as one native call when the weights allow it (int8, int4 or
+        packed float32 on the CPU, no biases or q/k norms); same bits as the per-op path,
+        less Python."""
         self.native_layers = NativeLlamaLayers.build(self)
 
     def forward(

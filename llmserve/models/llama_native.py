@@ -1,12 +1,12 @@
-"""The Llama decoder stack on int8 or int4 weights as one native call
+"""The Llama decoder stack on int8, int4 or packed float32 weights as one native call
 (`kernels/llama_layers.cpp`).
 
-Used by `LlamaForCausalLM.forward` when every layer runs the int8 or int4 method (native
-layout) without biases or q/k norms, on the CPU with the native attention backend and an
-fp32 residual stream. The kernels and their order are the per-op path's, so both paths give
-identical bits; this one only skips the Python between kernels. The ctypes structures
-mirror the C++ ones field by field and are built once per model (weights) and once per
-step (attention metadata).
+Used by `LlamaForCausalLM.forward` when every layer runs the int8, int4 (native layout) or
+packed float32 method without biases or q/k norms, on the CPU with the native attention
+backend and an fp32 residual stream. The kernels and their order are the per-op path's, so
+both paths give identical bits; this one only skips the Python between kernels. The ctypes
+structures mirror the C++ ones field by field and are built once per model (weights) and
+once per step (attention metadata).
 """
 
 import ctypes
@@ -21,7 +21,7 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-_INT8, _INT4 = 0, 1  # the C++ `WeightFormat`
+_INT8, _INT4, _FLOAT32 = 0, 1, 2  # the C++ `WeightFormat`
 
 
 class _PackedWeight(ctypes.Structure):
@@ -60,6 +60,7 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def _packed_weight(linear: nn.Module) -> _PackedWeight | None:
+    from llmserve.models.packed_float import PackedFloatLinearMethod
     from llmserve.quantization.int4 import Int4LinearMethod
     from llmserve.quantization.int8 import Int8LinearMethod
 
@@ -75,6 +76,10 @@ def _packed_weight(linear: nn.Module) -> _PackedWeight | None:
             and method.weight.k_pad == method.weight.in_features):
         w = method.weight
         return _PackedWeight(_INT4, ptr(w.packed), None, None, w.out_features, w.in_features)
+    if isinstance(method, PackedFloatLinearMethod):
+        w = method.weight
+        return _PackedWeight(_FLOAT32, ptr(w.packed), None, None, w.out_features,
+                             w.in_features)
     return None
 
 

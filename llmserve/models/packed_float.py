@@ -1,0 +1,118 @@
+"""float32 weights packed for the native GEMM: the exact path's linears on the CPU.
+
+No quantization: the weights are the float32 values, laid out per block of 16 output
+channels as (K, 16) so the kernel (`cpu_kernels.cpp`, `llmserve_f32_linear`) runs one fused
+multiply-add per k for 16 outputs, on the kernels' own thread pool. Against torch's GEMM
+(oneDNN/MKL under OpenMP) this
+
+* skips OpenMP's wake-up per call (the exact path's linears ran at a fraction of the
+  machine's speed under `OMP_WAIT_POLICY=PASSIVE`);
+* makes each row's result independent of the batch (every row sums its products in k
+  order, whatever tile it falls in);
+* lets the Llama stack run as one native call on the exact path too (`llama_native.py`).
+
+The sums run in another order than torch's, so logits differ from the reference in the
+last bits only (the reference tests bound them at 1e-3 and require equal greedy tokens).
+A tied embedding reads its rows from the packed head: one copy of the table.
+"""
+
+import torch
+from torch import nn
+
+from llmserve.kernels import native, ptr
+from llmserve.models.layers import Linear, LinearMethod
+
+_N_ALIGN = 16
+
+
+class PackedFloatWeight:
+    """A float32 weight `(N, K)` as `(N_pad / 16, K, 16)`, padding channels zero."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        self.out_features, self.in_features = n, k
+        self.k_pad = k
+        n_pad = -(-n // _N_ALIGN) * _N_ALIGN
+        self.packed = torch.empty(n_pad // _N_ALIGN, k, _N_ALIGN)
+        native().llmserve_pack_f32_weight(ptr(weight.float().contiguous()), n, k,
+                                          ptr(self.packed))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (T,) of the unpacked weight, `(T, K)` (embedding lookups)."""
+        return self.packed[ids // _N_ALIGN, :, ids % _N_ALIGN]
+
+
+def packed_float_bytes(out_features: int, in_features: int) -> int:
+    return -(-out_features // _N_ALIGN) * _N_ALIGN * in_features * 4
+
+
+def float_linear(x: torch.Tensor, w: PackedFloatWeight, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N) float32."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty(rows.shape[0], w.out_features)
+    native().llmserve_f32_linear(ptr(rows), rows.shape[0], w.in_features, ptr(w.packed),
+                                 ptr(bias), w.out_features, ptr(y))
+    return y.reshape(*x.shape[:-1], w.out_features)
+
+
+class PackedFloatLinearMethod(LinearMethod):
+    """The float method with the weight repacked for the native GEMM after loading."""
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.weight = PackedFloatWeight(layer.weight.data)
+        layer.register_buffer("packed_weight", self.weight.packed)
+        layer.weight = None  # the packed copy holds the same values
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or torch.compiler.is_compiling():
+            raise RuntimeError("packed float32 weights take float32 inputs, eagerly")
+        return float_linear(x, self.weight, layer.bias)
+
+
+class PackedFloatHead(nn.Module):
+    """The LM head (or the tied embedding) packed for the native GEMM."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = PackedFloatWeight(weight)
+        self.register_buffer("packed_weight", self.weight.packed)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return float_linear(hidden.float(), self.weight)
+
+    def as_embedding(self) -> "PackedFloatEmbedding":
+        return PackedFloatEmbedding(self.weight)
+
+
+class PackedFloatEmbedding(nn.Module):
+    """Token embedding read from the packed head's table (the same float32 values)."""
+
+    def __init__(self, weight: PackedFloatWeight) -> None:
+        super().__init__()
+        self.table = weight
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(token_ids)
+
+
+def can_pack(model: nn.Module, dtype: torch.dtype) -> bool:
+    """float32 CPU weights and the native kernels (with AVX-512, which the kernel is
+    written for; elsewhere torch's GEMM is the faster one)."""
+    from llmserve.kernels import cpu_flags
+
+    if dtype != torch.float32 or native() is None or "avx512f" not in cpu_flags():
+        return False
+    return next(model.parameters()).device.type == "cpu"
+
+
+def pack_float_model(model: nn.Module) -> None:
+    """Repack every float `Linear` of a loaded float32 model (and its LM head, which a tied
+    embedding then reads) for the native GEMM."""
+    for module in model.modules():
+        if isinstance(module, Linear) and type(module.method) is LinearMethod:
+            module.method = PackedFloatLinearMethod()
+            module.method.process_weights_after_loading(module)
+    if getattr(model, "lm_head", False) is None:
+        model.lm_head = PackedFloatHead(model.model.embed_tokens.weight.data)
+        model.model.embed_tokens = model.lm_head.as_embedding()

@@ -8,6 +8,9 @@ leaves). When a running request cannot get a block, the lowest-priority running 
 to the front of the waiting queue to be recomputed later. Nothing is ever dropped.
 
 The scheduler touches no tensors: `SchedulerOutput` is its only contract with the runner.
+The runner keeps one row per request it holds, so a request's data goes to it once
+(`NewRequestData`, again after a preemption); later steps carry only its tokens, start
+position and new block ids, and finished or preempted ids tell it which rows to drop.
 """
 
 import time
@@ -37,26 +40,42 @@ class SchedulerConfig:
 
 
 @dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute `token_ids` at positions from `start_position`."""
+class NewRequestData:
+    """What the runner keeps of a request, sent the first step it is scheduled (and again
+    the first step after a preemption, which drops the runner's row)."""
 
     request_id: str
-    token_ids: list[int]
-    start_position: int  # == num_computed_tokens before this step
-    block_ids: list[int]
-    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    prompt_token_ids: list[int]  # read-only view; never changes
     sampling_params: SamplingParams
-    output_token_ids: list[int]  # read-only view for penalties; do not mutate
-    # read-only views for the logits processors and prompt logprobs; do not mutate
-    prompt_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int]  # the whole block table at this step
+    output_token_ids: list[int] = field(default_factory=list)  # a copy; resumed or forked
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute `token_ids` at positions from `start_position`.
+
+    A request the runner already holds brings only the block ids appended to its table
+    since it was last scheduled (a held table only grows); one it does not hold brings
+    `new`, and its tokens past `new.output_token_ids` are the outputs the runner learns.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int  # == num_computed_tokens before this step
+    new_block_ids: list[int]
+    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
+    new: NewRequestData | None = None
+
+
+@dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    finished_request_ids: set[str] = field(default_factory=set)  # runner may drop their state
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
+    finished_request_ids: set[str] = field(default_factory=set)  # runner drops their state
+    # rows the runner drops (a resumed request is sent as new); its seeded generator stays
+    preempted_request_ids: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), first
     num_preempted: int = 0
 
@@ -74,6 +93,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: set[str] = set()
         self._blocks_to_copy: list[tuple[int, int]] = []
+        self._preempted_ids: set[str] = set()
+        # requests the runner holds a row for -> how many of their block ids it has
+        self._num_blocks_sent: dict[str, int] = {}
         self.num_preemptions = 0
 
     # ---- admission and removal -------------------------------------------------------
@@ -158,6 +180,7 @@ class Scheduler:
             budget -= self._schedule_running(request, budget, out)
         if out.num_preempted == 0:
             self._schedule_waiting(budget, out)
+        out.preempted_request_ids, self._preempted_ids = self._preempted_ids, set()
         return out
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
@@ -204,20 +227,34 @@ class Scheduler:
             budget -= num_new
 
     def _emit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """Schedule tokens [num_computed, num_computed + num_new): the request's data if the
+        runner holds no row for it, else only the block ids it has not seen."""
         start = request.num_computed_tokens
         end = start + num_new
-        out.scheduled.append(
-            ScheduledRequest(
-                request_id=request.request_id,
-                token_ids=request.all_token_ids[start:end],
-                start_position=start,
-                block_ids=self.kv.block_ids(request.request_id),
-                sample=end == request.num_tokens,
-                sampling_params=request.sampling_params,
-                output_token_ids=request.output_token_ids,
+        request_id = request.request_id
+        blocks = self.kv.req_blocks.get(request_id, [])
+        num_sent = self._num_blocks_sent.get(request_id)
+        new = None
+        if num_sent is None:
+            new = NewRequestData(
+                request_id=request_id,
                 prompt_token_ids=request.prompt_token_ids,
+                sampling_params=request.sampling_params,
+                block_ids=[b.block_id for b in blocks],
+                output_token_ids=list(request.output_token_ids),
                 eos_token_ids=request.eos_token_ids,
                 bad_words_token_ids=request.bad_words_token_ids,
+            )
+            num_sent = len(blocks)
+        self._num_blocks_sent[request_id] = len(blocks)
+        out.scheduled.append(
+            ScheduledRequest(
+                request_id=request_id,
+                token_ids=request.all_token_ids[start:end],
+                start_position=start,
+                new_block_ids=[b.block_id for b in blocks[num_sent:]],
+                sample=end == request.num_tokens,
+                new=new,
             )
         )
         request.num_computed_tokens = end
@@ -246,7 +283,10 @@ class Scheduler:
     # ---- helpers -----------------------------------------------------------------------
 
     def _unschedule(self, request: Request, out: SchedulerOutput) -> int:
-        """Take back the request's share of this step, if any; returns its number of tokens."""
+        """Take back the request's share of this step, if any; returns its number of tokens.
+
+        Always followed by `_preempt`, which tells the runner to drop the request's row.
+        """
         for i, s in enumerate(out.scheduled):
             if s.request_id == request.request_id:
                 del out.scheduled[i]
@@ -257,6 +297,8 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._num_blocks_sent.pop(request.request_id, None)
+        self._preempted_ids.add(request.request_id)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -269,6 +311,7 @@ class Scheduler:
         request.status = status
         request.timings.finished = time.time()
         self.kv.free(request)
+        self._num_blocks_sent.pop(request.request_id, None)
         self._finished_ids.add(request.request_id)
 
     def _priority_key(self, request: Request) -> tuple:

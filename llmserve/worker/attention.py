@@ -20,6 +20,7 @@ head_dim]` in the cache dtype; an int8 cache adds one fp32 scale per (slot, kv h
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -145,6 +146,35 @@ class AttentionMetadata:
             query_start=starts,
             context_lens=list(context_lens),
             block_tables=torch.tensor(rows, dtype=torch.int32, device=device),
+            block_size=block_size,
+            backend=backend,
+        )
+
+    @classmethod
+    def from_block_table(
+        cls, block_table: np.ndarray, rows: np.ndarray, query_lens: np.ndarray,
+        context_lens: np.ndarray, positions: np.ndarray, block_size: int,
+        device: torch.device | str = "cpu", backend: "AttentionBackend | None" = None,
+    ) -> "AttentionMetadata":
+        """What `build` gives, from rows of a persistent block table, in a few vectorised
+        ops (no Python per token or per block).
+
+        block_table: (R, W) int32, zero past each row's blocks; rows: (B,) each sequence's
+        row; query_lens, context_lens: (B,) int64; positions: (T,) int64, the position of
+        every query token (sequence b's query i at context_lens[b] + i).
+        """
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start[1:])
+        width = int(((context_lens + query_lens + block_size - 1) // block_size).max())
+        tables = block_table[rows, :width]  # (B, width), a copy
+        seq_of_token = np.repeat(np.arange(len(rows)), query_lens)  # (T,)
+        blocks = tables[seq_of_token, positions // block_size].astype(np.int64)  # (T,)
+        slots = blocks * block_size + positions % block_size
+        return cls(
+            slot_mapping=torch.from_numpy(slots).to(device),
+            query_start=query_start.tolist(),
+            context_lens=context_lens.tolist(),
+            block_tables=torch.from_numpy(tables).to(device),
             block_size=block_size,
             backend=backend,
         )

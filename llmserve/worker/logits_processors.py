@@ -41,14 +41,21 @@ class History:
 
 @dataclass
 class Penalties:
-    """Rows with a penalty, their token histories (padded with -1) and penalty values."""
+    """Rows with a penalty, the tokens they have seen, and their penalty values.
+
+    Seen tokens come either as token lists padded with -1 (counted when applied), or as
+    counts the runner's persistent batch keeps up to date token by token; the result is
+    the same either way. Prompt tokens are given only when a row has a repetition penalty.
+    """
 
     rows: torch.Tensor  # (P,) row indices into the batch
-    prompt_tokens: torch.Tensor | None  # (P, Lp) long, -1 = pad; None if no repetition penalty
-    output_tokens: torch.Tensor  # (P, Lo) long, -1 = pad
     repetition: torch.Tensor  # (P,) 1 = off
     frequency: torch.Tensor  # (P,) 0 = off
     presence: torch.Tensor  # (P,) 0 = off
+    output_tokens: torch.Tensor | None = None  # (P, Lo) long, -1 = pad
+    prompt_tokens: torch.Tensor | None = None  # (P, Lp) long, -1 = pad
+    output_counts: torch.Tensor | None = None  # (P, V) float, instead of output_tokens
+    prompt_seen: torch.Tensor | None = None  # (P, V) bool, instead of prompt_tokens
 
 
 @dataclass
@@ -66,13 +73,18 @@ class LogitsProcessing:
         params: Sequence[SamplingParams],
         histories: Sequence[RowHistory],
         device: torch.device | str = "cpu",
+        penalties: Penalties | None = None,
     ) -> "LogitsProcessing | None":
-        """Index tensors for the rows that use a processor; None when no row does."""
+        """Index tensors for the rows that use a processor; None when no row does.
+
+        `penalties`: the penalised rows' state where the caller keeps it (the runner's
+        persistent batch); else it is built from `histories`.
+        """
         processing = cls(
             bias=_bias(params, device),
             allowed=_allowed(params, device),
             banned=_banned(params, histories, device),
-            penalties=_penalties(params, histories, device),
+            penalties=penalties or _penalties(params, histories, device),
         )
         if processing.bias is None and processing.allowed is None and (
             processing.banned is None and processing.penalties is None
@@ -114,9 +126,14 @@ def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
     (count > 0)` with counts over the output only.
     """
     vocab = logits.shape[-1]
-    output_counts = token_counts(p.output_tokens, vocab)  # (P, V)
-    if p.prompt_tokens is not None:
-        seen = (token_counts(p.prompt_tokens, vocab) + output_counts) > 0
+    output_counts = p.output_counts  # (P, V)
+    if output_counts is None:
+        output_counts = token_counts(p.output_tokens, vocab)
+    prompt_seen = p.prompt_seen  # (P, V)
+    if prompt_seen is None and p.prompt_tokens is not None:
+        prompt_seen = token_counts(p.prompt_tokens, vocab) > 0
+    if prompt_seen is not None:
+        seen = prompt_seen | (output_counts > 0)
         rep = p.repetition[:, None]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
@@ -178,23 +195,23 @@ def _banned(params: Sequence[SamplingParams], histories: Sequence[RowHistory], d
 def _penalties(
     params: Sequence[SamplingParams], histories: Sequence[RowHistory], device
 ) -> Penalties | None:
-    rows = [i for i, p in enumerate(params) if _has_penalty(p)]
+    rows = [i for i, p in enumerate(params) if has_penalty(p)]
     if not rows:
         return None
     use = [params[i] for i in rows]
     repetition = any(p.repetition_penalty != 1 for p in use)
     return Penalties(
         rows=_long(rows, device),
-        prompt_tokens=_padded([histories[i].prompt_token_ids for i in rows], device)
-        if repetition else None,
-        output_tokens=_padded([histories[i].output_token_ids for i in rows], device),
         repetition=_float([p.repetition_penalty for p in use], device),
         frequency=_float([p.frequency_penalty for p in use], device),
         presence=_float([p.presence_penalty for p in use], device),
+        output_tokens=_padded([histories[i].output_token_ids for i in rows], device),
+        prompt_tokens=_padded([histories[i].prompt_token_ids for i in rows], device)
+        if repetition else None,
     )
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1 or p.frequency_penalty != 0 or p.presence_penalty != 0
 
 

@@ -6,6 +6,7 @@ sampled token for every scheduled request whose chunk ends its known tokens.
 
 import itertools
 import random
+import weakref
 
 import pytest
 
@@ -56,6 +57,33 @@ def make_request(
     )
 
 
+class RunnerMirror:
+    """What a runner holds after each step: a block table per request, rebuilt only from
+    the deltas the scheduler sends (whole tables for new requests, new ids after)."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[int]] = {}
+
+    def apply(self, out: SchedulerOutput) -> None:
+        for request_id in out.preempted_request_ids | out.finished_request_ids:
+            self.tables.pop(request_id, None)
+        for s in out.scheduled:
+            if s.new is None:
+                assert s.request_id in self.tables, f"{s.request_id} sent as held, not held"
+            else:
+                assert s.request_id not in self.tables, f"{s.request_id} sent new twice"
+                assert s.new.request_id == s.request_id and s.new_block_ids == []
+                self.tables[s.request_id] = list(s.new.block_ids)
+            self.tables[s.request_id] += s.new_block_ids
+
+
+_mirrors: "weakref.WeakKeyDictionary[Scheduler, RunnerMirror]" = weakref.WeakKeyDictionary()
+
+
+def mirror(sched: Scheduler) -> RunnerMirror:
+    return _mirrors.setdefault(sched, RunnerMirror())
+
+
 def step(sched: Scheduler, finish: set[str] = frozenset()) -> SchedulerOutput:
     """One engine step; requests in `finish` sample EOS, the others TOKEN."""
     out = sched.schedule()
@@ -67,7 +95,9 @@ def step(sched: Scheduler, finish: set[str] = frozenset()) -> SchedulerOutput:
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
-    """What every step must satisfy, whatever the workload."""
+    """What every step must satisfy, whatever the workload (call it on every schedule())."""
+    tables = mirror(sched).tables
+    mirror(sched).apply(out)
     assert out.num_tokens <= sched.config.max_num_batched_tokens
     assert sched.num_running <= sched.config.max_num_seqs
     ids = [s.request_id for s in out.scheduled]
@@ -80,7 +110,13 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert s.token_ids == request.all_token_ids[s.start_position : end]
         assert end == request.num_computed_tokens
         assert s.sample == (end == request.num_tokens)
-        assert len(s.block_ids) * BLOCK_SIZE >= end, "block table does not cover the tokens"
+        assert tables[s.request_id] == sched.kv.block_ids(s.request_id), "deltas lost a block"
+        assert len(tables[s.request_id]) * BLOCK_SIZE >= end, "blocks do not cover the tokens"
+        if s.new is not None:  # all a new (or resumed) request's tokens so far
+            assert s.new.output_token_ids == request.output_token_ids
+            assert s.new.output_token_ids is not request.output_token_ids
+            assert s.new.prompt_token_ids == request.prompt_token_ids
+    assert set(tables) == {r.request_id for r in sched.running}, "runner rows != running"
 
 
 def run_until_done(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
@@ -180,13 +216,16 @@ def test_long_prompt_is_split_into_budget_sized_chunks():
     assert [c.start_position for c in chunks] == [0, 16, 32, 48]
     assert [c.sample for c in chunks] == [False, False, False, True]
     assert sum((c.token_ids for c in chunks), []) == request.prompt_token_ids
-    for earlier, later in itertools.pairwise(chunks):
-        assert later.block_ids[: len(earlier.block_ids)] == earlier.block_ids
-    assert len(chunks[-1].block_ids) == 13  # ceil(50 / 4)
+    # the data once, then only the blocks each chunk adds: ceil(50 / 4) = 13 in all
+    assert chunks[0].new is not None and [c.new for c in chunks[1:]] == [None] * 3
+    assert [len(chunks[0].new.block_ids)] + [len(c.new_block_ids) for c in chunks[1:]] == [
+        4, 4, 4, 1]
+    assert mirror(sched).tables["r"] == sched.kv.block_ids("r")
     assert request.output_token_ids == [TOKEN]
 
     decode = step(sched).scheduled[0]
     assert (decode.start_position, decode.token_ids, decode.sample) == (50, [TOKEN], True)
+    assert (decode.new, decode.new_block_ids) == (None, [])  # 51 tokens fit in 13 blocks
     assert request.status == RequestStatus.FINISHED_LENGTH
 
 
@@ -203,7 +242,9 @@ def test_eos_finishes_a_request_frees_its_blocks_and_is_reported_next_step():
     assert request.output_token_ids == [TOKEN, EOS]
     assert not sched.has_unfinished_requests()
     assert_all_blocks_free(sched)
-    assert sched.schedule().finished_request_ids == {"r"}
+    out = sched.schedule()
+    check_step(sched, out)
+    assert out.finished_request_ids == {"r"}
     assert sched.schedule().finished_request_ids == set()
 
 
@@ -291,8 +332,8 @@ def test_running_requests_share_cached_prefix_blocks():
     sched.add_request(make_request("a", prompt, max_tokens=10))
     step(sched)
     sched.add_request(make_request("b", prompt[:16] + [5, 5, 5], max_tokens=10))
-    out = step(sched)
-    table_a, table_b = (s.block_ids for s in out.scheduled)
+    step(sched)
+    table_a, table_b = sched.kv.block_ids("a"), sched.kv.block_ids("b")
     assert table_a[:4] == table_b[:4] and set(table_a[4:]).isdisjoint(table_b[4:])
     assert sched.requests["b"].num_cached_tokens == 16
     assert [sched.kv.pool.blocks[i].ref_cnt for i in table_b] == [2, 2, 2, 2, 1]
@@ -364,6 +405,7 @@ def test_fcfs_preempts_the_latest_request_and_recomputes_it_with_its_outputs():
     while outs[-1].num_preempted == 0:
         outs.append(step(sched))
     assert scheduled(outs[-1]) == {"first": 1}
+    assert outs[-1].preempted_request_ids == {"second"}  # the runner drops its row
     assert second.status == RequestStatus.PREEMPTED and second.num_preemptions == 1
     assert sched.waiting[0] is second and second.num_computed_tokens == 0
     assert sched.kv.block_ids("second") == []
@@ -375,6 +417,8 @@ def test_fcfs_preempts_the_latest_request_and_recomputes_it_with_its_outputs():
     assert resumed.start_position == 0
     assert resumed.token_ids == tokens_at_preemption  # prompt and outputs, from scratch
     assert resumed.sample
+    assert resumed.new is not None  # sent whole again, its outputs so far included
+    assert resumed.new.output_token_ids == tokens_at_preemption[8:] == [TOKEN] * 5
 
     run_until_done(sched)
     assert first.output_token_ids == [TOKEN] * 10
@@ -440,8 +484,10 @@ def test_a_decode_taken_back_by_preemption_leaves_no_unwritten_block_in_the_pref
     step(sched)  # mid's first chunk takes the last free blocks
 
     out = sched.schedule()
+    check_step(sched, out)
     # low's decode (filling its first block) is taken back; mid still lacks a block and goes too
     assert out.num_preempted == 2 and list(scheduled(out)) == ["high"]
+    assert out.preempted_request_ids == {"low", "mid"}
     assert low.status == RequestStatus.PREEMPTED and len(low.block_hashes) == 1
     assert low.block_hashes[0] not in sched.kv.pool.cached
     probe = make_request("probe", low.all_token_ids + [5])
@@ -451,6 +497,31 @@ def test_a_decode_taken_back_by_preemption_leaves_no_unwritten_block_in_the_pref
     run_until_done(sched)
     assert low.output_token_ids == [TOKEN] * 8
     assert_all_blocks_free(sched)
+
+def test_forked_children_are_sent_new_with_the_blocks_they_share():
+    sched = make_scheduler()
+    parent = make_request("parent", 6, max_tokens=10)
+    sched.add_request(parent)
+    out = sched.schedule()
+    check_step(sched, out)
+    sched.update(out, {})  # a beam's token goes to its children, not to itself
+    children = []
+    for name, token in (("c1", 7), ("c2", 8)):
+        child = make_request(name, parent.prompt_token_ids, max_tokens=10)
+        child.output_token_ids = parent.output_token_ids + [token]
+        child.all_token_ids = parent.all_token_ids + [token]
+        children.append((child, parent))
+    sched.fork([parent], children)
+    out = step(sched)
+    assert out.finished_request_ids == {"parent"}
+    c1, c2 = out.scheduled
+    assert (c1.token_ids, c2.token_ids) == ([7], [8])
+    assert c1.new.output_token_ids == [7] and c2.new.output_token_ids == [8]
+    # both write into the second block (tokens 4-7): c1 got a copy, c2 keeps the original
+    assert c1.new.block_ids[0] == c2.new.block_ids[0]
+    assert out.blocks_to_copy == [(c2.new.block_ids[1], c1.new.block_ids[1])]
+    step(sched)  # held now: deltas only (check_step)
+
 
 # ---- property test -----------------------------------------------------------------------
 
@@ -468,13 +539,15 @@ class FakeKVCache:
         self.full_blocks: dict[int, int | None] = {}
 
     def execute(self, sched: Scheduler, out: SchedulerOutput) -> None:
+        """Run a step whose block tables are those the runner rebuilt from the deltas."""
+        tables = mirror(sched).tables
         expected = [sched.requests[s.request_id] for s in out.scheduled]
         for s, request in zip(out.scheduled, expected, strict=True):
-            self._write(s, request)
+            self._write(s, request, tables[s.request_id])
         for s, request in zip(out.scheduled, expected, strict=True):
             prefixes = prefix_hashes(request)
             for pos in range(s.start_position + len(s.token_ids)):
-                assert self.slots.get(self._slot(s.block_ids, pos)) == prefixes[pos], (
+                assert self.slots.get(self._slot(tables[s.request_id], pos)) == prefixes[pos], (
                     f"{s.request_id} reads the wrong KV at position {pos}"
                 )
 
@@ -484,14 +557,14 @@ class FakeKVCache:
                 f"block {block.block_id} is cached but does not hold its tokens' KV"
             )
 
-    def _write(self, s: ScheduledRequest, request: Request) -> None:
+    def _write(self, s: ScheduledRequest, request: Request, block_ids: list[int]) -> None:
         end = s.start_position + len(s.token_ids)
         prefixes, chain = prefix_hashes(request), block_chain(request)
         for pos in range(s.start_position, end):
-            self.slots[self._slot(s.block_ids, pos)] = prefixes[pos]
+            self.slots[self._slot(block_ids, pos)] = prefixes[pos]
         for i in range(s.start_position // BLOCK_SIZE, -(-end // BLOCK_SIZE)):
             is_full = (i + 1) * BLOCK_SIZE <= end
-            self.full_blocks[s.block_ids[i]] = chain[i] if is_full else None
+            self.full_blocks[block_ids[i]] = chain[i] if is_full else None
 
     @staticmethod
     def _slot(block_ids: list[int], pos: int) -> int:

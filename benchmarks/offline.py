@@ -3,6 +3,7 @@
     python benchmarks/offline.py --engine transformers --gguf F --output-json t.json
     python benchmarks/offline.py --engine llmserve --gguf F --output-json l.json   # default path
     python benchmarks/offline.py --engine llmserve --gguf F --dtype float32 --output-json x.json
+    python benchmarks/offline.py --engine llmserve --gguf F --dtype float32 --enforce-eager
 
 32 chat prompts (the model's chat template, token ids identical for both engines), 64 output
 tokens each, greedy, EOS ignored, 2 threads. transformers runs them as one static batch
@@ -82,13 +83,15 @@ def run_transformers(gguf: Path, prompts: list[list[int]], output_len: int) -> f
 
 
 def run_llmserve(gguf: Path, prompts: list[list[int]], output_len: int, dtype: str,
-                 quantization: str | None) -> tuple[float, dict[str, Any]]:
+                 quantization: str | None,
+                 enforce_eager: bool = False) -> tuple[float, dict[str, Any]]:
     """Seconds for one continuous batch through `LLM.generate`, greedy; the path it ran."""
     from llmserve import LLM
     from llmserve.bench.machine import path_info
     from llmserve.sampling_params import SamplingParams
 
-    llm = LLM(str(gguf), dtype=dtype, quantization=quantization, num_threads=NUM_THREADS)
+    llm = LLM(str(gguf), dtype=dtype, quantization=quantization, num_threads=NUM_THREADS,
+              enforce_eager=enforce_eager)
     items = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(items[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
                  use_tqdm=False)
@@ -110,10 +113,14 @@ def main() -> int:
                         help="llmserve only: auto (default: the fast path), float32 (exact)")
     parser.add_argument("--quantization", choices=("auto", "none", "int8"),
                         help="llmserve only (default: the engine's choice for --dtype)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="llmserve only: no torch.compile of the model step")
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args()
-    if args.engine != "llmserve" and (args.quantization or args.dtype != "auto"):
-        parser.error("--dtype and --quantization apply to --engine llmserve only")
+    if args.engine != "llmserve" and (args.quantization or args.dtype != "auto"
+                                      or args.enforce_eager):
+        parser.error("--dtype, --quantization and --enforce-eager apply to --engine llmserve "
+                     "only")
     if args.engine == "llmserve":
         import llmserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
     import torch
@@ -127,15 +134,17 @@ def main() -> int:
                 "device": "cpu"}
     else:
         elapsed, path = run_llmserve(args.gguf, prompts, args.output_len, args.dtype,
-                                     args.quantization)
+                                     args.quantization, args.enforce_eager)
+        path["enforce_eager"] = args.enforce_eager
     output_tokens = args.output_len * len(prompts)
     result = {"engine": args.engine, **path, "num_prompts": len(prompts),
               "prompt_tokens": sum(len(p) for p in prompts), "output_len": args.output_len,
               "elapsed_s": elapsed, "output_tokens_per_s": output_tokens / elapsed,
               "requests_per_s": len(prompts) / elapsed, "num_threads": NUM_THREADS,
               "omp_wait_policy": wait_policy}
+    eager = ", eager" if path.get("enforce_eager") else ""
     print(f"{args.engine} (dtype {path['dtype']}, quantization {path['quantization'] or 'none'}"
-          f"): {len(prompts)} prompts x {args.output_len} tokens in {elapsed:.2f}s = "
+          f"{eager}): {len(prompts)} prompts x {args.output_len} tokens in {elapsed:.2f}s = "
           f"{result['output_tokens_per_s']:.1f} output tok/s")
     if args.output_json:
         args.output_json.write_text(json.dumps(result, indent=2) + "\n")

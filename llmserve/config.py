@@ -123,6 +123,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    # True: never torch.compile the model step (vLLM's flag); see models/compile.py
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):

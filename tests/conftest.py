@@ -7,6 +7,10 @@ import pytest
 
 import llmserve  # noqa: F401  (sets OpenMP's wait policy before any test imports torch)
 
+# Engines in tests run eagerly: a cold torch.compile of a model takes a minute on 2 cores.
+# The compiled step has its own tests (tests/models/test_compile.py), which lift this.
+os.environ.setdefault("LLMSERVE_ENFORCE_EAGER", "1")
+
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:

@@ -30,9 +30,10 @@ from llmserve.errors import LLMServeError
 from llmserve.kernels import set_num_threads
 from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.memory import parse_size, plan_kv_cache
+from llmserve.models.compile import warm_up
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.attention import KVCache, reads_only_written_slots
+from llmserve.worker.attention import KVCache, attention_backend, reads_only_written_slots
 from llmserve.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class Engine:
         if config.num_threads is not None:
             set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(
-            config.model, self.dtype, self.device, config.weight_quantization
+            config.model, self.dtype, self.device, config.weight_quantization,
+            config.enforce_eager,
         )
         self.tokenizer = self.loaded.tokenizer
         model_cfg = self.loaded.config
@@ -103,6 +105,7 @@ class Engine:
             self.kv_manager,
         )
         self.runner = ModelRunner(self.loaded.model, kv_cache, self.device)
+        warm_up(self.loaded.model, kv_cache, attention_backend(self.device))
         self.states: dict[str, RequestState] = {}  # single requests and siblings, not beams
         self.groups: dict[str, ParallelGroup | BeamSearchGroup] = {}  # by the caller's id
         self.beams = BeamSearchRunner(self.scheduler, self.tokenizer)

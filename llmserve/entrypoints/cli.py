@@ -28,7 +28,7 @@ SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"
 ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_threads",
                 "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
-                "scheduling_policy")
+                "scheduling_policy", "enforce_eager")
 GENERATE_DEFAULTS = {"max_tokens": 256}
 # As llama.cpp's interactive defaults; a reply ends at the end of the turn well before this.
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 2048}
@@ -324,6 +324,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", default=None)
     group.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    group.add_argument("--enforce-eager", action="store_true", default=None,
+                       help="never torch.compile the model step (float weights compile by "
+                            "default: a slower first start, cached after)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,7 @@
 """Shared layers of decoder models: linear (pluggable weight method), RMSNorm, rotary, embedding."""
 
 import math
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -10,6 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.kernels import native_for, ptr
+
+
+def _tracing() -> bool:
+    """Under `torch.compile` the native helpers (ctypes) give way to torch ops, which
+    inductor fuses into kernels of its own."""
+    return torch.compiler.is_compiling()
 
 
 class LinearMethod:
@@ -61,7 +66,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lib = native_for(x, self.weight) if x.dim() == 2 else None
+        lib = native_for(x, self.weight) if x.dim() == 2 and not _tracing() else None
         if lib is not None:  # one pass instead of seven ops
             out = torch.empty_like(x)
             lib.llmserve_rms_norm(ptr(x), x.shape[0], x.shape[1], ptr(self.weight), self.eps,
@@ -127,17 +132,26 @@ class RotaryPositions:
     sin_cache: torch.Tensor
     dtype: torch.dtype
 
-    @cached_property
+    _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+
+    @property
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each (T, 1, head_dim) in the compute dtype."""
+        """Each (T, 1, head_dim) in the compute dtype, looked up when first used (the
+        native in-place rotation never needs them). Not a `cached_property`: its lock would
+        break a `torch.compile` graph."""
+        if self._cos_sin is None:
+            self._lookup()
+        return self._cos_sin
+
+    def _lookup(self) -> None:
         cos = self.cos_cache[self.positions].unsqueeze(1).to(self.dtype)
         sin = self.sin_cache[self.positions].unsqueeze(1).to(self.dtype)
-        return cos, sin
+        self._cos_sin = (cos, sin)
 
     def rotate_qkv_(self, qkv: torch.Tensor, num_rotated_heads: int, head_dim: int) -> bool:
         """Rotate the first `num_rotated_heads` heads (q, then k) of fused qkv rows (T, C)
         in place with the native kernel; False (nothing done) where it cannot run."""
-        lib = native_for(qkv, self.cos_cache)
+        lib = None if _tracing() else native_for(qkv, self.cos_cache)
         if lib is None or qkv.dim() != 2 or self.positions.dtype != torch.long:
             return False
         lib.llmserve_rotary_inplace(
@@ -172,7 +186,7 @@ class Embedding(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
-    lib = native_for(gate_up) if gate_up.dim() == 2 else None
+    lib = native_for(gate_up) if gate_up.dim() == 2 and not _tracing() else None
     if lib is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -64,10 +64,10 @@ class LlamaAttention(nn.Module):
         # rotated in place when it can be (no q/k norm between projection and rotation)
         rotated = self.q_norm is None and rope.rotate_qkv_(
             qkv, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        # split after the view: a view of the contiguous qkv rows has strides that need no
+        # case on T == 1 (which would make torch.compile specialize the graph on it)
+        heads = qkv.view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:

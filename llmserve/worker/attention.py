@@ -19,6 +19,7 @@ head_dim]` in the cache dtype; an int8 cache adds one fp32 scale per (slot, kv h
 """
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -198,17 +199,44 @@ class TorchBackend(AttentionBackend):
     def forward(self, q, k, v, cache, meta, scale):
         if cache.key.dtype == torch.int8:
             raise ValueError("kv_cache_dtype int8 needs the native CPU kernels")
-        num_kv_heads, head_dim = cache.key.shape[2], cache.key.shape[3]
-        cache.key.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, meta.slot_mapping, k.to(cache.key.dtype))
-        cache.value.view(-1, num_kv_heads, head_dim).index_copy_(
-            0, meta.slot_mapping, v.to(cache.value.dtype))
-        out = torch.empty_like(q)
-        for b in range(meta.num_seqs):
-            rows = slice(meta.query_start[b], meta.query_start[b + 1])
-            out[rows] = _sdpa_from_cache(q[rows], k[rows], v[rows], cache, meta, b, scale,
-                                         _gather_torch)
-        return out
+        if torch.compiler.is_compiling():  # a per-sequence loop: one opaque op in the graph
+            return torch.ops.llmserve.sdpa_paged_attention(
+                q, k, v, meta.slot_mapping, cache.key, cache.value, meta.block_tables,
+                meta.query_start_t, meta.context_lens_t, meta.block_size, scale)
+        return _torch_attention(q, k, v, cache, meta, scale)
+
+
+def _torch_attention(q, k, v, cache, meta, scale) -> torch.Tensor:
+    num_kv_heads, head_dim = cache.key.shape[2], cache.key.shape[3]
+    cache.key.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, meta.slot_mapping, k.to(cache.key.dtype))
+    cache.value.view(-1, num_kv_heads, head_dim).index_copy_(
+        0, meta.slot_mapping, v.to(cache.value.dtype))
+    out = torch.empty_like(q)
+    for b in range(len(meta.context_lens)):
+        rows = slice(meta.query_start[b], meta.query_start[b + 1])
+        out[rows] = _sdpa_from_cache(q[rows], k[rows], v[rows], cache, meta, b, scale,
+                                     _gather_torch)
+    return out
+
+
+@torch.library.custom_op("llmserve::sdpa_paged_attention",
+                         mutates_args=("key_cache", "value_cache"))
+def _sdpa_paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             slot_mapping: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, block_tables: torch.Tensor,
+                             query_start: torch.Tensor, context_lens: torch.Tensor,
+                             block_size: int, scale: float) -> torch.Tensor:
+    meta = SimpleNamespace(slot_mapping=slot_mapping, block_tables=block_tables,
+                           block_size=block_size, query_start=query_start.tolist(),
+                           context_lens=context_lens.tolist())
+    return _torch_attention(q, k, v, LayerKV(key_cache, value_cache), meta, scale)
+
+
+@_sdpa_paged_attention_op.register_fake
+def _(q, k, v, slot_mapping, key_cache, value_cache, block_tables, query_start, context_lens,
+      block_size, scale):
+    return torch.empty_like(q)
 
 
 class NativeCPUBackend(AttentionBackend):
@@ -226,25 +254,74 @@ class NativeCPUBackend(AttentionBackend):
             raise RuntimeError("native CPU kernels are not available")
 
     def forward(self, q, k, v, cache, meta, scale):
-        t, h, d = q.shape
-        num_kv_heads = k.shape[1]
-        dtype = KERNEL_KV_DTYPES[cache.key.dtype]
-        q, k, v = _rows_of_heads(q), _rows_of_heads(k), _rows_of_heads(v)
-        if k.stride(0) != v.stride(0):
-            k, v = k.contiguous(), v.contiguous()
-        self.lib.llmserve_kv_cache_write(
-            ptr(k), ptr(v), k.stride(0), t, num_kv_heads, d, ptr(meta.slot_mapping),
-            ptr(cache.key), ptr(cache.value), ptr(cache.key_scales), ptr(cache.value_scales),
-            dtype,
-        )
-        out = torch.empty(t, h, d)
-        self.lib.llmserve_paged_attention(
-            ptr(q), q.stride(0), h, d, ptr(cache.key), ptr(cache.value), ptr(cache.key_scales),
-            ptr(cache.value_scales), dtype, meta.block_size, num_kv_heads,
-            ptr(meta.block_tables), meta.block_tables.shape[1], ptr(meta.query_start_t),
-            ptr(meta.context_lens_t), meta.num_seqs, scale, ptr(out),
-        )
-        return out
+        if torch.compiler.is_compiling():  # ctypes cannot be traced: the same kernels as ops
+            torch.ops.llmserve.kv_cache_write(k, v, meta.slot_mapping, cache.key, cache.value,
+                                              cache.key_scales, cache.value_scales)
+            return torch.ops.llmserve.paged_attention(
+                q, cache.key, cache.value, cache.key_scales, cache.value_scales,
+                meta.block_tables, meta.query_start_t, meta.context_lens_t, meta.block_size,
+                scale)
+        _kv_cache_write(self.lib, k, v, meta.slot_mapping, cache.key, cache.value,
+                        cache.key_scales, cache.value_scales)
+        return _paged_attention(self.lib, q, cache.key, cache.value, cache.key_scales,
+                                cache.value_scales, meta.block_tables, meta.query_start_t,
+                                meta.context_lens_t, meta.block_size, scale)
+
+
+def _kv_cache_write(lib, k, v, slot_mapping, key_cache, value_cache, key_scales,
+                    value_scales) -> None:
+    """Native write of new k/v (T, H_kv, D) into the paged cache at `slot_mapping`."""
+    t, num_kv_heads, d = k.shape
+    k, v = _rows_of_heads(k), _rows_of_heads(v)
+    if k.stride(0) != v.stride(0):
+        k, v = k.contiguous(), v.contiguous()
+    lib.llmserve_kv_cache_write(
+        ptr(k), ptr(v), k.stride(0), t, num_kv_heads, d, ptr(slot_mapping), ptr(key_cache),
+        ptr(value_cache), ptr(key_scales), ptr(value_scales), KERNEL_KV_DTYPES[key_cache.dtype],
+    )
+
+
+def _paged_attention(lib, q, key_cache, value_cache, key_scales, value_scales, block_tables,
+                     query_start, context_lens, block_size, scale) -> torch.Tensor:
+    """Native attention of every query q (T, H, D) over its sequence's cached keys."""
+    t, h, d = q.shape
+    q = _rows_of_heads(q)
+    out = torch.empty(t, h, d)
+    lib.llmserve_paged_attention(
+        ptr(q), q.stride(0), h, d, ptr(key_cache), ptr(value_cache), ptr(key_scales),
+        ptr(value_scales), KERNEL_KV_DTYPES[key_cache.dtype], block_size, key_cache.shape[2],
+        ptr(block_tables), block_tables.shape[1], ptr(query_start), ptr(context_lens),
+        context_lens.shape[0], scale, ptr(out),
+    )
+    return out
+
+
+# The native kernels as torch ops, so that `torch.compile` keeps one graph across layers
+# (dynamo cannot trace ctypes). The cache write mutates the cache in place; inductor
+# re-inplaces it (no copy of the cache).
+@torch.library.custom_op("llmserve::kv_cache_write",
+                         mutates_args=("key_cache", "value_cache", "key_scales", "value_scales"))
+def _kv_cache_write_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       key_scales: torch.Tensor | None, value_scales: torch.Tensor | None) -> None:
+    _kv_cache_write(native(), k, v, slot_mapping, key_cache, value_cache, key_scales,
+                    value_scales)
+
+
+@torch.library.custom_op("llmserve::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        key_scales: torch.Tensor | None, value_scales: torch.Tensor | None,
+                        block_tables: torch.Tensor, query_start: torch.Tensor,
+                        context_lens: torch.Tensor, block_size: int,
+                        scale: float) -> torch.Tensor:
+    return _paged_attention(native(), q, key_cache, value_cache, key_scales, value_scales,
+                            block_tables, query_start, context_lens, block_size, scale)
+
+
+@_paged_attention_op.register_fake
+def _(q, key_cache, value_cache, key_scales, value_scales, block_tables, query_start,
+      context_lens, block_size, scale):
+    return q.new_empty(q.shape, dtype=torch.float32)
 
 
 def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:

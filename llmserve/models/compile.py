@@ -1,0 +1,176 @@
+"""The model step under `torch.compile`: one graph for every step, cached on disk.
+
+`compile_model` replaces a float model's `forward` with `CompiledForward`:
+`torch.compile(dynamic=True)` traces the whole decoder stack (embedding to final norm) into
+one graph whose token count T, batch size and block-table width are symbolic, so one
+compiled artefact serves prefill chunks, decodes and mixed steps alike (no per-shape
+buckets, no recompile at T == 1). Inside the graph the native kernels that dynamo cannot
+trace (ctypes) are torch custom ops (`llmserve::kv_cache_write`, mutating the cache in
+place, and `llmserve::paged_attention`, see `worker/attention.py`); the elementwise work
+between the matmuls (RMSNorm, rotary, SiLU-and-mul, residual adds) is fused by inductor.
+The logits head and sampling stay eager.
+
+Artefacts go to inductor's FX graph and AOTAutograd caches under
+`~/.cache/llmserve/inductor` (`$LLMSERVE_CACHE/inductor`; `TORCHINDUCTOR_CACHE_DIR` wins if
+set), so a second start only re-traces (dynamo) and loads the compiled code.
+`Engine` compiles at start-up with one warm-up step (`warm_up`), not on the first request.
+
+When compile is used:
+* never with `enforce_eager=True` (`--enforce-eager`), nor with `LLMSERVE_ENFORCE_EAGER=1`;
+* never where the step runs native kernels other than attention: the one-call decoder
+  stack (`models/llama_native.py`: the int8/int4 default path, and float32 on CPUs with
+  AVX-512, whose linears are packed for the native GEMM, `models/packed_float.py`), and
+  quantized or packed linears. So compile is for bfloat16, float32 where the native
+  GEMM does not run (no AVX-512, `LLMSERVE_NATIVE_KERNELS=0`), and CUDA;
+* never without a compiler (a C++ compiler on the CPU, triton on CUDA): one warning, eager;
+* if compiling fails, one warning and the step runs eagerly from then on.
+
+Measured (SmolLM2-135M, fp32, 2 cores shared with other jobs, so ranges; commands in the
+README): cold compile ~85 s, warm ~10 s; what it gains is in the README's flags section.
+"""
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ENFORCE_EAGER_ENV = "LLMSERVE_ENFORCE_EAGER"
+
+
+def inductor_cache_dir() -> Path:
+    root = os.environ.get("LLMSERVE_CACHE") or Path.home() / ".cache" / "llmserve"
+    return Path(root) / "inductor"
+
+
+class CompiledForward:
+    """`model.forward` under `torch.compile`, falling back to the eager forward for good
+    the first time compiling (or running compiled code) raises."""
+
+    def __init__(self, eager_forward: Any) -> None:
+        self.eager_forward = eager_forward
+        self.compiled = torch.compile(eager_forward, dynamic=True)
+        self.failed = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.failed:
+            return self.eager_forward(*args, **kwargs)
+        try:
+            with _trace_settings():
+                return self.compiled(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eagerly
+            self.failed = True
+            logger.warning("torch.compile of the model step failed, running it eagerly: %s",
+                           _first_line(exc))
+            return self.eager_forward(*args, **kwargs)
+
+
+def _trace_settings() -> Any:
+    """Dynamo settings that keep one graph: sizes 1 are not special (a decode of one token
+    uses the graph traced for a prefill), no duck sizing (T equal to the batch size is a
+    coincidence), and float attributes (eps, scale) are constants, not graph inputs."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    patch = fx_config.patch(backed_size_oblivious=True, use_duck_shape=False)
+    return _Both(patch, dynamo_config.patch(specialize_float=True))
+
+
+class _Both:
+    def __init__(self, first: Any, second: Any) -> None:
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        self.second.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.second.__exit__(*exc)
+        self.first.__exit__(*exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def missing_compiler(device: torch.device) -> str | None:
+    """Why inductor cannot generate code for `device` here, or None."""
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return None if has_triton() else "triton is not installed"
+    compiler = os.environ.get("CXX", "g++")
+    return None if shutil.which(compiler) else f"no C++ compiler ({compiler})"
+
+
+def compile_model(model: nn.Module, device: torch.device | str, quantization: str | None,
+                  enforce_eager: bool = False) -> bool:
+    """Compile `model`'s step in place where it helps (see the module docstring); returns
+    whether it did. The compile itself happens on the first call (see `warm_up`)."""
+    device = torch.device(device)
+    if enforce_eager or os.environ.get(ENFORCE_EAGER_ENV, "0") == "1":
+        logger.info("model step: eager (enforce_eager)")
+        return False
+    if quantization is not None or not _runs_torch_ops(model):
+        logger.info("model step: eager (its weights run native kernels)")
+        return False
+    reason = missing_compiler(device)
+    if reason is not None:
+        logger.warning("torch.compile unavailable (%s): the model step runs eagerly", reason)
+        return False
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    model.forward = CompiledForward(model.forward)
+    return True
+
+
+def _runs_torch_ops(model: nn.Module) -> bool:
+    """Whether the step is torch ops that inductor can compile: no one-call native stack,
+    and every linear and the embedding on torch's own kernels (the packed float32 and
+    quantized methods call native kernels, which would break the graph)."""
+    from llmserve.models.layers import Embedding, Linear, LinearMethod
+
+    if getattr(model, "native_layers", None) is not None:
+        return False
+    for module in model.modules():
+        if isinstance(module, Linear) and type(module.method) is not LinearMethod:
+            return False
+    embedding = getattr(getattr(model, "model", None), "embed_tokens", None)
+    return embedding is None or type(embedding) is Embedding
+
+
+def is_compiled(model: nn.Module) -> bool:
+    forward = model.__dict__.get("forward")
+    return isinstance(forward, CompiledForward) and not forward.failed
+
+
+@torch.inference_mode()
+def warm_up(model: nn.Module, kv_cache: Any, backend: Any) -> None:
+    """Compile now: one two-token step through block 0 of `kv_cache`, whose contents are
+    put back afterwards (the step's shapes are symbolic, so this one graph serves all)."""
+    if not is_compiled(model):
+        return
+    from llmserve.worker.attention import AttentionMetadata
+
+    start = time.perf_counter()
+    device = kv_cache.key[0].device
+    saved = [t[0].clone() for t in _cache_tensors(kv_cache)]
+    meta = AttentionMetadata.build([2], [0], [[0]], kv_cache.block_size, device, backend)
+    ids = torch.zeros(2, dtype=torch.long, device=device)
+    model(ids, torch.arange(2, device=device), kv_cache, meta)
+    for tensor, block in zip(_cache_tensors(kv_cache), saved, strict=True):
+        tensor[0].copy_(block)
+    if is_compiled(model):
+        logger.info("model step compiled in %.1fs (cache: %s)", time.perf_counter() - start,
+                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+
+
+def _cache_tensors(kv_cache: Any) -> list[torch.Tensor]:
+    return [*kv_cache.key, *kv_cache.value, *(kv_cache.key_scales or []),
+            *(kv_cache.value_scales or [])]

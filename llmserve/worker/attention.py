@@ -283,8 +283,10 @@ def _kv_cache_write(lib, k, v, slot_mapping, key_cache, value_cache, key_scales,
 
 def _paged_attention(lib, q, key_cache, value_cache, key_scales, value_scales, block_tables,
                      query_start, context_lens, block_size, scale) -> torch.Tensor:
-    """Native attention of every query q (T, H, D) over its sequence's cached keys."""
+    """Native attention of every query q (T, H, D) over its sequence's cached keys; the
+    kernel computes in fp32, the result comes back in q's dtype."""
     t, h, d = q.shape
+    dtype = q.dtype
     q = _rows_of_heads(q)
     out = torch.empty(t, h, d)
     lib.llmserve_paged_attention(
@@ -293,7 +295,7 @@ def _paged_attention(lib, q, key_cache, value_cache, key_scales, value_scales, b
         ptr(block_tables), block_tables.shape[1], ptr(query_start), ptr(context_lens),
         context_lens.shape[0], scale, ptr(out),
     )
-    return out
+    return out.to(dtype)
 
 
 # The native kernels as torch ops, so that `torch.compile` keeps one graph across layers
@@ -321,7 +323,7 @@ def _paged_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 @_paged_attention_op.register_fake
 def _(q, key_cache, value_cache, key_scales, value_scales, block_tables, query_start,
       context_lens, block_size, scale):
-    return q.new_empty(q.shape, dtype=torch.float32)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:

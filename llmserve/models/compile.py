@@ -25,8 +25,19 @@ When compile is used:
 * never without a compiler (a C++ compiler on the CPU, triton on CUDA): one warning, eager;
 * if compiling fails, one warning and the step runs eagerly from then on.
 
-Measured (SmolLM2-135M, fp32, 2 cores shared with other jobs, so ranges; commands in the
-README): cold compile ~85 s, warm ~10 s; what it gains is in the README's flags section.
+Measured (SmolLM2-135M, float32 per-op path, 2 cores shared with other jobs, so ranges):
+* compile at start-up: 56 s cold, 8 s warm (`llmserve serve --dtype float32` with
+  `LLMSERVE_NATIVE_KERNELS=0`: start-to-healthy 63 s cold, 15-16 s warm, 4 s eager);
+* `benchmarks/offline.py --dtype float32` (32 prompts x 64 tokens), native kernels off:
+  81-83 tok/s compiled, 73-83 eager; `llmserve bench latency --dtype float32`: batch-1
+  TPOT 57-59 ms both ways, batch 8 191-212 ms both ways (noise exceeds any difference);
+* one step, compiled vs eager alternating in one process (min of 40), native attention:
+  batch-1 decode 37 vs 35 ms, batch-32 decode 122 vs 136 ms, 128-token prefill 275 vs
+  403 ms. So: on for float32, where batches and prompts gain 10-30 %;
+* bfloat16 on the CPU (AVX512-BF16): batch 1/8/32 decode 46/27/56 vs 44/27/58 ms, prefill
+  157 vs 122 ms: no gain, so off.
+With inductor's C++ kernels on torch's OpenMP threads the batch-1 step took 161 ms (OpenMP
+wake-ups under `OMP_WAIT_POLICY=PASSIVE`), hence `cpp.threads=1` below.
 """
 
 import logging

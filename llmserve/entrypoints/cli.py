@@ -325,8 +325,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        action="store_false", default=None)
     group.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     group.add_argument("--enforce-eager", action="store_true", default=None,
-                       help="never torch.compile the model step (float weights compile by "
-                            "default: a slower first start, cached after)")
+                       help="never torch.compile the model step (float32 steps off the "
+                            "native stack compile by default: a slower start, cached after)")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ output tokens), frequency and presence penalties (output tokens). Every part is 
 when some row of the step uses it, so a batch of plain requests pays nothing.
 
 The per-row Python in `LogitsProcessing.build` only turns lists into index tensors; the
-work on the (N, V) logits is a handful of batched ops.
+work on the (N, V) logits is a handful of batched ops. Penalties read (P, V) token counts:
+counted here from the histories, or kept up to date token by token by the runner's
+persistent batch (`worker/input_batch.py`), which passes them in.
 """
 
 from collections.abc import Collection, Sequence

@@ -25,7 +25,8 @@ from llmserve.worker.logits_processors import History, LogitsProcessing, RowHist
 
 @dataclass
 class SamplingBatch:
-    """Per-row parameters as tensors, built once per step from the requests' params."""
+    """Per-row parameters as tensors: built from the requests' params (`build`), or
+    gathered from the runner's persistent batch (`InputBatch.sampling_batch`)."""
 
     temperature: torch.Tensor  # (N,) 0 for greedy rows
     top_k: torch.Tensor  # (N,) int, 0 = off

@@ -18,6 +18,7 @@ The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_
 head_dim]` in the cache dtype; an int8 cache adds one fp32 scale per (slot, kv head).
 """
 
+import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -153,28 +154,31 @@ class AttentionMetadata:
 
     @classmethod
     def from_block_table(
-        cls, block_table: np.ndarray, rows: np.ndarray, query_lens: np.ndarray,
-        context_lens: np.ndarray, positions: np.ndarray, block_size: int,
+        cls, block_table: np.ndarray, rows: np.ndarray, query_lens: list[int],
+        context_lens: list[int], positions: np.ndarray, block_size: int,
         device: torch.device | str = "cpu", backend: "AttentionBackend | None" = None,
     ) -> "AttentionMetadata":
-        """What `build` gives, from rows of a persistent block table, in a few vectorised
+        """What `build` gives, from rows of a persistent block table, with a few vectorised
         ops (no Python per token or per block).
 
         block_table: (R, W) int32, zero past each row's blocks; rows: (B,) each sequence's
-        row; query_lens, context_lens: (B,) int64; positions: (T,) int64, the position of
-        every query token (sequence b's query i at context_lens[b] + i).
+        row; positions: (T,) int64, the position of every query token (sequence b's query
+        i at context_lens[b] + i).
         """
-        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start[1:])
-        width = int(((context_lens + query_lens + block_size - 1) // block_size).max())
+        num_seqs = len(rows)
+        width = max(-(-(c + n) // block_size) for c, n in zip(context_lens, query_lens,
+                                                               strict=True))
         tables = block_table[rows, :width]  # (B, width), a copy
-        seq_of_token = np.repeat(np.arange(len(rows)), query_lens)  # (T,)
+        if len(positions) == num_seqs:  # one query per sequence (decodes)
+            seq_of_token = np.arange(num_seqs)
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), query_lens)  # (T,)
         blocks = tables[seq_of_token, positions // block_size].astype(np.int64)  # (T,)
-        slots = blocks * block_size + positions % block_size
         return cls(
-            slot_mapping=torch.from_numpy(slots).to(device),
-            query_start=query_start.tolist(),
-            context_lens=context_lens.tolist(),
+            slot_mapping=torch.from_numpy(blocks * block_size + positions % block_size).to(
+                device),
+            query_start=list(itertools.accumulate(query_lens, initial=0)),
+            context_lens=list(context_lens),
             block_tables=torch.from_numpy(tables).to(device),
             block_size=block_size,
             backend=backend,

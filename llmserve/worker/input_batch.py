@@ -238,22 +238,24 @@ class InputBatch:
         """Flat token ids, positions and attention metadata of the scheduled requests."""
         n = len(batch)
         rows = np.fromiter((self.row_of[s.request_id] for s in batch), np.int64, n)
-        query_lens = np.fromiter((len(s.token_ids) for s in batch), np.int64, n)
-        context_lens = np.fromiter((s.start_position for s in batch), np.int64, n)
-        starts = np.cumsum(query_lens) - query_lens  # (B,) first query token of each
-        num_tokens = int(starts[-1] + query_lens[-1])
-        # sequence b's query i sits at context_lens[b] + i
-        positions = np.repeat(context_lens - starts, query_lens) + np.arange(num_tokens)
+        query_lens = [len(s.token_ids) for s in batch]
+        context_lens = [s.start_position for s in batch]
+        token_ids = list(itertools.chain.from_iterable(s.token_ids for s in batch))
+        if len(token_ids) == n:  # decodes only: sequence b's one query at context_lens[b]
+            positions = np.array(context_lens, dtype=np.int64)
+        else:  # sequence b's query i sits at context_lens[b] + i
+            q = np.array(query_lens, dtype=np.int64)
+            starts = np.cumsum(q) - q  # (B,) first query token of each
+            positions = np.repeat(np.array(context_lens) - starts, q) + np.arange(len(token_ids))
         meta = AttentionMetadata.from_block_table(
             self.block_table, rows, query_lens, context_lens, positions, self.block_size,
             self.device, backend)
-        token_ids = list(itertools.chain.from_iterable(s.token_ids for s in batch))
         return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=self.device),
             positions=torch.from_numpy(positions).to(self.device),
             metadata=meta,
             rows=rows,
-            last_token=starts + query_lens - 1,
+            last_token=np.array(meta.query_start[1:]) - 1,
         )
 
     # ---- sampling ----------------------------------------------------------------------

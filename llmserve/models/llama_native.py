@@ -115,7 +115,10 @@ class NativeLlamaLayers:
         return cls(model, lib)
 
     def _layer_array(self, kv_cache: KVCache) -> ctypes.Array:
-        key = tuple(t.data_ptr() for t in kv_cache.key[:1] + kv_cache.value[:1])
+        # every layer's buffers: a new cache may reuse the old one's first address alone
+        tensors = [*kv_cache.key, *kv_cache.value, *(kv_cache.key_scales or []),
+                   *(kv_cache.value_scales or [])]
+        key = tuple(t.data_ptr() for t in tensors)
         if key != self._cache_key:  # built once per KV cache
             layers = self.model.model.layers
             array = (_LlamaLayer * len(layers))()

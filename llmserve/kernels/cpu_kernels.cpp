@@ -382,11 +382,27 @@ inline void load_row(const void* base, int64_t index, int64_t D, int32_t dtype,
     std::memcpy(dst, static_cast<const float*>(base) + index * D, D * sizeof(float));
   } else if (dtype == kBF16) {
     const uint16_t* src = static_cast<const uint16_t*>(base) + index * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = bf16_to_float(src[d]);
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= D; d += 16) {  // widen: the bf16 bits become a float's upper half
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d));
+      _mm512_storeu_ps(dst + d,
+                       _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+    }
+#endif
+    for (; d < D; ++d) dst[d] = bf16_to_float(src[d]);
   } else {
     const int8_t* src = static_cast<const int8_t*>(base) + index * D;
-    float s = scales[index];
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+    const float s = scales[index];
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    const __m512 sv = _mm512_set1_ps(s);
+    for (; d + 16 <= D; d += 16) {
+      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)), sv));
+    }
+#endif
+    for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
   }
 }
 

@@ -511,7 +511,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 8; }
+int32_t llmserve_kernels_abi() { return 9; }
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.
@@ -706,6 +706,59 @@ void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
       int64_t b = nb;
       for (; b + 4 <= ne; b += 4) f32_tile<1, 4>(x, m, K, w, b, N, bias, y);
       for (; b < ne; ++b) f32_tile<1, 1>(x, m, K, w, b, N, bias, y);
+    }
+  });
+}
+
+// out[m] = the index of row m's largest value (the first of equal ones, as torch.argmax),
+// or -1 when the row holds a NaN (the caller asks torch then). Rows in parallel.
+void llmserve_argmax_rows(const float* x, int64_t M, int64_t N, int64_t* out) {
+  parallel_for(0, M, 1, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) {
+      const float* row = x + m * N;
+      float best = -INFINITY;
+      int64_t arg = 0;
+      bool nan = false;
+      int64_t n = 0;
+#if defined(__AVX512F__)
+      if (N >= 16) {  // per lane: the largest value and its first index
+        __m512 vmax = _mm512_loadu_ps(row);
+        __m512i vidx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i idx = vidx;
+        const __m512i step = _mm512_set1_epi32(16);
+        __mmask16 unordered = _mm512_cmp_ps_mask(vmax, vmax, _CMP_UNORD_Q);
+        for (n = 16; n + 16 <= N; n += 16) {  // N < 2^31: int32 indices
+          idx = _mm512_add_epi32(idx, step);
+          const __m512 v = _mm512_loadu_ps(row + n);
+          unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+          const __mmask16 greater = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+          vmax = _mm512_mask_blend_ps(greater, vmax, v);
+          vidx = _mm512_mask_blend_epi32(greater, vidx, idx);
+        }
+        nan = unordered != 0;
+        alignas(64) float lane_max[16];
+        alignas(64) int32_t lane_idx[16];
+        _mm512_store_ps(lane_max, vmax);
+        _mm512_store_si512(lane_idx, vidx);
+        arg = lane_idx[0];
+        best = lane_max[0];
+        for (int l = 1; l < 16; ++l)
+          if (lane_max[l] > best || (lane_max[l] == best && lane_idx[l] < arg)) {
+            best = lane_max[l];
+            arg = lane_idx[l];
+          }
+      }
+#endif
+      for (; n < N; ++n) {
+        const float v = row[n];
+        if (std::isnan(v)) {
+          nan = true;
+        } else if (v > best) {
+          best = v;
+          arg = n;
+        }
+      }
+      out[m] = nan ? -1 : arg;
     }
   });
 }

@@ -15,7 +15,7 @@ from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
 from llmserve.worker.attention import KVCache, attention_backend
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
-from llmserve.worker.sampler import sample
+from llmserve.worker.sampler import argmax, sample
 
 # prompt positions whose logits are materialised at once for prompt logprobs: (256, V) fp32
 PROMPT_LOGPROBS_SLICE = 256
@@ -71,7 +71,7 @@ class ModelRunner:
         last = torch.from_numpy(step.last_token[to_sample]).to(self.device)
         logits = self.model.compute_logits(hidden[last])  # (N, V)
         sampling = batch.sampling_batch(rows, logits.shape[-1])
-        tokens = logits.argmax(dim=-1) if sampling is None else sample(logits, sampling)  # (N,)
+        tokens = argmax(logits) if sampling is None else sample(logits, sampling)  # (N,)
         request_ids = [out.scheduled[i].request_id for i in to_sample]
         result.sampled = dict(zip(request_ids, tokens.tolist(), strict=True))
         self._sample_logprobs(request_ids, rows, logits, tokens, result)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.kernels import native_for, ptr
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.logits_processors import History, LogitsProcessing, RowHistory
 
@@ -88,11 +89,26 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for (N, V) logits, the same indices (the first of equal
+    values; a row with a NaN is left to torch). On the CPU a native kernel takes the rows
+    in parallel: torch's took ~1.3 ms for a (32, 49152) batch, a few % of a decode step."""
+    lib = native_for(logits) if logits.dim() == 2 else None
+    if lib is None:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.long)
+    lib.llmserve_argmax_rows(ptr(logits), logits.shape[0], logits.shape[1], ptr(out))
+    nan_rows = out < 0
+    if bool(nan_rows.any()):
+        out[nan_rows] = logits[nan_rows].argmax(dim=-1)
+    return out
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits: (N, V) fp32 (not modified) -> token ids (N,)."""
     if batch.processing is not None:
         logits = batch.processing.apply(logits)
-    greedy = logits.argmax(dim=-1)
+    greedy = argmax(logits)
     if batch.all_greedy:
         return greedy
     temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)

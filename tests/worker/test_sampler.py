@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
@@ -85,3 +86,17 @@ def test_temperature_sampling_matches_distribution():
     chi2 = ((counts - expected) ** 2 / expected).sum().item()
     assert chi2 < 13.8  # p = 0.001 for 2 degrees of freedom
     assert math.isclose(counts.sum().item(), 20000)
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (3, 16), (5, 49152), (32, 1000)])
+def test_argmax_equals_torch_first_index_and_nan_rows(shape):
+    """The native argmax gives torch's indices: the first of equal values, NaN rows too."""
+    from llmserve.worker.sampler import argmax
+
+    torch.manual_seed(shape[1])
+    logits = torch.randn(*shape)
+    logits[0, shape[1] // 2] = logits[0, -1] = logits[0].max() + 1  # a tie: first wins
+    if shape[0] > 2:
+        logits[1] = float("-inf")  # all equal
+        logits[2, 3] = float("nan")
+    assert torch.equal(argmax(logits), logits.argmax(dim=-1))

@@ -118,7 +118,10 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: str | int | float = "2GiB"
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    # tokens per step: 512 (llama.cpp's micro-batch) lets the first prompts of a burst
+    # start decoding while later ones prefill; measured on the default model, 16 streams:
+    # TTFT p50 1364 -> 663 ms, 32 streams 321 -> 372 tok/s against 2048
+    max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"

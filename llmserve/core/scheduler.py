@@ -24,7 +24,7 @@ from llmserve.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     max_model_len: int = 8192
     policy: str = "fcfs"  # or "priority": lower value runs first, ties by arrival
 

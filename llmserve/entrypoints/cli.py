@@ -318,7 +318,8 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kv-cache-memory", type=kv_cache_memory,
                        help="KV-cache budget: a size (2GiB) or a fraction of free memory (0.3)")
     group.add_argument("--max-num-seqs", type=int)
-    group.add_argument("--max-num-batched-tokens", type=int)
+    group.add_argument("--max-num-batched-tokens", type=int,
+                       help="tokens per step, prompt chunks included (default 512)")
     group.add_argument("--max-model-len", type=int)
     group.add_argument("--block-size", type=int)
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",

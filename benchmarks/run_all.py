@@ -12,8 +12,8 @@ Stages, one engine at a time, 2 threads each:
    concurrency 1/16/32 (32 requests x (128 in, 64 out) per level), with start-to-healthy
    seconds and peak RSS of each server; then `llmserve bench plot`.
 
-llmserve variants: `default` (no dtype/quantization flags: the fast path, a quantized GGUF
-on the int8 kernels) and `fp32` (`--dtype float32`, the exact path); fp32 files end in
+llmserve variants: `default` (no dtype/quantization flags: the fast path, a 4-bit GGUF on
+the int4 kernels) and `fp32` (`--dtype float32`, the exact path); fp32 files end in
 `_fp32` / `-fp32`. During every stage the machine's load is sampled (benchmarks/monitor.py)
 and a warning printed when other processes used more than a tenth of a core. Results
 (JSON, serve.png, commands.txt, meta.json) go to --out; then benchmarks/summarize.py

@@ -124,9 +124,10 @@ def header(meta: dict, folder: Path) -> list[str]:
         f"{m.get('threads_per_engine', 2)} threads for every engine.",
         "* Model: SmolLM2-135M-Instruct, GGUF Q4_1 (the default `smollm2-135m`), the same file "
         "for every engine.",
-        "* llmserve variants: **default** (no dtype or quantization flag: the quantized GGUF runs "
-        "on the int8 kernels) and **fp32** (`--dtype float32`: the exact path, equal to "
-        "transformers token for token).",
+        "* llmserve variants: **default** (no dtype or quantization flag: the Q4_1 GGUF runs on "
+        "its own 4-bit weights, int4 kernels with a bfloat16 KV cache) and **fp32** "
+        "(`--dtype float32`: the exact path on the native float32 GEMM, equal to transformers "
+        "token for token).",
         "* Peer: llama.cpp's C++ `llama-server` "
         f"(build {llama.get('build_commit', '?')}, built by `tools/build_llama_server.sh` from the "
         f"shared tools) with {max(sizes.get('concurrency', [32]))} parallel slots and continuous "

@@ -96,12 +96,17 @@ class PackedFloatEmbedding(nn.Module):
         return self.table.rows(token_ids)
 
 
-def can_pack(model: nn.Module, dtype: torch.dtype) -> bool:
-    """float32 CPU weights and the native kernels (with AVX-512, which the kernel is
-    written for; elsewhere torch's GEMM is the faster one)."""
+def can_pack_weights() -> bool:
+    """The native kernels are there, with AVX-512, which the float32 GEMM is written for
+    (elsewhere torch's GEMM is the faster one)."""
     from llmserve.kernels import cpu_flags
 
-    if dtype != torch.float32 or native() is None or "avx512f" not in cpu_flags():
+    return native() is not None and "avx512f" in cpu_flags()
+
+
+def can_pack(model: nn.Module, dtype: torch.dtype) -> bool:
+    """float32 CPU weights and `can_pack_weights`."""
+    if dtype != torch.float32 or not can_pack_weights():
         return False
     return next(model.parameters()).device.type == "cpu"
 

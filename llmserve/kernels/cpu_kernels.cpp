@@ -171,6 +171,10 @@ inline void gemm_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp
 // stream per block: a decode reads 5 bits per weight.
 constexpr int64_t kGroup = 32;
 constexpr int64_t kQ4Record = 256 + 64;
+// Software prefetch distance in groups: measured at batch 1 (default model, 30 layers as
+// one call, 3 alternating rounds): forward p25 3.2-3.7 ms without, 2.9-3.0 ms at 4 groups,
+// 3.0-3.3 ms at 8.
+constexpr int64_t kQ4PrefetchGroups = 4;
 
 inline float half_to_float(uint16_t h) {
   uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
@@ -229,6 +233,13 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
+    if (g + kQ4PrefetchGroups < G)  // the record 4 groups on, in each block's stream
+      for (int b = 0; b < NB; ++b) {
+        const char* next = reinterpret_cast<const char*>(
+            w + (nb0 + b) * block_bytes + (g + kQ4PrefetchGroups) * kQ4Record);
+        for (int line = 0; line < kQ4Record / 64; ++line)
+          _mm_prefetch(next + 64 * line, _MM_HINT_T0);
+      }
     __m512i ihi[MT][NB], ilo[MT][NB];
     for (int m = 0; m < MT; ++m)
       for (int b = 0; b < NB; ++b) ihi[m][b] = ilo[m][b] = _mm512_setzero_si512();

@@ -10,6 +10,7 @@ once per step (attention metadata).
 """
 
 import ctypes
+import weakref
 
 import torch
 from torch import nn
@@ -98,7 +99,7 @@ class NativeLlamaLayers:
             self.weights.append([_packed_weight(m) for m in _linears(layer)])
         self.k_pad = max(m.method.weight.k_pad for layer in model.model.layers
                          for m in _linears(layer))
-        self._cache_key: tuple | None = None
+        self._cache_ref: weakref.ref | None = None
         self._layers = None
 
     @classmethod
@@ -115,11 +116,10 @@ class NativeLlamaLayers:
         return cls(model, lib)
 
     def _layer_array(self, kv_cache: KVCache) -> ctypes.Array:
-        # every layer's buffers: a new cache may reuse the old one's first address alone
-        tensors = [*kv_cache.key, *kv_cache.value, *(kv_cache.key_scales or []),
-                   *(kv_cache.value_scales or [])]
-        key = tuple(t.data_ptr() for t in tensors)
-        if key != self._cache_key:  # built once per KV cache
+        # built once per KV cache object (a weak reference: a new cache may reuse a freed
+        # one's addresses, but never a live object's identity; its tensors are never
+        # replaced)
+        if self._cache_ref is None or self._cache_ref() is not kv_cache:
             layers = self.model.model.layers
             array = (_LlamaLayer * len(layers))()
             for i, (layer, (qkv, o, gate_up, down)) in enumerate(
@@ -129,7 +129,7 @@ class NativeLlamaLayers:
                     ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
                     qkv, o, gate_up, down, ptr(cache.key), ptr(cache.value),
                     ptr(cache.key_scales), ptr(cache.value_scales))
-            self._layers, self._cache_key = array, key
+            self._layers, self._cache_ref = array, weakref.ref(kv_cache)
         return self._layers
 
     def can_run(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,

@@ -48,6 +48,34 @@ class OpenAIModel(BaseModel):
         return self
 
 
+# Fields of the OpenAI and vLLM request APIs that would change the output and that llmserve
+# does not serve yet: refused with a 400 naming them, never dropped. (Fields nobody defines
+# are logged and ignored, as vLLM does: clients send their own extras.) Each maps to the
+# values that leave it a no-op (None always does) and why it is refused otherwise.
+_STRUCTURED = "structured output is not supported yet"
+_BEAM = "it applies to beam search, which is not served over HTTP"
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not served over HTTP (offline: "
+                                  "LLM.beam_search)"),
+    "length_penalty": ((1.0,), _BEAM),
+    "early_stopping": ((False,), _BEAM),
+    "structured_outputs": ((), _STRUCTURED),
+    "guided_json": ((), _STRUCTURED),
+    "guided_regex": ((), _STRUCTURED),
+    "guided_choice": ((), _STRUCTURED),
+    "guided_grammar": ((), _STRUCTURED),
+    "guided_decoding_backend": ((), _STRUCTURED),
+    "guided_whitespace_pattern": ((), _STRUCTURED),
+    "response_format": (({"type": "text"},), _STRUCTURED),  # completions; chat checks its own
+    "tool_choice": (("none", "auto"), "tool calls are not enforced yet (tool_choice "
+                                      "'required' or a named function)"),
+    "logits_processors": ((), "custom logits processors are not supported"),
+    "truncate_prompt_tokens": ((), "prompts are never truncated; send a shorter prompt"),
+    "functions": ((), "legacy function calling is not supported"),
+    "function_call": ((), "legacy function calling is not supported"),
+}
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
@@ -83,8 +111,18 @@ class SamplingRequest(OpenAIModel):
     priority: int = 0
     cache_salt: str | None = None
 
+    def refuse_unsupported(self) -> None:
+        """A 400 naming the first field set that llmserve cannot honour (`UNSUPPORTED_FIELDS`)."""
+        extra = self.model_extra or {}
+        for name, (no_ops, why) in UNSUPPORTED_FIELDS.items():
+            value = extra.get(name)
+            if value is not None and value not in no_ops:
+                raise BadRequest(f"'{name}' is not supported: {why}", param=name)
+
     def sampling_options(self) -> dict[str, Any]:
-        """The SamplingParams keyword arguments this request sets (OpenAI names -> vLLM's)."""
+        """The SamplingParams keyword arguments this request sets (OpenAI names -> vLLM's);
+        a field it cannot honour is refused first."""
+        self.refuse_unsupported()
         options = {name: getattr(self, name) for name in (
             "n", "best_of", "temperature", "top_p", "seed", "presence_penalty",
             "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",

@@ -45,6 +45,17 @@ CASES = [
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    # fields of the OpenAI / vLLM APIs that are not served yet: refused, never dropped
+    (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    (CHAT, {"messages": USER, "use_beam_search": True}, 400, "use_beam_search"),
+    (COMPLETIONS, {"prompt": "hi", "guided_regex": "[0-9]+"}, 400, "guided_regex"),
+    (CHAT, {"messages": USER, "guided_json": {"type": "object"}}, 400, "guided_json"),
+    (CHAT, {"messages": USER, "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    (COMPLETIONS, {"prompt": "hi", "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
+    (COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 4}, 400, "truncate_prompt_tokens"),
+    (CHAT, {"messages": USER, "length_penalty": 0.5}, 400, "length_penalty"),
 ]
 
 
@@ -123,3 +134,15 @@ def test_a_failing_step_fails_its_requests_not_the_server(server, client):
     assert engine.step == real_step
     assert not engine.has_unfinished_requests()
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text
+
+
+def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_served(server):
+    """Values that change nothing (use_beam_search false, tool_choice auto, a text
+    response_format) and fields nobody defines are served as usual."""
+    body = {"messages": USER, "max_tokens": 2, "use_beam_search": False, "tool_choice": "auto",
+            "length_penalty": 1.0, "response_format": {"type": "text"}, "my_client_tag": 7}
+    with server.http() as http:
+        assert http.post(CHAT, json=body).status_code == 200
+        plain = {"prompt": "hi", "max_tokens": 2, "guided_regex": None,
+                 "response_format": {"type": "text"}}
+        assert http.post(COMPLETIONS, json=plain).status_code == 200

@@ -155,6 +155,47 @@ inline void gemm_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp
       }
 }
 
+#if defined(__AVX512F__)
+// Stores MT rows x NB blocks of 16 outputs (+ bias), masking channels past N.
+template <int MT, int NB>
+inline void store_tile(const __m512 (&acc)[MT][NB], int64_t m0, int64_t nb0, int64_t N,
+                       const float* bias, float* y) {
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n0 = (nb0 + b) * kBlockN;
+    if (n0 >= N) break;
+    const __mmask16 mask =
+        N - n0 >= kBlockN ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < MT; ++m) {
+      __m512 v = bias ? _mm512_add_ps(acc[m][b], bv) : acc[m][b];
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, v);
+    }
+  }
+}
+#endif
+
+// Runs `tile.template run<MT, NB>(m0, nb0)` over rows [0, M) and channel blocks
+// [nb, ne): rows in tiles of kRows x kWide blocks, in row blocks of `row_block` rows that
+// stay in L2 while the weight blocks stream past; the rows past the last full tile one at a
+// time, four blocks at a time. Every output gets the same arithmetic whatever its tile.
+template <int kRows, int kWide, typename Tile>
+inline void for_tiles(const Tile& tile, int64_t M, int64_t nb, int64_t ne, int64_t row_block) {
+  const int64_t full = M / kRows * kRows;
+  for (int64_t r0 = 0; r0 < full; r0 += row_block) {
+    const int64_t r1 = std::min(r0 + row_block, full);
+    int64_t b = nb;
+    for (; b + kWide <= ne; b += kWide)
+      for (int64_t m = r0; m < r1; m += kRows) tile.template run<kRows, kWide>(m, b);
+    for (; b < ne; ++b)
+      for (int64_t m = r0; m < r1; m += kRows) tile.template run<kRows, 1>(m, b);
+  }
+  for (int64_t m = full; m < M; ++m) {
+    int64_t b = nb;
+    for (; b + 4 <= ne; b += 4) tile.template run<1, 4>(m, b);
+    for (; b < ne; ++b) tile.template run<1, 1>(m, b);
+  }
+}
+
 // ---- the int4 group GEMM ------------------------------------------------------------------
 // Weights: 4-bit codes u in [0, 15] per group of 32 k, with an fp16 scale d and offset m per
 // (channel, group): w = d * u + m, a GGUF Q4_1 block exactly. Activations: two int8 parts
@@ -311,17 +352,7 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
       }
     }
   }
-  for (int b = 0; b < NB; ++b) {
-    const int64_t n0 = (nb0 + b) * kBlockN;
-    if (n0 >= N) break;
-    const __mmask16 mask =
-        N - n0 >= kBlockN ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1u);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) {
-      __m512 v = bias ? _mm512_add_ps(acc[m][b], bv) : acc[m][b];
-      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, v);
-    }
-  }
+  store_tile<MT, NB>(acc, m0, nb0, N, bias, y);
 #else
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b)
@@ -373,17 +404,7 @@ inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int6
       for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_fmadd_ps(xv, wv[b], acc[m][b]);
     }
   }
-  for (int b = 0; b < NB; ++b) {
-    const int64_t n0 = (nb0 + b) * kBlockN;
-    if (n0 >= N) break;
-    const __mmask16 mask =
-        N - n0 >= kBlockN ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1u);
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
-    for (int m = 0; m < MT; ++m) {
-      __m512 v = bias ? _mm512_add_ps(acc[m][b], bv) : acc[m][b];
-      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, mask, v);
-    }
-  }
+  store_tile<MT, NB>(acc, m0, nb0, N, bias, y);
 #else
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b)
@@ -397,6 +418,33 @@ inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int6
       }
 #endif
 }
+
+// The two GEMMs' tiles with their operands, for `for_tiles`.
+struct Q4Tiles {
+  const int8_t* a;
+  const float* s254;
+  const float* sums;
+  int64_t K;
+  const uint8_t* w;
+  int64_t N;
+  const float* bias;
+  float* y;
+  template <int MT, int NB>
+  void run(int64_t m, int64_t b) const {
+    q4_tile<MT, NB>(a, s254, sums, m, K, w, b, N, bias, y);
+  }
+};
+
+struct F32Tiles {
+  const float* x;
+  int64_t K;
+  const float* w;
+  int64_t N;
+  const float* bias;
+  float* y;
+  template <int MT, int NB>
+  void run(int64_t m, int64_t b) const { f32_tile<MT, NB>(x, m, K, w, b, N, bias, y); }
+};
 
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -695,23 +743,9 @@ void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
   constexpr int kRows = 4;
   // rows in blocks whose int8 parts stay in L2 while a thread's weight records stream past
   const int64_t row_block = std::max<int64_t>(kRows, (256 * 1024 / (2 * K)) / kRows * kRows);
+  const Q4Tiles tile{a, s254, sums, K, w, N, bias, y};
   parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
-    const int64_t full = M / kRows * kRows;
-    for (int64_t r0 = 0; r0 < full; r0 += row_block) {
-      const int64_t r1 = std::min(r0 + row_block, full);
-      int64_t b = nb;
-      for (; b + 2 <= ne; b += 2)
-        for (int64_t m = r0; m < r1; m += kRows)
-          q4_tile<kRows, 2>(a, s254, sums, m, K, w, b, N, bias, y);
-      for (; b < ne; ++b)
-        for (int64_t m = r0; m < r1; m += kRows)
-          q4_tile<kRows, 1>(a, s254, sums, m, K, w, b, N, bias, y);
-    }
-    for (int64_t m = full; m < M; ++m) {
-      int64_t b = nb;
-      for (; b + 4 <= ne; b += 4) q4_tile<1, 4>(a, s254, sums, m, K, w, b, N, bias, y);
-      for (; b < ne; ++b) q4_tile<1, 1>(a, s254, sums, m, K, w, b, N, bias, y);
-    }
+    for_tiles<kRows, 2>(tile, M, nb, ne, row_block);
   });
 }
 
@@ -732,21 +766,9 @@ void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
   constexpr int kRows = 4;
   // rows in blocks that stay in L2 while a thread's weight blocks stream past
   const int64_t row_block = std::max<int64_t>(kRows, (256 * 1024 / (4 * K)) / kRows * kRows);
+  const F32Tiles tile{x, K, w, N, bias, y};
   parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
-    const int64_t full = M / kRows * kRows;
-    for (int64_t r0 = 0; r0 < full; r0 += row_block) {
-      const int64_t r1 = std::min(r0 + row_block, full);
-      int64_t b = nb;
-      for (; b + 4 <= ne; b += 4)
-        for (int64_t m = r0; m < r1; m += kRows) f32_tile<kRows, 4>(x, m, K, w, b, N, bias, y);
-      for (; b < ne; ++b)
-        for (int64_t m = r0; m < r1; m += kRows) f32_tile<kRows, 1>(x, m, K, w, b, N, bias, y);
-    }
-    for (int64_t m = full; m < M; ++m) {
-      int64_t b = nb;
-      for (; b + 4 <= ne; b += 4) f32_tile<1, 4>(x, m, K, w, b, N, bias, y);
-      for (; b < ne; ++b) f32_tile<1, 1>(x, m, K, w, b, N, bias, y);
-    }
+    for_tiles<kRows, 4>(tile, M, nb, ne, row_block);
   });
 }
 

@@ -1,6 +1,7 @@
 """Shared layers of decoder models: linear (pluggable weight method), RMSNorm, rotary, embedding."""
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,56 @@ class LinearMethod:
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+
+class PackedLinearMethod(LinearMethod):
+    """A method that keeps only a packed form of the loaded float weight.
+
+    Subclasses name `pack` (float weight -> packed object with `tensors()`, which become
+    the layer's buffers) and `compute` (x, packed, bias -> y).
+    """
+
+    pack: Callable[[torch.Tensor], Any]
+    compute: Callable[..., torch.Tensor]
+
+    def process_weights_after_loading(self, layer: "Linear") -> None:
+        self.weight = type(self).pack(layer.weight.data)
+        for name, tensor in self.weight.tensors().items():
+            layer.register_buffer(name, tensor)
+        layer.weight = None  # the float copy is no longer needed
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return type(self).compute(x, self.weight, layer.bias)
+
+
+class PackedHead(nn.Module):
+    """The LM head (or a tied embedding) in a packed form, for `compute_logits`; a tied
+    embedding then reads its rows from the same table (`as_embedding`): one copy."""
+
+    def __init__(self, weight: Any, linear: Callable[[torch.Tensor, Any], torch.Tensor]
+                 ) -> None:
+        super().__init__()
+        self.weight = weight
+        self._linear = linear
+        for name, tensor in weight.tensors().items():
+            self.register_buffer(name, tensor)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._linear(hidden, self.weight).float()
+
+    def as_embedding(self) -> "PackedEmbedding":
+        return PackedEmbedding(self.weight)
+
+
+class PackedEmbedding(nn.Module):
+    """Token embedding read from a packed head's table (`embedding_rows`: float rows)."""
+
+    def __init__(self, weight: Any) -> None:
+        super().__init__()
+        self.table = weight
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.table.embedding_rows(token_ids)  # (T, hidden)
 
 
 class Linear(nn.Module):

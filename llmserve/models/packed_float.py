@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from llmserve.kernels import native, ptr
-from llmserve.models.layers import Linear, LinearMethod
+from llmserve.models.layers import Linear, LinearMethod, PackedHead, PackedLinearMethod
 
 _N_ALIGN = 16
 
@@ -37,9 +37,14 @@ class PackedFloatWeight:
         native().llmserve_pack_f32_weight(ptr(weight.float().contiguous()), n, k,
                                           ptr(self.packed))
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"packed_weight": self.packed}
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (T,) of the unpacked weight, `(T, K)` (embedding lookups)."""
         return self.packed[ids // _N_ALIGN, :, ids % _N_ALIGN]
+
+    embedding_rows = rows  # the rows are the float values
 
 
 def packed_float_bytes(out_features: int, in_features: int) -> int:
@@ -56,44 +61,18 @@ def float_linear(x: torch.Tensor, w: PackedFloatWeight, bias: torch.Tensor | Non
     return y.reshape(*x.shape[:-1], w.out_features)
 
 
-class PackedFloatLinearMethod(LinearMethod):
+def _eager_float_linear(x: torch.Tensor, w: PackedFloatWeight,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    if x.dtype != torch.float32 or torch.compiler.is_compiling():
+        raise RuntimeError("packed float32 weights take float32 inputs, eagerly")
+    return float_linear(x, w, bias)
+
+
+class PackedFloatLinearMethod(PackedLinearMethod):
     """The float method with the weight repacked for the native GEMM after loading."""
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        self.weight = PackedFloatWeight(layer.weight.data)
-        layer.register_buffer("packed_weight", self.weight.packed)
-        layer.weight = None  # the packed copy holds the same values
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32 or torch.compiler.is_compiling():
-            raise RuntimeError("packed float32 weights take float32 inputs, eagerly")
-        return float_linear(x, self.weight, layer.bias)
-
-
-class PackedFloatHead(nn.Module):
-    """The LM head (or the tied embedding) packed for the native GEMM."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = PackedFloatWeight(weight)
-        self.register_buffer("packed_weight", self.weight.packed)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return float_linear(hidden.float(), self.weight)
-
-    def as_embedding(self) -> "PackedFloatEmbedding":
-        return PackedFloatEmbedding(self.weight)
-
-
-class PackedFloatEmbedding(nn.Module):
-    """Token embedding read from the packed head's table (the same float32 values)."""
-
-    def __init__(self, weight: PackedFloatWeight) -> None:
-        super().__init__()
-        self.table = weight
-
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.table.rows(token_ids)
+    pack = PackedFloatWeight
+    compute = staticmethod(_eager_float_linear)
 
 
 def can_pack_weights() -> bool:
@@ -119,5 +98,6 @@ def pack_float_model(model: nn.Module) -> None:
             module.method = PackedFloatLinearMethod()
             module.method.process_weights_after_loading(module)
     if getattr(model, "lm_head", False) is None:
-        model.lm_head = PackedFloatHead(model.model.embed_tokens.weight.data)
+        table = PackedFloatWeight(model.model.embed_tokens.weight.data)
+        model.lm_head = PackedHead(table, lambda hidden, w: float_linear(hidden.float(), w))
         model.model.embed_tokens = model.lm_head.as_embedding()

@@ -26,7 +26,7 @@ Kernels:
 import torch
 
 from llmserve.kernels import cpu_flags, native, ptr
-from llmserve.models.layers import Linear, LinearMethod
+from llmserve.models.layers import PackedLinearMethod
 
 GROUP = 32
 _N_ALIGN = 16  # the kernel's block of output channels
@@ -139,14 +139,8 @@ def _int4_linear_torch(x: torch.Tensor, w: PackedInt4Weight, bias) -> torch.Tens
     return y
 
 
-class Int4LinearMethod(LinearMethod):
+class Int4LinearMethod(PackedLinearMethod):
     """Loads float weights, then keeps only the packed 4-bit groups."""
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        self.weight = PackedInt4Weight(layer.weight.data)
-        for name, tensor in self.weight.tensors().items():
-            layer.register_buffer(name, tensor)
-        layer.weight = None  # the float copy is no longer needed
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return int4_linear(x, self.weight, layer.bias)
+    pack = PackedInt4Weight
+    compute = staticmethod(int4_linear)

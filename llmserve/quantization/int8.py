@@ -15,10 +15,9 @@ Kernels, giving bit-identical results (the same integers, the same float epilogu
 """
 
 import torch
-from torch import nn
 
 from llmserve.kernels import cpu_flags, native, ptr
-from llmserve.models.layers import Linear, LinearMethod
+from llmserve.models.layers import PackedHead, PackedLinearMethod
 
 _EPS = 1e-8
 _K_ALIGN = 64  # packed weights pad K to this (the kernel's vector width in bytes)
@@ -64,6 +63,10 @@ class PackedInt8Weight:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.packed, "row_sums": self.row_sums, "weight_scale": self.scale}
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` dequantized, `(T, K)` float (a tied embedding's lookup)."""
+        return self.rows(ids).float() * self.scale[ids, None]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The int8 rows `ids` (T,) as `(T, K)`, whatever the layout (embedding lookups)."""
@@ -122,42 +125,13 @@ def _int8_linear_torch(x: torch.Tensor, w: PackedInt8Weight, bias) -> torch.Tens
     return y
 
 
-class Int8LinearMethod(LinearMethod):
+class Int8LinearMethod(PackedLinearMethod):
     """Loads float weights, then keeps only the packed int8 weight and per-channel scales."""
 
-    def process_weights_after_loading(self, layer: Linear) -> None:
-        self.weight = PackedInt8Weight(layer.weight.data)
-        for name, tensor in self.weight.tensors().items():
-            layer.register_buffer(name, tensor)
-        layer.weight = None  # the float copy is no longer needed
-
-    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return int8_linear(x, self.weight, layer.bias)
+    pack = PackedInt8Weight
+    compute = staticmethod(int8_linear)
 
 
-class Int8Head(nn.Module):
+def int8_head(weight: torch.Tensor) -> PackedHead:
     """An int8 copy of the LM head (or of the tied embedding) for `compute_logits`."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = PackedInt8Weight(weight)
-        for name, tensor in self.weight.tensors().items():
-            self.register_buffer(name, tensor)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return int8_linear(hidden, self.weight).float()
-
-    def as_embedding(self) -> "Int8Embedding":
-        return Int8Embedding(self.weight)
-
-
-class Int8Embedding(nn.Module):
-    """Token embedding read from an int8 table (the tied LM head's): row * its scale."""
-
-    def __init__(self, weight: PackedInt8Weight) -> None:
-        super().__init__()
-        self.table = weight
-
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        w = self.table
-        return w.rows(token_ids).float() * w.scale[token_ids, None]  # (T, hidden)
+    return PackedHead(PackedInt8Weight(weight), int8_linear)

@@ -48,9 +48,10 @@ def test_packed_rows_are_the_weight_rows():
 def test_the_exact_path_runs_the_packed_stack(smollm2_llm):
     """dtype="float32" on the CPU: packed float32 linears and head, one native call per
     step (the reference tests in test_llama_reference.py check its logits and tokens)."""
-    from llmserve.models.packed_float import PackedFloatHead, PackedFloatLinearMethod
+    from llmserve.models.layers import PackedHead
+    from llmserve.models.packed_float import PackedFloatLinearMethod
 
     model = smollm2_llm.engine.loaded.model
     assert model.native_layers is not None
-    assert isinstance(model.lm_head, PackedFloatHead)
+    assert isinstance(model.lm_head, PackedHead)
     assert isinstance(model.model.layers[0].mlp.down_proj.method, PackedFloatLinearMethod)

@@ -45,8 +45,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its `start`-th block on."""
+        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
+
+    def num_blocks(self, request_id: str) -> int:
+        return len(self.req_blocks.get(request_id, ()))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of full blocks; leaves at least one token to compute.

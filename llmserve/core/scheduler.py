@@ -232,7 +232,7 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + num_new
         request_id = request.request_id
-        blocks = self.kv.req_blocks.get(request_id, [])
+        num_blocks = self.kv.num_blocks(request_id)
         num_sent = self._num_blocks_sent.get(request_id)
         new = None
         if num_sent is None:
@@ -240,19 +240,19 @@ class Scheduler:
                 request_id=request_id,
                 prompt_token_ids=request.prompt_token_ids,
                 sampling_params=request.sampling_params,
-                block_ids=[b.block_id for b in blocks],
+                block_ids=self.kv.block_ids(request_id),
                 output_token_ids=list(request.output_token_ids),
                 eos_token_ids=request.eos_token_ids,
                 bad_words_token_ids=request.bad_words_token_ids,
             )
-            num_sent = len(blocks)
-        self._num_blocks_sent[request_id] = len(blocks)
+            num_sent = num_blocks
+        self._num_blocks_sent[request_id] = num_blocks
         out.scheduled.append(
             ScheduledRequest(
                 request_id=request_id,
                 token_ids=request.all_token_ids[start:end],
                 start_position=start,
-                new_block_ids=[b.block_id for b in blocks[num_sent:]],
+                new_block_ids=self.kv.block_ids(request_id, num_sent),
                 sample=end == request.num_tokens,
                 new=new,
             )

@@ -104,7 +104,8 @@ class Engine:
             ),
             self.kv_manager,
         )
-        self.runner = ModelRunner(self.loaded.model, kv_cache, self.device)
+        self.runner = ModelRunner(self.loaded.model, kv_cache, self.device,
+                                  max_num_seqs=config.max_num_seqs)
         warm_up(self.loaded.model, kv_cache, attention_backend(self.device))
         self.states: dict[str, RequestState] = {}  # single requests and siblings, not beams
         self.groups: dict[str, ParallelGroup | BeamSearchGroup] = {}  # by the caller's id

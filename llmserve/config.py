@@ -90,6 +90,7 @@ class ModelConfig:
 # on the int8 kernels.
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
+ATTENTION_BACKEND_CHOICES = ("auto", "native", "flex", "torch")
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
@@ -128,6 +129,9 @@ class EngineConfig:
     seed: int = 0
     # True: never torch.compile the model step (vLLM's flag); see models/compile.py
     enforce_eager: bool = False
+    # auto: native kernels on the CPU, flex_attention on CUDA; or native, flex, torch
+    # (worker/attention.py)
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
@@ -140,6 +144,10 @@ class EngineConfig:
                 f"not {self.kv_cache_dtype!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                f"not {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

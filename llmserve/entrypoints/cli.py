@@ -13,7 +13,11 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmserve.config import KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from llmserve.config import (
+    ATTENTION_BACKEND_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    QUANTIZATION_CHOICES,
+)
 from llmserve.errors import LLMServeError
 from llmserve.loader.catalog import DEFAULT_MODEL
 
@@ -28,7 +32,7 @@ SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"
 ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_threads",
                 "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
-                "scheduling_policy", "enforce_eager")
+                "scheduling_policy", "enforce_eager", "attention_backend")
 GENERATE_DEFAULTS = {"max_tokens": 256}
 # As llama.cpp's interactive defaults; a reply ends at the end of the turn well before this.
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 2048}
@@ -325,6 +329,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", default=None)
     group.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    group.add_argument("--attention-backend", choices=ATTENTION_BACKEND_CHOICES,
+                       help="auto (default): native kernels on the CPU, flex_attention on "
+                            "CUDA; native, flex, or torch (SDPA over gathered blocks)")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="never torch.compile the model step (float32 steps off the "
                             "native stack compile by default: a slower start, cached after)")

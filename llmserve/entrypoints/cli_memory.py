@@ -27,6 +27,7 @@ from llmserve.memory import (
     quantized_weight_bytes,
     weight_bytes,
 )
+from llmserve.worker.attention import reads_only_written_slots
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
              "int8": torch.int8}
@@ -52,7 +53,8 @@ def memory_report(
     weight_dtype = resolve_dtype(dtype, torch_device)
     source = resolve_model(model)
     method = _weight_method(source, dtype, quantization, torch_device)
-    auto_kv = resolve_kv_cache_dtype("auto", weight_dtype, method, torch_device)
+    auto_kv = resolve_kv_cache_dtype("auto", weight_dtype, method,
+                                     reads_only_written_slots(torch_device))
     kv_torch_dtype = _kv_dtype(kv_dtype, auto_kv)
     cfg = read_model_config(source)
     seq_len = seq_len or cfg.max_position_embeddings

@@ -9,10 +9,12 @@ cached keys `0 .. context_lens[b] + i` through row b of `block_tables`. New keys
 written through `slot_mapping` (slot = block_id * block_size + offset) before attention
 reads them back, in place.
 
-Backends (picked per device, registry below):
+Backends (picked per device, or by name: `attention_backend` below):
 * `NativeCPUBackend`: one C++ call per layer for every query of the step, decode or prompt
   (its cost is each sequence's own length; no gather, no padding).
-* `TorchBackend` (CUDA, or no compiler): gathers each sequence's blocks and calls SDPA.
+* `FlexAttentionBackend` (CUDA): compiled `flex_attention` reading the paged cache in place
+  through a block mask built from the block tables; likewise no gather, no padding.
+* `TorchBackend` (no compiler, no flex): gathers each sequence's blocks and calls SDPA.
 
 The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_heads,
 head_dim]` in the cache dtype; an int8 cache adds one fp32 scale per (slot, kv head).
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmserve.config import ATTENTION_BACKEND_CHOICES
 from llmserve.kernels import native, ptr
 
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
@@ -192,6 +195,11 @@ class AttentionBackend:
     depend on module-global state, and a sequence's output must not depend on the others.
     """
 
+    # never reads a cache slot before writing it (then the cache may start unzeroed: SDPA
+    # or flex over whole blocks masks unwritten slots, and 0 x NaN garbage is still NaN);
+    # only such a backend reads int8 entries
+    reads_only_written_slots = False
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         raise NotImplementedError
@@ -251,6 +259,8 @@ class NativeCPUBackend(AttentionBackend):
     (It is also faster than CPU SDPA at these head sizes: measured 1.5-3x at 128-1024
     tokens, one thread.)
     """
+
+    reads_only_written_slots = True
 
     def __init__(self) -> None:
         self.lib = native()
@@ -368,15 +378,206 @@ def _sdpa_from_cache(q, k, v, cache, meta, b, scale, gather) -> torch.Tensor:
     return out.transpose(0, 1)
 
 
-def reads_only_written_slots(device: torch.device) -> bool:
+class FlexAttentionBackend(AttentionBackend):
+    """`flex_attention` over the paged cache, read in place: the CUDA backend (it also runs
+    on the CPU, where the native kernel is faster; tests check the two agree).
+
+    The step's sequences are flex's batch: sequence b's queries are padded to the longest
+    chunk, and its keys are the physical slots of its own blocks. The block mask lists, for
+    each tile of 16-128 queries, exactly the cache blocks that tile can see, in logical
+    order, so a sequence's cost grows with its own length; padded query rows see nothing.
+    Within a listed block the mask maps the slot back to its logical position (a per-step
+    physical-to-logical table) and keeps keys at or before the query's position. Nothing is
+    gathered and no row is padded to the batch's longest context.
+
+    The mask's tables are persistent buffers (same tensors every step, so the compiled
+    kernel is compiled once per shape bucket); the per-step plan is built once, by the first
+    layer, and reused by the others.
+    """
+
+    def __init__(self, compiled: bool = True) -> None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        self.flex = torch.compile(flex_attention, dynamic=True) if compiled else flex_attention
+        self.block_size = 0
+        self.tables = self.logical = self.q_pos = None  # the mask's persistent buffers
+        self.plan_key: tuple | None = None  # (the step's block_tables tensor, its plan)
+
+    def forward(self, q, k, v, cache, meta, scale):
+        if cache.key.dtype == torch.int8:
+            raise ValueError("kv_cache_dtype int8 needs the native CPU kernels")
+        if torch.compiler.is_compiling():  # one opaque op in the model's graph
+            return torch.ops.llmserve.flex_paged_attention(
+                q, k, v, meta.slot_mapping, cache.key, cache.value, meta.block_tables,
+                meta.query_start_t, meta.context_lens_t, meta.block_size, scale)
+        return self.attend(q, k, v, cache.key, cache.value, meta.slot_mapping,
+                           meta.block_tables, meta.query_start, meta.context_lens,
+                           meta.block_size, scale)
+
+    def attend(self, q, k, v, key_cache, value_cache, slot_mapping, block_tables,
+               query_start, context_lens, block_size, scale) -> torch.Tensor:
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        key_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, k.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
+            0, slot_mapping, v.to(value_cache.dtype))
+        plan = self.plan(block_tables, query_start, context_lens, block_size,
+                         key_cache.shape[0])
+        num_seqs, padded_len = len(context_lens), plan.padded_len
+        t, h, d = q.shape
+        q = q.to(key_cache.dtype)
+        if plan.dest is not None:  # pad each sequence's queries to the longest chunk
+            q = q.new_zeros(num_seqs * padded_len, h, d).index_copy_(0, plan.dest, q)
+        q = q.view(num_seqs, padded_len, h, d).transpose(1, 2)
+        keys = key_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = value_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
+        out = self.flex(q, keys, values, block_mask=plan.block_mask, scale=scale,
+                        enable_gqa=h != num_kv_heads, kernel_options=plan.kernel_options)
+        out = out.transpose(1, 2).reshape(num_seqs * padded_len, h, d)
+        if plan.dest is not None:
+            out = out.index_select(0, plan.dest)
+        return out.to(k.dtype)
+
+    def plan(self, block_tables, query_start, context_lens, block_size,
+             num_blocks) -> SimpleNamespace:
+        """The step's block mask and query layout, built once for all layers."""
+        if self.plan_key is not None and self.plan_key[0] is block_tables:
+            return self.plan_key[1]
+        from torch.nn.attention.flex_attention import BlockMask
+
+        device = block_tables.device
+        starts = np.asarray(query_start, dtype=np.int64)
+        query_lens, contexts = np.diff(starts), np.asarray(context_lens, dtype=np.int64)
+        num_seqs, width = block_tables.shape
+        padded_len = int(query_lens.max())
+        q_block = 16 if padded_len <= 16 else 64
+        num_q_blocks = -(-padded_len // q_block)
+        self._fit_buffers(num_seqs, width, padded_len, block_size, num_blocks, device)
+
+        # the mask's tables: each sequence's blocks, their logical index, query positions
+        used = (contexts + query_lens + block_size - 1) // block_size  # blocks each reads
+        logical = torch.arange(width, dtype=torch.int32, device=device).expand(num_seqs, -1)
+        in_use = logical < torch.from_numpy(used).to(device)[:, None]
+        columns = torch.where(in_use, block_tables, num_blocks)  # the rest: a spare column
+        self.tables[:num_seqs, :width] = block_tables
+        self.logical[:num_seqs].scatter_(1, columns.long(), logical)
+        positions = contexts[:, None] + np.arange(padded_len)[None, :]
+        self.q_pos[:num_seqs, :padded_len] = torch.from_numpy(positions).to(device)
+
+        # per query tile: how many of the sequence's blocks (in logical order) it sees
+        tile_end = np.minimum((np.arange(num_q_blocks)[None, :] + 1) * q_block,
+                              query_lens[:, None])  # (B, tiles) one past its last query
+        seen = (contexts[:, None] + tile_end - 1) // block_size + 1
+        seen[np.arange(num_q_blocks)[None, :] * q_block >= query_lens[:, None]] = 0
+        kv_num_blocks = torch.from_numpy(seen.astype(np.int32)).to(device)[:, None]
+        kv_indices = block_tables[:, None, None, :].expand(
+            num_seqs, 1, num_q_blocks, width).contiguous()
+        block_mask = BlockMask.from_kv_blocks(
+            kv_num_blocks, kv_indices, BLOCK_SIZE=(q_block, block_size),
+            mask_mod=self.mask_mod, seq_lengths=(padded_len, num_blocks * block_size),
+            compute_q_blocks=False)
+        dest = None
+        if padded_len > 1:
+            seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+            offsets = np.arange(len(seq_of_token)) - starts[seq_of_token]
+            dest = torch.from_numpy(seq_of_token * padded_len + offsets).to(device)
+        plan = SimpleNamespace(
+            block_mask=block_mask, padded_len=padded_len, dest=dest,
+            kernel_options={"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": q_block,
+                            "BLOCK_N": block_size})
+        self.plan_key = (block_tables, plan)
+        return plan
+
+    def _fit_buffers(self, num_seqs, width, padded_len, block_size, num_blocks,
+                     device) -> None:
+        """(Re)allocate the mask's buffers when the step outgrows them (rarely: sizes round
+        up to powers of two)."""
+        have = self.tables
+        if (have is not None and have.device == device and self.block_size == block_size
+                and have.shape[0] >= num_seqs and have.shape[1] >= width
+                and self.q_pos.shape[1] >= padded_len
+                and self.logical.shape[1] == num_blocks + 1):
+            return
+        rows = max(_pow2(num_seqs), 0 if have is None else have.shape[0])
+        cols = max(_pow2(width), 0 if have is None else have.shape[1])
+        lens = max(_pow2(padded_len), 0 if have is None else self.q_pos.shape[1])
+        self.block_size = block_size
+        self.tables = torch.zeros(rows, cols, dtype=torch.int32, device=device)
+        self.logical = torch.zeros(rows, num_blocks + 1, dtype=torch.int32, device=device)
+        self.q_pos = torch.zeros(rows, lens, dtype=torch.int64, device=device)
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        """Key slot kv_idx is visible to query q_idx of sequence b: its block is one of b's
+        blocks, and its logical position is at or before the query's."""
+        block = kv_idx // self.block_size
+        logical = self.logical[b, block]
+        own = self.tables[b, logical] == block
+        return own & (logical * self.block_size + kv_idx % self.block_size
+                      <= self.q_pos[b, q_idx])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@torch.library.custom_op("llmserve::flex_paged_attention",
+                         mutates_args=("key_cache", "value_cache"))
+def _flex_paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             slot_mapping: torch.Tensor, key_cache: torch.Tensor,
+                             value_cache: torch.Tensor, block_tables: torch.Tensor,
+                             query_start: torch.Tensor, context_lens: torch.Tensor,
+                             block_size: int, scale: float) -> torch.Tensor:
+    return _flex_backend(q.device).attend(
+        q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_start.tolist(),
+        context_lens.tolist(), block_size, scale)
+
+
+@_flex_paged_attention_op.register_fake
+def _(q, k, v, slot_mapping, key_cache, value_cache, block_tables, query_start, context_lens,
+      block_size, scale):
+    return torch.empty_like(q)
+
+
+_FLEX_BACKENDS: dict[torch.device, FlexAttentionBackend] = {}
+
+
+def _flex_backend(device: torch.device) -> FlexAttentionBackend:
+    """One flex backend (and its persistent mask buffers) per device."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _FLEX_BACKENDS:
+        _FLEX_BACKENDS[device] = FlexAttentionBackend(compiled=device.type == "cuda")
+    return _FLEX_BACKENDS[device]
+
+
+def reads_only_written_slots(device: torch.device, name: str = "auto") -> bool:
     """Whether the backend for `device` never reads a cache slot before writing it (the
-    native kernel reads keys < each query's position; SDPA over gathered blocks reads whole
-    blocks, masked, and 0 x NaN garbage would still be NaN)."""
-    return device.type == "cpu" and native() is not None
+    native kernel reads keys < each query's position)."""
+    return attention_backend(device, name).reads_only_written_slots
 
 
-def attention_backend(device: torch.device) -> AttentionBackend:
-    """The fastest backend for `device`: native kernels on the CPU when they build."""
-    if device.type == "cpu" and native() is not None:
+def attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+    """The backend `name` for `device`; "auto" is the fastest there: the native kernels on
+    the CPU when they build, flex_attention on CUDA, else the plain torch one."""
+    if name not in ATTENTION_BACKEND_CHOICES:
+        raise ValueError(f"attention_backend must be one of "
+                         f"{', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                         f"not {name!r}")
+    device = torch.device(device)
+    if name == "native" or (name == "auto" and device.type == "cpu" and native() is not None):
+        if device.type != "cpu":
+            raise ValueError("attention_backend native runs on the CPU only")
         return NativeCPUBackend()
+    if name == "flex" or (name == "auto" and device.type == "cuda" and _has_flex_attention()):
+        if not _has_flex_attention():
+            raise ValueError("attention_backend flex needs torch.nn.attention.flex_attention")
+        return _flex_backend(device)
     return TorchBackend()
+
+
+def _has_flex_attention() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True

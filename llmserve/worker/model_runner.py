@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from llmserve.worker.attention import KVCache, attention_backend
+from llmserve.worker.attention import AttentionBackend, KVCache, attention_backend
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
 from llmserve.worker.sampler import argmax, sample
@@ -39,12 +39,12 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str,
-                 max_num_seqs: int = 256) -> None:
+                 max_num_seqs: int = 256, attention: AttentionBackend | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
-        self.attention = attention_backend(self.device)
+        self.attention = attention or attention_backend(self.device)
         self.input_batch = InputBatch(max_num_seqs, self.block_size, self.device)
 
     @torch.inference_mode()

@@ -165,9 +165,31 @@ def test_int8_kv_cache_without_native_kernels_is_refused_at_start():
     from llmserve.engine.engine import resolve_kv_cache_dtype
     from llmserve.errors import LLMServeError
 
-    cuda = torch.device("cuda")  # the torch backend: no int8 cache reads
+    # flex (CUDA) and torch backends read no int8 entries
     with pytest.raises(LLMServeError, match="kv_cache_dtype int8 needs the native"):
-        resolve_kv_cache_dtype("int8", torch.bfloat16, None, cuda)
-    assert resolve_kv_cache_dtype("auto", torch.bfloat16, "int8", cuda) == torch.bfloat16
-    assert resolve_kv_cache_dtype("auto", torch.float32, "int8",
-                                  torch.device("cpu")) == torch.int8
+        resolve_kv_cache_dtype("int8", torch.bfloat16, None, native_attention=False)
+    assert resolve_kv_cache_dtype("auto", torch.bfloat16, "int8", False) == torch.bfloat16
+    assert resolve_kv_cache_dtype("auto", torch.float32, "int8", True) == torch.int8
+
+
+def test_attention_backend_by_name(smollm2_gguf):
+    """`attention_backend` picks the backend (the flex one runs its algorithm on the CPU,
+    uncompiled), and what a backend cannot do is refused at start, naming it."""
+    from llmserve import LLM, SamplingParams
+    from llmserve.errors import LLMServeError
+    from llmserve.worker.attention import FlexAttentionBackend, TorchBackend
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    outputs = {}
+    for name in ("auto", "torch", "flex"):
+        llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="64MiB",
+                  attention_backend=name)
+        outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert isinstance(llm.engine.runner.attention, FlexAttentionBackend)
+    assert outputs["torch"] == outputs["auto"] == outputs["flex"]
+    with pytest.raises(LLMServeError, match="kv_cache_dtype int8 needs the native"):
+        LLM(str(smollm2_gguf), kv_cache_dtype="int8", attention_backend="torch")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        LLM(str(smollm2_gguf), attention_backend="flash")
+    assert TorchBackend.reads_only_written_slots is False

@@ -20,9 +20,11 @@ The KV cache of one layer is a pair of tensors `[num_blocks, block_size, num_kv_
 head_dim]` in the cache dtype; an int8 cache adds one fp32 scale per (slot, kv head).
 """
 
+import contextlib
 import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -425,18 +427,21 @@ class FlexAttentionBackend(AttentionBackend):
                          key_cache.shape[0])
         num_seqs, padded_len = len(context_lens), plan.padded_len
         t, h, d = q.shape
+        dtype = q.dtype
         q = q.to(key_cache.dtype)
         if plan.dest is not None:  # pad each sequence's queries to the longest chunk
             q = q.new_zeros(num_seqs * padded_len, h, d).index_copy_(0, plan.dest, q)
         q = q.view(num_seqs, padded_len, h, d).transpose(1, 2)
         keys = key_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = value_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
-        out = self.flex(q, keys, values, block_mask=plan.block_mask, scale=scale,
-                        enable_gqa=h != num_kv_heads, kernel_options=plan.kernel_options)
+        with _flex_compile_settings():
+            out = self.flex(q, keys, values, block_mask=plan.block_mask, scale=scale,
+                            enable_gqa=h != num_kv_heads, kernel_options=plan.kernel_options)
         out = out.transpose(1, 2).reshape(num_seqs * padded_len, h, d)
         if plan.dest is not None:
             out = out.index_select(0, plan.dest)
-        return out.to(k.dtype)
+        # contiguous, as the op's fake promises (inductor reads it with those strides)
+        return out.to(dtype).contiguous()
 
     def plan(self, block_tables, query_start, context_lens, block_size,
              num_blocks) -> SimpleNamespace:
@@ -449,10 +454,14 @@ class FlexAttentionBackend(AttentionBackend):
         starts = np.asarray(query_start, dtype=np.int64)
         query_lens, contexts = np.diff(starts), np.asarray(context_lens, dtype=np.int64)
         num_seqs, width = block_tables.shape
-        padded_len = int(query_lens.max())
+        # query rows per sequence: 1 (decodes) or a power of two, so that the kernel is
+        # compiled for a handful of shapes (dynamo guards split on the query length)
+        padded_len = 1 if query_lens.max() == 1 else max(16, _pow2(query_lens.max()))
         q_block = 16 if padded_len <= 16 else 64
         num_q_blocks = -(-padded_len // q_block)
-        self._fit_buffers(num_seqs, width, padded_len, block_size, num_blocks, device)
+        # the kernel evaluates the mask on whole query tiles, padded rows included
+        self._fit_buffers(num_seqs, width, num_q_blocks * q_block, block_size, num_blocks,
+                          device)
 
         # the mask's tables: each sequence's blocks, their logical index, query positions
         used = (contexts + query_lens + block_size - 1) // block_size  # blocks each reads
@@ -461,8 +470,8 @@ class FlexAttentionBackend(AttentionBackend):
         columns = torch.where(in_use, block_tables, num_blocks)  # the rest: a spare column
         self.tables[:num_seqs, :width] = block_tables
         self.logical[:num_seqs].scatter_(1, columns.long(), logical)
-        positions = contexts[:, None] + np.arange(padded_len)[None, :]
-        self.q_pos[:num_seqs, :padded_len] = torch.from_numpy(positions).to(device)
+        positions = contexts[:, None] + np.arange(num_q_blocks * q_block)[None, :]
+        self.q_pos[:num_seqs, :positions.shape[1]] = torch.from_numpy(positions).to(device)
 
         # per query tile: how many of the sequence's blocks (in logical order) it sees
         tile_end = np.minimum((np.arange(num_q_blocks)[None, :] + 1) * q_block,
@@ -488,19 +497,19 @@ class FlexAttentionBackend(AttentionBackend):
         self.plan_key = (block_tables, plan)
         return plan
 
-    def _fit_buffers(self, num_seqs, width, padded_len, block_size, num_blocks,
+    def _fit_buffers(self, num_seqs, width, query_rows, block_size, num_blocks,
                      device) -> None:
         """(Re)allocate the mask's buffers when the step outgrows them (rarely: sizes round
         up to powers of two)."""
         have = self.tables
         if (have is not None and have.device == device and self.block_size == block_size
                 and have.shape[0] >= num_seqs and have.shape[1] >= width
-                and self.q_pos.shape[1] >= padded_len
+                and self.q_pos.shape[1] >= query_rows
                 and self.logical.shape[1] == num_blocks + 1):
             return
         rows = max(_pow2(num_seqs), 0 if have is None else have.shape[0])
         cols = max(_pow2(width), 0 if have is None else have.shape[1])
-        lens = max(_pow2(padded_len), 0 if have is None else self.q_pos.shape[1])
+        lens = max(_pow2(query_rows), 0 if have is None else self.q_pos.shape[1])
         self.block_size = block_size
         self.tables = torch.zeros(rows, cols, dtype=torch.int32, device=device)
         self.logical = torch.zeros(rows, num_blocks + 1, dtype=torch.int32, device=device)
@@ -514,6 +523,20 @@ class FlexAttentionBackend(AttentionBackend):
         own = self.tables[b, logical] == block
         return own & (logical * self.block_size + kv_idx % self.block_size
                       <= self.q_pos[b, q_idx])
+
+
+def _flex_compile_settings() -> Any:
+    """torch's default shape settings for compiling flex_attention, also when called from
+    inside the compiled model step (whose size-oblivious settings are active while it runs,
+    and under which the compiled flex kernel computed wrong results on CUDA), and room for
+    its few shape buckets."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(backed_size_oblivious=False, use_duck_shape=True))
+    stack.enter_context(dynamo_config.patch(recompile_limit=64))
+    return stack
 
 
 def _pow2(n: int) -> int:
@@ -535,7 +558,7 @@ def _flex_paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @_flex_paged_attention_op.register_fake
 def _(q, k, v, slot_mapping, key_cache, value_cache, block_tables, query_start, context_lens,
       block_size, scale):
-    return torch.empty_like(q)
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 _FLEX_BACKENDS: dict[torch.device, FlexAttentionBackend] = {}

@@ -130,7 +130,7 @@ def test_flex_plan_lists_exactly_the_blocks_each_query_tile_sees():
     plan = eager_flex().plan(meta.block_tables, meta.query_start, meta.context_lens, block, 60)
     mask = plan.block_mask
     tile = mask.BLOCK_SIZE[0]
-    assert plan.padded_len == 40 and tile == 64
+    assert plan.padded_len == 64 and tile == 64  # 40 queries, rounded to a power of two
     for b, (context, n) in enumerate(lens):
         for j in range(mask.kv_num_blocks.shape[2]):
             count = int(mask.kv_num_blocks[b, 0, j])

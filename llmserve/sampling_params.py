@@ -14,6 +14,52 @@ MAX_BEST_OF = 64
 MAX_BEAM_WIDTH = 16
 
 
+@dataclass
+class StructuredOutputsParams:
+    """A constraint every generated token obeys (vLLM's `StructuredOutputsParams`): exactly
+    one of `json` (a JSON schema, dict or string), `json_object` (any JSON object),
+    `regex`, `choice` (one of these strings) or `grammar` (a Lark grammar; llama.cpp GBNF
+    is accepted too, recognised by its `::=` rules).
+
+    The output is then a complete match, or the request ends by length
+    (`finish_reason "length"`) with a prefix of one; it never stops early on EOS or a stop
+    token the constraint does not allow. Validity of the schema or grammar is checked when
+    the request is added (`ValueError` naming what is wrong).
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    # JSON only: allow any whitespace between tokens (as llguidance's "flexible" mode);
+    # False: compact separators as `json.dumps` writes them
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None] + (["json_object"] * self.json_object)
+        _check(len(given) == 1, "structured_outputs",
+               f"needs exactly one of json, json_object, regex, choice, grammar; got "
+               f"{', '.join(given) or 'none'}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            _check(bool(self.choice) and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice", "must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and value.strip()),
+                   f"structured_outputs.{name}", "must be a non-empty string")
+        _check(self.json is None or isinstance(self.json, (dict, str)),
+               "structured_outputs.json", "must be a JSON schema (an object or its text)")
+
+    @property
+    def kind(self) -> str:
+        return "json_object" if self.json_object else next(
+            name for name in ("json", "regex", "choice", "grammar")
+            if getattr(self, name) is not None)
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each `RequestOutput` of a running request carries (vLLM's names and values).
 
@@ -58,6 +104,9 @@ class SamplingParams:
     temperature, penalties, bias, masks and truncation), like vLLM's default
     `raw_logprobs` mode.
 
+    `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
+    (`StructuredOutputsParams`; not with beam search).
+
     `output_kind` says whether the engine reports each step's snapshot (CUMULATIVE, the
     default, as in vLLM), only what is new (DELTA: what servers stream) or only the final
     output (FINAL_ONLY: what `LLM.generate` asks for).
@@ -89,6 +138,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -133,6 +183,11 @@ class SamplingParams:
         )
         self._check_penalties()
         self._check_token_lists()
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
 
     def _check_fan_out(self) -> None:
         if self.best_of is not None:
@@ -158,7 +213,8 @@ class SamplingParams:
             self.n <= self.beam_width, "n",
             f"must be <= beam_width ({self.beam_width}) with beam search, got {self.n}",
         )
-        for name in ("stop", "logprobs", "prompt_logprobs", "bad_words", "allowed_token_ids"):
+        for name in ("stop", "logprobs", "prompt_logprobs", "bad_words", "allowed_token_ids",
+                     "structured_outputs"):
             _check(not getattr(self, name), name, "is not supported with beam search")
 
     def _check_penalties(self) -> None:

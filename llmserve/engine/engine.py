@@ -33,6 +33,7 @@ from llmserve.memory import parse_size, plan_kv_cache
 from llmserve.models.compile import warm_up
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.structured import StructuredOutputManager
 from llmserve.worker.attention import KVCache, attention_backend
 from llmserve.worker.model_runner import ModelRunner, RunnerOutput
 
@@ -113,6 +114,7 @@ class Engine:
         self.groups: dict[str, ParallelGroup | BeamSearchGroup] = {}  # by the caller's id
         self.beams = BeamSearchRunner(self.scheduler, self.tokenizer)
         self.logprobs_decoder = LogprobsDecoder(self.tokenizer)
+        self.structured = StructuredOutputManager(self.tokenizer, model_cfg.vocab_size)
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------
@@ -138,6 +140,11 @@ class Engine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         max_tokens = self._check_length(len(ids), params)
         self._check_token_ids(params)
+        if params.structured_outputs is not None:
+            try:  # compile now (cached): an invalid constraint is refused before it queues
+                self.structured.backend.compile(params.structured_outputs)
+            except ValueError as e:
+                raise RequestRejected(str(e)) from None
         new = _NewRequest(text, ids, max_tokens, priority, arrival_time or time.time(), cache_salt)
         if params.use_beam_search:
             self.groups[request_id] = self.beams.add(request_id, new, params)
@@ -165,7 +172,10 @@ class Engine:
             self.tokenizer, new.ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output,
         )
-        self.states[request_id] = RequestState(request, new.text, detok, parent, index)
+        state = RequestState(request, new.text, detok, parent, index)
+        if params.structured_outputs is not None:
+            state.grammar = self.structured.matcher(params.structured_outputs)
+        self.states[request_id] = state
         self.scheduler.add_request(request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -197,10 +207,18 @@ class Engine:
         """One scheduling + forward step; the outputs (per `output_kind`) of every request
         that got a token, one per caller's request id."""
         out = self.scheduler.schedule()
-        runner_out = self.runner.execute(out)
+        grammar = self.structured.start_step({
+            s.request_id: state.grammar for s in out.scheduled
+            if s.sample and (state := self.states.get(s.request_id)) is not None
+            and state.grammar is not None})
+        runner_out = self.runner.execute(out, grammar)
         self._record_prompt_logprobs(runner_out)
         sampled = {rid: t for rid, t in runner_out.sampled.items() if not self.beams.owns(rid)}
         updated = self.scheduler.update(out, sampled)
+        for request in updated:
+            state = self.states[request.request_id]
+            if state.grammar is not None:
+                self._advance_grammar(state)
         outputs: list[RequestOutput] = []
         groups: dict[str, ParallelGroup] = {}  # groups with a sibling output this step
         for request in updated:
@@ -239,6 +257,21 @@ class Engine:
                 state.detokenizer.flush()
             del self.states[request.request_id]
         return state.output()
+
+    def _advance_grammar(self, state: RequestState) -> None:
+        """Feed the new token to the request's matcher; a complete grammar ends it."""
+        request = state.request
+        if not state.grammar.accept_token(request.output_token_ids[-1]):
+            # the mask allowed only valid tokens, so this is a backend fault: end the
+            # request rather than return text that breaks the constraint
+            logger.error("request %s: grammar rejected token %d (%s); finishing it",
+                         request.request_id, request.output_token_ids[-1],
+                         getattr(state.grammar, "error", None))
+            if not request.status.finished:
+                self.scheduler.finish_request(request.request_id,
+                                              RequestStatus.FINISHED_ABORTED)
+        elif state.grammar.is_terminated and not request.status.finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     # ---- helpers -----------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from llmserve.worker.logprobs import PositionLogprobs
 
 if TYPE_CHECKING:
     from llmserve.engine.parallel_sampling import ParallelGroup
+    from llmserve.structured.backend import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -43,6 +44,7 @@ class RequestState:
     prompt_logprobs: PromptLogprobs | None = field(init=False, default=None)
     num_sent_tokens: int = field(init=False, default=0)  # output tokens in earlier deltas
     prompt_logprobs_sent: bool = field(init=False, default=False)
+    grammar: "GrammarMatcher | None" = field(init=False, default=None)  # structured output
 
     def __post_init__(self) -> None:
         params = self.request.sampling_params

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from llmserve.structured import GrammarStep
 from llmserve.worker.attention import AttentionBackend, KVCache, attention_backend
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
@@ -48,9 +49,10 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the step: sample for every request whose chunk ends its tokens, and gather
-        the logprobs and prompt logprobs asked for."""
+    def execute(self, out: SchedulerOutput, grammar: GrammarStep | None = None) -> RunnerOutput:
+        """Run the step: sample for every request whose chunk ends its tokens (within its
+        grammar's mask, for structured output), and gather the logprobs and prompt logprobs
+        asked for."""
         batch = self.input_batch
         batch.update(out)
         if out.blocks_to_copy:
@@ -71,8 +73,9 @@ class ModelRunner:
         last = torch.from_numpy(step.last_token[to_sample]).to(self.device)
         logits = self.model.compute_logits(hidden[last])  # (N, V)
         sampling = batch.sampling_batch(rows, logits.shape[-1])
-        tokens = argmax(logits) if sampling is None else sample(logits, sampling)  # (N,)
         request_ids = [out.scheduled[i].request_id for i in to_sample]
+        allowed = logits if grammar is None else grammar.apply(logits, request_ids)
+        tokens = argmax(allowed) if sampling is None else sample(allowed, sampling)  # (N,)
         result.sampled = dict(zip(request_ids, tokens.tolist(), strict=True))
         self._sample_logprobs(request_ids, rows, logits, tokens, result)
         return result

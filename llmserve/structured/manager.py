@@ -1,0 +1,73 @@
+"""Per engine: the requests' matchers, and each step's masks, computed beside the forward."""
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.structured.backend import GrammarBackend, GrammarMatcher
+from llmserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarStep:
+    """This step's masks: row i of the bitmask for `request_ids[i]`, being computed on the
+    manager's thread until `apply` needs it."""
+
+    def __init__(self, request_ids: list[str], bitmask: torch.Tensor, done: Future) -> None:
+        self.request_ids = request_ids
+        self.bitmask = bitmask
+        self.done = done
+
+    def apply(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
+        """`logits` (N, V) of `request_ids` with every token the grammars forbid at -inf
+        (a copy; the raw logits stay for logprobs)."""
+        self.done.result()
+        index = {rid: i for i, rid in enumerate(request_ids)}
+        rows = [index[rid] for rid in self.request_ids]
+        vocab = logits.shape[-1]
+        words = self.bitmask.to(logits.device, non_blocking=True)  # (R, V / 32)
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((words[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()  # (R, V)
+        rows_t = torch.tensor(rows, device=logits.device)
+        masked = logits.clone()
+        masked[rows_t] = logits[rows_t].masked_fill(~allowed, float("-inf"))
+        return masked
+
+
+class StructuredOutputManager:
+    """Compiles constraints (cached), gives each constrained request a matcher, and computes
+    the batch's masks on one worker thread while the model runs."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._backend: GrammarBackend | None = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    @property
+    def backend(self) -> GrammarBackend:
+        if self._backend is None:  # built on the first constrained request (~0.2 s)
+            from llmserve.structured.llguidance_backend import LLGuidanceBackend
+
+            self._backend = LLGuidanceBackend(self.tokenizer, self.vocab_size)
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
+        return self._backend
+
+    def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher for a new request; `ValueError` naming the problem if the
+        constraint is invalid or cannot be enforced."""
+        return self.backend.matcher(self.backend.compile(params))
+
+    def start_step(self, matchers: dict[str, GrammarMatcher]) -> GrammarStep | None:
+        """Begin computing the masks of the requests sampled this step (by id)."""
+        if not matchers:
+            return None
+        request_ids = list(matchers)
+        bitmask = torch.zeros(len(request_ids), (self.vocab_size + 31) // 32,
+                              dtype=torch.int32)
+        done = self._thread.submit(self.backend.fill_bitmasks, list(matchers.values()),
+                                   bitmask)
+        return GrammarStep(request_ids, bitmask, done)

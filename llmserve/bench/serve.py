@@ -39,6 +39,29 @@ from llmserve.errors import LLMServeError
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 WORKLOADS = ("random", "shared-prefix", "jsonl")
+# --structured: what every request of the run is constrained to (as users send it: OpenAI's
+# response_format, or vLLM's structured_outputs); the outputs can be long, so that the
+# comparison with free text covers many constrained tokens per request
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 80},
+        "items": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 40},
+                           "count": {"type": "integer", "minimum": 0},
+                           "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}},
+            "required": ["name", "count", "tags"]}},
+    },
+    "required": ["title", "items"],
+}
+STRUCTURED = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "inventory", "schema": STRUCTURED_SCHEMA, "strict": True}}},
+    "json_object": {"response_format": {"type": "json_object"}},
+    "regex": {"structured_outputs": {"regex": r"(([a-z]{1,12} ){1,20}[a-z]{1,12}\. )+"}},
+    "choice": {"structured_outputs": {"choice": ["yes", "no", "it depends"]}},
+}
 _WARMUP_TOKENS = 4
 
 
@@ -61,6 +84,7 @@ class ServeBenchConfig:
     tokenizer_model: str | None = None
     label: str | None = None
     seed: int = 0
+    structured: str | None = None  # a key of STRUCTURED
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "base_url", self.base_url.rstrip("/").removesuffix("/v1"))
@@ -77,6 +101,8 @@ class ServeBenchConfig:
             raise ValueError("--workload jsonl needs --dataset FILE.jsonl")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"--endpoint must be one of {', '.join(ENDPOINTS)}")
+        if self.structured is not None and self.structured not in STRUCTURED:
+            raise ValueError(f"--structured must be one of {', '.join(STRUCTURED)}")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -201,12 +227,16 @@ def _interarrival_s(rng: random.Random, rate: float, burstiness: float) -> float
 
 
 def request_body(config: ServeBenchConfig, request: BenchRequest) -> dict[str, Any]:
-    """A streaming request for exactly `output_len` greedy tokens (vLLM/llama.cpp extras)."""
+    """A streaming request for exactly `output_len` greedy tokens (vLLM/llama.cpp extras);
+    with --structured, at most that many (a complete match ends the request earlier)."""
     body: dict[str, Any] = {
         "model": config.model, "stream": True, "stream_options": {"include_usage": True},
         "temperature": 0.0, "max_tokens": request.output_len,
         "min_tokens": request.output_len, "ignore_eos": True,
     }
+    if config.structured is not None:
+        body.update(STRUCTURED[config.structured])
+        del body["min_tokens"]
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:

@@ -57,7 +57,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         workload=args.workload, dataset=args.dataset, shared_prefix_len=args.shared_prefix_len,
         slo=SLO(args.slo_ttft, args.slo_tpot), api_key=args.api_key, endpoint=args.endpoint,
-        tokenizer_model=args.tokenizer_model, label=args.label, seed=args.seed)
+        tokenizer_model=args.tokenizer_model, label=args.label, seed=args.seed,
+        structured=args.structured)
     try:
         data = run_serve_bench(config)
     except httpx.HTTPError as e:  # what the client did not already turn into a message
@@ -240,6 +241,10 @@ def _add_bench_serve(kinds: Any, common: argparse.ArgumentParser) -> None:
                       "folder); default: --model's own when llmserve knows it, else the "
                       "server's /tokenize")
     work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--structured", choices=("json_schema", "json_object", "regex", "choice"),
+                      help="constrain every output: json_schema (a nested object schema), "
+                           "json_object (response_format), regex or choice (vLLM's "
+                           "structured_outputs); outputs end when complete (<= --output-len)")
     out = sv.add_argument_group("results")
     out.add_argument("--slo-ttft", type=float, help="goodput SLO on TTFT, seconds")
     out.add_argument("--slo-tpot", type=float, help="goodput SLO on TPOT, seconds")

@@ -599,7 +599,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 9; }
+int32_t llmserve_kernels_abi() { return 10; }
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.
@@ -769,6 +769,38 @@ void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
   const F32Tiles tile{x, K, w, N, bias, y};
   parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
     for_tiles<kRows, 4>(tile, M, nb, ne, row_block);
+  });
+}
+
+// Structured output: row rows[r] of x (N floats a row) gets -inf wherever bit n % 32 of
+// words[r * ceil(N / 32) + n / 32] is clear (a grammar forbids token n). Rows in parallel;
+// a word of 32 allowed tokens costs one compare.
+void llmserve_apply_token_bitmask(float* x, int64_t N, const int32_t* words, int64_t R,
+                                  const int64_t* rows) {
+  const int64_t W = (N + 31) / 32;
+  parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      float* row = x + rows[r] * N;
+      const uint32_t* bits = reinterpret_cast<const uint32_t*>(words + r * W);
+      for (int64_t w = 0; w < W; ++w) {
+        const uint32_t forbidden = ~bits[w];
+        if (forbidden == 0) continue;
+        const int64_t base = w * 32;
+#if defined(__AVX512F__)
+        if (base + 32 <= N) {
+          const __m512 neg_inf = _mm512_set1_ps(-INFINITY);
+          _mm512_mask_storeu_ps(row + base, static_cast<__mmask16>(forbidden & 0xFFFF),
+                                neg_inf);
+          _mm512_mask_storeu_ps(row + base + 16, static_cast<__mmask16>(forbidden >> 16),
+                                neg_inf);
+          continue;
+        }
+#endif
+        for (int64_t i = 0; i < 32 && base + i < N; ++i) {
+          if (forbidden >> i & 1u) row[base + i] = -INFINITY;
+        }
+      }
+    }
   });
 }
 

@@ -3,8 +3,10 @@
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
+from llmserve.kernels import native_for, ptr
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.structured.backend import GrammarBackend, GrammarMatcher
 from llmserve.tokenizer import Tokenizer
@@ -26,14 +28,19 @@ class GrammarStep:
         (a copy; the raw logits stay for logprobs)."""
         self.done.result()
         index = {rid: i for i, rid in enumerate(request_ids)}
-        rows = [index[rid] for rid in self.request_ids]
-        vocab = logits.shape[-1]
-        words = self.bitmask.to(logits.device, non_blocking=True)  # (R, V / 32)
-        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = ((words[:, :, None] >> bits) & 1).flatten(1)[:, :vocab].bool()  # (R, V)
-        rows_t = torch.tensor(rows, device=logits.device)
+        rows = torch.tensor([index[rid] for rid in self.request_ids], dtype=torch.int64)
         masked = logits.clone()
-        masked[rows_t] = logits[rows_t].masked_fill(~allowed, float("-inf"))
+        lib = native_for(masked)
+        if lib is not None:
+            lib.llmserve_apply_token_bitmask(ptr(masked), masked.shape[1], ptr(self.bitmask),
+                                             len(rows), ptr(rows))
+            return masked
+        # torch: bit t % 32 of word t // 32 is token t, the little-endian bits of the bytes
+        bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1,
+                             count=logits.shape[-1], bitorder="little")
+        allowed = torch.from_numpy(bits).view(torch.bool).to(logits.device)  # (R, V)
+        rows = rows.to(logits.device)
+        masked[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return masked
 
 

@@ -1,0 +1,37 @@
+"""The grammar bitmask applied to the sampled rows' logits: native kernel and torch path."""
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from llmserve.structured.manager import GrammarStep
+
+
+def reference(logits, bitmask, rows):
+    vocab = logits.shape[1]
+    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    out = logits.clone()
+    for i, row in enumerate(rows):
+        out[row][~allowed[i]] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("vocab", [49152, 49157, 7])
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_mask_applies_to_exactly_the_constrained_rows(vocab, native_kernels, monkeypatch):
+    if not native_kernels:  # the torch path (CUDA, or no compiler)
+        monkeypatch.setattr("llmserve.structured.manager.native_for", lambda *t: None)
+    torch.manual_seed(0)
+    ids = [f"r{i}" for i in range(6)]
+    constrained = ["r1", "r2", "r4"]
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    bitmask[0, 0] = -1  # a word of 32 allowed tokens
+    bitmask[1, 0] = 0  # and one of none
+    logits = torch.randn(6, vocab)
+    done = Future()
+    done.set_result(None)
+    out = GrammarStep(constrained, bitmask, done).apply(logits, ids)
+    assert torch.equal(out, reference(logits, bitmask, [1, 2, 4]))
+    assert not torch.isinf(logits).any()  # the raw logits (for logprobs) stay as they were

@@ -49,30 +49,25 @@ class OpenAIModel(BaseModel):
 
 
 # Fields of the OpenAI and vLLM request APIs that would change the output and that llmserve
-# does not serve yet: refused with a 400 naming them, never dropped. (Fields nobody defines
-# are logged and ignored, as vLLM does: clients send their own extras.) Each maps to the
-# values that leave it a no-op (None always does) and why it is refused otherwise.
-_STRUCTURED = "structured output is not supported yet"
+# does not serve (on the route at hand): refused with a 400 naming them, never dropped. (Fields
+# nobody defines are logged and ignored, as vLLM does: clients send their own extras.) Each
+# maps to the values that leave it a no-op (None always does) and why it is refused otherwise.
+# A field a route declares (chat's `tools`) is never an extra there, so is never refused there.
 _BEAM = "it applies to beam search, which is not served over HTTP"
+_CHAT_ONLY = "tool calls are served by /v1/chat/completions"
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((False,), "beam search is not served over HTTP (offline: "
                                   "LLM.beam_search)"),
     "length_penalty": ((1.0,), _BEAM),
     "early_stopping": ((False,), _BEAM),
-    "structured_outputs": ((), _STRUCTURED),
-    "guided_json": ((), _STRUCTURED),
-    "guided_regex": ((), _STRUCTURED),
-    "guided_choice": ((), _STRUCTURED),
-    "guided_grammar": ((), _STRUCTURED),
-    "guided_decoding_backend": ((), _STRUCTURED),
-    "guided_whitespace_pattern": ((), _STRUCTURED),
-    "response_format": (({"type": "text"},), _STRUCTURED),  # completions; chat checks its own
-    "tool_choice": (("none", "auto"), "tool calls are not enforced yet (tool_choice "
-                                      "'required' or a named function)"),
+    "guided_whitespace_pattern": ((), "JSON whitespace is compact, or any with "
+                                      "structured_outputs.whitespace_flexible"),
+    "tools": (([],), _CHAT_ONLY),
+    "tool_choice": (("none", "auto"), _CHAT_ONLY),
     "logits_processors": ((), "custom logits processors are not supported"),
     "truncate_prompt_tokens": ((), "prompts are never truncated; send a shorter prompt"),
-    "functions": ((), "legacy function calling is not supported"),
-    "function_call": ((), "legacy function calling is not supported"),
+    "functions": ((), "legacy function calling is not supported; use tools"),
+    "function_call": ((), "legacy function calling is not supported; use tool_choice"),
 }
 
 
@@ -110,6 +105,14 @@ class SamplingRequest(OpenAIModel):
     prompt_logprobs: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # output constraints (structured.py turns them into StructuredOutputsParams)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def refuse_unsupported(self) -> None:
         """A 400 naming the first field set that llmserve cannot honour (`UNSUPPORTED_FIELDS`)."""
@@ -150,10 +153,37 @@ class TextPart(OpenAIModel):
     text: str | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; a dict is taken too
+
+
+class ToolCall(OpenAIModel):
+    """A call an earlier assistant message made, sent back as conversation history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this is the result of
+
+
+class FunctionDefinition(OpenAIModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no parameters
+    strict: bool | None = None
+
+
+class ToolDefinition(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -162,8 +192,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -172,6 +204,7 @@ class TokenizeRequest(OpenAIModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[ToolDefinition] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

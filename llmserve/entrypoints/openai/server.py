@@ -37,7 +37,7 @@ from llmserve.entrypoints.openai.protocol import (
     now,
 )
 from llmserve.entrypoints.openai.serving_base import SSEResponse
-from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat, messages_to_dicts
+from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.errors import LLMServeError
 
@@ -115,10 +115,9 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            messages = messages_to_dicts(body.messages)
-            ids = await engine.run_blocking(
-                lambda: tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=True))
+            tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] or None
+            ids = await engine.run_blocking(chat.prompt_ids, body.messages, tools,
+                                            body.add_generation_prompt)
         else:
             ids = await engine.run_blocking(tokenizer.encode, body.prompt,
                                             body.add_special_tokens)

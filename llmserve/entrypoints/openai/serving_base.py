@@ -1,11 +1,14 @@
-"""What completions and chat share: model check, submission, stream merging, SSE, logprobs.
+"""What completions and chat share: model check, submission, the streaming state machine,
+SSE, logprobs.
 
 Whole responses ask the engine for the final output only (`RequestOutputKind.FINAL_ONLY`);
 streams ask for deltas (`DELTA`) and turn each into chunks as it comes, nothing re-sent.
+A stream runs `stream_response`; the routes differ only in their `ChunkFormatter`.
 """
 
 import asyncio
 import json
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,7 +16,8 @@ from starlette.responses import StreamingResponse
 
 from llmserve.engine.async_engine import AsyncEngine, RequestStream
 from llmserve.engine.engine import RequestRejected
-from llmserve.entrypoints.openai.protocol import SAMPLING_FIELDS, BadRequest
+from llmserve.entrypoints.openai.protocol import SAMPLING_FIELDS, BadRequest, now, usage
+from llmserve.entrypoints.openai.structured import Constraint, rename_engine_error
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -35,11 +39,12 @@ class OpenAIServing:
     async def submit(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str,
         arrival_time: float, priority: int, cache_salt: str | None,
-        prompt_field: str, max_tokens_field: str,
+        prompt_field: str, max_tokens_field: str, constraint: Constraint | None = None,
     ) -> list[RequestStream]:
         """Admit every prompt or none: on the first refusal the admitted ones are aborted.
 
-        The engine's refusals become `BadRequest`s naming the field the user set.
+        The engine's refusals become `BadRequest`s naming the field the user set (for a
+        constraint it cannot compile, the field that set it).
         """
         streams: list[RequestStream] = []
         try:
@@ -50,6 +55,9 @@ class OpenAIServing:
         except RequestRejected as e:
             _abort_all(streams)
             message = str(e)
+            if constraint is not None and message.startswith("structured_outputs"):
+                field = constraint.error_field
+                raise BadRequest(rename_engine_error(message, field), param=field) from None
             first_word = message.split(" ", 1)[0]
             param = max_tokens_field if "max_tokens" in message else prompt_field
             if first_word in SAMPLING_FIELDS and first_word != "max_tokens":
@@ -66,6 +74,46 @@ class OpenAIServing:
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
+
+
+class ChunkFormatter(ABC):
+    """How one route shows a streamed response: the chunks' object name, and the chunk
+    choices for each delta of a choice (it keeps what it needs of earlier deltas)."""
+
+    object_name: str
+
+    @abstractmethod
+    def choice_chunks(self, prompt_index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
+        """The chunk choices (each goes out in its own chunk) for one choice's delta."""
+
+
+async def stream_response(streams: list[RequestStream], formatter: ChunkFormatter,
+                          request_id: str, model_name: str,
+                          include_usage: bool) -> AsyncIterator[str]:
+    """The SSE events of a streamed response: each delta's chunks as they come, an error
+    event if the engine fails, the usage chunk when asked, then [DONE]."""
+    created = now()
+
+    def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {"id": request_id, "object": formatter.object_name, "created": created,
+                "model": model_name, "choices": choices}
+        if include_usage:
+            body["usage"] = None
+        return body
+
+    tally = StreamUsage()
+    try:
+        async for i, delta in merge_streams(streams):
+            tally.add(i, delta)
+            for c in delta.outputs:
+                for choice in formatter.choice_chunks(i, c):
+                    yield sse(chunk([choice]))
+    except Exception as e:
+        yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
+                             "code": 500}})
+    if include_usage:
+        yield sse({**chunk([]), "usage": usage(*tally.counts())})
+    yield sse("[DONE]")
 
 
 async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:

@@ -1,9 +1,11 @@
-"""POST /v1/chat/completions: messages through the chat template, replies whole or streamed."""
+"""POST /v1/chat/completions: messages through the chat template, replies whole or streamed,
+as text or tool calls."""
 
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from llmserve.engine.async_engine import RequestStream
 from llmserve.entrypoints.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -14,23 +16,32 @@ from llmserve.entrypoints.openai.protocol import (
     usage,
 )
 from llmserve.entrypoints.openai.serving_base import (
+    ChunkFormatter,
     OpenAIServing,
-    StreamUsage,
     final_outputs,
-    merge_streams,
     output_kind,
     prompt_logprobs_json,
-    sse,
+    stream_response,
     token_logprobs,
     top_entries,
     usage_of,
 )
+from llmserve.entrypoints.openai.structured import request_constraints, single_constraint
+from llmserve.entrypoints.openai.tool_calls import (
+    plan_tools,
+    template_messages,
+    tool_format_for,
+)
+from llmserve.entrypoints.openai.tool_parsers import Extracted, ToolCallExtractor
 from llmserve.errors import LLMServeError
 from llmserve.outputs import CompletionOutput
 
+Extractors = Callable[[], ToolCallExtractor] | None
+
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them; list content is joined text parts."""
+    """Messages as chat templates take them: list content joined, tool calls' arguments
+    as objects (templates write them with `tojson`), tool results with their call's id."""
     result = []
     for i, m in enumerate(messages):
         content = m.content
@@ -40,11 +51,29 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
                     raise BadRequest(f"content part type '{part.type}' is not supported; only "
                                      "text parts", param=f"messages[{i}].content[{j}].type")
             content = "".join(part.text for part in content)
-        message = {"role": m.role, "content": content or ""}
+        message: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [_call_dict(call.id, call.function.name,
+                                                call.function.arguments, f"messages[{i}]"
+                                                f".tool_calls[{j}].function.arguments")
+                                     for j, call in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         result.append(message)
     return result
+
+
+def _call_dict(call_id: str | None, name: str, arguments: str | dict,
+               param: str) -> dict[str, Any]:
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise BadRequest("a tool call's arguments must be JSON text", param=param) from None
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -52,23 +81,29 @@ class OpenAIServingChat(OpenAIServing):
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
         """The response body, or an iterator of SSE events when `request.stream`."""
         self.check_model(request.model)
-        fmt = (request.response_format or {}).get("type", "text")
-        if fmt != "text":
-            raise BadRequest(f"response_format type '{fmt}' is not supported",
-                             param="response_format")
+        tool_format = tool_format_for(self.tokenizer.chat_template)
+        plan = plan_tools(request, tool_format)
+        constraints = request_constraints(request)
+        constraint = single_constraint(constraints + [c for c in [plan.constraint] if c])
+        # a constrained output (response_format) is not in the template's call format
+        extractors = None if plan.auto and constraints else plan.extractor
         params, max_tokens_field = self._params(request)
+        params.structured_outputs = constraint.params if constraint else None
         params.output_kind = output_kind(request.stream)
-        prompt_ids = await self.engine.run_blocking(self.render, request)
+        prompt_ids = await self.engine.run_blocking(
+            self.prompt_ids, request.messages, plan.tools, request.add_generation_prompt,
+            request.chat_template_kwargs)
         request_id = random_id("chatcmpl")
         streams = await self.submit([prompt_ids], params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "messages",
-                                    max_tokens_field)
+                                    max_tokens_field, constraint)
         top_k = (request.top_logprobs or 0) if request.logprobs else None
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._stream(streams, request_id, top_k, include_usage)
+            return stream_response(streams, _ChatChunks(self, top_k, extractors), request_id,
+                                   self.model_name, include_usage)
         (final,) = await final_outputs(streams)
-        choices = [self._choice(c, top_k) for c in final.outputs]
+        choices = [self._choice(c, top_k, extractors) for c in final.outputs]
         choices.sort(key=lambda c: c["index"])
         return {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final])),
@@ -94,22 +129,37 @@ class OpenAIServingChat(OpenAIServing):
             message = str(e).replace(e.param, renamed[e.param], 1)
             raise BadRequest(message, param=renamed[e.param]) from None
 
-    def render(self, request: ChatCompletionRequest) -> list[int]:
-        """The prompt's token ids: the messages rendered with the model's chat template."""
-        messages = messages_to_dicts(request.messages)
+    def prompt_ids(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
+                   add_generation_prompt: bool = True,
+                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt's token ids: the messages (and tools) rendered with the model's chat
+        template, what it cannot render written in as its tool format writes it."""
+        template = self.tokenizer.chat_template
+        rendered = template_messages(messages_to_dicts(messages), tools, template,
+                                     tool_format_for(template))
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=request.add_generation_prompt, tokenize=True,
-                tools=request.tools, **(request.chat_template_kwargs or {}))
+                rendered, add_generation_prompt=add_generation_prompt, tokenize=True,
+                tools=tools, **(template_kwargs or {}))
         except LLMServeError as e:
             raise BadRequest(str(e), param="messages") from None
 
-    def _choice(self, c: CompletionOutput, top_k: int | None) -> dict[str, Any]:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c, top_k), "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+    def _choice(self, c: CompletionOutput, top_k: int | None,
+                extractors: Extractors) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish_reason = c.finish_reason
+        if extractors is not None:
+            extractor = extractors()
+            extracted = extractor.feed(c.text) + extractor.finish()
+            calls = _whole_calls(extracted)
+            message["content"] = extracted.content if extracted.content or not calls else None
+            if calls:
+                message["tool_calls"] = calls
+                finish_reason = _finish_reason(c.finish_reason, extractor)
+        return {"index": c.index, "message": message, "logprobs": self.logprobs(c, top_k),
+                "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
-    def _logprobs(self, c: CompletionOutput, top_k: int | None) -> dict | None:
+    def logprobs(self, c: CompletionOutput, top_k: int | None) -> dict | None:
         """OpenAI's chat logprobs of the completion's tokens (None when not asked)."""
         if top_k is None:
             return None
@@ -117,59 +167,75 @@ class OpenAIServingChat(OpenAIServing):
         for token_id, entries in token_logprobs(c):
             sampled = entries.get(token_id)
             text = self.token_text(token_id, sampled)
-            top = [self._entry(self.token_text(t, lp), lp.logprob)
+            top = [_entry(self.token_text(t, lp), lp.logprob)
                    for t, lp in top_entries(entries, top_k)]
-            content.append({**self._entry(text, sampled.logprob if sampled else None),
+            content.append({**_entry(text, sampled.logprob if sampled else None),
                             "top_logprobs": top})
         return {"content": content}
 
-    @staticmethod
-    def _entry(token: str, logprob: float | None) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
-    async def _stream(self, streams: list[RequestStream], request_id: str,
-                      top_k: int | None, include_usage: bool) -> AsyncIterator[str]:
-        created = now()
-        role_sent: set[int] = set()  # choice indexes whose first chunk (the role) went out
-        tally = StreamUsage()
-        try:
-            async for _, delta in merge_streams(streams):
-                tally.add(0, delta)
-                for c in delta.outputs:
-                    if c.index not in role_sent:
-                        role_sent.add(c.index)
-                        yield sse(self._chunk(request_id, created, [self._role(c.index)],
-                                              include_usage))
-                    choice = self._delta_choice(c, top_k)
-                    if choice is not None:
-                        yield sse(self._chunk(request_id, created, [choice], include_usage))
-        except Exception as e:
-            yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
-                                 "code": 500}})
-        if include_usage:
-            body = self._chunk(request_id, created, [], include_usage)
-            body["usage"] = usage(*tally.counts())
-            yield sse(body)
-        yield sse("[DONE]")
+def _entry(token: str, logprob: float | None) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
-    @staticmethod
-    def _role(index: int) -> dict[str, Any]:
-        return {"index": index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}
 
-    def _delta_choice(self, c: CompletionOutput, top_k: int | None) -> dict[str, Any] | None:
-        """One choice's chunk for a delta; None when it brings nothing to show."""
-        logprobs = self._logprobs(c, top_k)
-        if not (c.text or c.finished or (logprobs and logprobs["content"])):
-            return None
-        return {"index": c.index, "delta": {"content": c.text} if c.text else {},
-                "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+def _whole_calls(extracted: Extracted) -> list[dict[str, Any]]:
+    """OpenAI's `message.tool_calls` from every piece of the calls."""
+    calls: dict[int, dict[str, Any]] = {}
+    for piece in extracted.tool_calls:
+        if piece.id is not None:
+            calls[piece.index] = {"id": piece.id, "type": "function",
+                                  "function": {"name": piece.name, "arguments": ""}}
+        calls[piece.index]["function"]["arguments"] += piece.arguments
+    return [calls[i] for i in sorted(calls)]
 
-    def _chunk(self, request_id: str, created: int, choices: list,
-               include_usage: bool) -> dict[str, Any]:
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": self.model_name, "choices": choices}
-        if include_usage:
-            body["usage"] = None
-        return body
+
+def _finish_reason(reason: str | None, extractor: ToolCallExtractor) -> str | None:
+    """"tool_calls" when the output ended complete with calls in it (a call cut short by
+    max_tokens keeps "length": it should not be run)."""
+    return "tool_calls" if reason == "stop" and extractor.num_calls else reason
+
+
+@dataclass
+class _ChoiceState:
+    """What a stream has sent of one choice so far."""
+
+    extractor: ToolCallExtractor | None  # None: the output is plain text
+
+
+class _ChatChunks(ChunkFormatter):
+    """Chat's stream chunks: the role first, then content or tool-call deltas, logprobs."""
+
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, serving: OpenAIServingChat, top_k: int | None,
+                 extractors: Extractors) -> None:
+        self.serving = serving
+        self.top_k = top_k
+        self.extractors = extractors
+        self.states: dict[int, _ChoiceState] = {}
+
+    def choice_chunks(self, prompt_index: int, c: CompletionOutput) -> list[dict[str, Any]]:
+        state = self.states.get(c.index)
+        chunks = []
+        if state is None:
+            extractor = self.extractors() if self.extractors else None
+            state = self.states[c.index] = _ChoiceState(extractor)
+            chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": None})
+        extracted = Extracted(c.text)
+        finish_reason = c.finish_reason
+        if state.extractor is not None:
+            extracted = state.extractor.feed(c.text)
+            if c.finished:
+                extracted += state.extractor.finish()
+                finish_reason = _finish_reason(c.finish_reason, state.extractor)
+        delta: dict[str, Any] = {}
+        if extracted.content:
+            delta["content"] = extracted.content
+        if extracted.tool_calls:
+            delta["tool_calls"] = [piece.to_json() for piece in extracted.tool_calls]
+        logprobs = self.serving.logprobs(c, self.top_k)
+        if delta or c.finished or (logprobs and logprobs["content"]):
+            chunks.append({"index": c.index, "delta": delta, "logprobs": logprobs,
+                           "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+        return chunks

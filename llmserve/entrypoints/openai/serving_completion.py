@@ -13,26 +13,18 @@ from llmserve.entrypoints.openai.protocol import (
     usage,
 )
 from llmserve.entrypoints.openai.serving_base import (
+    ChunkFormatter,
     OpenAIServing,
-    StreamUsage,
     final_outputs,
-    merge_streams,
     output_kind,
     prompt_logprobs_json,
-    sse,
+    stream_response,
     token_logprobs,
     top_entries,
     usage_of,
 )
+from llmserve.entrypoints.openai.structured import request_constraints, single_constraint
 from llmserve.outputs import CompletionOutput
-
-
-@dataclass
-class _Choice:
-    """What a stream has sent of one choice so far."""
-
-    started: bool = False
-    text_offset: int = 0  # characters sent, for the logprobs' text_offset
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -49,6 +41,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is not None:
             options["logprobs"] = request.logprobs
         options["output_kind"] = output_kind(request.stream)
+        constraint = single_constraint(request_constraints(request))
+        if constraint is not None:
+            options["structured_outputs"] = constraint.params
         params = build_sampling_params(options)
         prompts = _prompt_list(request.prompt)
         token_ids = await self.engine.run_blocking(self._tokenize, prompts,
@@ -58,11 +53,13 @@ class OpenAIServingCompletion(OpenAIServing):
             echoes = await self.engine.run_blocking(self._prompt_texts, prompts)
         request_id = random_id("cmpl")
         streams = await self.submit(token_ids, params, request_id, arrival_time,
-                                    request.priority, request.cache_salt, "prompt", "max_tokens")
+                                    request.priority, request.cache_salt, "prompt", "max_tokens",
+                                    constraint)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return self._stream(streams, request_id, params.n, echoes, request.logprobs,
-                                include_usage)
+            formatter = _CompletionChunks(self, params.n, echoes, request.logprobs)
+            return stream_response(streams, formatter, request_id, self.model_name,
+                                   include_usage)
         finals = await final_outputs(streams)
         choices = [
             {**self._choice(i * params.n + c.index, c, echoes[i], request.logprobs),
@@ -84,13 +81,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 num_logprobs: int | None) -> dict[str, Any]:
         logprobs = None
         if num_logprobs is not None:
-            logprobs = self._logprobs(completion, 0, num_logprobs)
+            logprobs = self.logprobs(completion, 0, num_logprobs)
         return {"index": index, "text": echo + completion.text, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason}
 
-    def _logprobs(self, completion: CompletionOutput, text_offset: int,
-                  k: int) -> dict[str, Any]:
+    def logprobs(self, completion: CompletionOutput, text_offset: int,
+                 k: int) -> dict[str, Any]:
         """OpenAI's completions logprobs of the completion's tokens, the first at `text_offset`."""
         result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                    "text_offset": []}
@@ -107,53 +104,42 @@ class OpenAIServingCompletion(OpenAIServing):
             text_offset += len(text)
         return result
 
-    async def _stream(self, streams: list, request_id: str, n: int, echoes: list[str],
-                      num_logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
-        created = now()
-        states: dict[tuple[int, int], _Choice] = {}
-        tally = StreamUsage()
-        try:
-            async for i, delta in merge_streams(streams):
-                tally.add(i, delta)
-                for c in delta.outputs:
-                    state = states.setdefault((i, c.index), _Choice())
-                    chunk = self._delta_choice(state, c, echoes[i], num_logprobs)
-                    if chunk is None:
-                        continue
-                    chunk["index"] = i * n + c.index
-                    yield sse(self._chunk(request_id, created, [chunk], include_usage))
-        except Exception as e:
-            yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
-                                 "code": 500}})
-        if include_usage:
-            body = self._chunk(request_id, created, [], include_usage)
-            body["usage"] = usage(*tally.counts())
-            yield sse(body)
-        yield sse("[DONE]")
 
-    def _delta_choice(self, state: _Choice, c: CompletionOutput, echo: str,
-                      num_logprobs: int | None) -> dict[str, Any] | None:
-        """One choice's chunk for a delta, or None when it brings nothing to show."""
+@dataclass
+class _Choice:
+    """What a stream has sent of one choice so far."""
+
+    started: bool = False
+    text_offset: int = 0  # characters sent, for the logprobs' text_offset
+
+
+class _CompletionChunks(ChunkFormatter):
+    """Completions' stream chunks: text, logprobs, the echoed prompt first."""
+
+    object_name = "text_completion"
+
+    def __init__(self, serving: OpenAIServingCompletion, n: int, echoes: list[str],
+                 num_logprobs: int | None) -> None:
+        self.serving = serving
+        self.n = n
+        self.echoes = echoes
+        self.num_logprobs = num_logprobs
+        self.states: dict[tuple[int, int], _Choice] = {}
+
+    def choice_chunks(self, prompt_index: int, c: CompletionOutput) -> list[dict[str, Any]]:
+        state = self.states.setdefault((prompt_index, c.index), _Choice())
         text = c.text
-        if not state.started and echo:
-            text = echo + text
+        if not state.started:
+            text = self.echoes[prompt_index] + text
         logprobs = None
-        if num_logprobs is not None:
-            logprobs = self._logprobs(c, state.text_offset, num_logprobs)
+        if self.num_logprobs is not None:
+            logprobs = self.serving.logprobs(c, state.text_offset, self.num_logprobs)
             state.text_offset += sum(len(t) for t in logprobs["tokens"])
         if not text and not c.finished and not (logprobs and logprobs["tokens"]):
-            return None
+            return []
         state.started = True
-        return {"text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
-
-    def _chunk(self, request_id: str, created: int, choices: list,
-               include_usage: bool) -> dict[str, Any]:
-        body = {"id": request_id, "object": "text_completion", "created": created,
-                "model": self.model_name, "choices": choices}
-        if include_usage:
-            body["usage"] = None
-        return body
+        return [{"index": prompt_index * self.n + c.index, "text": text, "logprobs": logprobs,
+                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:

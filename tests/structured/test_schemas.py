@@ -1,0 +1,170 @@
+"""JSON schemas on the real model with sampling on: every complete output is valid JSON the
+schema accepts (Draft 2020-12, formats checked), streamed and not.
+
+All schemas x seeds run as one batch through `LLM.generate` (final outputs), then the same
+batch again through `Engine.step` with `output_kind=DELTA`: the joined deltas must be
+valid too and equal, token for token, to the final output of the same seed.
+"""
+
+import json
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from llmserve.outputs import CompletionOutput
+from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
+from tests.structured.helpers import Streamed, chat_prompt, json_violation, stream
+from tests.structured.schemas import SCHEMAS, SchemaCase, validator
+
+SEEDS = (11, 22, 33)
+TEMPERATURE = 0.9
+MAX_TOKENS = 320  # the longest output seen is 172 tokens (a recipe)
+# also run with any whitespace allowed between JSON tokens (one seed each)
+FLEXIBLE = ("order", "matrix", "recipe", "profile", "user_row")
+
+
+@dataclass(frozen=True)
+class Run:
+    case: SchemaCase
+    seed: int
+    whitespace_flexible: bool = False
+
+    def params(self) -> SamplingParams:
+        constraint = StructuredOutputsParams(json=self.case.schema,
+                                             whitespace_flexible=self.whitespace_flexible)
+        return SamplingParams(temperature=TEMPERATURE, seed=self.seed, max_tokens=MAX_TOKENS,
+                              structured_outputs=constraint)
+
+
+RUNS = [Run(case, seed) for case in SCHEMAS for seed in SEEDS] + [
+    Run(case, SEEDS[0], whitespace_flexible=True) for case in SCHEMAS if case.name in FLEXIBLE]
+REQUIRED_KEYWORDS = {
+    "properties", "required", "additionalProperties", "patternProperties", "minProperties",
+    "maxProperties", "items", "prefixItems", "minItems", "maxItems", "enum", "const",
+    "pattern", "format", "minLength", "maxLength", "minimum", "maximum", "exclusiveMinimum",
+    "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "$ref", "$defs"}
+
+
+@pytest.fixture(scope="module")
+def prompts(structured_llm) -> list[dict]:
+    return [chat_prompt(structured_llm.tokenizer, f"{run.case.request} Answer in JSON.")
+            for run in RUNS]
+
+
+@pytest.fixture(scope="module")
+def final(structured_llm, prompts) -> list[CompletionOutput]:
+    outputs = structured_llm.generate(prompts, [run.params() for run in RUNS], use_tqdm=False)
+    return [output.outputs[0] for output in outputs]
+
+
+@pytest.fixture(scope="module")
+def streamed(structured_engine, prompts, final) -> list[Streamed]:
+    # after `final`: the same batch, in the same order, on the same engine
+    return stream(structured_engine, prompts, [run.params() for run in RUNS])
+
+
+def problems(case: SchemaCase, outputs: list[tuple[str, str | None]]) -> list[str]:
+    """What is wrong with a case's (text, finish_reason) outputs: a complete output the
+    schema rejects, or a bounded schema's output cut by max_tokens."""
+    check = validator(case.schema)
+    found = []
+    for text, finish_reason in outputs:
+        if finish_reason == "stop":
+            violation = json_violation(check, text)
+            if violation:
+                found.append(f"{violation}: {text!r}")
+        elif finish_reason != "length" or case.bounded:
+            found.append(f"finish_reason {finish_reason}: {text!r}")
+    return found
+
+
+def runs_of(case: SchemaCase, outputs: list) -> list:
+    return [out for run, out in zip(RUNS, outputs, strict=True) if run.case is case]
+
+
+def keywords(schema: object) -> set[str]:
+    if isinstance(schema, dict):
+        return set(schema).union(*map(keywords, schema.values()))
+    if isinstance(schema, list):
+        return set().union(*map(keywords, schema))
+    return set()
+
+
+def test_the_schemas_cover_the_json_schema_features():
+    assert len(SCHEMAS) >= 30
+    assert len({case.name for case in SCHEMAS}) == len(SCHEMAS)
+    used = set().union(*(keywords(case.schema) for case in SCHEMAS))
+    assert REQUIRED_KEYWORDS <= used, REQUIRED_KEYWORDS - used
+    formats = {"date", "time", "date-time", "email", "ipv4", "ipv6", "uuid"}
+    assert formats <= {value for case in SCHEMAS for value in _values_of(case.schema, "format")}
+
+
+def _values_of(schema: object, key: str) -> list:
+    if isinstance(schema, dict):
+        found = [schema[key]] if isinstance(schema.get(key), str) else []
+        return found + [v for value in schema.values() for v in _values_of(value, key)]
+    if isinstance(schema, list):
+        return [v for value in schema for v in _values_of(value, key)]
+    return []
+
+
+@pytest.mark.parametrize("case", SCHEMAS, ids=lambda case: case.name)
+def test_final_outputs_match_the_schema(case, final):
+    outputs = [(out.text, out.finish_reason) for out in runs_of(case, final)]
+    assert not problems(case, outputs)
+
+
+@pytest.mark.parametrize("case", SCHEMAS, ids=lambda case: case.name)
+def test_streamed_outputs_match_the_schema_and_the_final_text(case, final, streamed):
+    joined = runs_of(case, streamed)
+    assert not problems(case, [(s.text, s.finish_reason) for s in joined])
+    for whole, deltas in zip(runs_of(case, final), joined, strict=True):
+        assert (deltas.text, deltas.token_ids) == (whole.text, whole.token_ids)
+        assert deltas.finish_reason == whole.finish_reason
+        assert deltas.num_deltas == len(whole.token_ids)  # one delta per sampled token
+
+
+def test_sampling_is_on(final):
+    """The seeds give different objects for most schemas: the constraint, not a greedy
+    argmax, is what keeps them valid."""
+    varied = [case.name for case in SCHEMAS
+              if len({out.text for out in runs_of(case, final)}) > 1]
+    assert len(varied) >= len(SCHEMAS) * 2 // 3, varied
+
+
+def test_compact_and_flexible_whitespace(final):
+    """Compact outputs are laid out as `json.dumps` writes them (", " and ": ", nothing
+    else between tokens); flexible ones (newlines and indents seen) are only validated."""
+    for run, out in zip(RUNS, final, strict=True):
+        if run.whitespace_flexible or out.finish_reason != "stop":
+            continue
+        value = json.loads(out.text)
+        assert "\n" not in out.text
+        assert _without_strings(out.text) == _without_strings(
+            json.dumps(value, ensure_ascii=False)), out.text
+
+
+def _without_strings(text: str) -> str:
+    """The JSON text's structure: strings and numbers replaced (numbers are written as the
+    model chose, e.g. 10.50)."""
+    text = re.sub(r'"(\\.|[^"\\])*"', '""', text)
+    return re.sub(r"-?[0-9][0-9.eE+-]*", "0", text)
+
+
+def test_summary(final, streamed):
+    """The acceptance count: every complete output, final and streamed, is valid."""
+    outputs = [(run.case, out.text, out.finish_reason)
+               for run, out in zip(RUNS, final, strict=True)]
+    outputs += [(run.case, s.text, s.finish_reason)
+                for run, s in zip(RUNS, streamed, strict=True)]
+    complete = [(case, text) for case, text, reason in outputs if reason == "stop"]
+    valid = sum(json_violation(validator(case.schema), text) is None
+                for case, text in complete)
+    by_length = [case.name for case, _, reason in outputs if reason == "length"]
+    print(f"\nstructured outputs: {len(SCHEMAS)} schemas, {len(outputs)} outputs "
+          f"({len(RUNS)} final + {len(RUNS)} streamed), {len(complete)} complete, "
+          f"{valid} valid ({100 * valid / max(len(complete), 1):.1f} %), "
+          f"{len(by_length)} ended by length {sorted(set(by_length))}")
+    assert valid == len(complete)
+    assert all(not case.bounded for case, _, reason in outputs if reason == "length")

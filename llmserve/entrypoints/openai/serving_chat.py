@@ -26,7 +26,11 @@ from llmserve.entrypoints.openai.serving_base import (
     top_entries,
     usage_of,
 )
-from llmserve.entrypoints.openai.structured import request_constraints, single_constraint
+from llmserve.entrypoints.openai.structured import (
+    Constraint,
+    request_constraints,
+    single_constraint,
+)
 from llmserve.entrypoints.openai.tool_calls import (
     plan_tools,
     template_messages,
@@ -35,6 +39,7 @@ from llmserve.entrypoints.openai.tool_calls import (
 from llmserve.entrypoints.openai.tool_parsers import Extracted, ToolCallExtractor
 from llmserve.errors import LLMServeError
 from llmserve.outputs import CompletionOutput
+from llmserve.sampling_params import SamplingParams
 
 Extractors = Callable[[], ToolCallExtractor] | None
 
@@ -87,9 +92,7 @@ class OpenAIServingChat(OpenAIServing):
         constraint = single_constraint(constraints + [c for c in [plan.constraint] if c])
         # a constrained output (response_format) is not in the template's call format
         extractors = None if plan.auto and constraints else plan.extractor
-        params, max_tokens_field = self._params(request)
-        params.structured_outputs = constraint.params if constraint else None
-        params.output_kind = output_kind(request.stream)
+        params, max_tokens_field = self._params(request, constraint)
         prompt_ids = await self.engine.run_blocking(
             self.prompt_ids, request.messages, plan.tools, request.add_generation_prompt,
             request.chat_template_kwargs)
@@ -109,8 +112,12 @@ class OpenAIServingChat(OpenAIServing):
                 "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final])),
                 "prompt_logprobs": prompt_logprobs_json(final)}
 
-    def _params(self, request: ChatCompletionRequest) -> tuple[Any, str]:
+    def _params(self, request: ChatCompletionRequest,
+                constraint: Constraint | None) -> tuple[SamplingParams, str]:
         options = request.sampling_options()
+        options["output_kind"] = output_kind(request.stream)
+        if constraint is not None:
+            options["structured_outputs"] = constraint.params
         max_tokens_field = "max_tokens"
         options["max_tokens"] = request.max_tokens
         if request.max_completion_tokens is not None:

@@ -62,8 +62,8 @@ class ToolCallExtractor(ABC):
     `feed` takes each new piece of text and returns what may be shown now (text that might
     still turn into a call is held back); `finish` returns what was held. Over a whole
     output, the contents joined are the text outside calls, and each call's argument pieces
-    joined are its arguments as JSON text. Whitespace-only content around calls is dropped,
-    as OpenAI's responses carry none.
+    joined are its arguments as JSON text. Whitespace ending content before a call or at the
+    end of an output with calls is dropped, as OpenAI's responses carry none.
     """
 
     def __init__(self) -> None:
@@ -81,12 +81,15 @@ class ToolCallExtractor(ABC):
         return ToolCallDelta(self.num_calls - 1, new_call_id(), name, arguments)
 
     def _content(self, text: str, final: bool = False) -> str:
+        """Content to show now: trailing whitespace waits for more text, and is dropped at
+        the end of an output that made calls."""
         text = self._blank + text
-        if not text.strip() and not (final and self.num_calls == 0):
-            self._blank = "" if final else text
-            return ""
-        self._blank = ""
-        return text
+        body = text.rstrip()
+        self._blank = text[len(body):]
+        if final:
+            body += "" if self.num_calls else self._blank
+            self._blank = ""
+        return body
 
 
 class NamedCallExtractor(ToolCallExtractor):

@@ -32,6 +32,7 @@ from llmserve.entrypoints.openai.structured import (
     single_constraint,
 )
 from llmserve.entrypoints.openai.tool_calls import (
+    markers_are_special,
     plan_tools,
     template_messages,
     tool_format_for,
@@ -92,7 +93,10 @@ class OpenAIServingChat(OpenAIServing):
         constraint = single_constraint(constraints + [c for c in [plan.constraint] if c])
         # a constrained output (response_format) is not in the template's call format
         extractors = None if plan.auto and constraints else plan.extractor
-        params, max_tokens_field = self._params(request, constraint)
+        # the extractor must see its markers, even where they are special tokens
+        keep_markers = bool(plan.auto and extractors and request.skip_special_tokens is None
+                            and markers_are_special(tool_format, self.tokenizer))
+        params, max_tokens_field = self._params(request, constraint, keep_markers)
         prompt_ids = await self.engine.run_blocking(
             self.prompt_ids, request.messages, plan.tools, request.add_generation_prompt,
             request.chat_template_kwargs)
@@ -112,10 +116,12 @@ class OpenAIServingChat(OpenAIServing):
                 "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final])),
                 "prompt_logprobs": prompt_logprobs_json(final)}
 
-    def _params(self, request: ChatCompletionRequest,
-                constraint: Constraint | None) -> tuple[SamplingParams, str]:
+    def _params(self, request: ChatCompletionRequest, constraint: Constraint | None,
+                keep_special_tokens: bool) -> tuple[SamplingParams, str]:
         options = request.sampling_options()
         options["output_kind"] = output_kind(request.stream)
+        if keep_special_tokens:
+            options["skip_special_tokens"] = False
         if constraint is not None:
             options["structured_outputs"] = constraint.params
         max_tokens_field = "max_tokens"

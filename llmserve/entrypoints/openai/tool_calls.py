@@ -33,6 +33,7 @@ from llmserve.entrypoints.openai.tool_parsers import (
     ToolCallExtractor,
 )
 from llmserve.sampling_params import StructuredOutputsParams
+from llmserve.tokenizer import Tokenizer
 
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
@@ -42,6 +43,7 @@ class ToolFormat:
     by default); `extractor` reads the calls back out of generated text."""
 
     name = "hermes"
+    markers: tuple[str, ...] = ("<tool_call>", "</tool_call>")  # what the extractor looks for
 
     def matches(self, template: str) -> bool:
         return "<tool_call>" in template
@@ -73,6 +75,7 @@ class Llama3Format(ToolFormat):
     """Llama 3.x JSON tool calling: `{"name": ..., "parameters": {...}}`."""
 
     name = "llama3_json"
+    markers = ("<|python_tag|>",)
 
     def matches(self, template: str) -> bool:
         return "<|python_tag|>" in template or "<|start_header_id|>" in template
@@ -102,6 +105,13 @@ TOOL_FORMATS: tuple[ToolFormat, ...] = (Llama3Format(), ToolFormat())  # first m
 def tool_format_for(template: str | None) -> ToolFormat:
     """The format a chat template teaches; Hermes' `<tool_call>` when it shows none."""
     return next((f for f in TOOL_FORMATS if f.matches(template or "")), TOOL_FORMATS[-1])
+
+
+def markers_are_special(fmt: ToolFormat, tokenizer: Tokenizer) -> bool:
+    """Whether the format's markers are special tokens of this model (Qwen's <tool_call>),
+    which decoding drops unless told to keep them: the extractor must see them."""
+    special = set(tokenizer.all_special_ids)
+    return any(tokenizer.token_to_id(m) in special for m in fmt.markers)
 
 
 def template_messages(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,

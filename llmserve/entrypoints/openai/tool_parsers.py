@@ -8,7 +8,7 @@ comes), so both show the same calls. Three output shapes are read:
   function's arguments object (`NamedCallExtractor`), or for "required" a JSON array of
   `{"name": ..., "arguments": {...}}` (`CallArrayExtractor`);
 * what a chat template teaches the model to write when it may choose (`tool_choice` auto),
-  one family per `ToolFormat` (`tool_formats.py` renders the prompt side):
+  one family per `ToolFormat` (tool_calls.py, which renders the prompt side):
   `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Hermes, Qwen, SmolLM2;
   `TaggedCallExtractor`) or Llama 3's bare `{"name": ..., "parameters": ...}`, perhaps
   after `<|python_tag|>` (`BareJsonCallExtractor`). Text that does not parse as calls

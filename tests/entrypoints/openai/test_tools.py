@@ -10,6 +10,7 @@ import pytest
 from llmserve.entrypoints.openai.tool_calls import (
     Llama3Format,
     ToolFormat,
+    markers_are_special,
     template_messages,
     tool_format_for,
 )
@@ -115,6 +116,21 @@ def test_format_is_chosen_from_the_template(tokenizer):
     assert type(tool_format_for(CHATML)) is ToolFormat
     assert type(tool_format_for(None)) is ToolFormat
     assert type(tool_format_for(tokenizer.chat_template)) is ToolFormat  # SmolLM2
+
+
+class _FakeTokenizer:
+    """Qwen-like: <tool_call> and </tool_call> are special tokens."""
+
+    all_special_ids = [7, 8]
+
+    def token_to_id(self, token):
+        return {"<tool_call>": 7, "</tool_call>": 8, "<|python_tag|>": 3}.get(token)
+
+
+def test_markers_that_are_special_tokens_are_kept(tokenizer):
+    assert markers_are_special(ToolFormat(), _FakeTokenizer())
+    assert not markers_are_special(Llama3Format(), _FakeTokenizer())
+    assert not markers_are_special(ToolFormat(), tokenizer)  # SmolLM2: plain text
 
 
 TOOLS = [
@@ -239,6 +255,22 @@ def test_enforced_tool_calls(long_client, tool_choice, parallel):
         streamed, finish = _streamed_calls(chunks)
         assert finish == "tool_calls"
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
+
+
+def test_required_with_definitions_shared_by_reference(long_client):
+    """Each tool's $defs move to the root of the call-array schema, where $ref points."""
+    point = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9}},
+             "required": ["x"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
+        "additionalProperties": False, "$defs": {"Point": point}}}} for name in ("f", "g")]
+    resp = long_client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=1, max_tokens=60)
+    (call,) = resp.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments)["p"], point)
+    assert resp.choices[0].finish_reason == "tool_calls"
 
 
 def test_named_choice_streams_arguments_in_pieces(long_client):

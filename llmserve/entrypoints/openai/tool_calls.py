@@ -162,8 +162,7 @@ def plan_tools(request: ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan:
                          param="tool_choice")
     if choice == "required":
         schema = _call_array_schema(tools, one=not request.parallel_tool_calls)
-        return ToolPlan(definitions, _constraint(schema, "tools"),
-                        CallArrayExtractor)
+        return ToolPlan(definitions, _constraint(schema, "tools"), CallArrayExtractor)
     name = _named_function(choice)
     index = next((i for i, t in enumerate(tools) if t.function.name == name), None)
     if index is None:
@@ -195,7 +194,11 @@ def _call_array_schema(tools: list[ToolDefinition], one: bool) -> dict[str, Any]
     for i, tool in enumerate(tools):
         parameters = dict(tool.function.parameters or NO_PARAMETERS)
         for key in ("$defs", "definitions"):
-            for def_name, definition in parameters.pop(key, {}).items():
+            definitions = parameters.pop(key, {})
+            if not isinstance(definitions, dict):
+                raise BadRequest(f"'{key}' must be an object of named schemas",
+                                 param=f"tools[{i}].function.parameters")
+            for def_name, definition in definitions.items():
                 if defs.setdefault(key, {}).setdefault(def_name, definition) != definition:
                     raise BadRequest(f"two tools define '{key}/{def_name}' differently; "
                                      "rename one", param=f"tools[{i}].function.parameters")

@@ -252,6 +252,9 @@ class Engine:
         if stop is not None and not request.status.finished:
             request.stop_reason = stop
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif state.grammar is not None and state.grammar.is_terminated and \
+                not request.status.finished:  # the constraint is complete
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
         if request.status.finished:
             if stop is None:
                 state.detokenizer.flush()
@@ -259,7 +262,8 @@ class Engine:
         return state.output()
 
     def _advance_grammar(self, state: RequestState) -> None:
-        """Feed the new token to the request's matcher; a complete grammar ends it."""
+        """Feed the new token to the request's matcher (a complete grammar ends the request
+        in `_process`, after stop strings have had their say)."""
         request = state.request
         if not state.grammar.accept_token(request.output_token_ids[-1]):
             # the mask allowed only valid tokens, so this is a backend fault: end the
@@ -270,8 +274,6 @@ class Engine:
             if not request.status.finished:
                 self.scheduler.finish_request(request.request_id,
                                               RequestStatus.FINISHED_ABORTED)
-        elif state.grammar.is_terminated and not request.status.finished:
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     # ---- helpers -----------------------------------------------------------------------
 

@@ -19,6 +19,33 @@ COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ",
                 "key_separator": ": "}
 
 
+# llguidance's own "date" format takes 02-29 in any year; this one knows leap years (a
+# proleptic Gregorian year of four digits, as RFC 3339 full-date)
+_DAY = (r"(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])"
+        r"|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+DATE = rf"(?:[0-9]{{4}}-{_DAY}|{_LEAP_YEAR}-02-29)"
+# RFC 3339 date-time: upper-case T and Z, seconds 00-59, up to 9 fraction digits
+DATE_TIME = (DATE + r"T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9})?"
+             r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+_FORMAT_PATTERNS = {"date": DATE, "date-time": DATE_TIME}
+
+
+def strict_date_formats(schema: object) -> object:
+    """`schema` with every string `format` of "date" / "date-time" (without a `pattern`)
+    turned into an anchored `pattern` that only valid calendar dates match."""
+    if isinstance(schema, list):
+        return [strict_date_formats(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict_date_formats(v) if k not in ("const", "enum", "default", "examples")
+           else v for k, v in schema.items()}
+    if isinstance(out.get("format"), str) and out["format"] in _FORMAT_PATTERNS \
+            and "pattern" not in out:
+        out["pattern"] = f"^{_FORMAT_PATTERNS[out.pop('format')]}$"
+    return out
+
+
 class LLGuidanceMatcher(GrammarMatcher):
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
@@ -52,8 +79,8 @@ class LLGuidanceBackend(GrammarBackend):
 
     def compile(self, params: StructuredOutputsParams) -> str:
         json_schema = params.json
-        if isinstance(json_schema, dict):
-            json_schema = json.dumps(json_schema, sort_keys=True)
+        if isinstance(json_schema, dict):  # the cache key; properties keep their order
+            json_schema = json.dumps(json_schema)
         return self._compile(params.kind, json_schema, params.regex,
                              tuple(params.choice or ()), params.grammar,
                              params.whitespace_flexible)
@@ -65,7 +92,8 @@ class LLGuidanceBackend(GrammarBackend):
         options = {"whitespace_flexible": True} if whitespace_flexible else COMPACT_JSON
         try:
             if kind == "json":
-                text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+                text = llguidance.LLMatcher.grammar_from_json_schema(
+                    strict_date_formats(json.loads(schema)), defaults=options)
             elif kind == "json_object":
                 text = llguidance.LLMatcher.grammar_from_json_schema(
                     {"type": "object"}, defaults=options)
@@ -79,7 +107,7 @@ class LLGuidanceBackend(GrammarBackend):
             else:
                 lark = gbnf_to_lark(grammar) if "::=" in grammar else grammar
                 text = llguidance.LLMatcher.grammar_from_lark(lark)
-        except ValueError as exc:  # not valid JSON, or a schema that is not an object
+        except Exception as exc:  # noqa: BLE001 - not JSON, not an object, a GBNF error
             raise ValueError(f"{field}: {exc}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             text, self.tokenizer)

@@ -234,9 +234,8 @@ def request_body(config: ServeBenchConfig, request: BenchRequest) -> dict[str, A
         "temperature": 0.0, "max_tokens": request.output_len,
         "min_tokens": request.output_len, "ignore_eos": True,
     }
-    if config.structured is not None:
+    if config.structured is not None:  # min_tokens stays: the same request but for this
         body.update(STRUCTURED[config.structured])
-        del body["min_tokens"]
     if config.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": request.prompt}]
     else:

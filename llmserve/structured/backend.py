@@ -38,7 +38,9 @@ class GrammarBackend:
     def matcher(self, grammar: object) -> GrammarMatcher:
         raise NotImplementedError
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor) -> None:
-        """Row i of `bitmask` for matchers[i], the batch at once."""
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
+                      parallel: bool = False) -> None:
+        """Row i of `bitmask` for matchers[i], the batch at once (`parallel`: spread over
+        the backend's threads, where it has any)."""
         for row, matcher in enumerate(matchers):
             matcher.fill_bitmask(bitmask, row)

@@ -1,6 +1,7 @@
 """Per engine: the requests' matchers, and each step's masks, computed beside the forward."""
 
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -73,12 +74,25 @@ class StructuredOutputManager:
         return self.backend.matcher(self.backend.compile(params))
 
     def start_step(self, matchers: dict[str, GrammarMatcher]) -> GrammarStep | None:
-        """Begin computing the masks of the requests sampled this step (by id)."""
+        """The masks of the requests sampled this step (by id): computed on the worker
+        thread, beside the forward, when cores are free for it; else at once, on this
+        thread.
+
+        Measured on 2 cores running 2 compute threads (one constrained request, batch-1
+        step 3.1 ms): the worker thread or llguidance's executor added 0.1 ms a step (a
+        thread hand-off, and a core taken from the model's parallel regions), a mask
+        computed here 6-20 us.
+        """
         if not matchers:
             return None
         request_ids = list(matchers)
         bitmask = torch.zeros(len(request_ids), (self.vocab_size + 31) // 32,
                               dtype=torch.int32)
-        done = self._thread.submit(self.backend.fill_bitmasks, list(matchers.values()),
-                                   bitmask)
+        done: Future = Future()
+        if (os.cpu_count() or 1) > torch.get_num_threads() + 1:
+            done = self._thread.submit(self.backend.fill_bitmasks, list(matchers.values()),
+                                       bitmask, True)
+        else:
+            self.backend.fill_bitmasks(list(matchers.values()), bitmask)
+            done.set_result(None)
         return GrammarStep(request_ids, bitmask, done)

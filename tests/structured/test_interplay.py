@@ -164,3 +164,24 @@ def test_properties_are_generated_in_the_schema_order(structured_llm, ask_person
                                                          for s in range(3)], use_tqdm=False)
     for output in outputs:
         assert list(json.loads(output.outputs[0].text)) == ["name", "age"], output.outputs[0]
+
+
+def test_preemption_keeps_the_matchers(structured_engine, structured_llm):
+    """Requests preempted (blocks taken back, recomputed later) keep their matcher's state:
+    the same greedy JSON as with room for all, each valid."""
+    from llmserve import LLM
+
+    prompts = [chat_prompt(structured_llm.tokenizer, f"Describe person number {i} as JSON.")
+               for i in range(12)]
+    params = person_params(temperature=0)
+    roomy = structured_llm.generate(prompts, params, use_tqdm=False)
+    per_token = structured_engine.kv_plan.bytes_per_token
+    config = EngineConfig(kv_cache_memory=14 * 16 * per_token,  # 14 blocks, 12 requests
+                          enable_prefix_caching=False)
+    tight = LLM.from_engine(Engine(config, loaded=structured_engine.loaded))
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    for out, ref in zip(outputs, roomy, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert out.outputs[0].finish_reason == "stop"
+        validate(json.loads(out.outputs[0].text), PERSON)

@@ -210,13 +210,13 @@ class AttentionBackend:
 class TorchBackend(AttentionBackend):
     """Plain torch: per-sequence gather of the cached blocks and SDPA (any device)."""
 
+    name = "torch"
+
     def forward(self, q, k, v, cache, meta, scale):
         if cache.key.dtype == torch.int8:
             raise ValueError("kv_cache_dtype int8 needs the native CPU kernels")
         if torch.compiler.is_compiling():  # a per-sequence loop: one opaque op in the graph
-            return torch.ops.llmserve.sdpa_paged_attention(
-                q, k, v, meta.slot_mapping, cache.key, cache.value, meta.block_tables,
-                meta.query_start_t, meta.context_lens_t, meta.block_size, scale)
+            return _python_attention_op(self.name, q, k, v, cache, meta, scale)
         return _torch_attention(q, k, v, cache, meta, scale)
 
 
@@ -232,25 +232,6 @@ def _torch_attention(q, k, v, cache, meta, scale) -> torch.Tensor:
         out[rows] = _sdpa_from_cache(q[rows], k[rows], v[rows], cache, meta, b, scale,
                                      _gather_torch)
     return out
-
-
-@torch.library.custom_op("llmserve::sdpa_paged_attention",
-                         mutates_args=("key_cache", "value_cache"))
-def _sdpa_paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             slot_mapping: torch.Tensor, key_cache: torch.Tensor,
-                             value_cache: torch.Tensor, block_tables: torch.Tensor,
-                             query_start: torch.Tensor, context_lens: torch.Tensor,
-                             block_size: int, scale: float) -> torch.Tensor:
-    meta = SimpleNamespace(slot_mapping=slot_mapping, block_tables=block_tables,
-                           block_size=block_size, query_start=query_start.tolist(),
-                           context_lens=context_lens.tolist())
-    return _torch_attention(q, k, v, LayerKV(key_cache, value_cache), meta, scale)
-
-
-@_sdpa_paged_attention_op.register_fake
-def _(q, k, v, slot_mapping, key_cache, value_cache, block_tables, query_start, context_lens,
-      block_size, scale):
-    return torch.empty_like(q)
 
 
 class NativeCPUBackend(AttentionBackend):
@@ -397,6 +378,8 @@ class FlexAttentionBackend(AttentionBackend):
     layer, and reused by the others.
     """
 
+    name = "flex"
+
     def __init__(self, compiled: bool = True) -> None:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -409,9 +392,7 @@ class FlexAttentionBackend(AttentionBackend):
         if cache.key.dtype == torch.int8:
             raise ValueError("kv_cache_dtype int8 needs the native CPU kernels")
         if torch.compiler.is_compiling():  # one opaque op in the model's graph
-            return torch.ops.llmserve.flex_paged_attention(
-                q, k, v, meta.slot_mapping, cache.key, cache.value, meta.block_tables,
-                meta.query_start_t, meta.context_lens_t, meta.block_size, scale)
+            return _python_attention_op(self.name, q, k, v, cache, meta, scale)
         return self.attend(q, k, v, cache.key, cache.value, meta.slot_mapping,
                            meta.block_tables, meta.query_start, meta.context_lens,
                            meta.block_size, scale)
@@ -440,8 +421,7 @@ class FlexAttentionBackend(AttentionBackend):
         out = out.transpose(1, 2).reshape(num_seqs * padded_len, h, d)
         if plan.dest is not None:
             out = out.index_select(0, plan.dest)
-        # contiguous, as the op's fake promises (inductor reads it with those strides)
-        return out.to(dtype).contiguous()
+        return out.to(dtype)
 
     def plan(self, block_tables, query_start, context_lens, block_size,
              num_blocks) -> SimpleNamespace:
@@ -543,21 +523,38 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-@torch.library.custom_op("llmserve::flex_paged_attention",
+def _python_attention_op(name: str, q, k, v, cache: LayerKV, meta: AttentionMetadata,
+                         scale: float) -> torch.Tensor:
+    return torch.ops.llmserve.python_paged_attention(
+        q, k, v, meta.slot_mapping, cache.key, cache.value, meta.block_tables,
+        meta.query_start_t, meta.context_lens_t, meta.block_size, scale, name)
+
+
+# The torch and flex backends as one op inside a compiled step: dynamo would specialize on
+# their per-step Python (lists, plans), so the graph sees an opaque call instead.
+@torch.library.custom_op("llmserve::python_paged_attention",
                          mutates_args=("key_cache", "value_cache"))
-def _flex_paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             slot_mapping: torch.Tensor, key_cache: torch.Tensor,
-                             value_cache: torch.Tensor, block_tables: torch.Tensor,
-                             query_start: torch.Tensor, context_lens: torch.Tensor,
-                             block_size: int, scale: float) -> torch.Tensor:
-    return _flex_backend(q.device).attend(
-        q, k, v, key_cache, value_cache, slot_mapping, block_tables, query_start.tolist(),
-        context_lens.tolist(), block_size, scale)
+def _python_paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               slot_mapping: torch.Tensor, key_cache: torch.Tensor,
+                               value_cache: torch.Tensor, block_tables: torch.Tensor,
+                               query_start: torch.Tensor, context_lens: torch.Tensor,
+                               block_size: int, scale: float, backend: str) -> torch.Tensor:
+    if backend == "flex":
+        out = _flex_backend(q.device).attend(
+            q, k, v, key_cache, value_cache, slot_mapping, block_tables,
+            query_start.tolist(), context_lens.tolist(), block_size, scale)
+    else:
+        meta = SimpleNamespace(slot_mapping=slot_mapping, block_tables=block_tables,
+                               block_size=block_size, query_start=query_start.tolist(),
+                               context_lens=context_lens.tolist())
+        out = _torch_attention(q, k, v, LayerKV(key_cache, value_cache), meta, scale)
+    # contiguous, as the fake promises: inductor reads the result with the fake's strides
+    return out.contiguous()
 
 
-@_flex_paged_attention_op.register_fake
+@_python_paged_attention_op.register_fake
 def _(q, k, v, slot_mapping, key_cache, value_cache, block_tables, query_start, context_lens,
-      block_size, scale):
+      block_size, scale, backend):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

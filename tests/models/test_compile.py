@@ -18,7 +18,13 @@ from llmserve.config import ModelConfig
 from llmserve.models import compile as compile_mod
 from llmserve.models.compile import CompiledForward, compile_model, is_compiled
 from llmserve.models.llama import LlamaForCausalLM
-from llmserve.worker.attention import AttentionMetadata, KVCache, NativeCPUBackend, TorchBackend
+from llmserve.worker.attention import (
+    AttentionMetadata,
+    FlexAttentionBackend,
+    KVCache,
+    NativeCPUBackend,
+    TorchBackend,
+)
 from tests.models.test_llama_reference import (
     CHAT,
     LOGIT_TOLERANCE,
@@ -160,10 +166,15 @@ def test_compiler_failure_falls_back_to_eager(monkeypatch, caplog):
     torch.testing.assert_close(second, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("backend", [TorchBackend, NativeCPUBackend])
+def eager_flex() -> FlexAttentionBackend:
+    return FlexAttentionBackend(compiled=False)
+
+
+@pytest.mark.parametrize("backend", [TorchBackend, NativeCPUBackend, eager_flex])
 def test_attention_ops_under_compile_match_eager(backend):
-    """Both backends' custom ops (cache write + attention) inside a compiled graph give the
-    eager step's hidden states and cache contents, with no graph break."""
+    """The backends' custom ops (cache write + attention) inside a compiled graph give the
+    eager step's hidden states and cache contents, with no graph break (flex: its algorithm
+    uncompiled, on the CPU; the compiled kernel was checked on CUDA)."""
     if backend is NativeCPUBackend and compile_mod.missing_compiler(torch.device("cpu")):
         pytest.skip("no C++ compiler")
     model = _tiny_model()

@@ -24,9 +24,11 @@ class GrammarStep:
         self.bitmask = bitmask
         self.done = done
 
-    def apply(self, logits: torch.Tensor, request_ids: list[str]) -> torch.Tensor:
-        """`logits` (N, V) of `request_ids` with every token the grammars forbid at -inf
-        (a copy; the raw logits stay for logprobs)."""
+    def apply(self, logits: torch.Tensor, request_ids: list[str],
+              copy: bool = True) -> torch.Tensor:
+        """`logits` (N, V) of `request_ids` with every token the grammars forbid at -inf:
+        a copy when the raw logits are still needed (logprobs), else in place (a copy of
+        16 rows of the default model's vocabulary is ~0.15 ms of a ~19 ms step)."""
         self.done.result()
         index = {rid: i for i, rid in enumerate(request_ids)}
         rows = torch.tensor([index[rid] for rid in self.request_ids], dtype=torch.int64)
@@ -35,7 +37,7 @@ class GrammarStep:
             # numpy's copy: a torch clone of this size runs an OpenMP region whose idle
             # worker then competes with the native kernels' threads (measured: the batch-1
             # step 3.1 -> 8 ms with a constrained request)
-            masked = torch.from_numpy(logits.numpy().copy())
+            masked = torch.from_numpy(logits.numpy().copy()) if copy else logits
             lib.llmserve_apply_token_bitmask(ptr(masked), masked.shape[1], ptr(self.bitmask),
                                              len(rows), ptr(rows))
             return masked
@@ -44,7 +46,7 @@ class GrammarStep:
                              count=logits.shape[-1], bitorder="little")
         allowed = torch.from_numpy(bits).view(torch.bool).to(logits.device)  # (R, V)
         rows = rows.to(logits.device)
-        masked = logits.clone()
+        masked = logits.clone() if copy else logits
         masked[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
         return masked
 

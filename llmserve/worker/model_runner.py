@@ -74,7 +74,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])  # (N, V)
         sampling = batch.sampling_batch(rows, logits.shape[-1])
         request_ids = [out.scheduled[i].request_id for i in to_sample]
-        allowed = logits if grammar is None else grammar.apply(logits, request_ids)
+        raw_needed = bool((batch.logprobs[rows] >= 0).any())  # logprobs are of raw logits
+        allowed = logits if grammar is None else grammar.apply(logits, request_ids,
+                                                                copy=raw_needed)
         tokens = argmax(allowed) if sampling is None else sample(allowed, sampling)  # (N,)
         result.sampled = dict(zip(request_ids, tokens.tolist(), strict=True))
         self._sample_logprobs(request_ids, rows, logits, tokens, result)

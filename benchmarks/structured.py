@@ -8,7 +8,9 @@ streamed chat requests, free text and then with `--structured json_schema`
 `--repeats` times, every run with prompts of its own (`--seed`) so that no prefix cache
 helps. `llmserve bench serve` drives both at concurrency 1 and 16 (16 requests x (128 in,
 128 out) per level). The machine's load is sampled during each server's runs. Prints the
-medians and the schema / free ratios; every run's JSON goes to --out.
+medians, and the schema / free ratios paired run by run (each schema run against the free
+run just before it: the machine drifts by 10-20 % over minutes, both variants with it);
+every run's JSON goes to --out.
 """
 
 import argparse
@@ -44,6 +46,7 @@ def main() -> int:
                       MODEL_ID, "--threads", str(THREADS), "--port"], None),
     }
     medians: dict[tuple[str, str, int], tuple[float, float, int]] = {}
+    paired: dict[tuple[str, int], tuple[float, float]] = {}
     for name, (cmd, env) in servers.items():
         port = free_port()
         runs: dict[tuple[str, int], list[dict]] = {}
@@ -68,15 +71,23 @@ def main() -> int:
                 statistics.median(r["output_throughput"] for r in rs),
                 statistics.median(r["p50_tpot_ms"] for r in rs),
                 sum(r["total_output_tokens"] for r in rs) // len(rs))
-    print("\n| server | streams | output tok/s free / schema | ratio | TPOT p50 ms free / "
-          "schema | ratio | tokens per run free / schema |")
+        for conc in (1, 16):  # each schema run against the free run just before it
+            pairs = list(zip(runs[("free", conc)], runs[("json_schema", conc)], strict=True))
+            paired[(name, conc)] = (
+                statistics.median(j["output_throughput"] / f["output_throughput"]
+                                  for f, j in pairs),
+                statistics.median(j["p50_tpot_ms"] / f["p50_tpot_ms"] for f, j in pairs))
+    print("\n| server | streams | output tok/s free / schema (medians) | paired ratio | "
+          "TPOT p50 ms free / schema (medians) | paired ratio | tokens per run free / "
+          "schema |")
     print("|---|---|---|---|---|---|---|")
     for name in servers:
         for conc in (1, 16):
             free, schema = medians[(name, "free", conc)], medians[(name, "json_schema", conc)]
-            print(f"| {name} | {conc} | {free[0]:.1f} / {schema[0]:.1f} | "
-                  f"{schema[0] / free[0]:.2f}x | {free[1]:.2f} / {schema[1]:.2f} | "
-                  f"{schema[1] / free[1]:.2f}x | {free[2]} / {schema[2]} |")
+            tok_ratio, tpot_ratio = paired[(name, conc)]
+            print(f"| {name} | {conc} | {free[0]:.1f} / {schema[0]:.1f} | {tok_ratio:.2f}x | "
+                  f"{free[1]:.2f} / {schema[1]:.2f} | {tpot_ratio:.2f}x | "
+                  f"{free[2]} / {schema[2]} |")
     for variant in VARIANTS:
         for conc in (1, 16):
             ours, peer = medians[("llmserve", variant, conc)], medians[("llama.cpp", variant, conc)]

@@ -61,6 +61,9 @@ def main() -> int:
                                             f"{name} {variant}", "--output-json", str(result)])
                     for run in json.loads(result.read_text())["runs"]:
                         runs.setdefault((variant, run["concurrency"]), []).append(run)
+        log = args.out / f"{name}.log"
+        if log.stat().st_size > 100_000:  # keep the results folder small
+            log.unlink()
         load = monitor.summary()
         print(f"{name}: machine load {json.dumps(load.get('other_cores'))}")
         note = warning(name, load)

@@ -96,6 +96,80 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `speculative_config` terms (`spec_decode/`).
+
+    * `ngram`: prompt lookup, drafts copied from earlier in the sequence
+      (`prompt_lookup_min`..`prompt_lookup_max` tokens matched);
+    * `draft_model`: a small model with the same tokenizer (`model`) drafts greedily;
+    * `self_draft`: the target's own checkpoint on its fast quantized path drafts
+      (`draft_quantization`, default the checkpoint's own), the target verifies, so
+      `dtype="float32"` output stays token-identical to the reference at close to
+      quantized speed.
+
+    `num_speculative_tokens` is the most drafts per step; with `adaptive`, each request's
+    k follows its measured acceptance rate. Speculation is off for a step once
+    `disable_by_batch_size` requests run (the batch is then compute-bound and verifying
+    drafts costs more than it saves).
+    """
+
+    method: str
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_quantization: str = "auto"
+    disable_by_batch_size: int | None = 8
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config: num_speculative_tokens must be in [1, 16], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method draft_model needs 'model' (a model "
+                             "with the target's tokenizer)")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config: 'model' is for method draft_model, not "
+                             f"{self.method}")
+        if self.draft_quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"speculative_config: draft_quantization must be one of "
+                             f"{', '.join(QUANTIZATION_CHOICES)}, not "
+                             f"{self.draft_quantization!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config: disable_by_batch_size must be at least 1 "
+                             f"(or null: never), got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_dict(cls, options: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
+        """From `{"method": ..., ...}` (vLLM's keys); an unknown key is refused by name."""
+        if isinstance(options, SpeculativeConfig):
+            return options
+        if not isinstance(options, dict):
+            raise ValueError("speculative_config must be a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: "
+                             f"{', '.join(sorted(known))})")
+        if "method" not in options:
+            raise ValueError("speculative_config needs 'method' (one of "
+                             f"{', '.join(SPECULATIVE_METHODS)})")
+        return cls(**options)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from. Defaults serve the default model on this machine.
@@ -132,8 +206,13 @@ class EngineConfig:
     # auto: native kernels on the CPU, flex_attention on CUDA; or native, flex, torch
     # (worker/attention.py)
     attention_backend: str = "auto"
+    # None: no speculative decoding; a SpeculativeConfig or its dict form (vLLM's keys)
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
         if self.quantization not in (None, *QUANTIZATION_CHOICES):
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "

@@ -7,6 +7,17 @@ leaves). When a running request cannot get a block, the lowest-priority running 
 (for FCFS: the most recently admitted) is preempted: its blocks are freed and it goes back
 to the front of the waiting queue to be recomputed later. Nothing is ever dropped.
 
+Speculative decoding: a decoding request with draft tokens (`Request.spec_token_ids`, set
+by the engine's proposer) is scheduled with them after its last token,
+
+    | computed | last token | drafts (unverified) |
+    0    num_computed      num_tokens       num_tokens + k
+
+and slots for all of them; `update` then keeps the accepted drafts and rolls
+`num_computed_tokens` back past the rejected ones (their slots are overwritten later).
+Block hashes come only from verified tokens, so no unverified token reaches the prefix
+cache.
+
 The scheduler touches no tensors: `SchedulerOutput` is its only contract with the runner.
 The runner keeps one row per request it holds, so a request's data goes to it once
 (`NewRequestData`, again after a preemption); later steps carry only its tokens, start
@@ -68,6 +79,12 @@ class ScheduledRequest:
     new_block_ids: list[int]
     sample: bool  # the chunk reaches the end of the known tokens: sample the next one
     new: NewRequestData | None = None
+    # draft tokens computed after token_ids and verified by sampling at each of them
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
 
 
 @dataclass
@@ -81,7 +98,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled)
 
 
 class Scheduler:
@@ -190,19 +207,22 @@ class Scheduler:
         this step (decodes go first, so it may be): its tokens are then given back, and the
         result is negative when it gave back more than this request took.
         """
-        num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+        num_left = request.num_tokens - request.num_computed_tokens
+        num_new = min(num_left, budget)
         if num_new == 0:
             return 0  # a beam waiting for its siblings' results
+        spec = request.spec_token_ids[: budget - num_new] if num_new == num_left else []
+        request.spec_token_ids = []
         num_returned = 0
-        while not self.kv.allocate_slots(request, num_new):
+        while not self.kv.allocate_slots(request, num_new + len(spec)):
             victim = max(self.running, key=self._priority_key)
             num_returned += self._unschedule(victim, out)
             self._preempt(victim)
             out.num_preempted += 1
             if victim is request:
                 return -num_returned
-        self._emit(request, num_new, out)
-        return num_new - num_returned
+        self._emit(request, num_new, out, spec)
+        return num_new + len(spec) - num_returned
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -226,9 +246,11 @@ class Scheduler:
             self._emit(request, num_new, out)
             budget -= num_new
 
-    def _emit(self, request: Request, num_new: int, out: SchedulerOutput) -> None:
-        """Schedule tokens [num_computed, num_computed + num_new): the request's data if the
-        runner holds no row for it, else only the block ids it has not seen."""
+    def _emit(self, request: Request, num_new: int, out: SchedulerOutput,
+              spec: list[int] | None = None) -> None:
+        """Schedule tokens [num_computed, num_computed + num_new) and the drafts `spec`
+        after them: the request's data if the runner holds no row for it, else only the
+        block ids it has not seen."""
         start = request.num_computed_tokens
         end = start + num_new
         request_id = request.request_id
@@ -255,28 +277,39 @@ class Scheduler:
                 new_block_ids=self.kv.block_ids(request_id, num_sent),
                 sample=end == request.num_tokens,
                 new=new,
+                spec_token_ids=spec or [],
             )
         )
-        request.num_computed_tokens = end
+        request.num_computed_tokens = end + len(spec or ())
 
     # ---- after the forward pass --------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append sampled tokens; return requests that got a token (finished ones freed)."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Append each request's new tokens (its accepted drafts, then one sampled token),
+        stopping at the first that ends it; return the requests that got tokens (finished
+        ones freed)."""
         now = time.time()
         updated = []
         for s in out.scheduled:
-            token = sampled.get(s.request_id)
+            tokens = sampled.get(s.request_id)
             request = self.requests.get(s.request_id)
-            if token is None or request is None:
+            if not tokens or request is None:
                 continue
-            request.append_output_token(token)
+            if s.spec_token_ids:
+                num_accepted = len(tokens) - 1
+                request.num_draft_tokens += len(s.spec_token_ids)
+                request.num_accepted_tokens += num_accepted
+                # the rejected drafts' KV is garbage: compute from the first of them again
+                request.num_computed_tokens -= len(s.spec_token_ids) - num_accepted
+            for token in tokens:
+                request.append_output_token(token)
+                status = request.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.finish_request(request.request_id, status)
+                    break
             if request.timings.first_token is None:
                 request.timings.first_token = now
             request.timings.last_token = now
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish_request(request.request_id, status)
             updated.append(request)
         return updated
 
@@ -291,7 +324,7 @@ class Scheduler:
             if s.request_id == request.request_id:
                 del out.scheduled[i]
                 request.num_computed_tokens = s.start_position
-                return len(s.token_ids)
+                return s.num_tokens
         return 0
 
     def _preempt(self, request: Request) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.config import EngineConfig
+from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler, SchedulerConfig
 from llmserve.engine.beam_search import BeamSearchGroup, BeamSearchRunner
@@ -33,6 +33,8 @@ from llmserve.memory import parse_size, plan_kv_cache
 from llmserve.models.compile import warm_up
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.draft_model import DraftModelProposer
+from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured import StructuredOutputManager
 from llmserve.worker.attention import KVCache, attention_backend
 from llmserve.worker.model_runner import ModelRunner, RunnerOutput
@@ -115,6 +117,7 @@ class Engine:
         self.beams = BeamSearchRunner(self.scheduler, self.tokenizer)
         self.logprobs_decoder = LogprobsDecoder(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, model_cfg.vocab_size)
+        self.speculator = self._build_speculator(config.speculative_config)
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------
@@ -196,6 +199,8 @@ class Engine:
         if state is None:
             return None
         self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if self.speculator is not None:
+            self.speculator.remove(request_id)
         return state.output()
 
     def has_unfinished_requests(self) -> bool:
@@ -205,20 +210,24 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step; the outputs (per `output_kind`) of every request
-        that got a token, one per caller's request id."""
+        that got tokens, one per caller's request id."""
+        if self.speculator is not None:
+            self._propose_drafts()
         out = self.scheduler.schedule()
         grammar = self.structured.start_step({
             s.request_id: state.grammar for s in out.scheduled
             if s.sample and (state := self.states.get(s.request_id)) is not None
-            and state.grammar is not None})
+            and state.grammar is not None},
+            {s.request_id: s.spec_token_ids for s in out.scheduled if s.spec_token_ids})
         runner_out = self.runner.execute(out, grammar)
         self._record_prompt_logprobs(runner_out)
         sampled = {rid: t for rid, t in runner_out.sampled.items() if not self.beams.owns(rid)}
         updated = self.scheduler.update(out, sampled)
-        for request in updated:
-            state = self.states[request.request_id]
-            if state.grammar is not None:
-                self._advance_grammar(state)
+        if self.speculator is not None:
+            for s in out.scheduled:
+                if s.spec_token_ids and s.request_id in sampled:
+                    self.speculator.record(s.request_id, len(s.spec_token_ids),
+                                           len(sampled[s.request_id]) - 1)
         outputs: list[RequestOutput] = []
         groups: dict[str, ParallelGroup] = {}  # groups with a sibling output this step
         for request in updated:
@@ -237,43 +246,108 @@ class Engine:
                 outputs.append(output)
                 if output.finished:
                     del self.groups[group.request_id]
-        for output in self.beams.step(runner_out.logprobs):
+        for output in self.beams.step({rid: positions[-1] for rid, positions
+                                       in runner_out.logprobs.items()}):
             self.groups.pop(output.request_id, None)
             outputs.append(output)
         return outputs
 
     def _process(self, state: RequestState, runner_out: RunnerOutput) -> RequestOutput | None:
-        """Detokenize the new token, apply stop strings, and build the request's output."""
+        """Take the request's new tokens in order (grammar, logprobs, detokenizer, stop
+        strings), and build its output. Tokens after one that ends the request (a stop
+        string, a complete grammar) are dropped: they were verified drafts past the end."""
         request = state.request
-        position = runner_out.logprobs.get(request.request_id)
-        if position is not None:
-            state.add_logprobs(self.logprobs_decoder.entries(position), position.logprobs[0])
-        stop = state.detokenizer.append(request.output_token_ids[-1])
-        if stop is not None and not request.status.finished:
-            request.stop_reason = stop
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-        elif state.grammar is not None and state.grammar.is_terminated and \
-                not request.status.finished:  # the constraint is complete
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        positions = runner_out.logprobs.get(request.request_id, [])
+        new = request.output_token_ids[state.num_processed_tokens:]
+        stop = None
+        # the scheduler ends a request (eos, length) only at its last new token
+        ended_at_last = request.status.finished
+        for i, token in enumerate(new):
+            state.num_processed_tokens += 1
+            grammar_ok = state.grammar is None or self._advance_grammar(state, token)
+            if i < len(positions):
+                state.add_logprobs(self.logprobs_decoder.entries(positions[i]),
+                                   positions[i].logprobs[0])
+            stop = state.detokenizer.append(token)
+            if not grammar_ok or (ended_at_last and i == len(new) - 1):
+                break
+            if stop is not None:
+                self._end_early(request, stop)
+                break
+            if state.grammar is not None and state.grammar.is_terminated:
+                self._end_early(request, None)  # the constraint is complete
+                break
+        if state.num_processed_tokens < request.num_output_tokens:
+            request.truncate_output(state.num_processed_tokens)
         if request.status.finished:
             if stop is None:
                 state.detokenizer.flush()
             del self.states[request.request_id]
+            if self.speculator is not None:
+                self.speculator.remove(request.request_id)
         return state.output()
 
-    def _advance_grammar(self, state: RequestState) -> None:
-        """Feed the new token to the request's matcher (a complete grammar ends the request
-        in `_process`, after stop strings have had their say)."""
+    def _end_early(self, request: Request, stop_reason: str | None) -> None:
+        """Stop a request at the token just processed (a stop string, a complete grammar),
+        even if the scheduler ended it at a later one of this step's tokens."""
+        request.stop_reason = stop_reason
+        if request.status.finished:  # already freed: only the reason changes
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _advance_grammar(self, state: RequestState, token: int) -> bool:
+        """Feed a new token to the request's matcher; False if it refused the token and
+        the request was ended (a complete grammar ends the request in `_process`, after
+        stop strings have had their say)."""
         request = state.request
-        if not state.grammar.accept_token(request.output_token_ids[-1]):
-            # the mask allowed only valid tokens, so this is a backend fault: end the
-            # request rather than return text that breaks the constraint
-            logger.error("request %s: grammar rejected token %d (%s); finishing it",
-                         request.request_id, request.output_token_ids[-1],
-                         getattr(state.grammar, "error", None))
-            if not request.status.finished:
-                self.scheduler.finish_request(request.request_id,
-                                              RequestStatus.FINISHED_ABORTED)
+        if state.grammar.accept_token(token):
+            return True
+        # the mask allowed only valid tokens, so this is a backend fault: end the request
+        # rather than return text that breaks the constraint
+        logger.error("request %s: grammar rejected token %d (%s); finishing it",
+                     request.request_id, token, getattr(state.grammar, "error", None))
+        if not request.status.finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+        return False
+
+    # ---- speculative decoding ----------------------------------------------------------
+
+    def _build_speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
+        if config is None:
+            return None
+        draft = None
+        if config.method != "ngram":
+            draft = DraftModelProposer.build(config, self.config, self.loaded, self.device,
+                                             self.kv_plan.num_tokens)
+        return Speculator.build(config, draft)
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the decoding requests, for the scheduler to send with their last
+        token; none when the batch is too large for speculation to pay."""
+        running = self.scheduler.running
+        if not self.speculator.enabled_for(len(running)):
+            return
+        requests, rooms = [], []
+        for request in running:
+            state = self.states.get(request.request_id)
+            if state is None or request.num_tokens - request.num_computed_tokens != 1:
+                continue  # a beam, or a prompt still prefilling
+            if state.grammar is not None and state.grammar.is_terminated:
+                continue
+            # emitted tokens (drafts + 1) within max_tokens; draft KV within the context
+            room = min(request.max_tokens - request.num_output_tokens - 1,
+                       self.max_model_len - request.num_tokens)
+            requests.append(request)
+            rooms.append(room)
+        if not requests:
+            return
+        for request, drafts in zip(requests, self.speculator.propose(requests, rooms),
+                                   strict=True):
+            grammar = self.states[request.request_id].grammar
+            if drafts and grammar is not None:  # drafts the grammar refuses would be rejected
+                drafts = drafts[: grammar.num_valid(drafts)]
+            request.spec_token_ids = drafts
 
     # ---- helpers -----------------------------------------------------------------------
 

@@ -68,6 +68,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # tokenized bad_words
+    # draft tokens to verify in the next step (speculative decoding), past all_token_ids
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0  # drafts verified so far
+    num_accepted_tokens: int = 0  # of which accepted
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +93,12 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (verified drafts after
+        the one that ended the request)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop on token ids and lengths (stop strings are checked on text, by the engine)."""

@@ -43,6 +43,7 @@ class RequestState:
     cumulative_logprob: float | None = field(init=False, default=None)
     prompt_logprobs: PromptLogprobs | None = field(init=False, default=None)
     num_sent_tokens: int = field(init=False, default=0)  # output tokens in earlier deltas
+    num_processed_tokens: int = field(init=False, default=0)  # detokenized so far
     prompt_logprobs_sent: bool = field(init=False, default=False)
     grammar: "GrammarMatcher | None" = field(init=False, default=None)  # structured output
 

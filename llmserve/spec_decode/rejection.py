@@ -14,7 +14,7 @@ Greedy rows (temperature 0: p a point mass at the target's argmax) accept exactl
 equal to the argmax and emit the argmax where they stop, so their output is token for token
 the non-speculative one.
 
-Randomness: per row, k uniforms, then one exponential vector for the final draw (the same
+Randomness: per row, one uniform per draft, then one exponential vector for the final draw (the same
 exponential race as the sampler), all from the row's generator when it has one, so seeded
 requests reproduce.
 """
@@ -29,12 +29,15 @@ def verify(
     greedy: list[bool],
     generators: list[torch.Generator | None],
     draft_probs: torch.Tensor | None = None,
+    target_argmax: torch.Tensor | None = None,
 ) -> list[list[int]]:
     """The tokens each row emits: its accepted drafts, then one more (1 to k + 1 tokens).
 
     target_probs: (B, K + 1, V); draft_tokens: (B, K) (row b's first num_drafts[b] are
     its drafts); draft_probs: (B, K, V), or None for point-mass drafts. Greedy rows need
-    only the target's argmax, so any distribution with that argmax serves.
+    only the target's argmax: `target_argmax` (B, K + 1) when given (the sampler's own
+    argmax of the processed logits, ties broken as it breaks them), else that of
+    `target_probs`.
     """
     batch, width, vocab = target_probs.shape
     k_max = width - 1
@@ -47,9 +50,10 @@ def verify(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(2, tokens[:, :, None])[:, :, 0]
-    uniforms = _uniforms(batch, k_max, generators, device)
+    uniforms = _uniforms(batch, k_max, num_drafts, generators, device)
     accepted = uniforms * q_draft < p_draft  # u < p / q, without dividing by q
-    target_argmax = target_probs.argmax(dim=-1)  # (B, K + 1)
+    if target_argmax is None:
+        target_argmax = target_probs.argmax(dim=-1)  # (B, K + 1)
     greedy_t = torch.tensor(greedy, dtype=torch.bool, device=device)
     accepted = torch.where(greedy_t[:, None], tokens == target_argmax[:, :k_max], accepted)
     accepted &= positions[None, :] < counts[:, None]
@@ -78,12 +82,15 @@ def verify(
     return out
 
 
-def _uniforms(batch: int, k: int, generators: list[torch.Generator | None],
-              device: torch.device) -> torch.Tensor:
+def _uniforms(batch: int, k: int, num_drafts: list[int],
+              generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
+    """(B, K) uniforms; a seeded row takes exactly its num_drafts from its generator (none
+    when it has no drafts, so its draw matches the plain sampler's)."""
     u = torch.rand(batch, k, device=device)
     for row, gen in enumerate(generators):
-        if gen is not None:
-            u[row] = torch.rand(k, generator=gen, device=device)
+        if gen is not None and num_drafts[row]:
+            u[row, : num_drafts[row]] = torch.rand(num_drafts[row], generator=gen,
+                                                   device=device)
     return u
 
 

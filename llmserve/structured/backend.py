@@ -17,6 +17,16 @@ class GrammarMatcher:
         """Advance by a sampled token; False if the grammar did not allow it."""
         raise NotImplementedError
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar allows from here (no change)."""
+        n = 0
+        while n < len(token_ids) and not self.is_terminated and \
+                self.accept_token(token_ids[n]):
+            n += 1
+        if n:
+            self.rollback(n)
+        return n
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding)."""
         raise NotImplementedError

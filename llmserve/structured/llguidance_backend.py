@@ -59,6 +59,9 @@ class LLGuidanceMatcher(GrammarMatcher):
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
+    def num_valid(self, token_ids: list[int]) -> int:
+        return self.matcher.validate_tokens(token_ids)
+
     @property
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped()

@@ -25,7 +25,12 @@ import torch
 from llmserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.attention import AttentionBackend, AttentionMetadata
-from llmserve.worker.logits_processors import LogitsProcessing, Penalties, has_penalty
+from llmserve.worker.logits_processors import (
+    History,
+    LogitsProcessing,
+    Penalties,
+    has_penalty,
+)
 from llmserve.worker.sampler import SamplingBatch
 
 
@@ -120,7 +125,7 @@ class InputBatch:
             if s.new_block_ids:
                 self._append_blocks(row, s.new_block_ids)
             self._learn_outputs(self.rows[row], s)
-            self.num_computed_tokens[row] = s.start_position + len(s.token_ids)
+            self.num_computed_tokens[row] = s.start_position + s.num_tokens
 
     def _add(self, new: NewRequestData, start_position: int) -> None:
         if self._holes:
@@ -207,6 +212,13 @@ class InputBatch:
         self.block_table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
+    def accept_drafts(self, request_id: str, num_drafts: int, accepted: list[int]) -> None:
+        """After verification: the accepted drafts are outputs now, and the rejected
+        drafts' slots are no longer computed."""
+        row = self.row_of[request_id]
+        self.rows[row].output_token_ids.extend(accepted)
+        self.num_computed_tokens[row] -= num_drafts - len(accepted)
+
     @staticmethod
     def _learn_outputs(request: RequestRow, s: ScheduledRequest) -> None:
         """Tokens past what the row knows are outputs sampled since (a decode's one token)."""
@@ -238,9 +250,11 @@ class InputBatch:
         """Flat token ids, positions and attention metadata of the scheduled requests."""
         n = len(batch)
         rows = np.fromiter((self.row_of[s.request_id] for s in batch), np.int64, n)
-        query_lens = [len(s.token_ids) for s in batch]
+        query_lens = [s.num_tokens for s in batch]
         context_lens = [s.start_position for s in batch]
-        token_ids = list(itertools.chain.from_iterable(s.token_ids for s in batch))
+        token_ids = list(itertools.chain.from_iterable(
+            s.token_ids + s.spec_token_ids if s.spec_token_ids else s.token_ids
+            for s in batch))
         if len(token_ids) == n:  # decodes only: sequence b's one query at context_lens[b]
             positions = np.array(context_lens, dtype=np.int64)
         else:  # sequence b's query i sits at context_lens[b] + i
@@ -260,16 +274,28 @@ class InputBatch:
 
     # ---- sampling ----------------------------------------------------------------------
 
-    def sampling_batch(self, rows: np.ndarray, vocab_size: int) -> SamplingBatch | None:
+    def sampling_batch(self, rows: np.ndarray, vocab_size: int,
+                       preceding: list[list[int]] | None = None) -> SamplingBatch | None:
         """The sampling parameters of `rows` (in that order); None when every row is
-        greedy with no processor, so that sampling is just the argmax."""
+        greedy with no processor, so that sampling is just the argmax.
+
+        `preceding[i]`: draft tokens to count as already output at row i's position
+        (speculative decoding; a row may then appear once per position)."""
         temperature = self.temperature[rows]
         all_greedy = not (temperature > 0).any()
         processed = bool(self.processed[rows].any())
         if all_greedy and not processed:
             return None
         processing = None
-        if processed:
+        if processed and preceding is not None and any(preceding):
+            histories = [History(r.prompt_token_ids, r.output_token_ids + pre,
+                                 r.eos_token_ids, r.bad_words_token_ids)
+                         for r, pre in zip((self.rows[r] for r in rows), preceding,
+                                           strict=True)]
+            processing = LogitsProcessing.build(
+                [h.sampling_params for h in (self.rows[r] for r in rows)], histories,
+                self.device)
+        elif processed:
             requests = [self.rows[r] for r in rows]
             processing = LogitsProcessing.build(
                 [r.sampling_params for r in requests], requests, self.device,

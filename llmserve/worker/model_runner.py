@@ -16,7 +16,8 @@ from llmserve.structured import GrammarStep
 from llmserve.worker.attention import AttentionBackend, KVCache, attention_backend
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
-from llmserve.worker.sampler import argmax, sample
+from llmserve.spec_decode.rejection import verify
+from llmserve.worker.sampler import argmax, sample, target_probs
 
 # prompt positions whose logits are materialised at once for prompt logprobs: (256, V) fp32
 PROMPT_LOGPROBS_SLICE = 256
@@ -26,13 +27,15 @@ PROMPT_LOGPROBS_SLICE = 256
 class RunnerOutput:
     """What one step produced, keyed by request id.
 
-    `logprobs[id]` is the sampled token's (raw) logprobs, for requests asking for logprobs.
+    `sampled[id]` is the request's new tokens: its accepted drafts (speculative decoding),
+    then one sampled token. `logprobs[id]` has the (raw) logprobs of each of them, for
+    requests asking for logprobs.
     `prompt_logprobs[id] = (first, positions)`: positions[i] scores prompt token
     `first + i` (first >= 1); a chunked prompt arrives over several steps.
     """
 
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(
         default_factory=dict
     )
@@ -64,38 +67,109 @@ class ModelRunner:
         hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.metadata)  # (T, H)
         for i in np.flatnonzero(batch.prompt_logprobs[step.rows]).tolist():
             s, end = out.scheduled[i], int(step.last_token[i])
+            start = end + 1 - s.num_tokens  # the chunk's first token
             self._prompt_logprobs(s, batch.rows[step.rows[i]],
-                                  hidden[end + 1 - len(s.token_ids) : end + 1], result)
+                                  hidden[start : start + len(s.token_ids)], result)
         to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
         if not to_sample:
             return result
+        drafts = [out.scheduled[i].spec_token_ids for i in to_sample]
+        request_ids = [out.scheduled[i].request_id for i in to_sample]
         rows = step.rows[to_sample]
+        if any(drafts):
+            self._verify(request_ids, rows, step.last_token[to_sample], drafts, hidden,
+                         grammar, result)
+            return result
         last = torch.from_numpy(step.last_token[to_sample]).to(self.device)
         logits = self.model.compute_logits(hidden[last])  # (N, V)
         sampling = batch.sampling_batch(rows, logits.shape[-1])
-        request_ids = [out.scheduled[i].request_id for i in to_sample]
         raw_needed = bool((batch.logprobs[rows] >= 0).any())  # logprobs are of raw logits
-        allowed = logits if grammar is None else grammar.apply(logits, request_ids,
-                                                                copy=raw_needed)
+        allowed = logits if grammar is None else grammar.apply(
+            logits, [(rid, 0) for rid in request_ids], copy=raw_needed)
         tokens = argmax(allowed) if sampling is None else sample(allowed, sampling)  # (N,)
-        result.sampled = dict(zip(request_ids, tokens.tolist(), strict=True))
-        self._sample_logprobs(request_ids, rows, logits, tokens, result)
+        result.sampled = {rid: [t] for rid, t in zip(request_ids, tokens.tolist(), strict=True)}
+        self._sample_logprobs(request_ids, rows, logits, np.arange(len(rows)), tokens, result)
         return result
+
+    def _verify(
+        self, request_ids: list[str], rows: np.ndarray, last_token: np.ndarray,
+        drafts: list[list[int]], hidden: torch.Tensor, grammar: GrammarStep | None,
+        result: RunnerOutput,
+    ) -> None:
+        """Sample at each request's last token and at each of its drafts, in one batch,
+        and keep the drafts the rejection rule accepts (`spec_decode/rejection.py`).
+
+        Logits rows: request i owns 1 + k_i consecutive rows, its positions
+        `| last verified token | draft 1 | ... | draft k_i |`; the target distribution at
+        draft j's row is processed as if drafts 1..j were already output (penalties, bad
+        words, min_tokens, grammar).
+        """
+        batch = self.input_batch
+        num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)  # (N,)
+        counts = num_drafts + 1
+        first = np.cumsum(counts) - counts  # (N,) each request's first logits row
+        owner = np.repeat(np.arange(len(rows)), counts)  # (L,) request of each row
+        offset = np.arange(int(counts.sum())) - first[owner]  # (L,) j of each row
+        index = last_token[owner] - num_drafts[owner] + offset  # (L,) into the T tokens
+        logits = self.model.compute_logits(hidden[torch.from_numpy(index)])  # (L, V)
+        preceding = [drafts[i][:j] for i, j in zip(owner.tolist(), offset.tolist(),
+                                                   strict=True)]
+        expanded = rows[owner]
+        sampling = batch.sampling_batch(expanded, logits.shape[-1], preceding)
+        raw_needed = bool((batch.logprobs[rows] >= 0).any())
+        allowed = logits if grammar is None else grammar.apply(
+            logits, [(request_ids[i], j) for i, j in zip(owner.tolist(), offset.tolist(),
+                                                         strict=True)], copy=raw_needed)
+        processed = allowed if sampling is None or sampling.processing is None else \
+            sampling.processing.apply(allowed)
+        target_argmax = argmax(processed)  # (L,): what greedy rows emit
+        if sampling is None or sampling.all_greedy:
+            emitted = _greedy_verify(drafts, target_argmax.tolist(), first)
+        else:
+            probs = target_probs(processed, sampling)  # (L, V)
+            width = int(counts.max())
+            padded = probs.new_zeros(len(rows), width, probs.shape[-1])  # (N, K + 1, V)
+            padded[owner, offset] = probs
+            argmax_padded = target_argmax.new_zeros(len(rows), width)
+            argmax_padded[owner, offset] = target_argmax
+            draft_tokens = torch.zeros(len(rows), width - 1, dtype=torch.long)
+            for i, d in enumerate(drafts):
+                draft_tokens[i, : len(d)] = torch.tensor(d, dtype=torch.long)
+            greedy = (batch.temperature[rows] == 0).tolist()
+            emitted = verify(padded, draft_tokens.to(self.device), num_drafts.tolist(), greedy,
+                             [batch.rows[r].generator for r in rows], target_argmax=argmax_padded)
+        for rid, d, tokens in zip(request_ids, drafts, emitted, strict=True):
+            result.sampled[rid] = tokens
+            if d:
+                batch.accept_drafts(rid, len(d), tokens[:-1])
+        # logprobs: emitted token j sits at its request's row first + j
+        emitted_rows = np.concatenate([first[i] + np.arange(len(t))
+                                       for i, t in enumerate(emitted)])
+        emitted_owner = np.repeat(np.arange(len(rows)), [len(t) for t in emitted])
+        flat = torch.tensor([t for tokens in emitted for t in tokens], dtype=torch.long,
+                            device=self.device)
+        self._sample_logprobs(request_ids, rows, logits, emitted_rows, flat, result,
+                              emitted_owner)
 
     def _sample_logprobs(
         self, request_ids: list[str], rows: np.ndarray, logits: torch.Tensor,
-        tokens: torch.Tensor, result: RunnerOutput,
+        logits_rows: np.ndarray, tokens: torch.Tensor, result: RunnerOutput,
+        owner: np.ndarray | None = None,
     ) -> None:
-        """Raw logprobs of the sampled tokens (logits: (N, V), tokens: (N,))."""
-        ks = self.input_batch.logprobs[rows]  # (N,) -1: not asked for
+        """Raw logprobs of the sampled tokens: tokens[e] was sampled from
+        logits[logits_rows[e]] by request owner[e] (default: e), in order."""
+        owner = np.arange(len(rows)) if owner is None else owner
+        ks = self.input_batch.logprobs[rows][owner]  # (E,) -1: not asked for
         want = np.flatnonzero(ks >= 0)
         if len(want) == 0:
             return
-        index = torch.from_numpy(want).to(self.device)
-        gathered = gather_logprobs(logits[index].log_softmax(dim=-1), tokens[index],
+        index = torch.from_numpy(logits_rows[want]).to(self.device)
+        gathered = gather_logprobs(logits[index].log_softmax(dim=-1),
+                                   tokens[torch.from_numpy(want).to(self.device)],
                                    int(ks[want].max()))
-        for i, position in zip(want.tolist(), gathered, strict=True):
-            result.logprobs[request_ids[i]] = position.truncated(int(ks[i]))
+        for e, position in zip(want.tolist(), gathered, strict=True):
+            result.logprobs.setdefault(request_ids[owner[e]], []).append(
+                position.truncated(int(ks[e])))
 
     def _prompt_logprobs(
         self, s: ScheduledRequest, request: RequestRow, hidden: torch.Tensor,
@@ -121,3 +195,17 @@ class ModelRunner:
             logprobs = self.model.compute_logits(hidden[lo:hi]).log_softmax(dim=-1)
             positions += gather_logprobs(logprobs, targets[lo:hi], k)
         result.prompt_logprobs[s.request_id] = (s.start_position + 1, positions)
+
+
+def _greedy_verify(drafts: list[list[int]], target_argmax: list[int],
+                   first: np.ndarray) -> list[list[int]]:
+    """Greedy rows: keep drafts while they equal the target's argmax, then emit the
+    argmax where they stop (so the output is the non-speculative one, token for token)."""
+    emitted = []
+    for i, d in enumerate(drafts):
+        base = int(first[i])
+        n = 0
+        while n < len(d) and d[n] == target_argmax[base + n]:
+            n += 1
+        emitted.append(d[:n] + [target_argmax[base + n]])
+    return emitted

@@ -111,16 +111,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy = argmax(logits)
     if batch.all_greedy:
         return greedy
+    probs = target_probs(logits, batch)
+    noise = _exponential_noise(probs, batch.generators)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.temperature > 0, sampled, greedy)
+
+
+def target_probs(processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The distribution a sampled row draws from: processed logits (N, V) (processors
+    applied) scaled by temperature, truncated by top-k, top-p and min-p -> probs (N, V).
+    Greedy rows get their logits' softmax (callers take their argmax instead)."""
     temperature = torch.where(batch.temperature > 0, batch.temperature, 1.0)
-    scaled = logits / temperature[:, None]
+    scaled = processed / temperature[:, None]
     if batch.need_sort:
         scaled = apply_top_k_top_p(scaled, batch.top_k, batch.top_p)
     if bool((batch.min_p > 0).any()):
         scaled = apply_min_p(scaled, batch.min_p)
-    probs = scaled.softmax(dim=-1)
-    noise = _exponential_noise(probs, batch.generators)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(batch.temperature > 0, sampled, greedy)
+    return scaled.softmax(dim=-1)
 
 
 def _exponential_noise(

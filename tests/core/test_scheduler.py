@@ -88,7 +88,7 @@ def step(sched: Scheduler, finish: set[str] = frozenset()) -> SchedulerOutput:
     """One engine step; requests in `finish` sample EOS, the others TOKEN."""
     out = sched.schedule()
     check_step(sched, out)
-    sampled = {s.request_id: EOS if s.request_id in finish else TOKEN
+    sampled = {s.request_id: [EOS if s.request_id in finish else TOKEN]
                for s in out.scheduled if s.sample}
     sched.update(out, sampled)
     return out
@@ -281,7 +281,7 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token():
     sched.add_request(request)
     out = sched.schedule()
     sched.finish_request("r", RequestStatus.FINISHED_ABORTED)
-    assert sched.update(out, {"r": TOKEN}) == []
+    assert sched.update(out, {"r": [TOKEN]}) == []
     assert request.output_token_ids == []
     assert_all_blocks_free(sched)
 
@@ -493,7 +493,7 @@ def test_a_decode_taken_back_by_preemption_leaves_no_unwritten_block_in_the_pref
     probe = make_request("probe", low.all_token_ids + [5])
     assert sched.kv.get_computed_blocks(probe)[1] == 0
 
-    sched.update(out, {"high": TOKEN})
+    sched.update(out, {"high": [TOKEN]})
     run_until_done(sched)
     assert low.output_token_ids == [TOKEN] * 8
     assert_all_blocks_free(sched)
@@ -655,7 +655,7 @@ def test_random_operations_keep_the_invariants(seed, enable_caching, policy):
         out = sched.schedule()
         check_step(sched, out)
         fake_kv.execute(sched, out)
-        sampled = {s.request_id: EOS if rng.random() < 0.1 else rng.randint(2, 5)
+        sampled = {s.request_id: [EOS if rng.random() < 0.1 else rng.randint(2, 5)]
                    for s in out.scheduled if s.sample}
         sched.update(out, sampled)
         check_invariants(sched, unfinished)

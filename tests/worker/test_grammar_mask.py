@@ -32,9 +32,10 @@ def test_mask_applies_to_exactly_the_constrained_rows(vocab, native_kernels, mon
     logits = torch.randn(6, vocab)
     done = Future()
     done.set_result(None)
-    step = GrammarStep(constrained, bitmask, done)
-    out = step.apply(logits, ids)
+    step = GrammarStep([(rid, 0) for rid in constrained], bitmask, done)
+    keys = [(rid, 0) for rid in ids]
+    out = step.apply(logits, keys)
     assert torch.equal(out, reference(logits, bitmask, [1, 2, 4]))
     assert not torch.isinf(logits).any()  # the raw logits (for logprobs) stay as they were
-    in_place = step.apply(logits, ids, copy=False)  # when no row wants logprobs
+    in_place = step.apply(logits, keys, copy=False)  # when no row wants logprobs
     assert in_place.data_ptr() == logits.data_ptr() and torch.equal(in_place, out)

@@ -115,7 +115,8 @@ def test_random_workload_rows_and_metadata_match_the_scheduler(seed):
             if out.scheduled:
                 check_metadata(batch, sched, out.scheduled)
                 num_steps += 1
-            sampled = {s.request_id: rng.randint(0, VOCAB - 1) for s in out.scheduled if s.sample}
+            sampled = {s.request_id: [rng.randint(0, VOCAB - 1)] for s in out.scheduled
+                       if s.sample}
             sched.update(out, sampled)
     assert num_steps > 50 and sched.num_preemptions > 0 and num_compactions > 0
     assert batch.capacity >= 2 and batch.block_table.shape[1] > 1
@@ -265,8 +266,8 @@ def test_sampling_equals_the_from_scratch_path_step_by_step():
             torch.manual_seed(num_sampled)
             assert torch.equal(sample(logits, new), tokens)
         num_sampled += 1
-        sched.update(out, dict(zip([s.request_id for s in to_sample], tokens.tolist(),
-                                   strict=True)))
+        sched.update(out, {s.request_id: [t] for s, t in zip(to_sample, tokens.tolist(),
+                                                             strict=True)})
     assert sched.num_preemptions > 0 and num_sampled > 12
     assert batch.output_counts is not None  # the incremental counts were used
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from llmserve.spec_decode.rejection import verify
 from llmserve.structured import GrammarStep
 from llmserve.worker.attention import AttentionBackend, KVCache, attention_backend
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
-from llmserve.spec_decode.rejection import verify
 from llmserve.worker.sampler import argmax, sample, target_probs
 
 # prompt positions whose logits are materialised at once for prompt logprobs: (256, V) fp32

@@ -9,10 +9,14 @@ with each step's outputs, `update_state()` after every loop turn.
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from llmserve.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from llmserve.spec_decode.speculator import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +82,25 @@ class EngineMetrics:
                              registry=r)
         self.kv_usage = Gauge("llmserve_kv_cache_usage_ratio",
                               "Fraction of KV-cache blocks in use (1 = full).", registry=r)
+        # speculative decoding (zero while it is off)
+        self.spec_drafts = Counter("llmserve_spec_decode_num_drafts",
+                                   "Verification rounds with at least one draft token.",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("llmserve_spec_decode_num_draft_tokens",
+                                         "Draft tokens verified.", registry=r)
+        self.spec_accepted_tokens = Counter("llmserve_spec_decode_num_accepted_tokens",
+                                            "Draft tokens accepted.", registry=r)
+        self.spec_accepted_per_position = Counter(
+            "llmserve_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft.", ["position"], registry=r)
+        self.spec_acceptance_rate = Gauge("llmserve_spec_decode_acceptance_rate",
+                                          "Accepted / verified draft tokens since start.",
+                                          registry=r)
+        self.spec_mean_accepted_length = Gauge(
+            "llmserve_spec_decode_mean_accepted_length",
+            "Tokens emitted per round with drafts (accepted drafts + 1) since start.",
+            registry=r)
+        self._spec_counts: tuple = (0, 0, 0, ())
         self._requests: dict[str, _RequestState] = {}
         self._engine_counts = (0, 0, 0)  # preemptions, prefix queries, prefix hits
         self._log = _StatsLog(log_interval_s)
@@ -130,8 +153,11 @@ class EngineMetrics:
             self.tpot.observe(m.time_per_output_token)
 
     def update_state(self, num_running: int, num_waiting: int, kv_usage: float,
-                     num_preemptions: int, prefix_queries: int, prefix_hits: int) -> None:
+                     num_preemptions: int, prefix_queries: int, prefix_hits: int,
+                     spec: "SpecDecodeStats | None" = None) -> None:
         """Set the gauges and advance the counters kept by the engine as running totals."""
+        if spec is not None:
+            self._update_spec(spec)
         self.running.set(num_running)
         self.waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
@@ -144,6 +170,23 @@ class EngineMetrics:
         self._log.prefix_queries += deltas[1]
         self._log.prefix_hits += deltas[2]
         self._log.maybe_log(num_running, num_waiting, kv_usage)
+
+
+    def _update_spec(self, spec: "SpecDecodeStats") -> None:
+        counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                  tuple(spec.accepted_per_position))
+        old = self._spec_counts
+        if counts == old:
+            return
+        self._spec_counts = counts
+        self.spec_drafts.inc(max(counts[0] - old[0], 0))
+        self.spec_draft_tokens.inc(max(counts[1] - old[1], 0))
+        self.spec_accepted_tokens.inc(max(counts[2] - old[2], 0))
+        for j, n in enumerate(counts[3]):
+            prev = old[3][j] if j < len(old[3]) else 0
+            self.spec_accepted_per_position.labels(position=str(j)).inc(max(n - prev, 0))
+        self.spec_acceptance_rate.set(spec.acceptance_rate)
+        self.spec_mean_accepted_length.set(spec.mean_accepted_length)
 
 
 class _StatsLog:

@@ -30,6 +30,8 @@ class RequestMetrics:
     last_token_time: float | None
     finished_time: float | None
     num_generated_tokens: int
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
+    num_accepted_tokens: int = 0  # of which accepted
 
     @property
     def time_to_first_token(self) -> float | None:

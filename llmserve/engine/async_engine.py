@@ -293,8 +293,10 @@ class AsyncEngine:
         scheduler, kv = self.engine.scheduler, self.engine.kv_manager
         with self._lock:
             self._num_waiting = scheduler.num_waiting
+        speculator = self.engine.speculator
         self.metrics.update_state(scheduler.num_running, scheduler.num_waiting, kv.usage,
-                                  scheduler.num_preemptions, kv.num_queries, kv.num_hits)
+                                  scheduler.num_preemptions, kv.num_queries, kv.num_hits,
+                                  speculator.stats if speculator is not None else None)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

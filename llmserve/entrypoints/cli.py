@@ -7,6 +7,7 @@ engine) itself, so that `--help` and usage errors stay quick. User errors (`LLMS
 """
 
 import argparse
+import json
 import logging
 import sys
 from functools import partial
@@ -32,7 +33,8 @@ SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens"
 ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_threads",
                 "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
-                "scheduling_policy", "enforce_eager", "attention_backend")
+                "scheduling_policy", "enforce_eager", "attention_backend",
+                "speculative_config")
 GENERATE_DEFAULTS = {"max_tokens": 256}
 # As llama.cpp's interactive defaults; a reply ends at the end of the turn well before this.
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 2048}
@@ -163,6 +165,18 @@ def kv_cache_memory(text: str) -> str | float:
     except ValueError:
         return text
     return value if "." in text and value <= 1 else text
+
+
+def speculative_config(text: str) -> dict:
+    """`--speculative-config`: a JSON object in vLLM's keys, checked when the engine starts."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            'a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    return value
 
 
 def format_bytes(num: float) -> str:
@@ -332,6 +346,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", choices=ATTENTION_BACKEND_CHOICES,
                        help="auto (default): native kernels on the CPU, flex_attention on "
                             "CUDA; native, flex, or torch (SDPA over gathered blocks)")
+    group.add_argument("--speculative-config", type=speculative_config,
+                       help="speculative decoding, as JSON: method ngram (prompt lookup), "
+                            "draft_model (with \"model\"), or self_draft (the checkpoint's "
+                            "quantized self drafts for the exact path); "
+                            "num_speculative_tokens, prompt_lookup_min/max, "
+                            "disable_by_batch_size, adaptive")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="never torch.compile the model step (float32 steps off the "
                             "native stack compile by default: a slower start, cached after)")

@@ -153,6 +153,28 @@ def quality_candidates(quantizations: list[str] | None,
     return candidates
 
 
+def cmd_bench_spec(args: argparse.Namespace) -> int:
+    from llmserve.bench.machine import format_machine
+    from llmserve.bench.spec import HEADER, format_report, run_spec_bench
+
+    unknown = [m for m in args.methods if m not in ("ngram", "self_draft")]
+    if unknown:
+        raise ValueError(f"--methods: {unknown[0]!r} is not ngram or self_draft")
+    unknown = [p for p in args.paths if p not in ("default", "float32")]
+    if unknown:
+        raise ValueError(f"--paths: {unknown[0]!r} is not default or float32")
+    _set_threads(args)
+    print(format_machine(), flush=True)
+    print(HEADER, flush=True)
+    data = run_spec_bench(args.model, args.methods, args.paths, args.max_tokens,
+                          [c for c in args.concurrency if c > 0], args.num_speculative_tokens,
+                          log=lambda line: print(line, flush=True))
+    print(format_report(data).splitlines()[-1])
+    if args.output_json:
+        write_json(args.output_json, data)
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     import sys
 
@@ -191,6 +213,7 @@ def add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     _add_bench_serve(kinds, common)
     _add_bench_latency(kinds, common)
     _add_bench_quality(kinds, common)
+    _add_bench_spec(kinds, common)
     _add_bench_plot(kinds, common)
 
 
@@ -295,6 +318,26 @@ def _add_bench_quality(kinds: Any, common: argparse.ArgumentParser) -> None:
     qa.set_defaults(func=cmd_bench_quality)
 
 
+def _add_bench_spec(kinds: Any, common: argparse.ArgumentParser) -> None:
+    sp = kinds.add_parser(
+        "spec", parents=[common],
+        help="speculative decoding: batch-1 tok/s, acceptance and speedup per method and "
+             "path on grounded and chat workloads, and the concurrency where it stops paying")
+    _add_model_flag(sp)
+    sp.add_argument("--methods", type=_str_list, default=["ngram", "self_draft"],
+                    help="methods to compare with none (default ngram,self_draft)")
+    sp.add_argument("--paths", type=_str_list, default=["default", "float32"],
+                    help="default (quantized) and/or float32 (exact); default both")
+    sp.add_argument("--num-speculative-tokens", type=int, default=4,
+                    help="most drafts per step (default 4)")
+    sp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    sp.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8, 16),
+                    help="concurrencies for the crossover (default 1,2,4,8,16; 0: skip)")
+    sp.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
+    _add_threads_flag(sp)
+    sp.set_defaults(func=cmd_bench_spec)
+
+
 def _add_bench_plot(kinds: Any, common: argparse.ArgumentParser) -> None:
     pl = kinds.add_parser("plot", parents=[common],
                           help="plot `bench serve` result files against each other")
@@ -313,6 +356,10 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like 1,4,16, got {text!r}") from None
+
+
+def _str_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def _engine_arg(text: str) -> tuple[str, Any]:

@@ -1,0 +1,221 @@
+"""`llmserve bench spec`: what speculative decoding buys, per method, path and workload.
+
+Two parts, each engine alone on the machine (they run one after another):
+
+* batch 1: each method (none, ngram, self_draft) on each path (the default quantized one
+  and the exact float32 one) decodes an input-grounded workload (quote, edit, summarise a
+  passage, document code: the texts ship in `llmserve/bench/data/`) and open-ended chat,
+  one request at a time, greedy. Reported: output tok/s, the speedup over no speculation
+  on the same path, the acceptance rate, the mean accepted length, and whether the
+  output equals the non-speculative one token for token (it must);
+* concurrency: the grounded workload at 1, 2, 4, ... concurrent requests, speculation
+  always on (`disable_by_batch_size` lifted) against none; the first concurrency where it
+  no longer pays is the crossover the default `disable_by_batch_size` comes from.
+"""
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from llmserve.bench.machine import format_machine, machine_info, path_info
+from llmserve.engine.engine import Engine
+from llmserve.llm import LLM
+from llmserve.sampling_params import SamplingParams
+
+DATA = Path(__file__).parent / "data"
+CHAT_PROMPTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are the benefits of regular exercise? Explain in a few paragraphs.",
+    "Explain how a bicycle works to a ten year old.",
+    "Give me some practical tips for learning a new language as an adult.",
+)
+
+
+def grounded_prompts() -> list[str]:
+    """Quote, edit, summarise and document texts that ship with the package."""
+    paragraphs = [p.strip() for p in (DATA / "quality_text.txt").read_text().split("\n\n")
+                  if len(p.split()) > 60]
+    code = (DATA / "spec_code.py.txt").read_text()
+    return [
+        f"Copy the following passage word for word.\n\n{paragraphs[0]}",
+        "Rewrite the following passage, replacing the word \"people\" with \"folks\" and "
+        f"changing nothing else.\n\n{paragraphs[2]}",
+        "Summarise the following passage, quoting its most important sentences exactly."
+        f"\n\n{paragraphs[4]}",
+        "Add a one-line docstring to every function and method of this code and return "
+        f"the whole code.\n\n```python\n{code}```",
+    ]
+
+
+WORKLOADS = {"grounded": grounded_prompts, "chat": lambda: list(CHAT_PROMPTS)}
+
+
+@dataclass
+class SpecResult:
+    path: str  # "default" or "float32"
+    method: str  # "none", "ngram", "self_draft"
+    workload: str
+    concurrency: int
+    output_tokens: int
+    seconds: float
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_rounds: int
+    identical: bool | None  # output equal to the same path without speculation
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens \
+            else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return 1 + self.num_accepted_tokens / self.num_rounds if self.num_rounds else None
+
+
+def chat_token_ids(llm: LLM, prompts: list[str]) -> list[dict]:
+    return [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)}
+        for p in prompts]
+
+
+def run_workload(llm: LLM, prompts: list[dict], params: SamplingParams,
+                 concurrency: int) -> tuple[float, list[list[int]], tuple[int, int, int]]:
+    """Seconds, token ids per prompt, and the speculator's (drafts, accepted, rounds)
+    during the run; `concurrency` prompts in flight at a time (in order)."""
+    engine = llm.engine
+    before = _spec_counts(engine)
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for lo in range(0, len(prompts), concurrency):
+        results = llm.generate(prompts[lo:lo + concurrency], params, use_tqdm=False)
+        outputs += [list(r.outputs[0].token_ids) for r in results]
+    seconds = time.perf_counter() - start
+    after = _spec_counts(engine)
+    return seconds, outputs, tuple(a - b for a, b in zip(after, before, strict=True))
+
+
+def _spec_counts(engine: Engine) -> tuple[int, int, int]:
+    if engine.speculator is None:
+        return (0, 0, 0)
+    s = engine.speculator.stats
+    return (s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts)
+
+
+def engine_for(base: LLM, method: str, k: int, always_on: bool = False) -> LLM:
+    """An engine on `base`'s loaded target model, speculating with `method` ("none": off)."""
+    config = base.engine.config
+    spec = None
+    if method != "none":
+        spec = {"method": method, "num_speculative_tokens": k}
+        if always_on:
+            spec["disable_by_batch_size"] = None
+    return LLM.from_engine(Engine(replace(config, speculative_config=spec),
+                                  loaded=base.engine.loaded))
+
+
+def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_tokens: int,
+                   concurrencies: list[int], k: int, kv_cache_memory: str = "1GiB",
+                   log: Any = print) -> dict[str, Any]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=False)
+    results: list[SpecResult] = []
+    paths_seen: dict[str, Any] = {}
+    for path in paths:
+        dtype = "float32" if path == "float32" else "auto"
+        base = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory)
+        paths_seen[path] = path_info(base)
+        for workload, make in WORKLOADS.items():
+            prompts = chat_token_ids(base, make())
+            reference = None
+            for method in ["none", *[m for m in methods if m != "none"]]:
+                llm = base if method == "none" else engine_for(base, method, k)
+                llm.generate(prompts[:1], replace(params, max_tokens=8), use_tqdm=False)
+                seconds, outputs, (drafts, accepted, rounds) = run_workload(
+                    llm, prompts, params, 1)
+                if method == "none":
+                    reference = outputs
+                result = SpecResult(path, method, workload, 1, sum(map(len, outputs)),
+                                    seconds, drafts, accepted, rounds,
+                                    None if method == "none" else outputs == reference)
+                results.append(result)
+                log(format_row(result, results))
+    if concurrencies:
+        results += run_crossover(model, k, max_tokens, concurrencies, kv_cache_memory, log)
+    return {"machine": machine_info(), "paths": paths_seen, "num_speculative_tokens": k,
+            "max_tokens": max_tokens,
+            "results": [dict(vars(r), tokens_per_s=r.tokens_per_s,
+                             acceptance_rate=r.acceptance_rate,
+                             mean_accepted_length=r.mean_accepted_length) for r in results],
+            "crossover": crossover(results)}
+
+
+def run_crossover(model: str | None, k: int, max_tokens: int, concurrencies: list[int],
+                  kv_cache_memory: str, log: Any = print) -> list[SpecResult]:
+    """The grounded workload at each concurrency (its prompts repeated to fill it), on the
+    default path, n-gram speculation always on against none."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    base = LLM(model, kv_cache_memory=kv_cache_memory)
+    ngram = engine_for(base, "ngram", k, always_on=True)
+    prompts = chat_token_ids(base, grounded_prompts())
+    results = []
+    for c in concurrencies:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        for method, llm in (("none", base), ("ngram", ngram)):
+            llm.generate(batch[:1], replace(params, max_tokens=8), use_tqdm=False)
+            seconds, outputs, (drafts, accepted, rounds) = run_workload(llm, batch, params, c)
+            result = SpecResult("default", method, "grounded", c, sum(map(len, outputs)),
+                                seconds, drafts, accepted, rounds, None)
+            results.append(result)
+            log(format_row(result, results))
+    return results
+
+
+def crossover(results: list[SpecResult]) -> int | None:
+    """The lowest concurrency (> 1) where n-gram speculation is no faster than none."""
+    by_c: dict[int, dict[str, float]] = {}
+    for r in results:
+        if r.path == "default" and r.workload == "grounded" and r.concurrency > 1:
+            by_c.setdefault(r.concurrency, {})[r.method] = r.tokens_per_s
+    for c in sorted(by_c):
+        rates = by_c[c]
+        if "ngram" in rates and "none" in rates and rates["ngram"] <= rates["none"]:
+            return c
+    return None
+
+
+def _baseline(result: SpecResult, results: list[SpecResult]) -> SpecResult | None:
+    for r in results:
+        if (r.path, r.workload, r.concurrency, r.method) == (
+                result.path, result.workload, result.concurrency, "none"):
+            return r
+    return None
+
+
+HEADER = (f"{'path':<8} {'workload':<9} {'conc':>4} {'method':<10} {'tok/s':>7} "
+          f"{'speedup':>7} {'accept':>6} {'len':>5} {'same':>5}")
+
+
+def format_row(r: SpecResult, results: list[SpecResult]) -> str:
+    base = _baseline(r, results)
+    speedup = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+    accept = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else "-"
+    length = f"{r.mean_accepted_length:.2f}" if r.mean_accepted_length is not None else "-"
+    same = "-" if r.identical is None else ("yes" if r.identical else "NO")
+    return (f"{r.path:<8} {r.workload:<9} {r.concurrency:>4} {r.method:<10} "
+            f"{r.tokens_per_s:>7.1f} {speedup:>7} {accept:>6} {length:>5} {same:>5}")
+
+
+def format_report(data: dict[str, Any]) -> str:
+    results = [SpecResult(**{k: v for k, v in r.items() if k in SpecResult.__dataclass_fields__})
+               for r in data["results"]]
+    lines = [format_machine(data["machine"]), HEADER]
+    lines += [format_row(r, results) for r in results]
+    c = data["crossover"]
+    lines.append("n-gram speculation stops paying at concurrency "
+                 f"{c}" if c else "n-gram speculation paid at every concurrency measured")
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ class LLM:
     `LLM(model=None, dtype="auto", **engine_options)`; options are `EngineConfig` fields
     (block_size, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, scheduling_policy, seed, device, enforce_eager,
-    attention_backend).
+    attention_backend, speculative_config).
 
     The engine is asked for final outputs only (`RequestOutputKind.FINAL_ONLY`, whatever
     the params say), so a request costs no per-step output work and each full

@@ -82,6 +82,11 @@ class DraftModelProposer(Proposer):
         quantization = None if quantization == "none" else quantization
         loaded = load_model(spec_model, torch.float32, device, quantization,
                             engine.enforce_eager)
+        if spec.method == "self_draft" and loaded.quantization == target.quantization:
+            raise ValueError(
+                "speculative_config: self_draft speeds up the exact path (dtype float32); "
+                f"here the target already runs the draft's weights "
+                f"({target.quantization or 'float'}), so drafting could only slow it down")
         _check_same_tokenizer(loaded, target)
         attention = attention_backend(device, engine.attention_backend)
         kv_dtype = resolve_kv_cache_dtype("auto", torch.float32, loaded.quantization,

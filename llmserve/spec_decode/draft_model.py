@@ -116,7 +116,9 @@ class DraftModelProposer(Proposer):
             seq = self.seqs.setdefault(request.request_id, _DraftSequence())
             seq.last_used = self._round
             tokens = request.all_token_ids
-            keep = _common_prefix(seq.tokens, tokens)
+            # the last verified token is always fed (again, if the draft fed it as a draft
+            # the scheduler then left out): its logits propose the first draft
+            keep = min(_common_prefix(seq.tokens, tokens), len(tokens) - 1)
             del seq.tokens[keep:]
             feed = tokens[keep:]
             # slots for the catch-up and the k - 1 drafts fed back

@@ -33,6 +33,7 @@ from llmserve.memory import parse_size, plan_kv_cache
 from llmserve.models.compile import warm_up
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
 from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured import StructuredOutputManager
@@ -320,7 +321,14 @@ class Engine:
         if config.method != "ngram":
             draft = DraftModelProposer.build(config, self.config, self.loaded, self.device,
                                              self.kv_plan.num_tokens)
-        return Speculator.build(config, draft)
+        costs = None
+        if config.adaptive:
+            costs = measure_step_costs(self.loaded.model, self.runner.kv_cache, self.attention,
+                                       config.num_speculative_tokens,
+                                       draft.time_step if draft is not None else None)
+            logger.info("speculative decoding: a draft token costs %s of a step (by batch "
+                        "size)", {b: round(c, 2) for b, c in costs.by_batch.items()})
+        return Speculator.build(config, draft, costs)
 
     def _propose_drafts(self) -> None:
         """Drafts for the decoding requests, for the scheduler to send with their last
@@ -342,8 +350,8 @@ class Engine:
             rooms.append(room)
         if not requests:
             return
-        for request, drafts in zip(requests, self.speculator.propose(requests, rooms),
-                                   strict=True):
+        proposed = self.speculator.propose(requests, rooms, len(running))
+        for request, drafts in zip(requests, proposed, strict=True):
             grammar = self.states[request.request_id].grammar
             if drafts and grammar is not None:  # drafts the grammar refuses would be rejected
                 drafts = drafts[: grammar.num_valid(drafts)]

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _SOURCES = (_SOURCE, _SOURCE.with_name("llama_layers.cpp"), _SOURCE.with_name("thread_pool.h"))
 DEFAULT_SPIN_US = 1000
-_ABI = 10
+_ABI = 11
 _LOCK = threading.Lock()
 _pool_size: dict[str, int] = {}  # threads of the kernels' current pool
 

@@ -176,23 +176,38 @@ inline void store_tile(const __m512 (&acc)[MT][NB], int64_t m0, int64_t nb0, int
 
 // Runs `tile.template run<MT, NB>(m0, nb0)` over rows [0, M) and channel blocks
 // [nb, ne): rows in tiles of kRows x kWide blocks, in row blocks of `row_block` rows that
-// stay in L2 while the weight blocks stream past; the rows past the last full tile one at a
-// time, four blocks at a time. Every output gets the same arithmetic whatever its tile.
+// stay in L2 while the weight blocks stream past. The M % kRows rows past the last full
+// tile ride along with the last row block as one smaller tile, so the weights stream past
+// once for them too (a 5-token step, as speculative decoding verifies, measured 8.4 ms at
+// batch 1 with them in a pass of their own, vs 3.9 ms for one token). Every output gets
+// the same arithmetic whatever its tile.
+template <int kWide, typename Tile>
+inline void run_rest(const Tile& tile, int64_t m0, int64_t rest, int64_t b) {
+  switch (rest) {
+    case 1: tile.template run<1, kWide>(m0, b); break;
+    case 2: tile.template run<2, kWide>(m0, b); break;
+    case 3: tile.template run<3, kWide>(m0, b); break;
+    default: break;
+  }
+}
+
 template <int kRows, int kWide, typename Tile>
 inline void for_tiles(const Tile& tile, int64_t M, int64_t nb, int64_t ne, int64_t row_block) {
-  const int64_t full = M / kRows * kRows;
-  for (int64_t r0 = 0; r0 < full; r0 += row_block) {
+  static_assert(kRows <= 4, "run_rest handles up to 3 rows past the full tiles");
+  const int64_t full = M / kRows * kRows, rest = M - full;
+  for (int64_t r0 = 0;; r0 += row_block) {
     const int64_t r1 = std::min(r0 + row_block, full);
+    const bool last = r1 == full;
     int64_t b = nb;
-    for (; b + kWide <= ne; b += kWide)
+    for (; b + kWide <= ne; b += kWide) {
       for (int64_t m = r0; m < r1; m += kRows) tile.template run<kRows, kWide>(m, b);
-    for (; b < ne; ++b)
+      if (last) run_rest<kWide>(tile, full, rest, b);
+    }
+    for (; b < ne; ++b) {
       for (int64_t m = r0; m < r1; m += kRows) tile.template run<kRows, 1>(m, b);
-  }
-  for (int64_t m = full; m < M; ++m) {
-    int64_t b = nb;
-    for (; b + 4 <= ne; b += 4) tile.template run<1, 4>(m, b);
-    for (; b < ne; ++b) tile.template run<1, 1>(m, b);
+      if (last) run_rest<1>(tile, full, rest, b);
+    }
+    if (last) break;
   }
 }
 
@@ -599,7 +614,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 10; }
+int32_t llmserve_kernels_abi() { return 11; }
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.

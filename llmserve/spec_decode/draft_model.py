@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from llmserve.engine.request import Request
+from llmserve.spec_decode.cost import time_step
 from llmserve.spec_decode.proposer import Proposer
 from llmserve.worker.attention import (
     AttentionBackend,
@@ -162,6 +163,11 @@ class DraftModelProposer(Proposer):
         for s, f in zip(seqs, feeds, strict=True):
             s.tokens.extend(f)
         return tokens
+
+    def time_step(self, batch: int) -> float:
+        """Seconds of one draft step at `batch` sequences (start-up calibration, before
+        any request holds the draft cache's blocks)."""
+        return time_step(self.model, self.kv_cache, self.attention, batch, 1)
 
     # ---- the draft cache's blocks ----------------------------------------------------------
 

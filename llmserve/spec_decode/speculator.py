@@ -9,10 +9,11 @@ them in the same forward (`worker/model_runner.py`). The policy:
   rejected ones are lost;
 * adaptive k: each request keeps a moving estimate a of its acceptance rate; with
   independent acceptances a round of k drafts emits E(k) = (1 - a^(k+1)) / (1 - a)
-  tokens at a cost of 1 + c k plain steps (c: one extra token's share of a step,
-  `DRAFT_TOKEN_COST` for prompt lookup, plus the draft model's step for the others), and
-  k is the one that maximises E(k) / (1 + c k). A request whose rate falls too low stops
-  drafting; its estimate drifts back towards the prior so that it tries again later.
+  tokens at a cost of 1 + c k plain steps (c: one draft token's share of a step at the
+  current batch size, measured at start-up, `cost.py`), and k is the one that maximises
+  E(k) / (1 + c k). A request whose rate falls too low stops drafting; its estimate
+  drifts back towards the prior so that it tries again later. As the batch grows c grows
+  (the step turns compute-bound), and k falls to 0 by itself.
 """
 
 import time
@@ -20,11 +21,9 @@ from dataclasses import dataclass, field
 
 from llmserve.config import SpeculativeConfig
 from llmserve.engine.request import Request
+from llmserve.spec_decode.cost import StepCosts
 from llmserve.spec_decode.proposer import NgramProposer, Proposer
 
-# one extra query token in a batch-1 verification step, as a fraction of the step
-# (measured on the default model, native int4 path: see docs/benchmarks.md)
-DRAFT_TOKEN_COST = 0.05
 PRIOR_ACCEPTANCE = 0.7  # a new request's estimate
 EMA_WEIGHT = 0.3  # weight of the latest round in the estimate
 PRIOR_DRIFT = 0.05  # per step without drafts, the estimate moves this far to the prior
@@ -52,38 +51,43 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer,
-                 draft_token_cost: float = DRAFT_TOKEN_COST) -> None:
+                 costs: StepCosts | None = None) -> None:
         self.config = config
         self.proposer = proposer
-        self.draft_token_cost = draft_token_cost
+        self.costs = costs or StepCosts({1: 0.0})
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self._acceptance: dict[str, float] = {}
         self.draft_seconds = 0.0  # time spent proposing (a draft model's forwards)
 
     @classmethod
-    def build(cls, config: SpeculativeConfig, draft: "Proposer | None" = None) -> "Speculator":
+    def build(cls, config: SpeculativeConfig, draft: "Proposer | None" = None,
+              costs: StepCosts | None = None) -> "Speculator":
         if config.method == "ngram":
-            return cls(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max))
-        return cls(config, draft)
+            draft = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        return cls(config, draft, costs)
 
     def enabled_for(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
         return limit is None or num_running < limit
 
-    def num_drafts(self, request: Request, room: int) -> int:
-        """How many drafts to ask for `request` (at most `room`)."""
+    def num_drafts(self, request: Request, room: int, batch_size: int = 1) -> int:
+        """How many drafts to ask for `request` (at most `room`) in a step of
+        `batch_size` requests."""
         k_max = min(self.config.num_speculative_tokens, room)
         if k_max <= 0:
             return 0
         if not self.config.adaptive:
             return k_max
         a = self._acceptance.get(request.request_id, PRIOR_ACCEPTANCE)
-        return best_num_drafts(a, k_max, self.draft_token_cost)
+        return best_num_drafts(a, k_max, self.costs.draft_token_cost(batch_size))
 
-    def propose(self, requests: list[Request], rooms: list[int]) -> list[list[int]]:
-        """Drafts for each of `requests` (decoding, not finished); `rooms[i]`: the most
-        drafts request i can use (its max_tokens and the context leave room for)."""
-        ks = [self.num_drafts(r, room) for r, room in zip(requests, rooms, strict=True)]
+    def propose(self, requests: list[Request], rooms: list[int],
+                batch_size: int = 1) -> list[list[int]]:
+        """Drafts for each of `requests` (decoding, not finished) in a step of
+        `batch_size` requests; `rooms[i]`: the most drafts request i can use (its
+        max_tokens and the context leave room for)."""
+        ks = [self.num_drafts(r, room, batch_size)
+              for r, room in zip(requests, rooms, strict=True)]
         asked = [(r, k) for r, k in zip(requests, ks, strict=True) if k > 0]
         drafts: dict[str, list[int]] = {}
         if asked:

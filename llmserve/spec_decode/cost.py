@@ -1,0 +1,82 @@
+"""What a draft token costs, measured on this machine at start-up.
+
+Verifying k drafts makes a step compute k more tokens per request. Where the step is
+bound by reading the weights (float32 at batch 1) that is nearly free; where it is bound
+by arithmetic (the int4 kernels, larger batches) each extra token costs a good share of a
+step. Measured on the default model, 2 cores: one extra token per request added 13 % to a
+float32 batch-1 step, 30 % to an int4 one, 69 % to an int4 batch-4 one. So the cost is
+measured, per batch size, on the engine's own model and kernels, rather than assumed:
+`StepCosts.draft_token_cost(batch)` is the share of a plain step that one draft token per
+request adds (its verification, plus the draft model's step that proposed it).
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.worker.attention import AttentionBackend, AttentionMetadata, KVCache
+
+CALIBRATION_BATCHES = (1, 2, 4, 8)
+CALIBRATION_CONTEXT = 64  # tokens already cached per sequence while timing
+
+
+@dataclass
+class StepCosts:
+    """draft_token_cost per calibrated batch size (the nearest below is used)."""
+
+    by_batch: dict[int, float]
+
+    def draft_token_cost(self, batch: int) -> float:
+        below = [b for b in self.by_batch if b <= batch] or [min(self.by_batch)]
+        return self.by_batch[max(below)]
+
+
+def measure_step_costs(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
+                       num_drafts: int, draft_step: Callable[[int], float] | None = None,
+                       batches: tuple[int, ...] = CALIBRATION_BATCHES) -> StepCosts:
+    """Time plain steps and steps with `num_drafts` more tokens per sequence, per batch
+    size; `draft_step(batch)` times one draft-model step (None: drafts cost nothing to
+    propose, as prompt lookup). Writes only blocks no request holds yet (call before any
+    request is admitted)."""
+    by_batch = {}
+    for batch in batches:
+        plain = time_step(model, kv_cache, attention, batch, 1)
+        verify = time_step(model, kv_cache, attention, batch, 1 + num_drafts)
+        cost = max(verify / plain - 1.0, 0.0) / num_drafts
+        if draft_step is not None:
+            cost += draft_step(batch) / plain
+        by_batch[batch] = cost
+    return StepCosts(by_batch)
+
+
+@torch.inference_mode()
+def time_step(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
+              batch: int, query_len: int, repeats: int = 5) -> float:
+    """Best-of-`repeats` seconds of one forward (logits of every query token included) of
+    `batch` sequences each computing `query_len` tokens after CALIBRATION_CONTEXT cached."""
+    block = kv_cache.block_size
+    per_seq = -(-(CALIBRATION_CONTEXT + query_len) // block)
+    if batch * per_seq > kv_cache.num_blocks:
+        batch = max(1, kv_cache.num_blocks // per_seq)
+    tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
+    device = kv_cache.key[0].device
+    prefill = AttentionMetadata.build([CALIBRATION_CONTEXT] * batch, [0] * batch, tables,
+                                      block, device, attention)
+    positions = torch.arange(CALIBRATION_CONTEXT, device=device).repeat(batch)
+    ids = torch.randint(100, 1000, (batch * CALIBRATION_CONTEXT,), device=device)
+    model(ids, positions, kv_cache, prefill)
+    meta = AttentionMetadata.build([query_len] * batch, [CALIBRATION_CONTEXT] * batch, tables,
+                                   block, device, attention)
+    positions = torch.arange(CALIBRATION_CONTEXT, CALIBRATION_CONTEXT + query_len,
+                             device=device).repeat(batch)
+    ids = torch.randint(100, 1000, (batch * query_len,), device=device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model.compute_logits(model(ids, positions, kv_cache, meta))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,113 @@
+"""The speculation policy: k from the acceptance rate and the measured cost, off for large
+batches, running counts; the config's validation."""
+
+import pytest
+
+from llmserve.config import EngineConfig, SpeculativeConfig
+from llmserve.engine.request import Request
+from llmserve.sampling_params import SamplingParams
+from llmserve.spec_decode.cost import StepCosts
+from llmserve.spec_decode.proposer import Proposer
+from llmserve.spec_decode.speculator import PRIOR_ACCEPTANCE, Speculator, best_num_drafts
+
+
+class CountingProposer(Proposer):
+    """Drafts `k` copies of token 7; remembers what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.removed: list[str] = []
+
+    def propose(self, requests, num_drafts):
+        self.asked += list(num_drafts)
+        return [[7] * k for k in num_drafts]
+
+    def remove(self, request_id):
+        self.removed.append(request_id)
+
+
+def request(rid: str = "r") -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(max_tokens=100), 100)
+
+
+def test_best_num_drafts_follows_acceptance_and_cost():
+    assert best_num_drafts(0.95, 8, 0.0) == 8  # free drafts: always the most
+    assert best_num_drafts(0.0, 8, 0.01) == 0  # never accepted: none
+    assert best_num_drafts(0.2, 8, 0.3) == 0  # 1.2 tokens for 1.3 steps: a loss
+    assert best_num_drafts(0.7, 8, 0.31) == 2  # (1 + .7 + .49) / 1.62 beats k = 1 and 3
+    assert best_num_drafts(0.9, 4, 0.31) == 4
+    # dearer drafts, fewer of them
+    assert best_num_drafts(0.8, 8, 0.1) > best_num_drafts(0.8, 8, 0.3) > 0
+
+
+def test_step_costs_use_the_nearest_calibrated_batch_below():
+    costs = StepCosts({1: 0.1, 4: 0.5, 8: 1.0})
+    assert [costs.draft_token_cost(b) for b in (1, 3, 4, 7, 8, 64)] == [
+        0.1, 0.1, 0.5, 0.5, 1.0, 1.0]
+
+
+def test_k_adapts_to_each_requests_acceptance():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=6)
+    proposer = CountingProposer()
+    spec = Speculator(config, proposer, StepCosts({1: 0.1}))
+    good, bad = request("good"), request("bad")
+    start = spec.num_drafts(good, 100)
+    assert start == best_num_drafts(PRIOR_ACCEPTANCE, 6, 0.1)
+    for _ in range(20):
+        spec.record("good", 4, 4)
+        spec.record("bad", 4, 0)
+    assert spec.num_drafts(good, 100) == 6
+    assert spec.num_drafts(bad, 100) == 0
+    assert spec.num_drafts(good, 2) == 2  # never past the request's room
+    # a request that stopped drafting drifts back towards the prior until it tries again
+    rounds = 0
+    while not spec.propose([bad], [100])[0]:
+        rounds += 1
+    assert 1 <= rounds < 100 and spec.num_drafts(bad, 100) >= 1
+    stats = spec.stats
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (
+        40, 160, 80)
+    assert stats.acceptance_rate == 0.5 and stats.mean_accepted_length == 3.0
+    assert stats.accepted_per_position[:5] == [20, 20, 20, 20, 0]
+    spec.remove("good")
+    assert proposer.removed == ["good"]
+
+
+def test_costlier_batches_draft_less():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    spec = Speculator(config, CountingProposer(), StepCosts({1: 0.05, 8: 2.0}))
+    r = request()
+    assert spec.num_drafts(r, 100, batch_size=1) == 4
+    assert spec.num_drafts(r, 100, batch_size=8) == 0
+
+
+def test_fixed_k_and_the_batch_size_limit():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False,
+                               disable_by_batch_size=4)
+    proposer = CountingProposer()
+    spec = Speculator(config, proposer)
+    assert spec.propose([request("a"), request("b")], [100, 1]) == [[7, 7, 7], [7]]
+    assert spec.enabled_for(3) and not spec.enabled_for(4)
+    assert Speculator(SpeculativeConfig(method="ngram", disable_by_batch_size=None),
+                      proposer).enabled_for(10_000)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"method": "eagle"}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "ngram", "model": "x.gguf"}, "'model' is for method draft_model"),
+    ({"method": "ngram", "k": 3}, "unknown key 'k'"),
+    ({"num_speculative_tokens": 3}, "needs 'method'"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
+])
+def test_invalid_speculative_config_is_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=options)
+
+
+def test_speculative_config_from_a_dict():
+    config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert config.speculative_config == SpeculativeConfig(method="ngram",
+                                                          num_speculative_tokens=3)

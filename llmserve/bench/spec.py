@@ -8,9 +8,10 @@ Two parts, each engine alone on the machine (they run one after another):
   one request at a time, greedy. Reported: output tok/s, the speedup over no speculation
   on the same path, the acceptance rate, the mean accepted length, and whether the
   output equals the non-speculative one token for token (it must);
-* concurrency: the grounded workload at 1, 2, 4, ... concurrent requests, speculation
-  always on (`disable_by_batch_size` lifted) against none; the first concurrency where it
-  no longer pays is the crossover the default `disable_by_batch_size` comes from.
+* concurrency: distinct prompts, grounded and chat in turn, at 1, 2, 4, ... concurrent
+  requests, speculation always on (`disable_by_batch_size` lifted) with a fixed k and
+  adaptive, against none; the first concurrency where it no longer pays is the crossover
+  the default `disable_by_batch_size` comes from.
 """
 
 import time
@@ -32,20 +33,37 @@ CHAT_PROMPTS = (
 )
 
 
+TASKS = (
+    "Copy the following passage word for word.\n\n{}",
+    "Rewrite the following passage, replacing the word \"people\" with \"folks\" and "
+    "changing nothing else.\n\n{}",
+    "Summarise the following passage, quoting its most important sentences exactly.\n\n{}",
+)
+
+
+def paragraphs() -> list[str]:
+    text = (DATA / "quality_text.txt").read_text()
+    return [p.strip() for p in text.split("\n\n") if len(p.split()) > 60]
+
+
 def grounded_prompts() -> list[str]:
     """Quote, edit, summarise and document texts that ship with the package."""
-    paragraphs = [p.strip() for p in (DATA / "quality_text.txt").read_text().split("\n\n")
-                  if len(p.split()) > 60]
+    passages = paragraphs()
     code = (DATA / "spec_code.py.txt").read_text()
     return [
-        f"Copy the following passage word for word.\n\n{paragraphs[0]}",
-        "Rewrite the following passage, replacing the word \"people\" with \"folks\" and "
-        f"changing nothing else.\n\n{paragraphs[2]}",
-        "Summarise the following passage, quoting its most important sentences exactly."
-        f"\n\n{paragraphs[4]}",
+        TASKS[0].format(passages[0]), TASKS[1].format(passages[2]),
+        TASKS[2].format(passages[4]),
         "Add a one-line docstring to every function and method of this code and return "
         f"the whole code.\n\n```python\n{code}```",
     ]
+
+
+def mixed_prompts(n: int) -> list[str]:
+    """n distinct prompts, grounded (each task on each passage) and chat in turn."""
+    grounded = [task.format(p) for p in paragraphs() for task in TASKS]
+    chat = [f"{q} (Answer number {i + 1}.)" for i in range(n) for q in CHAT_PROMPTS]
+    mixed = [p for pair in zip(grounded, chat, strict=False) for p in pair]
+    return (mixed + grounded[len(chat):] + chat[len(grounded):])[:n]
 
 
 WORKLOADS = {"grounded": grounded_prompts, "chat": lambda: list(CHAT_PROMPTS)}
@@ -107,12 +125,14 @@ def _spec_counts(engine: Engine) -> tuple[int, int, int]:
     return (s.num_draft_tokens, s.num_accepted_tokens, s.num_drafts)
 
 
-def engine_for(base: LLM, method: str, k: int, always_on: bool = False) -> LLM:
-    """An engine on `base`'s loaded target model, speculating with `method` ("none": off)."""
+def engine_for(base: LLM, method: str, k: int, always_on: bool = False,
+               adaptive: bool = True) -> LLM:
+    """An engine on `base`'s loaded target model, speculating with `method` ("none": off);
+    `always_on`: whatever the batch size."""
     config = base.engine.config
     spec = None
     if method != "none":
-        spec = {"method": method, "num_speculative_tokens": k}
+        spec = {"method": method, "num_speculative_tokens": k, "adaptive": adaptive}
         if always_on:
             spec["disable_by_batch_size"] = None
     return LLM.from_engine(Engine(replace(config, speculative_config=spec),
@@ -153,39 +173,42 @@ def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_
             "results": [dict(vars(r), tokens_per_s=r.tokens_per_s,
                              acceptance_rate=r.acceptance_rate,
                              mean_accepted_length=r.mean_accepted_length) for r in results],
-            "crossover": crossover(results)}
+            "crossover": crossover(results), "crossover_adaptive": crossover(results, "ngram")}
 
 
 def run_crossover(model: str | None, k: int, max_tokens: int, concurrencies: list[int],
                   kv_cache_memory: str, log: Any = print) -> list[SpecResult]:
-    """The grounded workload at each concurrency (its prompts repeated to fill it), on the
-    default path, n-gram speculation always on against none."""
+    """Distinct prompts, grounded and chat in turn (`mixed_prompts`), at each concurrency
+    on the default path, against none: n-gram speculation with a fixed k ("ngram/fixed")
+    and adaptive ("ngram"), neither switched off by batch size."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     base = LLM(model, kv_cache_memory=kv_cache_memory)
-    ngram = engine_for(base, "ngram", k, always_on=True)
-    prompts = chat_token_ids(base, grounded_prompts())
+    engines = (("none", base),
+               ("ngram/fixed", engine_for(base, "ngram", k, always_on=True, adaptive=False)),
+               ("ngram", engine_for(base, "ngram", k, always_on=True)))
+    prompts = chat_token_ids(base, mixed_prompts(max(concurrencies)))
     results = []
     for c in concurrencies:
-        batch = [prompts[i % len(prompts)] for i in range(c)]
-        for method, llm in (("none", base), ("ngram", ngram)):
+        batch = prompts[:c]
+        for method, llm in engines:
             llm.generate(batch[:1], replace(params, max_tokens=8), use_tqdm=False)
             seconds, outputs, (drafts, accepted, rounds) = run_workload(llm, batch, params, c)
-            result = SpecResult("default", method, "grounded", c, sum(map(len, outputs)),
+            result = SpecResult("default", method, "crossover", c, sum(map(len, outputs)),
                                 seconds, drafts, accepted, rounds, None)
             results.append(result)
             log(format_row(result, results))
     return results
 
 
-def crossover(results: list[SpecResult]) -> int | None:
-    """The lowest concurrency (> 1) where n-gram speculation is no faster than none."""
+def crossover(results: list[SpecResult], method: str = "ngram/fixed") -> int | None:
+    """The lowest concurrency where `method` is no faster than none (crossover runs)."""
     by_c: dict[int, dict[str, float]] = {}
     for r in results:
-        if r.path == "default" and r.workload == "grounded" and r.concurrency > 1:
+        if r.workload == "crossover":
             by_c.setdefault(r.concurrency, {})[r.method] = r.tokens_per_s
     for c in sorted(by_c):
         rates = by_c[c]
-        if "ngram" in rates and "none" in rates and rates["ngram"] <= rates["none"]:
+        if method in rates and "none" in rates and rates[method] <= rates["none"]:
             return c
     return None
 
@@ -198,7 +221,7 @@ def _baseline(result: SpecResult, results: list[SpecResult]) -> SpecResult | Non
     return None
 
 
-HEADER = (f"{'path':<8} {'workload':<9} {'conc':>4} {'method':<10} {'tok/s':>7} "
+HEADER = (f"{'path':<8} {'workload':<9} {'conc':>4} {'method':<11} {'tok/s':>7} "
           f"{'speedup':>7} {'accept':>6} {'len':>5} {'same':>5}")
 
 
@@ -208,7 +231,7 @@ def format_row(r: SpecResult, results: list[SpecResult]) -> str:
     accept = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else "-"
     length = f"{r.mean_accepted_length:.2f}" if r.mean_accepted_length is not None else "-"
     same = "-" if r.identical is None else ("yes" if r.identical else "NO")
-    return (f"{r.path:<8} {r.workload:<9} {r.concurrency:>4} {r.method:<10} "
+    return (f"{r.path:<8} {r.workload:<9} {r.concurrency:>4} {r.method:<11} "
             f"{r.tokens_per_s:>7.1f} {speedup:>7} {accept:>6} {length:>5} {same:>5}")
 
 
@@ -217,7 +240,8 @@ def format_report(data: dict[str, Any]) -> str:
                for r in data["results"]]
     lines = [format_machine(data["machine"]), HEADER]
     lines += [format_row(r, results) for r in results]
-    c = data["crossover"]
-    lines.append("n-gram speculation stops paying at concurrency "
-                 f"{c}" if c else "n-gram speculation paid at every concurrency measured")
+    for key, what in (("crossover", "with a fixed k"), ("crossover_adaptive", "adaptive")):
+        c = data.get(key)
+        lines.append(f"n-gram speculation {what} stops paying at concurrency {c}" if c else
+                     f"n-gram speculation {what} paid at every concurrency measured")
     return "\n".join(lines)

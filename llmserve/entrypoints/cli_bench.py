@@ -169,7 +169,7 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     data = run_spec_bench(args.model, args.methods, args.paths, args.max_tokens,
                           [c for c in args.concurrency if c > 0], args.num_speculative_tokens,
                           log=lambda line: print(line, flush=True))
-    print(format_report(data).splitlines()[-1])
+    print("\n".join(format_report(data).splitlines()[-2:]))
     if args.output_json:
         write_json(args.output_json, data)
     return 0
@@ -331,8 +331,8 @@ def _add_bench_spec(kinds: Any, common: argparse.ArgumentParser) -> None:
     sp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="most drafts per step (default 4)")
     sp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
-    sp.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8, 16),
-                    help="concurrencies for the crossover (default 1,2,4,8,16; 0: skip)")
+    sp.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8, 16, 32),
+                    help="concurrencies for the crossover (default 1,2,4,8,16,32; 0: skip)")
     sp.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
     _add_threads_flag(sp)
     sp.set_defaults(func=cmd_bench_spec)

@@ -1,5 +1,7 @@
 """/metrics: Prometheus text that parses, with counts that match the requests served."""
 
+import time
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -83,3 +85,39 @@ def test_metrics_count_the_requests_served(metrics_server):
     assert value(after, "kv_cache_usage_ratio") == 0
     ttft_sum = value(after, "time_to_first_token_seconds", "time_to_first_token_seconds_sum")
     assert 0 < ttft_sum < 60 * num_requests
+
+
+def test_speculative_decoding_metrics_match_the_engines_counts(smollm2_gguf, loaded_model):
+    """A server with prompt lookup: the spec_decode counters equal the engine's running
+    totals, and a quoting request's drafts were verified and mostly accepted."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False}
+    with run_server(smollm2_gguf, loaded_model,
+                    engine_options={"speculative_config": spec}) as server:
+        before = scrape(server)
+        assert value(before, "spec_decode_num_draft_tokens",
+                     "spec_decode_num_draft_tokens_total") == 0
+        passage = ("The first half hour of the day sets a tone that is surprisingly hard to "
+                   "change later, and people who wake to an alarm on the far side of the "
+                   "room tend to get up.")
+        server.client().chat.completions.create(
+            model=MODEL, max_tokens=48, temperature=0,
+            messages=[{"role": "user", "content": f"Repeat exactly: {passage}"}])
+        stats = server.engine.engine.speculator.stats
+        deadline = time.monotonic() + 10  # the engine thread updates after its loop turn
+        while (after := scrape(server)) and value(
+                after, "spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens_total"
+        ) != stats.num_draft_tokens and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+    assert value(after, "spec_decode_num_drafts", "spec_decode_num_drafts_total") == \
+        stats.num_drafts
+    assert value(after, "spec_decode_num_draft_tokens",
+                 "spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+    assert value(after, "spec_decode_num_accepted_tokens",
+                 "spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens
+    assert value(after, "spec_decode_num_accepted_tokens_per_pos",
+                 "spec_decode_num_accepted_tokens_per_pos_total", position="0") == \
+        stats.accepted_per_position[0]
+    assert value(after, "spec_decode_acceptance_rate") == pytest.approx(stats.acceptance_rate)
+    assert value(after, "spec_decode_mean_accepted_length") == pytest.approx(
+        stats.mean_accepted_length)

@@ -230,6 +230,11 @@ def check_speculating(llm: LLM, batch: Batch) -> list[RequestOutput]:
         outputs = generate(llm, batch.prompts, batch.params)
     assert_same_outputs(outputs, batch.expected)
     accepted.assert_multi_token()
+    # each request's own counts (the offline API's metrics) add up to the engine's
+    metrics = [o.metrics for o in outputs]
+    assert sum(m.num_draft_tokens for m in metrics) == accepted.num_draft_tokens
+    assert sum(m.num_accepted_tokens for m in metrics) == accepted.num_accepted_tokens
+    assert all(m.num_accepted_tokens <= m.num_draft_tokens for m in metrics)
     return outputs
 
 

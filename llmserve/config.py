@@ -97,6 +97,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft")
+# running requests from which speculation stops paying, per method (benchmarks/notes.md)
+SPEC_CROSSOVER = {"ngram": 2, "draft_model": 8, "self_draft": 8}
 
 
 @dataclass(frozen=True)
@@ -113,11 +115,12 @@ class SpeculativeConfig:
 
     `num_speculative_tokens` is the most drafts per step; with `adaptive`, each request's
     k follows its measured acceptance rate and what a draft token costs here. Speculation
-    is off for a step once `disable_by_batch_size` requests run (null: never): measured on
-    the default model's default path (`llmserve bench spec`, distinct grounded and chat
-    prompts), prompt lookup gained 1.5x at one stream and lost 3-14 % at two to four
-    (verifying drafts turns the int4 step compute-bound), so by default it speculates for
-    a lone stream only.
+    is off for a step once `disable_by_batch_size` requests run (null: never; "auto": the
+    crossover measured for the method, `SPEC_CROSSOVER`). Measured on the default model
+    (`llmserve bench spec`, distinct grounded and chat prompts): prompt lookup on the
+    default int4 path gained 1.5x at one stream and lost 3-14 % at two to four (verifying
+    drafts turns the int4 step compute-bound); self_draft on the float32 path gained
+    1.5-1.7x at one and two streams, 1.2x at four, and lost 8 % at eight.
     """
 
     method: str
@@ -126,7 +129,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     draft_quantization: str = "auto"
-    disable_by_batch_size: int | None = 2
+    disable_by_batch_size: int | str | None = "auto"
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -150,9 +153,13 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: draft_quantization must be one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}, not "
                              f"{self.draft_quantization!r}")
-        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+        if self.disable_by_batch_size == "auto":
+            object.__setattr__(self, "disable_by_batch_size", SPEC_CROSSOVER[self.method])
+        elif self.disable_by_batch_size is not None and (
+                isinstance(self.disable_by_batch_size, str) or self.disable_by_batch_size < 1):
             raise ValueError("speculative_config: disable_by_batch_size must be at least 1 "
-                             f"(or null: never), got {self.disable_by_batch_size}")
+                             f"(or null: never, or \"auto\"), got "
+                             f"{self.disable_by_batch_size!r}")
 
     @classmethod
     def from_dict(cls, options: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":

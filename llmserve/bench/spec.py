@@ -141,7 +141,8 @@ def engine_for(base: LLM, method: str, k: int, always_on: bool = False,
 
 def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_tokens: int,
                    concurrencies: list[int], k: int, kv_cache_memory: str = "1GiB",
-                   log: Any = print) -> dict[str, Any]:
+                   log: Any = print, crossover_method: str = "ngram",
+                   crossover_path: str = "default") -> dict[str, Any]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=False)
     results: list[SpecResult] = []
     paths_seen: dict[str, Any] = {}
@@ -167,33 +168,38 @@ def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_
                 results.append(result)
                 log(format_row(result, results))
     if concurrencies:
-        results += run_crossover(model, k, max_tokens, concurrencies, kv_cache_memory, log)
+        results += run_crossover(model, k, max_tokens, concurrencies, kv_cache_memory, log,
+                                 crossover_method, crossover_path)
     return {"machine": machine_info(), "paths": paths_seen, "num_speculative_tokens": k,
             "max_tokens": max_tokens,
             "results": [dict(vars(r), tokens_per_s=r.tokens_per_s,
                              acceptance_rate=r.acceptance_rate,
                              mean_accepted_length=r.mean_accepted_length) for r in results],
-            "crossover": crossover(results), "crossover_adaptive": crossover(results, "ngram")}
+            "crossover": crossover(results, f"{crossover_method}/fixed"),
+            "crossover_adaptive": crossover(results, crossover_method)}
 
 
 def run_crossover(model: str | None, k: int, max_tokens: int, concurrencies: list[int],
-                  kv_cache_memory: str, log: Any = print) -> list[SpecResult]:
+                  kv_cache_memory: str, log: Any = print, method: str = "ngram",
+                  path: str = "default") -> list[SpecResult]:
     """Distinct prompts, grounded and chat in turn (`mixed_prompts`), at each concurrency
-    on the default path, against none: n-gram speculation with a fixed k ("ngram/fixed")
-    and adaptive ("ngram"), neither switched off by batch size."""
+    on `path`, against none: `method` with a fixed k ("<method>/fixed") and adaptive
+    ("<method>"), neither switched off by batch size."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    base = LLM(model, kv_cache_memory=kv_cache_memory)
+    base = LLM(model, dtype="float32" if path == "float32" else "auto",
+               kv_cache_memory=kv_cache_memory)
     engines = (("none", base),
-               ("ngram/fixed", engine_for(base, "ngram", k, always_on=True, adaptive=False)),
-               ("ngram", engine_for(base, "ngram", k, always_on=True)))
+               (f"{method}/fixed", engine_for(base, method, k, always_on=True,
+                                             adaptive=False)),
+               (method, engine_for(base, method, k, always_on=True)))
     prompts = chat_token_ids(base, mixed_prompts(max(concurrencies)))
     results = []
     for c in concurrencies:
         batch = prompts[:c]
-        for method, llm in engines:
+        for name, llm in engines:
             llm.generate(batch[:1], replace(params, max_tokens=8), use_tqdm=False)
             seconds, outputs, (drafts, accepted, rounds) = run_workload(llm, batch, params, c)
-            result = SpecResult("default", method, "crossover", c, sum(map(len, outputs)),
+            result = SpecResult(path, name, "crossover", c, sum(map(len, outputs)),
                                 seconds, drafts, accepted, rounds, None)
             results.append(result)
             log(format_row(result, results))
@@ -242,6 +248,6 @@ def format_report(data: dict[str, Any]) -> str:
     lines += [format_row(r, results) for r in results]
     for key, what in (("crossover", "with a fixed k"), ("crossover_adaptive", "adaptive")):
         c = data.get(key)
-        lines.append(f"n-gram speculation {what} stops paying at concurrency {c}" if c else
-                     f"n-gram speculation {what} paid at every concurrency measured")
+        lines.append(f"speculation {what} stops paying at concurrency {c}" if c else
+                     f"speculation {what} paid at every concurrency measured")
     return "\n".join(lines)

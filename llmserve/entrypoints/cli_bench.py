@@ -168,7 +168,9 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     print(HEADER, flush=True)
     data = run_spec_bench(args.model, args.methods, args.paths, args.max_tokens,
                           [c for c in args.concurrency if c > 0], args.num_speculative_tokens,
-                          log=lambda line: print(line, flush=True))
+                          log=lambda line: print(line, flush=True),
+                          crossover_method=args.crossover_method,
+                          crossover_path=args.crossover_path)
     print("\n".join(format_report(data).splitlines()[-2:]))
     if args.output_json:
         write_json(args.output_json, data)
@@ -333,6 +335,10 @@ def _add_bench_spec(kinds: Any, common: argparse.ArgumentParser) -> None:
     sp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     sp.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8, 16, 32),
                     help="concurrencies for the crossover (default 1,2,4,8,16,32; 0: skip)")
+    sp.add_argument("--crossover-method", choices=("ngram", "self_draft"), default="ngram",
+                    help="the method of the concurrency sweep (default ngram)")
+    sp.add_argument("--crossover-path", choices=("default", "float32"), default="default",
+                    help="the path of the concurrency sweep (default: default)")
     sp.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
     _add_threads_flag(sp)
     sp.set_defaults(func=cmd_bench_spec)

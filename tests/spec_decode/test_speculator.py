@@ -107,6 +107,15 @@ def test_invalid_speculative_config_is_refused_by_name(options, message):
         EngineConfig(speculative_config=options)
 
 
+def test_disable_by_batch_size_defaults_to_the_measured_crossover():
+    assert SpeculativeConfig(method="ngram").disable_by_batch_size == 2
+    assert SpeculativeConfig(method="self_draft").disable_by_batch_size == 8
+    assert SpeculativeConfig(method="ngram", disable_by_batch_size=None).disable_by_batch_size \
+        is None
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(method="ngram", disable_by_batch_size="never")
+
+
 def test_speculative_config_from_a_dict():
     config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert config.speculative_config == SpeculativeConfig(method="ngram",

@@ -109,25 +109,23 @@ class StructuredOutputManager:
 
     def _step_with_drafts(self, matchers: dict[str, GrammarMatcher],
                           drafts: dict[str, list[int]]) -> GrammarStep:
-        """Masks at each request's next token and at each of its drafts, in order; drafts
-        were checked against the grammar when proposed (`GrammarMatcher.num_valid`), so the matcher
-        accepts them. Inline: each matcher's positions follow one another."""
+        """Masks at each request's next token and after each of its drafts, in order,
+        inline (each matcher's positions follow one another). Drafts were cut to what the
+        grammar allows when proposed (`GrammarMatcher.num_valid`), so the matcher accepts
+        them."""
         keys = [(rid, j) for rid in matchers for j in range(len(drafts.get(rid, ())) + 1)]
         bitmask = torch.zeros(len(keys), (self.vocab_size + 31) // 32, dtype=torch.int32)
         row = 0
         for rid, matcher in matchers.items():
-            advanced = 0
-            for j in range(len(drafts.get(rid, ())) + 1):
-                if j == advanced:
-                    matcher.fill_bitmask(bitmask, row)
-                else:  # past a draft the grammar refused (it is rejected there anyway)
-                    bitmask[row] = bitmask[row - 1]
-                if j < len(drafts.get(rid, ())) and j == advanced and \
-                        not matcher.is_terminated and matcher.accept_token(drafts[rid][j]):
-                    advanced += 1
+            request_drafts = drafts.get(rid, [])
+            matcher.fill_bitmask(bitmask, row)
+            for token in request_drafts:
+                matcher.accept_token(token)
                 row += 1
-            if advanced:
-                matcher.rollback(advanced)
+                matcher.fill_bitmask(bitmask, row)
+            row += 1
+            if request_drafts:
+                matcher.rollback(len(request_drafts))
         done: Future = Future()
         done.set_result(None)
         return GrammarStep(keys, bitmask, done)

@@ -288,13 +288,13 @@ class InputBatch:
             return None
         processing = None
         if processed and preceding is not None and any(preceding):
-            histories = [History(r.prompt_token_ids, r.output_token_ids + pre,
-                                 r.eos_token_ids, r.bad_words_token_ids)
-                         for r, pre in zip((self.rows[r] for r in rows), preceding,
-                                           strict=True)]
+            # each position's own history: counted from token lists, not the row's counts
+            requests = [self.rows[r] for r in rows]
+            histories = [History(q.prompt_token_ids, q.output_token_ids + pre,
+                                 q.eos_token_ids, q.bad_words_token_ids)
+                         for q, pre in zip(requests, preceding, strict=True)]
             processing = LogitsProcessing.build(
-                [h.sampling_params for h in (self.rows[r] for r in rows)], histories,
-                self.device)
+                [q.sampling_params for q in requests], histories, self.device)
         elif processed:
             requests = [self.rows[r] for r in rows]
             processing = LogitsProcessing.build(

@@ -189,14 +189,16 @@ class RotaryPositions:
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Each (T, 1, head_dim) in the compute dtype, looked up when first used (the
         native in-place rotation never needs them). Not a `cached_property`: its lock would
-        break a `torch.compile` graph."""
+        break a `torch.compile` graph. Kept as (T, head_dim): a compiled decoder layer that
+        takes them as inputs sees no size-1 dimension to make symbolic."""
         if self._cos_sin is None:
-            self._lookup()
-        return self._cos_sin
+            self.look_up()
+        cos, sin = self._cos_sin
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
-    def _lookup(self) -> None:
-        cos = self.cos_cache[self.positions].unsqueeze(1).to(self.dtype)
-        sin = self.sin_cache[self.positions].unsqueeze(1).to(self.dtype)
+    def look_up(self) -> None:
+        cos = self.cos_cache[self.positions].to(self.dtype)
+        sin = self.sin_cache[self.positions].to(self.dtype)
         self._cos_sin = (cos, sin)
 
     def rotate_qkv_(self, qkv: torch.Tensor, num_rotated_heads: int, head_dim: int) -> bool:

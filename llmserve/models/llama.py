@@ -121,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.native_layers: NativeLlamaLayers | None = None  # see enable_native_layers
+        self.compiled_layers = None  # set by models/compile.py: one graph for every layer
 
     def enable_native_layers(self) -> None:
         """Run the decoder stack as one native call when the weights allow it (int8, int4 or
@@ -141,6 +142,8 @@ class LlamaForCausalLM(nn.Module):
         if native is not None and native.can_run(x, positions, kv_cache, meta):
             return self.model.norm(native.forward(x, positions, kv_cache, meta))
         rope = self.model.rotary.at(positions, x.dtype)
+        if self.compiled_layers is not None:
+            rope.look_up()  # the tables go into the compiled layer as inputs
         for i, layer in enumerate(self.model.layers):
             x = layer(rope, x, kv_cache.layer(i), meta)
         return self.model.norm(x)

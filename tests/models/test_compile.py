@@ -47,8 +47,11 @@ def per_op_float32():
 
 @pytest.fixture(scope="module")
 def compiled_llm(per_op_float32, smollm2_gguf):
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="256MiB")
     assert is_compiled(llm.engine.loaded.model), "the float32 per-op step did not compile"
+    # one decoder layer compiled for all 30 (no graph per layer)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
     return llm
 
 
@@ -72,7 +75,11 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 def test_compiled_greedy_matches_eager_and_reference(compiled_llm, eager_llm, reference_model):
     tokenizer = compiled_llm.tokenizer
     prompts = [tokenizer.apply_chat_template(p, tokenize=True) for p in PROMPTS]
-    compiled, eager = _greedy(compiled_llm, prompts), _greedy(eager_llm, prompts)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = _greedy(compiled_llm, prompts)
+    # the warm-up's graph served every layer, decode (T == 1), prefill and mixed steps
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "recompiled"
+    eager = _greedy(eager_llm, prompts)
     reference = [reference_greedy(reference_model, p, NUM_TOKENS) for p in prompts]
     for i, (c, e, r) in enumerate(zip(compiled, eager, reference, strict=True)):
         assert c == e, f"prompt {i}: compiled {c} != eager {e}"
@@ -159,7 +166,7 @@ def test_compiler_failure_falls_back_to_eager(monkeypatch, caplog):
         with torch.inference_mode():
             first = model(*_step(model))
             second = model(*_step(model))
-    assert isinstance(model.forward, CompiledForward) and model.forward.failed
+    assert isinstance(model.compiled_layers, CompiledForward) and model.compiled_layers.failed
     assert not is_compiled(model)
     assert caplog.text.count("inductor failed") == 1
     torch.testing.assert_close(first, expected, rtol=0, atol=0)

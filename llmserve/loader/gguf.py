@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as QT
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.loader.gguf_meta import GGUFTensor, open_gguf, read_metadata
-from llmserve.loader.weights import LoadedWeights, drop_tied_head, require_path
+from llmserve.loader.weights import LoadedWeights, WeightSlices, drop_tied_head, require_path
 
 # GGUF `general.architecture` -> Hugging Face `model_type`.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -64,8 +64,13 @@ LLAMA3_ROPE_DEFAULTS = {
 }
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
+              slices: WeightSlices | None = None) -> LoadedWeights:
     """Load a GGUF model file: config from its metadata, weights dequantized to `dtype`.
+
+    `slices(config, name)` -> (rows, columns) of each tensor to read (a tensor-parallel
+    rank's share, `distributed/parallel.py`): only those bytes of the file are read and
+    dequantized.
 
     Raises ModelNotFoundError (no such file), ModelFormatError (truncated or corrupt) or
     UnsupportedModelError (architecture or tensor type llmserve cannot run).
@@ -81,7 +86,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWei
     config = _build_config(metadata, arch, by_name, rope_freqs)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in by_name.items():
-        weight = _to_torch(tensor)
+        rows, cols = slices(config, hf_name(name)) if slices is not None else (None, None)
+        weight = _to_torch(tensor, rows, cols)
         if arch in ROTARY_PERMUTED_ARCHITECTURES:
             weight = _unpermute_qk(name, weight, config)
         tensors[hf_name(name)] = weight.to(dtype)
@@ -233,21 +239,41 @@ def _llama3_scaling_from_divisors(
     return scaling
 
 
-def _to_torch(tensor: GGUFTensor) -> torch.Tensor:
-    """The tensor dequantized to float32 (F16/BF16 kept as is), in torch (out, in) order."""
+def _to_torch(tensor: GGUFTensor, rows: slice | None = None, cols: slice | None = None
+              ) -> torch.Tensor:
+    """The tensor dequantized to float32 (F16/BF16 kept as is), in torch (out, in) order;
+    with `rows`/`cols`, only that part (whole quantization blocks are read from the file,
+    so a column range on block boundaries reads only its own bytes)."""
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
-    raw = np.array(tensor.data).reshape(-1).view(np.uint8)  # copy out of the read-only memmap
-    return DEQUANTIZERS[tensor.tensor_type](torch.from_numpy(raw)).reshape(shape)
+    data = tensor.data.reshape(-1)
+    if rows is None and cols is None:
+        raw = np.array(data).view(np.uint8)  # copy out of the read-only memmap
+        return DEQUANTIZERS[tensor.tensor_type](torch.from_numpy(raw)).reshape(shape)
+    num_rows = shape[0] if len(shape) > 1 else 1
+    width = shape[-1]
+    by_row = data.view(np.uint8).reshape(num_rows, -1)  # (rows, bytes per row)
+    if len(shape) == 1:  # a vector: its one dimension is the "rows" of the slice
+        rows, cols = None, rows
+    picked = by_row[rows if rows is not None else slice(None)]
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    col_range = range(width)[cols if cols is not None else slice(None)]
+    aligned = col_range.start % block_values == 0 and len(col_range) % block_values == 0
+    if cols is not None and aligned:  # read only the column blocks
+        first = col_range.start // block_values * block_bytes
+        picked = picked[:, first : first + len(col_range) // block_values * block_bytes]
+        cols, width = None, len(col_range)
+    raw = torch.from_numpy(np.array(picked).reshape(-1))  # a copy: the memmap is read-only
+    values = DEQUANTIZERS[tensor.tensor_type](raw).reshape(len(picked), width)
+    if cols is not None:
+        values = values[:, cols]
+    return values.reshape(-1) if len(shape) == 1 else values
 
 
 def _unpermute_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation: per head, rows (d/2, 2) -> (2, d/2)."""
-    if ".attn_q." in name:
-        num_heads = config.num_attention_heads
-    elif ".attn_k." in name:
-        num_heads = config.num_key_value_heads
-    else:
+    if ".attn_q." not in name and ".attn_k." not in name:
         return weight
+    num_heads = weight.shape[0] // config.head_dim  # a rank's share holds whole heads
     half = weight.shape[0] // num_heads // 2
     # (heads, half, 2, ...) -> (heads, 2, half, ...)
     rows = weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2)

@@ -9,7 +9,7 @@ from safetensors import SafetensorError, safe_open
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
-from llmserve.loader.weights import LoadedWeights, drop_tied_head, require_path
+from llmserve.loader.weights import LoadedWeights, WeightSlices, drop_tied_head, require_path
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -17,8 +17,11 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
-def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
+                   slices: WeightSlices | None = None) -> LoadedWeights:
     """Load a Hugging Face model folder, weights cast to `dtype`; `metadata` is config.json.
+    `slices(config, name)` -> (rows, columns) of each tensor to read (a tensor-parallel
+    rank's share): only those are read from the safetensors files.
 
     Raises ModelNotFoundError (no such folder), ModelFormatError (no config.json, no
     safetensors, unreadable files) or UnsupportedModelError (architecture, `.bin` weights).
@@ -31,9 +34,21 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32) -> Load
         raise ModelFormatError(f"{folder / 'config.json'} lacks the field {e}") from None
     tensors: dict[str, torch.Tensor] = {}
     for file in _safetensors_files(folder):
-        tensors.update(_read_safetensors(file, dtype))
+        tensors.update(_read_safetensors(file, dtype, config, slices))
     drop_tied_head(config, tensors)
     return LoadedWeights(config=config, tensors=tensors, metadata=hf_config)
+
+
+def _read_tensor(f: Any, name: str, config: ModelConfig, slices: WeightSlices | None
+                 ) -> torch.Tensor:
+    rows, cols = slices(config, name) if slices is not None else (None, None)
+    if rows is None and cols is None:
+        return f.get_tensor(name)
+    part = f.get_slice(name)
+    everything = slice(None)
+    if len(part.get_shape()) == 1:
+        return part[rows or everything]
+    return part[rows or everything, cols or everything]
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -70,11 +85,12 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise ModelFormatError(f"no *.safetensors weights in {folder}")
 
 
-def _read_safetensors(file: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_safetensors(file: Path, dtype: torch.dtype, config: ModelConfig,
+                      slices: WeightSlices | None) -> dict[str, torch.Tensor]:
     try:
         with safe_open(file, framework="pt") as f:
             return {
-                name: f.get_tensor(name).to(dtype)
+                name: _read_tensor(f, name, config, slices).to(dtype)
                 for name in f.keys()
                 if not name.endswith(IGNORED_SUFFIXES)
             }

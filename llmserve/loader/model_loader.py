@@ -8,10 +8,12 @@ import torch
 from torch import nn
 
 from llmserve.config import ModelConfig
+from llmserve.distributed.parallel import ShardPlan, TensorParallel
 from llmserve.kernels import cpu_flags, native
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
+from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
 from llmserve.models.packed_float import can_pack, pack_float_model
 from llmserve.models.registry import model_class
@@ -47,6 +49,7 @@ def load_model(
     device: str | torch.device = "cpu",
     quantization: str | None = None,
     enforce_eager: bool = False,
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """Resolve `spec`, read weights and tokenizer, and return the model in eval mode.
 
@@ -55,17 +58,22 @@ def load_model(
     4-bit GGUF files, int8 for other quantized ones (`auto_quantization`); exact float
     otherwise.
     Float weights get a compiled step unless `enforce_eager` (`models/compile.py`).
+    With `tp` (a rank of a tensor-parallel group of size > 1) the model is that rank's
+    share, and only that share of each weight is read from the file.
     """
     start = time.perf_counter()
     source = resolve_model(spec)
+    sharded = tp is not None and tp.size > 1
+    slices = _rank_slices(tp) if sharded else None
     if source.kind == "gguf":
-        weights = load_gguf(source.path, dtype)
+        weights = load_gguf(source.path, dtype, slices)
         tokenizer = Tokenizer.from_gguf_metadata(weights.metadata)
     else:
-        weights = load_hf_folder(source.path, dtype)
+        weights = load_hf_folder(source.path, dtype, slices)
         tokenizer = Tokenizer.from_hf_folder(source.path)
+    plan = shard_plan(weights.config, tp) if sharded else None
     with torch.device(device):
-        model = model_class(weights.config)(weights.config)
+        model = model_class(weights.config)(weights.config, plan)
     model.to(dtype=dtype)
     model.load_weights(weights.tensors)
     weights.tensors.clear()  # the model holds the only copy now: lower peak memory
@@ -77,7 +85,20 @@ def load_model(
     if hasattr(model, "enable_native_layers"):
         model.enable_native_layers()
     model.eval()
-    compile_model(model, device, quantization, enforce_eager)
+    # under tensor parallelism the step stays eager: its all-reduces are not traced
+    compile_model(model, device, quantization, enforce_eager or sharded)
     logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
                 quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return LoadedModel(model, tokenizer, weights.config, source, quantization)
+
+
+def shard_plan(config: ModelConfig, tp: TensorParallel) -> ShardPlan:
+    """What rank `tp.rank` of a tensor-parallel group holds of a model with `config`."""
+    return ShardPlan.build(tp, config.num_attention_heads, config.num_key_value_heads,
+                           config.intermediate_size, config.vocab_size)
+
+
+def _rank_slices(tp: TensorParallel) -> WeightSlices:
+    def slices(config: ModelConfig, name: str) -> tuple[slice | None, slice | None]:
+        return shard_plan(config, tp).weight_slices(name, config.head_dim)
+    return slices

@@ -5,6 +5,7 @@ Canonical weight names are Hugging Face Llama names (`model.embed_tokens.weight`
 format; `lm_head.weight` is absent when the embeddings are tied.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,9 @@ import torch
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelNotFoundError
+
+# (config, canonical tensor name) -> (rows, columns) to read; None: the whole dimension
+WeightSlices = Callable[[ModelConfig, str], tuple[slice | None, slice | None]]
 
 
 @dataclass

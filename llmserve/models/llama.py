@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmserve.config import ModelConfig
+from llmserve.distributed.parallel import ShardPlan, TensorParallel
 from llmserve.models.layers import (
     Embedding,
     Linear,
@@ -33,10 +34,14 @@ STACKED_PARAMS = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Self-attention over this rank's heads (all of them without tensor parallelism); the
+    o_proj partial sums are all-reduced over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.tp = plan.tp if plan is not None else TensorParallel()
+        self.num_heads = len(plan.attention.q_heads) if plan else cfg.num_attention_heads
+        self.num_kv_heads = len(plan.attention.kv_heads) if plan else cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -73,25 +78,29 @@ class LlamaAttention(nn.Module):
         if not rotated:
             q, k = apply_rotary(q, k, rope)
         out = meta.backend.forward(q, k, v, cache, meta, self.scale)  # (T, H, D)
-        return self.o_proj(out.reshape(t, self.q_size))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """SiLU-gated MLP over this rank's intermediate channels; down_proj's partial sums are
+    all-reduced over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.tp = plan.tp if plan is not None else TensorParallel()
+        self.intermediate_size = len(plan.mlp) if plan else cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.self_attn = LlamaAttention(cfg, plan)
+        self.mlp = LlamaMLP(cfg, plan)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -102,32 +111,42 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        vocab = len(plan.vocab) if plan else cfg.vocab_size
+        self.embed_tokens = Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, plan)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder + LM head. Parameter names follow Hugging Face, with q/k/v and gate/up fused."""
+    """Decoder + LM head. Parameter names follow Hugging Face, with q/k/v and gate/up fused.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    With a `ShardPlan` (tensor parallelism) the module holds one rank's share: its heads,
+    intermediate channels and vocabulary rows (`distributed/parallel.py`); the embedding
+    and the logits are assembled over the ranks.
+    """
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.plan = plan if plan is not None and plan.tp.size > 1 else None
+        self.model = LlamaModel(cfg, self.plan)
+        vocab = len(self.plan.vocab) if self.plan else cfg.vocab_size
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab)
         self.native_layers: NativeLlamaLayers | None = None  # see enable_native_layers
         self.compiled_layers = None  # set by models/compile.py: one graph for every layer
 
     def enable_native_layers(self) -> None:
         """Run the decoder stack as one native call when the weights allow it (int8, int4 or
         packed float32 on the CPU, no biases or q/k norms); same bits as the per-op path,
-        less Python."""
-        self.native_layers = NativeLlamaLayers.build(self)
+        less Python. Not under tensor parallelism: the stack has no all-reduce inside."""
+        if self.plan is None:
+            self.native_layers = NativeLlamaLayers.build(self)
 
     def forward(
         self,
@@ -137,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         native = self.native_layers
         if native is not None and native.can_run(x, positions, kv_cache, meta):
             return self.model.norm(native.forward(x, positions, kv_cache, meta))
@@ -148,11 +167,26 @@ class LlamaForCausalLM(nn.Module):
             x = layer(rope, x, kv_cache.layer(i), meta)
         return self.model.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows; under tensor parallelism each rank looks up the ids in its
+        vocabulary range, zeros elsewhere, and the ranks' rows are summed."""
+        if self.plan is None:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.plan.vocab.start
+        inside = (local >= 0) & (local < len(self.plan.vocab))
+        x = self.model.embed_tokens(torch.where(inside, local, torch.zeros_like(local)))
+        return self.plan.tp.all_reduce(x.masked_fill(~inside.unsqueeze(1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden_size) -> (N, vocab_size) fp32 logits."""
+        """(N, hidden_size) -> (N, vocab_size) fp32 logits (every rank gets all of them
+        under tensor parallelism: an all-gather of the vocabulary shards)."""
         if self.lm_head is None:  # tied: the embedding is the head
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        if self.plan is None:
+            return logits
+        return self.plan.tp.all_gather_rows(logits, list(self.plan.vocab_sizes))
 
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -1,4 +1,4 @@
-"""The `llmserve` command line: pull, models, generate, chat, memory, serve, bench.
+"""The `llmserve` command line: pull, models, generate, chat, memory, serve, router, bench.
 
 Every subcommand is one small `cmd_*` function; each imports what it needs (torch, the
 engine) itself, so that `--help` and usage errors stay quick. User errors (`LLMServeError`,
@@ -43,6 +43,7 @@ CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 2048}
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns (and, as a script, exits with) the process exit code."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `serve` relaunches replicas
     if hasattr(args, "check"):
         args.check(args)  # cross-flag usage rules: parser.error, exit 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
@@ -129,10 +130,27 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1:
+        from llmserve.router.launcher import run_data_parallel
+
+        return run_data_parallel(args, args.argv)
     from llmserve.entrypoints.openai.server import run_server
 
     options = {name: getattr(args, name) for name in ENGINE_FLAGS}
     return run_server(args, {k: v for k, v in options.items() if v is not None})
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from llmserve.entrypoints.openai.server import listening_socket
+    from llmserve.router.app import router_settings, run_router
+    from llmserve.router.replicas import Replica
+
+    replicas = [Replica(i, url) for i, url in enumerate(args.replica)]
+    settings = router_settings(args)  # checked before the port is taken
+    sock = listening_socket(args.host, args.port)
+    run_router(replicas, settings, sock, f"routing to {len(replicas)} replicas",
+               access_log=args.verbose)
+    return 0
 
 
 # ---- shared helpers ------------------------------------------------------------------------
@@ -204,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat(sub, common)
     _add_memory(sub, common)
     _add_serve(sub, common)
+    _add_router(sub, common)
     _add_bench(sub, common)
     return parser
 
@@ -273,24 +292,60 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     serve = sub.add_parser("serve", parents=[common], help="run the OpenAI-compatible server")
     _add_model_flag(serve)
     net = serve.add_argument_group("server")
-    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
-                     "127.0.0.1; 0.0.0.0 to listen on every interface)")
-    net.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
-    net.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but "
-                     "/health and /metrics (default: $LLMSERVE_API_KEY)")
-    net.add_argument("--metrics-require-auth", action="store_true",
-                     help="protect /metrics with the API key too")
+    _add_network_flags(net)
     net.add_argument("--served-model-name", help="model id clients use (default: --model)")
     net.add_argument("--max-num-waiting", type=int,
                      help="queued requests at most; beyond it answer 429 (default: no cap)")
-    net.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
-                     help="CORS origins, comma-separated or repeated (default: CORS off)")
-    net.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
-                     help="largest request body; larger ones get 413 (default 4 MiB)")
-    net.add_argument("--shutdown-timeout", type=float, default=30.0,
-                     help="seconds in-flight requests get to finish on SIGTERM (default 30)")
     _add_engine_flags(serve)
-    serve.set_defaults(func=cmd_serve)
+    dp = serve.add_argument_group("data parallelism")
+    dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                    help="N engine processes behind one endpoint, requests routed by prompt "
+                         "prefix and load; --threads is then per replica (default: cores / N)")
+    _add_route_prefix_flag(dp)
+    serve.set_defaults(func=cmd_serve, check=partial(_check_serve_args, serve))
+
+
+def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+
+
+def _add_router(sub: Any, common: argparse.ArgumentParser) -> None:
+    router = sub.add_parser(
+        "router", parents=[common], help="one endpoint in front of running llmserve servers",
+        description="Route OpenAI requests to llmserve servers already running (prompts that "
+        "start alike go to the same server, whose prefix cache holds them; load spills "
+        "over); /health is 200 while every server is, /metrics labels each server's.")
+    router.add_argument("--replica", action="append", required=True, metavar="URL",
+                        help="a server's base URL, e.g. http://127.0.0.1:8001 (repeat)")
+    net = router.add_argument_group("server")
+    _add_network_flags(net)
+    _add_route_prefix_flag(net)
+    router.set_defaults(func=cmd_router)
+
+
+def _add_network_flags(group: Any) -> None:
+    """How `serve` and `router` listen and guard their routes."""
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default "
+                       "127.0.0.1; 0.0.0.0 to listen on every interface)")
+    group.add_argument("--port", type=int, default=8000,
+                       help="port (default 8000; 0: any free)")
+    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route "
+                       "but /health and /metrics (default: $LLMSERVE_API_KEY)")
+    group.add_argument("--metrics-require-auth", action="store_true",
+                       help="protect /metrics with the API key too")
+    group.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
+                       help="CORS origins, comma-separated or repeated (default: CORS off)")
+    group.add_argument("--max-request-bytes", type=int, default=4 * 2**20,
+                       help="largest request body; larger ones get 413 (default 4 MiB)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish on SIGTERM (default 30)")
+
+
+def _add_route_prefix_flag(group: Any) -> None:
+    group.add_argument("--route-prefix-chars", type=int, default=256, metavar="K",
+                       help="prompt characters (or token ids) whose hash picks the replica "
+                            "(default 256)")
 
 
 def _add_bench(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -1,0 +1,162 @@
+"""Forward one HTTP request to one replica and pass its answer back unchanged.
+
+Status codes, bodies and error bodies pass through as the replica sent them; an event
+stream passes through event by event. What the replica cannot say itself becomes an
+OpenAI-shaped 503: it refused the connection, dropped it, or was marked down while the
+request was in flight (for a stream already started: an SSE error event, then the end).
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response
+
+from llmserve.entrypoints.openai.http_layer import error_response
+from llmserve.entrypoints.openai.protocol import error_body
+from llmserve.entrypoints.openai.serving_base import SSEResponse
+from llmserve.router.replicas import Replica
+
+T = TypeVar("T")
+CLIENT_CLOSED_REQUEST = 499  # as the server answers a client that went away
+# Hop-by-hop headers, and what the client's HTTP library sets for the replica itself.
+# accept-encoding stays behind so the replica's bytes are never compressed in between.
+_REQUEST_HEADERS_DROPPED = frozenset({
+    "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
+    "trailer", "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding"})
+_RESPONSE_HEADERS_KEPT = ("content-type", "retry-after", "www-authenticate")
+
+
+class ReplicaFailed(Exception):
+    """The replica went down (or dropped the connection) before it answered."""
+
+    def __init__(self, replica: Replica, why: str, connect_failed: bool = False) -> None:
+        super().__init__(f"replica {replica.index} is down: {why}")
+        self.replica = replica
+        self.connect_failed = connect_failed  # True: the request never reached the replica
+
+
+def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _REQUEST_HEADERS_DROPPED}
+
+
+async def forward(client: httpx.AsyncClient, replica: Replica, request: Request, body: bytes,
+                  on_done: Callable[[bool], None]) -> Response:
+    """The replica's answer to `request` (whose body was read: `body`) as a response.
+
+    `on_done(failed)` runs once the exchange is over: at once for a whole response or a
+    failure, when the event stream ends for a stream; `failed`: the replica failed it.
+    Raises `ReplicaFailed`; a client that goes away first gets 499 (and the replica sees
+    the connection close: it aborts).
+    """
+    upstream_request = client.build_request(
+        request.method, f"{replica.url}{request.url.path}", params=request.query_params,
+        headers=forwarded_headers(request.headers), content=body)
+    try:
+        try:
+            upstream = await _from_replica(replica, request,
+                                           client.send(upstream_request, stream=True))
+        except BaseException as e:
+            on_done(isinstance(e, ReplicaFailed))
+            raise
+        if _is_event_stream(upstream):
+            return SSEResponse(_relay_events(upstream, replica, on_done))
+        failed = True
+        try:
+            content = await _from_replica(replica, request, upstream.aread())
+            failed = False
+        finally:
+            await upstream.aclose()
+            on_done(failed)
+    except _ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    headers = {k: upstream.headers[k] for k in _RESPONSE_HEADERS_KEPT if k in upstream.headers}
+    return Response(content, status_code=upstream.status_code, headers=headers)
+
+
+def replica_failed_response(failure: ReplicaFailed) -> Response:
+    return error_response(503, str(failure), headers={"Retry-After": "1"})
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _from_replica(replica: Replica, request: Request | None, work: Awaitable[T]) -> T:
+    """Await `work` (an exchange with the replica), unless the replica is marked down first
+    or the client goes away first; a failed connection is a `ReplicaFailed` too."""
+    try:
+        return await _unless_down(replica, request, work)
+    except httpx.ConnectError as e:
+        raise ReplicaFailed(replica, f"cannot connect ({e})", connect_failed=True) from None
+    except httpx.TransportError as e:
+        raise ReplicaFailed(replica, f"the connection failed ({type(e).__name__}: {e})"
+                            ) from None
+
+
+async def _unless_down(replica: Replica, request: Request | None, work: Awaitable[T]) -> T:
+    """Await `work`, unless the replica is marked down first (`ReplicaFailed`) or the
+    client goes away first (`_ClientGone`); either way `work` is cancelled."""
+    task = asyncio.ensure_future(work)
+    watchers = {asyncio.ensure_future(replica.down.wait())}
+    if request is not None:
+        watchers.add(asyncio.ensure_future(_client_gone(request)))
+    try:
+        done, _ = await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # unwound before the stream is closed
+    if replica.down.is_set():
+        raise ReplicaFailed(replica, replica.reason)
+    raise _ClientGone
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _is_event_stream(response: httpx.Response) -> bool:
+    content_type = response.headers.get("content-type", "")
+    return response.status_code == 200 and content_type.startswith("text/event-stream")
+
+
+async def _relay_events(upstream: httpx.Response, replica: Replica,
+                        on_done: Callable[[bool], None]) -> AsyncIterator[bytes]:
+    """The replica's events, each whole (an event cut off by a failure is dropped), then
+    an error event if the replica fails mid-stream."""
+    chunks = upstream.aiter_bytes()
+    pending, failed = b"", False
+    try:
+        while True:
+            try:
+                chunk = await _from_replica(replica, None, anext(chunks))
+            except StopAsyncIteration:
+                break
+            except ReplicaFailed as failure:
+                failed = True
+                yield _error_event(str(failure))
+                return
+            *events, pending = (pending + chunk).split(b"\n\n")
+            for event in events:
+                yield event + b"\n\n"
+        if pending.strip():
+            yield pending
+    finally:
+        await upstream.aclose()
+        on_done(failed)
+
+
+def _error_event(message: str) -> bytes:
+    body: dict[str, Any] = error_body(message, "service_unavailable_error", code=503)
+    return f"data: {json.dumps(body)}\n\n".encode()

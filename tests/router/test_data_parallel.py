@@ -12,8 +12,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router.conftest import prompt_for, wait_for
-from tests.router.test_launcher import wait_gone
+from tests.router.helpers import prompt_for, wait_for, wait_gone
 
 SHARED = ("You are reviewing a pull request that adds data-parallel serving to an inference "
           "engine. The change starts several engine processes, puts an HTTP router in front "

@@ -19,26 +19,9 @@ from llmserve.router.launcher import (
     stop_replicas,
     wait_until_serving,
 )
+from tests.router.helpers import gone, wait_gone
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def gone(pid: int) -> bool:
-    """No such process, or only its zombie left (dead, not yet reaped)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] == "Z"
-
-
-def wait_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not gone(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_replica_command_keeps_the_flags_and_overrides_the_endpoint():

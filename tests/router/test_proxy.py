@@ -12,13 +12,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.router.replicas import Replica
-from tests.router.conftest import (
+from tests.router.fake_backend import FakeBackend, serve_in_thread
+from tests.router.helpers import (
     backend_process,
     prompt_for,
     run_router,
     wait_for,
 )
-from tests.router.fake_backend import FakeBackend, serve_in_thread
 
 SHARED = "Summarise the following report for a busy reader in three bullet points. " * 4
 

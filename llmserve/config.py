@@ -218,8 +218,19 @@ class EngineConfig:
     attention_backend: str = "auto"
     # None: no speculative decoding; a SpeculativeConfig or its dict form (vLLM's keys)
     speculative_config: SpeculativeConfig | dict | None = None
+    # ranks the model is split over (distributed/): heads, MLP channels and vocabulary
+    tensor_parallel_size: int = 1
+    # mp: rank 0 spawns the other ranks on this machine; external_launcher: torchrun
+    # started every rank (several machines)
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "external_launcher"):
+            raise ValueError("distributed_executor_backend must be one of mp, "
+                             f"external_launcher, not {self.distributed_executor_backend!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.from_dict(self.speculative_config))

@@ -30,13 +30,16 @@ def parse_size(text: str | int) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_kv_heads: int | None = None
+                       ) -> int:
     """2 (K and V) x layers x kv_heads x (head_dim x bytes per element [+ an fp32 scale]).
 
     An int8 cache keeps one fp32 scale per token and KV head, beside the int8 entries.
+    `num_kv_heads`: the heads one tensor-parallel rank holds (default: all).
     """
     per_head = cfg.head_dim * DTYPE_BYTES[dtype] + (4 if dtype == torch.int8 else 0)
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * per_head
+    heads = cfg.num_key_value_heads if num_kv_heads is None else num_kv_heads
+    return 2 * cfg.num_hidden_layers * heads * per_head
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -88,10 +91,12 @@ class KVCachePlan:
 
 
 def plan_kv_cache(
-    cfg: ModelConfig, dtype: torch.dtype, budget_bytes: int, block_size: int
+    cfg: ModelConfig, dtype: torch.dtype, budget_bytes: int, block_size: int,
+    num_kv_heads: int | None = None,
 ) -> KVCachePlan:
-    """How many blocks of `block_size` tokens fit in `budget_bytes`; deterministic."""
-    per_token = kv_bytes_per_token(cfg, dtype)
+    """How many blocks of `block_size` tokens fit in `budget_bytes`; deterministic.
+    `num_kv_heads`: the heads one tensor-parallel rank holds (default: all)."""
+    per_token = kv_bytes_per_token(cfg, dtype, num_kv_heads)
     num_blocks = budget_bytes // (per_token * block_size)
     if num_blocks < 1:
         raise ValueError(

@@ -21,6 +21,7 @@ import torch
 from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler, SchedulerConfig
+from llmserve.distributed.executor import CacheSpec, Executor, WorkerSpec, make_executor
 from llmserve.engine.beam_search import BeamSearchGroup, BeamSearchRunner
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.parallel_sampling import ParallelGroup
@@ -67,11 +68,12 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        self.executor = self._start_ranks(config, loaded)
         if config.num_threads is not None:
             set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(
             config.model, self.dtype, self.device, config.weight_quantization,
-            config.enforce_eager,
+            config.enforce_eager, tp=self.executor.tp if self.executor else None,
         )
         self.tokenizer = self.loaded.tokenizer
         model_cfg = self.loaded.config
@@ -83,8 +85,12 @@ class Engine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, self.dtype, self.loaded.quantization,
             self.attention.reads_only_written_slots)
+        # under tensor parallelism each rank holds the KV heads of its share (rank 0 the
+        # most), and as many blocks as rank 0
+        shard = getattr(self.loaded.model, "plan", None)
+        num_kv_heads = len(shard.attention.kv_heads) if shard else model_cfg.num_key_value_heads
         plan = plan_kv_cache(model_cfg, self.kv_cache_dtype, self._kv_budget(),
-                             config.block_size)
+                             config.block_size, num_kv_heads)
         logger.info(
             "KV cache: %d blocks = %d tokens (%.2f GiB, %s); weights: %s, %.0f MiB; "
             "%d threads", plan.num_blocks, plan.num_tokens, plan.total_bytes / 2**30,
@@ -95,9 +101,13 @@ class Engine:
         self.kv_plan = plan
         kv_cache = KVCache.allocate(
             model_cfg.num_hidden_layers, plan.num_blocks, plan.block_size,
-            model_cfg.num_key_value_heads, model_cfg.head_dim, self.kv_cache_dtype, self.device,
+            num_kv_heads, model_cfg.head_dim, self.kv_cache_dtype, self.device,
             zeroed=not self.attention.reads_only_written_slots,
         )
+        if self.executor is not None:
+            self.executor.allocate_caches(CacheSpec(
+                plan.num_blocks, plan.block_size, self.kv_cache_dtype,
+                config.attention_backend, config.max_num_seqs))
         self.kv_manager = KVCacheManager(
             plan.num_blocks, plan.block_size, config.enable_prefix_caching
         )
@@ -111,7 +121,8 @@ class Engine:
             self.kv_manager,
         )
         self.runner = ModelRunner(self.loaded.model, kv_cache, self.device,
-                                  max_num_seqs=config.max_num_seqs, attention=self.attention)
+                                  max_num_seqs=config.max_num_seqs, attention=self.attention,
+                                  executor=self.executor)
         warm_up(self.loaded.model, kv_cache, self.attention)
         self.states: dict[str, RequestState] = {}  # single requests and siblings, not beams
         self.groups: dict[str, ParallelGroup | BeamSearchGroup] = {}  # by the caller's id
@@ -425,6 +436,37 @@ class Engine:
                 f"({self.kv_plan.num_tokens} tokens); raise --kv-cache-memory"
             )
         return max_tokens
+
+    def _start_ranks(self, config: EngineConfig, loaded: LoadedModel | None
+                     ) -> Executor | None:
+        """Under tensor parallelism: start (or meet) the other ranks and tell them what to
+        load; they load their shares while this rank loads its own."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return None
+        if loaded is not None:
+            raise ValueError("tensor_parallel_size > 1 loads its own shards; it cannot take "
+                             "an already loaded model")
+        # ranks share the machine's cores unless told otherwise
+        threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
+        if config.num_threads is None:
+            set_num_threads(threads)
+        executor = make_executor(config.distributed_executor_backend, size, self.device,
+                                 threads)
+        executor.start_workers(WorkerSpec(config.model, self.dtype, str(self.device),
+                                          config.weight_quantization, threads, config.seed))
+        logger.info("tensor parallel: %d ranks, %d threads each", size, threads)
+        return executor
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot run steps any more (a tensor-parallel rank died), or None."""
+        return self.executor.failure if self.executor is not None else None
+
+    def shutdown(self) -> None:
+        """Stop the other ranks (tensor parallelism); a no-op for a single-process engine."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     def _kv_budget(self) -> int:
         budget = self.config.kv_cache_memory

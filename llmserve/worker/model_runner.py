@@ -6,6 +6,7 @@ updated by each step's deltas; it never decides which requests run.
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,9 +43,19 @@ class RunnerOutput:
 
 
 class ModelRunner:
+    """Runs steps on one rank. Under tensor parallelism rank 0's runner (`driver`) first
+    sends each step to the workers (`executor`), and the workers' runners (`driver=False`)
+    run the same forward and logits (the ranks meet in their collectives) but sample
+    nothing."""
+
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str,
-                 max_num_seqs: int = 256, attention: AttentionBackend | None = None) -> None:
+                 max_num_seqs: int = 256, attention: AttentionBackend | None = None,
+                 executor: Any = None, driver: bool = True) -> None:
         self.model = model
+        self.executor = executor
+        self.driver = driver
+        # (request, drafts sent, drafts accepted) verified since the workers last heard
+        self.accepted_drafts: list[tuple[str, int, list[int]]] = []
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
@@ -56,6 +67,9 @@ class ModelRunner:
         """Run the step: sample for every request whose chunk ends its tokens (within its
         grammar's mask, for structured output), and gather the logprobs and prompt logprobs
         asked for."""
+        if self.executor is not None:
+            self.executor.send_step(out, self.accepted_drafts)
+            self.accepted_drafts = []
         batch = self.input_batch
         batch.update(out)
         if out.blocks_to_copy:
@@ -82,6 +96,8 @@ class ModelRunner:
             return result
         last = torch.from_numpy(step.last_token[to_sample]).to(self.device)
         logits = self.model.compute_logits(hidden[last])  # (N, V)
+        if not self.driver:
+            return result
         sampling = batch.sampling_batch(rows, logits.shape[-1])
         raw_needed = bool((batch.logprobs[rows] >= 0).any())  # logprobs are of raw logits
         allowed = logits if grammar is None else grammar.apply(
@@ -112,6 +128,8 @@ class ModelRunner:
         offset = np.arange(int(counts.sum())) - first[owner]  # (L,) j of each row
         index = last_token[owner] - num_drafts[owner] + offset  # (L,) into the T tokens
         logits = self.model.compute_logits(hidden[torch.from_numpy(index)])  # (L, V)
+        if not self.driver:
+            return
         preceding = [drafts[i][:j] for i, j in zip(owner.tolist(), offset.tolist(),
                                                    strict=True)]
         expanded = rows[owner]
@@ -142,6 +160,8 @@ class ModelRunner:
             result.sampled[rid] = tokens
             if d:
                 batch.accept_drafts(rid, len(d), tokens[:-1])
+                if self.executor is not None:
+                    self.accepted_drafts.append((rid, len(d), tokens[:-1]))
         # logprobs: emitted token j sits at its request's row first + j
         emitted_rows = np.concatenate([first[i] + np.arange(len(t))
                                        for i, t in enumerate(emitted)])

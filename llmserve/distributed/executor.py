@@ -1,0 +1,242 @@
+"""The ranks of a tensor-parallel engine and how rank 0 drives them.
+
+Rank 0 is the engine: it schedules, runs its own share of the model and samples. Every
+other rank is a worker (`worker.py`) that holds its share of the weights and of the KV
+cache (its KV heads) and runs each step rank 0 sends it: rank 0 broadcasts the step's
+`SchedulerOutput` (incremental: a request's data once, then ids, token counts and new
+block ids) before running it, and the ranks meet in the step's all-reduces.
+
+Launch (`--distributed-executor-backend`):
+* `mp` (default): rank 0 starts the workers itself on this machine (spawned processes);
+  they die with it (each worker watches its parent), and `shutdown` stops them.
+* `external_launcher`: every rank is started by `torchrun` (one machine or several:
+  `--nnodes`, `--master-addr`); the process with RANK 0 serves, the others run
+  `worker.run_external_worker` (the CLI does this), all meeting at MASTER_ADDR:MASTER_PORT.
+
+Communication is `torch.distributed`: one process group per engine (gloo on the CPU, and
+NCCL for the model's tensors on CUDA), made from its own TCP store, so several engines can
+live in one process. A worker that dies is seen within a second (`failure`); the step in
+flight fails, and the engine reports itself unavailable.
+"""
+
+import atexit
+import datetime
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmserve.distributed.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
+# collectives wait this long for a peer; an idle server's workers wait for the next step
+# far longer than any step, and a dead peer is seen by its closed connection, not by this
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+CONNECT_TIMEOUT = datetime.timedelta(seconds=300)  # ranks loading models before they meet
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its share of the model (sent once by rank 0)."""
+
+    model: str | None
+    dtype: torch.dtype
+    device: str
+    quantization: str | None
+    num_threads: int | None
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The KV cache every rank allocates for its own KV heads (sent after loading)."""
+
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    attention_backend: str
+    max_num_seqs: int
+
+
+@dataclass
+class Ranks:
+    """One rank's groups: `tp` for the model's collectives, `control` (gloo) for messages."""
+
+    tp: TensorParallel
+    control: Any  # a c10d ProcessGroup
+
+
+def connect(rank: int, size: int, host: str, port: int, device: torch.device) -> Ranks:
+    """Meet the other ranks at host:port (rank 0 hosts the store)."""
+    store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
+    control = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    group = control
+    if device.type == "cuda":
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
+    return Ranks(TensorParallel(rank, size, group), control)
+
+
+def broadcast_object(control: Any, obj: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (pickled; two broadcasts: its size, its bytes)."""
+    is_root = control.rank() == 0
+    data = pickle.dumps(obj) if is_root else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    control.broadcast(size, 0).wait()
+    buffer = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_root
+              else torch.empty(int(size), dtype=torch.uint8))
+    control.broadcast(buffer, 0).wait()
+    return obj if is_root else pickle.loads(buffer.numpy().tobytes())
+
+
+def all_gather_ints(control: Any, value: int) -> list[int]:
+    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(control.size())]
+    control.allgather([parts], [torch.tensor([value], dtype=torch.int64)]).wait()
+    return [int(p) for p in parts]
+
+
+# messages rank 0 broadcasts to the workers
+STEP, ROWS, STOP = "step", "rows", "stop"
+
+
+class Executor:
+    """Rank 0's handle on the workers: `send_step` before each model step."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+        self.failure: str | None = None  # why the group is broken, once it is
+        self._stopped = False
+
+    @property
+    def tp(self) -> TensorParallel:
+        return self.ranks.tp
+
+    def start_workers(self, spec: WorkerSpec) -> None:
+        broadcast_object(self.ranks.control, spec)
+
+    def allocate_caches(self, spec: CacheSpec) -> None:
+        broadcast_object(self.ranks.control, spec)
+
+    def send_step(self, out: Any, accepted_drafts: list[tuple[str, int, list[int]]]) -> None:
+        """The step, and the drafts rank 0 accepted since the last one (the workers'
+        persistent batches learn them before the step)."""
+        self._send((STEP, (accepted_drafts, out)))
+
+    def rows_held(self) -> list[int]:
+        """Requests each worker's persistent batch holds (rank 1 first)."""
+        self._send((ROWS, None))
+        return all_gather_ints(self.ranks.control, 0)[1:]
+
+    def _send(self, message: tuple[str, Any]) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"tensor-parallel group is down: {self.failure}")
+        try:
+            broadcast_object(self.ranks.control, message)
+        except Exception as exc:
+            self.failure = self.failure or f"a worker did not answer: {exc}"
+            raise
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.failure is None:
+            try:
+                broadcast_object(self.ranks.control, (STOP, None))
+            except Exception:  # noqa: BLE001 - the workers are gone already
+                pass
+
+
+class MultiprocExecutor(Executor):
+    """Workers spawned on this machine; see the module docstring."""
+
+    def __init__(self, size: int, device: torch.device, num_threads: int | None) -> None:
+        from llmserve.distributed.worker import run_worker
+
+        host, port = "127.0.0.1", free_port()
+        context = multiprocessing.get_context("spawn")
+        self.processes = [
+            context.Process(target=run_worker, name=f"llmserve-tp{rank}", daemon=True,
+                            args=(rank, size, host, port, str(device), num_threads))
+            for rank in range(1, size)
+        ]
+        for process in self.processes:
+            process.start()
+        logger.info("tensor parallel: %d worker processes started (pids %s)", size - 1,
+                    ", ".join(str(p.pid) for p in self.processes))
+        super().__init__(connect(0, size, host, port, device))
+        atexit.register(self.shutdown)
+        self._watch = threading.Thread(target=self._watch_workers, daemon=True,
+                                       name="llmserve-tp-watch")
+        self._watch.start()
+
+    def _watch_workers(self) -> None:
+        sentinels = {p.sentinel: p for p in self.processes}
+        while not self._stopped:
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
+            if ready and not self._stopped:
+                dead = sentinels[ready[0]]
+                self.failure = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited "
+                                f"with code {dead.exitcode}")
+                logger.error("%s; the engine is unavailable", self.failure)
+                return
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        super().shutdown()
+        for process in self.processes:
+            process.join(timeout)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout)
+            if process.is_alive():
+                process.kill()
+
+
+class ExternalExecutor(Executor):
+    """Rank 0 of ranks started by torchrun (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        rank, world, host, port = torchrun_env()
+        if rank != 0:
+            raise RuntimeError("only RANK 0 runs the engine; the CLI runs the other ranks as "
+                               "workers")
+        if world != size:
+            raise ValueError(f"tensor_parallel_size is {size} but torchrun started {world} "
+                             "processes (WORLD_SIZE)")
+        super().__init__(connect(0, size, host, port + 1, device))
+
+
+def torchrun_env() -> tuple[int, int, str, int]:
+    """(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) as torchrun sets them. The engine's own
+    store listens on MASTER_PORT + 1 (torchrun's rendezvous holds MASTER_PORT)."""
+    try:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    except KeyError as missing:
+        raise RuntimeError(f"external_launcher needs torchrun's environment: {missing} is not "
+                           "set (start every rank with torchrun)") from None
+
+
+def make_executor(backend: str, size: int, device: torch.device,
+                  num_threads: int | None) -> Executor:
+    if backend == "mp":
+        return MultiprocExecutor(size, device, num_threads)
+    if backend == "external_launcher":
+        return ExternalExecutor(size, device)
+    raise ValueError(f"distributed_executor_backend must be one of "
+                     f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, not {backend!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

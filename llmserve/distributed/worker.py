@@ -1,0 +1,100 @@
+"""A tensor-parallel worker: rank r > 0 of an engine (see `executor.py`).
+
+It loads its share of the weights, allocates its share of the KV cache, and runs every step
+rank 0 broadcasts, through the same `ModelRunner` as rank 0 (its persistent batch, the
+paged attention over its KV heads, the logits' all-gather), without sampling.
+"""
+
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from llmserve.distributed.executor import (
+    ROWS,
+    STEP,
+    STOP,
+    CacheSpec,
+    Ranks,
+    WorkerSpec,
+    all_gather_ints,
+    broadcast_object,
+    connect,
+    torchrun_env,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def run_worker(rank: int, size: int, host: str, port: int, device: str,
+               num_threads: int | None) -> None:
+    """Entry point of a spawned worker (`MultiprocExecutor`): it exits with its parent."""
+    _exit_with_parent(os.getppid())
+    if num_threads is not None:
+        _set_threads(num_threads)
+    serve_steps(connect(rank, size, host, port, torch.device(device)))
+
+
+def run_external_worker(device: str = "cpu") -> None:
+    """Entry point of a worker started by torchrun (RANK > 0)."""
+    rank, size, host, port = torchrun_env()
+    serve_steps(connect(rank, size, host, port + 1, torch.device(device)))
+
+
+def serve_steps(ranks: Ranks) -> None:
+    """Build this rank's model and cache as rank 0 says, then run steps until told to stop."""
+    from llmserve.loader.model_loader import load_model
+    from llmserve.worker.attention import KVCache, attention_backend
+    from llmserve.worker.model_runner import ModelRunner
+
+    spec: WorkerSpec = broadcast_object(ranks.control)
+    if spec.num_threads is not None:
+        _set_threads(spec.num_threads)
+    torch.manual_seed(spec.seed)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", ranks.tp.rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    loaded = load_model(spec.model, spec.dtype, device, spec.quantization,
+                        enforce_eager=True, tp=ranks.tp)
+    cache: CacheSpec = broadcast_object(ranks.control)
+    model = loaded.model
+    cfg = loaded.config
+    attention = attention_backend(device, cache.attention_backend)
+    kv_cache = KVCache.allocate(
+        cfg.num_hidden_layers, cache.num_blocks, cache.block_size,
+        len(model.plan.attention.kv_heads), cfg.head_dim, cache.dtype, device,
+        zeroed=not attention.reads_only_written_slots)
+    runner = ModelRunner(model, kv_cache, device, max_num_seqs=cache.max_num_seqs,
+                         attention=attention, driver=False)
+    logger.info("tensor-parallel rank %d of %d ready", ranks.tp.rank, ranks.tp.size)
+    while True:
+        kind, payload = broadcast_object(ranks.control)
+        if kind == STEP:
+            accepted_drafts, out = payload
+            for request_id, num_drafts, accepted in accepted_drafts:
+                runner.input_batch.accept_drafts(request_id, num_drafts, accepted)
+            runner.execute(out)
+        elif kind == ROWS:
+            all_gather_ints(ranks.control, len(runner.input_batch.row_of))
+        elif kind == STOP:
+            return
+
+
+def _set_threads(num_threads: int) -> None:
+    from llmserve.kernels import set_num_threads
+
+    set_num_threads(num_threads)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose engine process is gone exits (it may be blocked in a collective)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="llmserve-parent-watch").start()

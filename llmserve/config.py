@@ -180,6 +180,10 @@ class SpeculativeConfig:
         return cls(**options)
 
 
+# how the ranks of a tensor-parallel engine are started (distributed/executor.py)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from. Defaults serve the default model on this machine.
@@ -228,9 +232,10 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size}")
-        if self.distributed_executor_backend not in ("mp", "external_launcher"):
-            raise ValueError("distributed_executor_backend must be one of mp, "
-                             f"external_launcher, not {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError("distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, not "
+                             f"{self.distributed_executor_backend!r}")
         if self.speculative_config is not None:
             object.__setattr__(self, "speculative_config",
                                SpeculativeConfig.from_dict(self.speculative_config))

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmserve.config import DISTRIBUTED_EXECUTOR_BACKENDS
 from llmserve.distributed.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 # collectives wait this long for a peer; an idle server's workers wait for the next step
 # far longer than any step, and a dead peer is seen by its closed connection, not by this
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
@@ -115,6 +115,7 @@ class Executor:
         self.ranks = ranks
         self.failure: str | None = None  # why the group is broken, once it is
         self._stopped = False
+        atexit.register(self.shutdown)  # the workers stop with this process
 
     @property
     def tp(self) -> TensorParallel:
@@ -174,7 +175,6 @@ class MultiprocExecutor(Executor):
         logger.info("tensor parallel: %d worker processes started (pids %s)", size - 1,
                     ", ".join(str(p.pid) for p in self.processes))
         super().__init__(connect(0, size, host, port, device))
-        atexit.register(self.shutdown)
         self._watch = threading.Thread(target=self._watch_workers, daemon=True,
                                        name="llmserve-tp-watch")
         self._watch.start()

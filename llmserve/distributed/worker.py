@@ -71,7 +71,12 @@ def serve_steps(ranks: Ranks) -> None:
                          attention=attention, driver=False)
     logger.info("tensor-parallel rank %d of %d ready", ranks.tp.rank, ranks.tp.size)
     while True:
-        kind, payload = broadcast_object(ranks.control)
+        try:
+            kind, payload = broadcast_object(ranks.control)
+        except RuntimeError as exc:  # rank 0 is gone without saying stop
+            logger.error("tensor-parallel rank %d: rank 0 went away (%s); exiting",
+                         ranks.tp.rank, str(exc).splitlines()[0][:200])
+            raise SystemExit(1) from None
         if kind == STEP:
             accepted_drafts, out = payload
             for request_id, num_drafts, accepted in accepted_drafts:

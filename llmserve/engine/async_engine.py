@@ -50,6 +50,10 @@ class EngineStepError(LLMServeError):
     """A model step failed; the requests it held were aborted."""
 
 
+class EngineUnavailable(EngineShutdown):
+    """The engine cannot run any more steps (a tensor-parallel rank died): 503."""
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -142,7 +146,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self._accepting
+        return self._thread.is_alive() and self._accepting and self.engine.failure is None
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenization-sized work off the event loop."""
@@ -161,6 +165,8 @@ class AsyncEngine:
         if params.output_kind is not RequestOutputKind.DELTA:
             deltas = replace(params, output_kind=RequestOutputKind.DELTA)
         with self._lock:
+            if self.engine.failure is not None:
+                raise EngineUnavailable(f"the engine is unavailable: {self.engine.failure}")
             if not self._accepting or not self._thread.is_alive():
                 raise EngineShutdown("the server is shutting down; no new requests")
             num_waiting = self._num_waiting + len(self._adds)
@@ -208,6 +214,7 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
         self._executor.shutdown(wait=False)
+        self.engine.shutdown()  # the other tensor-parallel ranks
 
     def _busy(self) -> bool:
         with self._lock:
@@ -228,6 +235,12 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception as e:  # a failed step must not take the server down
+                if engine.failure is not None:  # nor can it step again: fail fast, 503
+                    logger.error("engine unavailable (%s); failing the requests in flight",
+                                 engine.failure)
+                    self._fail_all(EngineUnavailable(
+                        f"the engine is unavailable: {engine.failure}"))
+                    continue
                 logger.exception("engine step failed; aborting the requests in flight")
                 self._fail_all(EngineStepError(f"the model step failed: {e}"))
                 continue

@@ -9,6 +9,7 @@ engine) itself, so that `--help` and usage errors stay quick. User errors (`LLMS
 import argparse
 import json
 import logging
+import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmserve.config import (
     ATTENTION_BACKEND_CHOICES,
+    DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
 )
@@ -34,7 +36,7 @@ ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_thread
                 "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
                 "scheduling_policy", "enforce_eager", "attention_backend",
-                "speculative_config")
+                "speculative_config", "tensor_parallel_size", "distributed_executor_backend")
 GENERATE_DEFAULTS = {"max_tokens": 256}
 # As llama.cpp's interactive defaults; a reply ends at the end of the turn well before this.
 CHAT_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "max_tokens": 2048}
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        if _is_torchrun_worker(args):  # ranks > 0 of an engine torchrun started
+            from llmserve.distributed.worker import run_external_worker
+
+            run_external_worker(args.device or "cpu")
+            return 0
         return args.func(args) or 0
     except (LLMServeError, ValueError) as e:
         message = " ".join(str(e).split())  # one line, whatever the exception held
@@ -59,6 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # stdout piped into `head` and closed: not an error
         sys.stderr.close()
         return 0
+
+
+def _is_torchrun_worker(args: argparse.Namespace) -> bool:
+    return (getattr(args, "distributed_executor_backend", None) == "external_launcher"
+            and os.environ.get("RANK", "0") != "0")
 
 
 # ---- subcommands ---------------------------------------------------------------------------
@@ -398,6 +410,13 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", default=None)
     group.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    group.add_argument("--tensor-parallel-size", "-tp", type=int,
+                       help="split the model over N processes (heads, MLP channels, "
+                            "vocabulary; default 1)")
+    group.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                       help="mp (default): this process starts the other ranks on this "
+                            "machine; external_launcher: torchrun started every rank "
+                            "(several machines, see docs/scaling.md)")
     group.add_argument("--attention-backend", choices=ATTENTION_BACKEND_CHOICES,
                        help="auto (default): native kernels on the CPU, flex_attention on "
                             "CUDA; native, flex, or torch (SDPA over gathered blocks)")

@@ -1,0 +1,166 @@
+"""Tensor parallelism on the exact float32 path: TP=2 and TP=3 give TP=1's logits and greedy
+tokens, on the real model (9 query / 3 KV heads: uneven splits) and on
+tiny random Llama-3 and Qwen2 folders with fewer KV heads than ranks (replicated KV heads).
+
+The model-level tests run rank 0 in this process and the other ranks as spawned processes
+meeting it over gloo (`distributed/executor.connect`); the engine-level tests go through
+`LLM(..., tensor_parallel_size=N)`, which starts its workers itself.
+"""
+
+import multiprocessing
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from llmserve import LLM, SamplingParams
+from llmserve.distributed.executor import connect, free_port
+from llmserve.loader.model_loader import load_model
+from llmserve.worker.attention import AttentionMetadata, KVCache, attention_backend
+from tests.models.test_llama_reference import PROMPTS, reference_greedy
+
+# Row-parallel layers (o_proj, down_proj) sum each rank's partial products and then add
+# the partial sums; TP=1 sums all of K in one chain. The two float32 roundings differ by
+# some ulps per layer: measured on the 64-token chat prompt, max |diff| over all logits
+# 1.31e-4 at TP=2 and 9.3e-5 at TP=3 (|logits| up to 36.8, so about 30 ulps); every
+# column-parallel layer, attention head and vocabulary shard gives TP=1's bits.
+TP_LOGIT_TOLERANCE = 2e-4
+NUM_TOKENS = 32
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one prefill through the paged path, on this rank's
+    share (the KV cache holds its KV heads)."""
+    cfg = model.config
+    plan = getattr(model, "plan", None)
+    num_kv_heads = len(plan.attention.kv_heads) if plan else cfg.num_key_value_heads
+    num_blocks = -(-len(ids) // 16)
+    kv = KVCache.allocate(cfg.num_hidden_layers, num_blocks, 16, num_kv_heads, cfg.head_dim,
+                          torch.float32)
+    meta = AttentionMetadata.build([len(ids)], [0], [list(range(num_blocks))], 16,
+                                   backend=attention_backend(torch.device("cpu")))
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, meta))
+
+
+def _rank(rank: int, size: int, port: int, spec: str, ids: list[int]) -> None:
+    torch.set_num_threads(1)
+    ranks = connect(rank, size, "127.0.0.1", port, torch.device("cpu"))
+    _logits(load_model(spec, torch.float32, tp=ranks.tp).model, ids)
+
+
+def tp_logits(spec: str, size: int, ids: list[int]) -> torch.Tensor:
+    """Rank 0's logits (all of the vocabulary) with `size` ranks."""
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_rank, args=(r, size, port, spec, ids), daemon=True)
+               for r in range(1, size)]
+    for w in workers:
+        w.start()
+    try:
+        ranks = connect(0, size, "127.0.0.1", port, torch.device("cpu"))
+        logits = _logits(load_model(spec, torch.float32, tp=ranks.tp).model, ids)
+    finally:
+        for w in workers:
+            w.join(60)
+    assert all(w.exitcode == 0 for w in workers)
+    return logits
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smollm2_llm) -> list[int]:
+    from tests.models.test_llama_reference import CHAT
+
+    return smollm2_llm.tokenizer.apply_chat_template(CHAT, tokenize=True)[:64]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_real_model_logits_equal_tp1(smollm2_gguf, smollm2_llm, chat_ids, size):
+    ours = tp_logits(str(smollm2_gguf), size, chat_ids)
+    reference = _logits(smollm2_llm.engine.loaded.model, chat_ids)
+    diff = (ours - reference).abs().max().item()
+    print(f"TP={size}: max |logit diff| vs TP=1 over {len(chat_ids)} positions = {diff:.2e}")
+    assert diff <= TP_LOGIT_TOLERANCE
+    assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """The first prompt alone, the rest as one batch (prefills and decodes mixed)."""
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outs = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+    outs += llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params,
+                         use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_real_model_greedy_equals_tp1(smollm2_gguf, smollm2_llm, size):
+    tokenizer = smollm2_llm.tokenizer
+    prompts = [tokenizer.apply_chat_template(p, tokenize=True) for p in PROMPTS]
+    expected = _greedy(smollm2_llm, prompts)
+    llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="128MiB",
+              tensor_parallel_size=size)
+    try:
+        assert _greedy(llm, prompts) == expected
+        # every rank dropped the finished requests' rows at the next step, as rank 0 did
+        # (the one-token request's own row goes at the step after it)
+        llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)
+        held = len(llm.engine.runner.input_batch.row_of)
+        assert held == 1
+        assert llm.engine.executor.rows_held() == [held] * (size - 1)
+    finally:
+        llm.engine.shutdown()
+    assert all(not p.is_alive() for p in llm.engine.executor.processes)
+
+
+def _tiny_folder(folder, kind: str) -> transformers.PreTrainedModel:
+    """4 query heads on 1 KV head (fewer KV heads than ranks), random weights including
+    norms and biases, and a byte-level tokenizer so that an engine can load it."""
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=1, vocab_size=256,
+                  max_position_embeddings=512)
+    if kind == "llama3":
+        config = transformers.LlamaConfig(
+            **common, tie_word_embeddings=True, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5 if p.dim() == 1 else 0.08)
+    model.save_pretrained(folder)
+    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text("{}")
+    return model.eval()
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+def tiny(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return folder, _tiny_folder(folder, request.param)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_tiny_folders_with_replicated_kv_heads(tiny, size):
+    folder, reference = tiny
+    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours = tp_logits(str(folder), size, ids)
+    single = _logits(load_model(str(folder), torch.float32).model, ids)
+    with torch.inference_mode():
+        ref = reference(torch.tensor([ids])).logits[0]
+    assert (ours - single).abs().max().item() <= TP_LOGIT_TOLERANCE
+    assert (ours - ref).abs().max().item() <= 1e-3  # the reference tests' tolerance
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=size)
+    try:
+        prompts = [ids[:20], ids[20:50], ids[50:]]
+        assert _greedy(llm, prompts) == [reference_greedy(reference, p, NUM_TOKENS)
+                                         for p in prompts]
+    finally:
+        llm.engine.shutdown()

@@ -227,8 +227,21 @@ class EngineConfig:
     # mp: rank 0 spawns the other ranks on this machine; external_launcher: torchrun
     # started every rank (several machines)
     distributed_executor_backend: str = "mp"
+    # disaggregated prefill/decode (distributed/kv_transfer.py): "prefill" sends finished
+    # prompts' KV to its decode peer, "decode" continues requests from received KV; both
+    # meet at kv_transfer_address (HOST:PORT, hosted by the decode side)
+    kv_role: str | None = None
+    kv_transfer_address: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.kv_role is None) != (self.kv_transfer_address is None):
+            raise ValueError("kv_role (--role) and kv_transfer_address (--kv-transfer-address) "
+                             "go together")
+        if self.kv_role is not None and self.kv_role not in ("prefill", "decode"):
+            raise ValueError(f"kv_role must be prefill or decode, not {self.kv_role!r}")
+        if self.kv_role is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_role (disaggregated prefill/decode) with "
+                             "tensor_parallel_size > 1 is not supported")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size}")

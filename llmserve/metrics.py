@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from llmserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
+    from llmserve.distributed.kv_transfer import TransferStats
     from llmserve.spec_decode.speculator import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,21 @@ class EngineMetrics:
                              registry=r)
         self.kv_usage = Gauge("llmserve_kv_cache_usage_ratio",
                               "Fraction of KV-cache blocks in use (1 = full).", registry=r)
+        # prompt tokens computed here: less than llmserve_prompt_tokens by prefix-cache hits
+        # and, on a decode server, by the prompts whose KV came from a prefill server
+        self.prefill_computed = Counter("llmserve_prefill_computed_tokens",
+                                        "Prompt tokens this engine computed.", registry=r)
+        # disaggregated prefill/decode (zero elsewhere): sent on a prefill server,
+        # received on a decode server
+        self.kv_transfers = Counter("llmserve_kv_transfer_requests",
+                                    "Prompts whose KV blocks were transferred.", registry=r)
+        self.kv_transfer_bytes = Counter("llmserve_kv_transfer_bytes",
+                                         "KV bytes transferred.", registry=r)
+        self.kv_transfer_seconds = Counter("llmserve_kv_transfer_seconds",
+                                           "Time on the wire of the KV transfers.", registry=r)
+        self.role_info = Gauge("llmserve_kv_role_info",
+                               "1 for this server's role in disaggregated prefill/decode.",
+                               ["role"], registry=r)
         # speculative decoding (zero while it is off)
         self.spec_drafts = Counter("llmserve_spec_decode_num_drafts",
                                    "Verification rounds with at least one draft token.",
@@ -103,6 +119,7 @@ class EngineMetrics:
         self._spec_counts: tuple = (0, 0, 0, ())
         self._requests: dict[str, _RequestState] = {}
         self._engine_counts = (0, 0, 0)  # preemptions, prefix queries, prefix hits
+        self._prefill_counts = (0, 0, 0, 0.0)  # computed prompt tokens, transfers, bytes, s
         self._log = _StatsLog(log_interval_s)
 
     def render(self) -> bytes:
@@ -171,6 +188,23 @@ class EngineMetrics:
         self._log.prefix_hits += deltas[2]
         self._log.maybe_log(num_running, num_waiting, kv_usage)
 
+
+    def update_prefill(self, computed_tokens: int, transfers: "TransferStats | None") -> None:
+        """Advance the computed-prefill and KV-transfer counters to the engine's totals."""
+        counts = (computed_tokens, *((transfers.num_transfers, transfers.num_bytes,
+                                      transfers.seconds) if transfers else (0, 0, 0.0)))
+        old = self._prefill_counts
+        self._prefill_counts = counts
+        for counter, new, prev in zip((self.prefill_computed, self.kv_transfers,
+                                       self.kv_transfer_bytes, self.kv_transfer_seconds),
+                                      counts, old, strict=True):
+            if new > prev:
+                counter.inc(new - prev)
+
+    def set_role(self, role: str | None) -> None:
+        """`llmserve_kv_role_info{role}` = 1 on a prefill or decode server."""
+        if role is not None:
+            self.role_info.labels(role=role).set(1)
 
     def _update_spec(self, spec: "SpecDecodeStats") -> None:
         counts = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,

@@ -26,6 +26,7 @@ position and new block ids, and finished or preempted ids tell it which rows to 
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
@@ -95,6 +96,10 @@ class SchedulerOutput:
     preempted_request_ids: set[str] = field(default_factory=set)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), first
     num_preempted: int = 0
+    # disaggregated decode: (block ids, KVBlocks) the runner writes into its cache first,
+    # and the first token of each such request (sampled by the prefill engine)
+    kv_loads: list[tuple[list[int], Any]] = field(default_factory=list)
+    remote_first_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -227,6 +232,10 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.remote_kv is not None:
+                if not self._admit_prefilled(request, out):
+                    break
+                continue
             hits, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
@@ -245,6 +254,24 @@ class Scheduler:
             self.running.append(request)
             self._emit(request, num_new, out)
             budget -= num_new
+
+    def _admit_prefilled(self, request: Request, out: SchedulerOutput) -> bool:
+        """Admit a request whose prompt a prefill engine computed: fresh blocks that the
+        runner fills with the transferred KV, its first token as if sampled this step, and
+        nothing to compute now (the next step decodes from that token). False: no room."""
+        transfer = request.remote_kv
+        request.num_computed_tokens = request.num_tokens  # the whole prompt has its KV
+        if not self.kv.allocate_slots(request, 0):
+            request.num_computed_tokens = 0
+            return False
+        self.waiting.pop(0)
+        request.remote_kv = None  # a preempted request recomputes its prompt
+        request.status = RequestStatus.RUNNING
+        request.timings.first_scheduled = time.time()
+        self.running.append(request)
+        out.kv_loads.append((self.kv.block_ids(request.request_id), transfer.blocks))
+        out.remote_first_tokens[request.request_id] = transfer.first_token
+        return True
 
     def _emit(self, request: Request, num_new: int, out: SchedulerOutput,
               spec: list[int] | None = None) -> None:
@@ -290,6 +317,16 @@ class Scheduler:
         ones freed)."""
         now = time.time()
         updated = []
+        for request_id, token in out.remote_first_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # aborted in between
+            request.append_output_token(token)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request_id, status)
+            request.timings.first_token = request.timings.last_token = now
+            updated.append(request)
         for s in out.scheduled:
             tokens = sampled.get(s.request_id)
             request = self.requests.get(s.request_id)

@@ -63,6 +63,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     stream: "RequestStream"
+    kv_transfer: Any = None
 
 
 @dataclass
@@ -126,6 +127,7 @@ class AsyncEngine:
         self.max_model_len = engine.max_model_len
         self.max_num_waiting = max_num_waiting
         self.metrics = metrics or EngineMetrics()
+        self.metrics.set_role(engine.config.kv_role)
         self._lock = threading.Lock()  # guards every field below up to _streams
         self._adds: list[_Add] = []
         self._aborts: list[str] = []
@@ -155,8 +157,10 @@ class AsyncEngine:
     async def add_request(
         self, prompt: Any, params: SamplingParams, request_id: str | None = None,
         arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+        kv_transfer: Any = None,
     ) -> RequestStream:
         """Submit a request; returns its stream once the engine admitted it.
+        `kv_transfer`: see `Engine.add_request` (disaggregated prefill/decode).
 
         Raises `QueueFull`, `EngineShutdown`, or the engine's `RequestRejected`/`ValueError`.
         """
@@ -177,7 +181,7 @@ class AsyncEngine:
                 self._next_id += 1
             stream = RequestStream(request_id, loop, self, params.output_kind)
             self._adds.append(_Add(request_id, prompt, deltas, arrival_time or time.time(),
-                                   priority, cache_salt, stream))
+                                   priority, cache_salt, stream, kv_transfer))
         self._wakeup.set()
         try:
             await stream.admitted
@@ -266,7 +270,7 @@ class AsyncEngine:
     def _admit(self, add: _Add) -> None:
         try:
             self.engine.add_request(add.prompt, add.params, add.request_id, add.priority,
-                                    add.arrival_time, add.cache_salt)
+                                    add.arrival_time, add.cache_salt, add.kv_transfer)
         except Exception as e:
             add.stream.loop.call_soon_threadsafe(_set_exception, add.stream.admitted, e)
             return
@@ -310,6 +314,8 @@ class AsyncEngine:
         self.metrics.update_state(scheduler.num_running, scheduler.num_waiting, kv.usage,
                                   scheduler.num_preemptions, kv.num_queries, kv.num_hits,
                                   speculator.stats if speculator is not None else None)
+        self.metrics.update_prefill(self.engine.num_prefill_computed_tokens,
+                                    self.engine.kv_transfer_stats)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:

@@ -20,8 +20,17 @@ import torch
 
 from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.scheduler import Scheduler, SchedulerConfig
+from llmserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmserve.distributed.executor import CacheSpec, Executor, WorkerSpec, make_executor
+from llmserve.distributed.kv_transfer import (
+    KVBlocks,
+    KVReceiver,
+    KVSender,
+    KVTransferConfig,
+    TransferredKV,
+    TransferStats,
+)
+from llmserve.distributed.kv_transfer import connect as kv_connect
 from llmserve.engine.beam_search import BeamSearchGroup, BeamSearchRunner
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.parallel_sampling import ParallelGroup
@@ -131,6 +140,17 @@ class Engine:
         self.structured = StructuredOutputManager(self.tokenizer, model_cfg.vocab_size)
         self.speculator = self._build_speculator(config.speculative_config)
         self._ids = itertools.count()
+        # prompt tokens this engine computed (not prefix-cache hits, not transferred KV)
+        self.num_prefill_computed_tokens = 0
+        self.kv_sender: KVSender | None = None
+        self.kv_receiver: KVReceiver | None = None
+        if config.kv_role is not None:
+            group = kv_connect(KVTransferConfig.parse(config.kv_role,
+                                                      config.kv_transfer_address))
+            if config.kv_role == "prefill":
+                self.kv_sender = KVSender(group)
+            else:
+                self.kv_receiver = KVReceiver(group)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -142,14 +162,20 @@ class Engine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        kv_transfer: "str | TransferredKV | None" = None,
     ) -> str:
         """Queue a prompt (text, token ids, or {"prompt_token_ids": [...]}); returns its id.
 
         `n > 1` or `best_of` fan out into sibling requests sharing the prompt's blocks;
         `use_beam_search` runs a beam search group. Either way the caller sees one id.
+        `kv_transfer` (disaggregated prefill/decode): on a prefill engine, the transfer id
+        the prompt's KV is sent under when the request finishes; on a decode engine, the
+        `TransferredKV` it continues from.
         """
         params = params or SamplingParams()
         text, ids = self._tokenize(prompt)
+        if kv_transfer is not None:
+            self._check_kv_transfer(kv_transfer, ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.states or request_id in self.groups:
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -169,12 +195,27 @@ class Engine:
             for i in range(group.best_of):
                 self._add_one(group.child_id(i), new, group.child_params(i), group, i)
         else:
-            self._add_one(request_id, new, params)
+            self._add_one(request_id, new, params, kv_transfer=kv_transfer)
         return request_id
+
+    def _check_kv_transfer(self, kv_transfer: "str | TransferredKV", ids: list[int],
+                           params: SamplingParams) -> None:
+        role = self.config.kv_role
+        wanted = "prefill" if isinstance(kv_transfer, str) else "decode"
+        if role != wanted:
+            raise RequestRejected(f"kv_transfer_params: this server's role is {role or 'none'}"
+                                  f", not {wanted}")
+        if params.n > 1 or (params.best_of or 1) > 1 or params.use_beam_search:
+            raise RequestRejected("kv_transfer_params: only single-sequence requests (n = 1, "
+                                  "no best_of, no beam search) are disaggregated")
+        if not isinstance(kv_transfer, str) and kv_transfer.prompt_token_ids != ids:
+            raise RequestRejected("kv_transfer_params: the prompt differs from the one the "
+                                  "prefill server computed")
 
     def _add_one(
         self, request_id: str, new: "_NewRequest", params: SamplingParams,
         parent: ParallelGroup | None = None, index: int = 0,
+        kv_transfer: "str | TransferredKV | None" = None,
     ) -> None:
         stop_ids = frozenset() if params.ignore_eos else self.tokenizer.stop_token_ids
         request = Request(
@@ -183,6 +224,10 @@ class Engine:
             arrival_time=new.arrival_time,
         )
         request.bad_words_token_ids = self._bad_words_token_ids(params.bad_words or [])
+        if isinstance(kv_transfer, str):
+            request.remote_decode = kv_transfer
+        elif kv_transfer is not None:
+            request.remote_kv = kv_transfer
         detok = IncrementalDetokenizer(
             self.tokenizer, new.ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output,
@@ -231,9 +276,11 @@ class Engine:
             if s.sample and (state := self.states.get(s.request_id)) is not None
             and state.grammar is not None},
             {s.request_id: s.spec_token_ids for s in out.scheduled if s.spec_token_ids})
+        self._count_prefill(out)
         runner_out = self.runner.execute(out, grammar)
         self._record_prompt_logprobs(runner_out)
         sampled = {rid: t for rid, t in runner_out.sampled.items() if not self.beams.owns(rid)}
+        to_send = self._remote_decodes(out)
         updated = self.scheduler.update(out, sampled)
         if self.speculator is not None:
             for s in out.scheduled:
@@ -262,7 +309,46 @@ class Engine:
                                        in runner_out.logprobs.items()}):
             self.groups.pop(output.request_id, None)
             outputs.append(output)
+        self._send_kv(to_send)
         return outputs
+
+    # ---- disaggregated prefill/decode ------------------------------------------------------
+
+    def _count_prefill(self, out: SchedulerOutput) -> None:
+        for s in out.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            if request is not None:
+                end = min(s.start_position + len(s.token_ids), request.num_prompt_tokens)
+                self.num_prefill_computed_tokens += max(0, end - s.start_position)
+
+    def _remote_decodes(self, out: SchedulerOutput) -> list[tuple[Request, list[int]]]:
+        """Requests of this step whose KV goes to a decode engine if they finish now, with
+        their block ids (taken before `update` frees them)."""
+        if self.kv_sender is None:
+            return []
+        found = []
+        for s in out.scheduled:
+            request = self.scheduler.requests.get(s.request_id)
+            if s.sample and request is not None and request.remote_decode is not None:
+                found.append((request, self.kv_manager.block_ids(s.request_id)))
+        return found
+
+    def _send_kv(self, candidates: list[tuple[Request, list[int]]]) -> None:
+        """Copy the prompt blocks of the requests that finished (their blocks are free but
+        untouched until the next forward pass) and queue them for the decode engine."""
+        for request, block_ids in candidates:
+            if not request.status.finished or request.status == RequestStatus.FINISHED_ABORTED:
+                continue
+            num_blocks = -(-request.num_prompt_tokens // self.kv_manager.block_size)
+            self.kv_sender.send(TransferredKV(
+                request.remote_decode, list(request.prompt_token_ids),
+                request.output_token_ids[0], list(request.block_hashes[:num_blocks]),
+                KVBlocks.gather(self.runner.kv_cache, block_ids[:num_blocks])))
+
+    @property
+    def kv_transfer_stats(self) -> "TransferStats | None":
+        link = self.kv_sender or self.kv_receiver
+        return link.stats if link is not None else None
 
     def _process(self, state: RequestState, runner_out: RunnerOutput) -> RequestOutput | None:
         """Take the request's new tokens in order (grammar, logprobs, detokenizer, stop
@@ -460,8 +546,12 @@ class Engine:
 
     @property
     def failure(self) -> str | None:
-        """Why the engine cannot run steps any more (a tensor-parallel rank died), or None."""
-        return self.executor.failure if self.executor is not None else None
+        """Why the engine cannot run steps any more (a tensor-parallel rank died, the KV
+        transfer peer went away), or None."""
+        if self.executor is not None and self.executor.failure is not None:
+            return self.executor.failure
+        stats = self.kv_transfer_stats
+        return stats.failure if stats is not None else None
 
     def shutdown(self) -> None:
         """Stop the other ranks (tensor parallelism); a no-op for a single-process engine."""

@@ -3,6 +3,7 @@
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmserve.sampling_params import SamplingParams
 
@@ -72,6 +73,11 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
+    # disaggregated prefill/decode (distributed/kv_transfer.py): on a prefill engine, the
+    # transfer id its prompt's KV goes out under when it finishes; on a decode engine, the
+    # prompt's KV and first token that came in (a TransferredKV), until it is admitted
+    remote_decode: str | None = None
+    remote_kv: Any = None
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:

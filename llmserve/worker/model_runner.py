@@ -74,6 +74,8 @@ class ModelRunner:
         batch.update(out)
         if out.blocks_to_copy:
             self.kv_cache.copy_blocks(out.blocks_to_copy)
+        for block_ids, blocks in out.kv_loads:  # prompts a prefill engine computed
+            self._load_blocks(block_ids, blocks)
         result = RunnerOutput()
         if not out.scheduled:
             return result
@@ -106,6 +108,15 @@ class ModelRunner:
         result.sampled = {rid: [t] for rid, t in zip(request_ids, tokens.tolist(), strict=True)}
         self._sample_logprobs(request_ids, rows, logits, np.arange(len(rows)), tokens, result)
         return result
+
+    def _load_blocks(self, block_ids: list[int], blocks: Any) -> None:
+        """Write transferred KV blocks (all KV heads) into this rank's cache (its heads)."""
+        plan = getattr(self.model, "plan", None)
+        if plan is not None:
+            heads = slice(plan.attention.kv_heads.start, plan.attention.kv_heads.stop)
+            blocks = type(blocks)(blocks.data[..., heads, :], None if blocks.scales is None
+                                  else blocks.scales[..., heads])
+        blocks.scatter(self.kv_cache, block_ids)
 
     def _verify(
         self, request_ids: list[str], rows: np.ndarray, last_token: np.ndarray,

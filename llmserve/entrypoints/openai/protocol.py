@@ -105,6 +105,8 @@ class SamplingRequest(OpenAIModel):
     prompt_logprobs: int | None = None
     priority: int = 0
     cache_salt: str | None = None
+    # disaggregated prefill/decode (distributed/kv_transfer.py): set by `llmserve router`
+    kv_transfer_params: dict[str, Any] | None = None
     # output constraints (structured.py turns them into StructuredOutputsParams)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -14,12 +14,15 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from llmserve.engine.async_engine import AsyncEngine, RequestStream
+from llmserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from llmserve.engine.engine import RequestRejected
 from llmserve.entrypoints.openai.protocol import SAMPLING_FIELDS, BadRequest, now, usage
 from llmserve.entrypoints.openai.structured import Constraint, rename_engine_error
 from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
+
+# how long a decode server waits for a prompt's KV from its prefill server
+KV_WAIT_S = 60.0
 
 
 class OpenAIServing:
@@ -40,18 +43,23 @@ class OpenAIServing:
         self, prompts: list[list[int]], params: SamplingParams, request_id: str,
         arrival_time: float, priority: int, cache_salt: str | None,
         prompt_field: str, max_tokens_field: str, constraint: Constraint | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
     ) -> list[RequestStream]:
         """Admit every prompt or none: on the first refusal the admitted ones are aborted.
 
         The engine's refusals become `BadRequest`s naming the field the user set (for a
         constraint it cannot compile, the field that set it).
         """
+        kv_transfer = None
+        if kv_transfer_params is not None:
+            kv_transfer = await self.kv_transfer(kv_transfer_params, len(prompts))
         streams: list[RequestStream] = []
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.engine.add_request(
-                    {"prompt_token_ids": ids}, params, rid, arrival_time, priority, cache_salt))
+                    {"prompt_token_ids": ids}, params, rid, arrival_time, priority, cache_salt,
+                    kv_transfer))
         except RequestRejected as e:
             _abort_all(streams)
             message = str(e)
@@ -69,6 +77,41 @@ class OpenAIServing:
             _abort_all(streams)
             raise
         return streams
+
+    async def kv_transfer(self, options: dict[str, Any], num_prompts: int) -> Any:
+        """`kv_transfer_params` as the engine takes it: a prefill server's transfer id, or
+        the KV a decode server received under it (waited for, up to KV_WAIT_S)."""
+        field = "kv_transfer_params"
+        role = self.engine.engine.config.kv_role
+        if role is None:
+            raise BadRequest(f"'{field}' needs a server started with --role prefill or "
+                             "--role decode", param=field)
+        unknown = sorted(set(options) - {"transfer_id", "do_remote_decode"})
+        if unknown:
+            raise BadRequest(f"{field}: unknown key {unknown[0]!r} (known: do_remote_decode, "
+                             "transfer_id)", param=field)
+        transfer_id = options.get("transfer_id")
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise BadRequest(f"{field}.transfer_id must be a non-empty string",
+                             param=f"{field}.transfer_id")
+        if num_prompts != 1:
+            raise BadRequest(f"{field}: one prompt per request", param=field)
+        remote_decode = options.get("do_remote_decode", False)
+        if role == "prefill":
+            if remote_decode is not True:
+                raise BadRequest(f"{field}: a prefill server takes do_remote_decode: true",
+                                 param=f"{field}.do_remote_decode")
+            return transfer_id
+        if remote_decode:
+            raise BadRequest(f"{field}: a decode server does not take do_remote_decode",
+                             param=f"{field}.do_remote_decode")
+        receiver = self.engine.engine.kv_receiver
+        try:
+            return await asyncio.to_thread(receiver.wait, transfer_id, KV_WAIT_S)
+        except TimeoutError as e:
+            raise BadRequest(str(e), param=f"{field}.transfer_id", status=504) from None
+        except ConnectionError as e:
+            raise EngineUnavailable(f"the engine is unavailable: {e}") from None
 
     def token_text(self, token_id: int, logprob: Logprob | None) -> str:
         if logprob is not None and logprob.decoded_token is not None:

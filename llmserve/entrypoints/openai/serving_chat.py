@@ -103,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         streams = await self.submit([prompt_ids], params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "messages",
-                                    max_tokens_field, constraint)
+                                    max_tokens_field, constraint, request.kv_transfer_params)
         top_k = (request.top_logprobs or 0) if request.logprobs else None
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)

@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl")
         streams = await self.submit(token_ids, params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "prompt", "max_tokens",
-                                    constraint)
+                                    constraint, request.kv_transfer_params)
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             formatter = _CompletionChunks(self, params.n, echoes, request.logprobs)

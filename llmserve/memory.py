@@ -1,5 +1,6 @@
 """Memory arithmetic shared by `llmserve memory` and the engine's KV-cache sizing."""
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -51,6 +52,20 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
     layer = attn + 3 * h * i + 2 * h + (2 * d if cfg.qk_norm else 0)
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     return (cfg.num_hidden_layers * layer + embed + h) * DTYPE_BYTES[dtype]
+
+
+def rank_config(cfg: ModelConfig, tensor_parallel_size: int, rank: int) -> ModelConfig:
+    """The shape of one tensor-parallel rank's share (`distributed/parallel.py`): its query
+    and KV heads, intermediate channels and vocabulary rows; `weight_bytes`,
+    `quantized_weight_bytes` and `kv_bytes_per_token` of it are that rank's."""
+    from llmserve.distributed.parallel import ShardPlan, TensorParallel
+
+    plan = ShardPlan.build(TensorParallel(rank, tensor_parallel_size), cfg.num_attention_heads,
+                           cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size)
+    return dataclasses.replace(
+        cfg, num_attention_heads=len(plan.attention.q_heads),
+        num_key_value_heads=len(plan.attention.kv_heads), intermediate_size=len(plan.mlp),
+        vocab_size=len(plan.vocab))
 
 
 def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:

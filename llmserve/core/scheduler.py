@@ -24,6 +24,7 @@ The runner keeps one row per request it holds, so a request's data goes to it on
 position and new block ids, and finished or preempted ids tell it which rows to drop.
 """
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from typing import Any
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,11 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         request.timings.first_scheduled = time.time()
         self.running.append(request)
+        if request.cache_salt is None and transfer.block_hashes != request.block_hashes[
+                : len(transfer.block_hashes)]:  # same tokens, same chain: never expected
+            logger.warning("%s: the prefill server's block hashes differ from this "
+                           "server's; its blocks are cached under this server's",
+                           request.request_id)
         out.kv_loads.append((self.kv.block_ids(request.request_id), transfer.blocks))
         out.remote_first_tokens[request.request_id] = transfer.first_token
         return True

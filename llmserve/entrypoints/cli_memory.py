@@ -25,6 +25,7 @@ from llmserve.memory import (
     parse_size,
     plan_kv_cache,
     quantized_weight_bytes,
+    rank_config,
     weight_bytes,
 )
 from llmserve.worker.attention import reads_only_written_slots
@@ -43,8 +44,11 @@ def memory_report(
     block_size: int,
     device: str = "auto",
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
 ) -> str:
-    """The lines `llmserve memory` prints."""
+    """The lines `llmserve memory` prints; with `tensor_parallel_size` > 1, also what each
+    rank holds (its share of heads, channels and vocabulary) and how many tokens the
+    per-rank KV budget then holds."""
     if batch < 1 or (seq_len is not None and seq_len < 1):
         raise ValueError("--batch and --seq-len must be at least 1")
     if dtype not in DTYPES:
@@ -92,10 +96,30 @@ def memory_report(
         f"fits          {'yes' if tokens <= plan.num_tokens else 'no'}: the budget holds "
         f"{fits:,} sequence(s) of {seq_len} tokens; batch {batch} needs {tokens:,} tokens",
     ]
+    if tensor_parallel_size > 1:
+        lines += _rank_lines(cfg, tensor_parallel_size, weight_dtype, method, kv_torch_dtype,
+                             budget, block_size)
     if seq_len > cfg.max_position_embeddings:
         lines.append(f"warning       --seq-len {seq_len} exceeds the model's context of "
                      f"{cfg.max_position_embeddings} tokens")
     return "\n".join(lines)
+
+
+def _rank_lines(cfg: ModelConfig, size: int, weight_dtype: torch.dtype, method: str | None,
+                kv_dtype: torch.dtype, budget: int, block_size: int) -> list[str]:
+    lines = []
+    for rank in range(size):
+        share = rank_config(cfg, size, rank)
+        wbytes = (quantized_weight_bytes(share, method) if method
+                  else weight_bytes(share, weight_dtype))
+        plan = plan_kv_cache(share, kv_dtype, budget, block_size)
+        lines.append(
+            f"rank {rank}/{size:<4}  {share.num_attention_heads} heads / "
+            f"{share.num_key_value_heads} KV heads, intermediate {share.intermediate_size}, "
+            f"vocab {share.vocab_size}: weights {format_bytes(wbytes)}, KV "
+            f"{kv_bytes_per_token(share, kv_dtype):,} bytes/token, budget holds "
+            f"{plan.num_tokens:,} tokens")
+    return lines
 
 
 def _kv_entry(head_dim: int, elem: int, dtype: torch.dtype) -> str:

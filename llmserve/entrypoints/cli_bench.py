@@ -177,6 +177,22 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_scaling(args: argparse.Namespace) -> int:
+    from llmserve.bench.machine import format_machine
+    from llmserve.bench.scaling import run_scaling_bench
+
+    if any(size < 1 for size in args.tensor_parallel_sizes):
+        raise ValueError("--tensor-parallel-sizes must be at least 1")
+    print(format_machine(), flush=True)
+    data = run_scaling_bench(args.model, args.dtype, args.tensor_parallel_sizes, args.batch,
+                             args.input_len, args.output_len,
+                             [n for n in args.prompt_lens if n > 0],
+                             log=lambda line: print(line, flush=True))
+    if args.output_json:
+        write_json(args.output_json, data)
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     import sys
 
@@ -216,6 +232,7 @@ def add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     _add_bench_latency(kinds, common)
     _add_bench_quality(kinds, common)
     _add_bench_spec(kinds, common)
+    _add_bench_scaling(kinds, common)
     _add_bench_plot(kinds, common)
 
 
@@ -342,6 +359,26 @@ def _add_bench_spec(kinds: Any, common: argparse.ArgumentParser) -> None:
     sp.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
     _add_threads_flag(sp)
     sp.set_defaults(func=cmd_bench_spec)
+
+
+def _add_bench_scaling(kinds: Any, common: argparse.ArgumentParser) -> None:
+    sc = kinds.add_parser(
+        "scaling", parents=[common],
+        help="tensor parallelism (tok/s vs TP=1, collectives' share of the time) and "
+             "disaggregated prefill/decode (KV bytes and time on the wire per prompt)")
+    _add_model_flag(sc)
+    sc.add_argument("--dtype", default="auto", help="auto (default) or float32")
+    sc.add_argument("--tensor-parallel-sizes", type=_int_list, default=(1, 2),
+                    help="sizes to compare (default 1,2)")
+    sc.add_argument("--batch", type=_int_list, default=(1, 8),
+                    help="concurrent prompts (default 1,8)")
+    sc.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")
+    sc.add_argument("--output-len", type=int, default=64, help="output tokens (default 64)")
+    sc.add_argument("--prompt-lens", type=_int_list, default=(128, 512, 1024, 2000),
+                    help="prompt lengths whose KV is transferred (default 128,512,1024,2000; "
+                         "0: skip)")
+    sc.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
+    sc.set_defaults(func=cmd_bench_scaling)
 
 
 def _add_bench_plot(kinds: Any, common: argparse.ArgumentParser) -> None:

@@ -1,0 +1,167 @@
+"""`llmserve bench scaling`: tensor parallelism and disaggregated prefill/decode on this
+machine (a small one: the ranks and the roles share its cores, so the figures are costs,
+not speed-ups; `docs/scaling.md` says what they imply on a multi-GPU node).
+
+* Tensor parallelism: offline generation (greedy, fixed output length) at each
+  `tensor_parallel_size` and batch size: output tok/s, the ratio to TP=1, and the share of
+  rank 0's generation time spent inside the model's collectives (the all-reduces after
+  o_proj and down_proj, the embedding's all-reduce, the logits' all-gather; waiting for a
+  slower rank counts as collective time, as it would on any machine).
+* Disaggregation: a prefill engine and a decode engine in this process, connected as the
+  servers are (gloo): per prompt length, the KV bytes transferred, the time on the wire
+  and the rate, against the time the prefill took (what the decode engine saved); the
+  decode engine's computed prompt tokens stay 0.
+"""
+
+import random
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from llmserve.bench.machine import machine_info
+from llmserve.config import EngineConfig
+from llmserve.distributed.executor import free_port
+from llmserve.engine.engine import Engine
+from llmserve.llm import LLM
+from llmserve.sampling_params import SamplingParams
+
+TP_HEADER = (f"{'TP':>3} {'batch':>5} {'in':>5} {'out':>4} {'seconds':>8} {'tok/s':>8} "
+             f"{'vs TP=1':>8} {'collectives':>11}")
+PD_HEADER = (f"{'prompt':>6} {'blocks':>6} {'KV MB':>8} {'wire ms':>8} {'MB/s':>8} "
+             f"{'prefill ms':>10} {'decode prefill':>14}")
+
+
+@dataclass
+class TPResult:
+    tensor_parallel_size: int
+    batch: int
+    input_len: int
+    output_len: int
+    seconds: float
+    tokens_per_s: float
+    collective_seconds: float  # rank 0, inside all-reduce / all-gather
+
+    @property
+    def collective_share(self) -> float:
+        return self.collective_seconds / self.seconds if self.seconds else 0.0
+
+
+@dataclass
+class TransferResult:
+    prompt_tokens: int
+    num_blocks: int
+    kv_bytes: int
+    wire_seconds: float
+    prefill_seconds: float
+    decode_computed_prompt_tokens: int
+
+    @property
+    def megabytes_per_s(self) -> float:
+        return self.kv_bytes / 1e6 / self.wire_seconds if self.wire_seconds else 0.0
+
+
+def synthetic_prompts(vocab: int, count: int, length: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(length)]}
+            for _ in range(count)]
+
+
+def run_tp(model: str | None, dtype: str, sizes: list[int], batches: list[int],
+           input_len: int, output_len: int, log: Any = print) -> list[TPResult]:
+    results: list[TPResult] = []
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for size in sizes:
+        llm = LLM(model, dtype=dtype, tensor_parallel_size=size, kv_cache_memory="512MiB")
+        try:
+            vocab = llm.engine.loaded.config.vocab_size
+            plan = getattr(llm.engine.loaded.model, "plan", None)
+            for batch in batches:
+                prompts = synthetic_prompts(vocab, batch, input_len, seed=batch)
+                llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)  # warm
+                if plan is not None:
+                    plan.tp.reset_timing()
+                prompts = synthetic_prompts(vocab, batch, input_len, seed=1000 + batch)
+                start = time.perf_counter()
+                llm.generate(prompts, params, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                comm = plan.tp.comm_seconds if plan is not None else 0.0
+                result = TPResult(size, batch, input_len, output_len, seconds,
+                                  batch * output_len / seconds, comm)
+                results.append(result)
+                log(format_tp_row(result, results))
+        finally:
+            llm.engine.shutdown()
+    return results
+
+
+def format_tp_row(r: TPResult, results: list[TPResult]) -> str:
+    base = next((b for b in results if b.tensor_parallel_size == 1 and b.batch == r.batch),
+                None)
+    ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+    share = f"{100 * r.collective_share:.0f} %" if r.tensor_parallel_size > 1 else "-"
+    return (f"{r.tensor_parallel_size:>3} {r.batch:>5} {r.input_len:>5} {r.output_len:>4} "
+            f"{r.seconds:>8.2f} {r.tokens_per_s:>8.1f} {ratio:>8} {share:>11}")
+
+
+def run_disaggregated(model: str | None, dtype: str, prompt_lens: list[int],
+                      log: Any = print) -> list[TransferResult]:
+    address = f"127.0.0.1:{free_port()}"
+    common = {"model": model, "dtype": dtype, "kv_cache_memory": "512MiB",
+              "kv_transfer_address": address}
+    decode: list[Engine] = []
+    # both sides block until the other is there: the decode engine starts on a thread
+    starter = threading.Thread(target=lambda: decode.append(
+        Engine(EngineConfig(kv_role="decode", **common))))
+    starter.start()
+    prefill = Engine(EngineConfig(kv_role="prefill", **common))
+    starter.join()
+    (decoder,) = decode
+    results = []
+    vocab = prefill.loaded.config.vocab_size
+    block_size = prefill.kv_manager.block_size
+    for length in prompt_lens:
+        (prompt,) = synthetic_prompts(vocab, 1, length, seed=length)
+        transfer_id = uuid.uuid4().hex
+        start = time.perf_counter()
+        prefill.add_request(prompt, SamplingParams(temperature=0, max_tokens=1),
+                            kv_transfer=transfer_id)
+        while prefill.has_unfinished_requests():
+            prefill.step()
+        prefill_seconds = time.perf_counter() - start
+        received = decoder.kv_receiver.wait(transfer_id, 120)
+        computed_before = decoder.num_prefill_computed_tokens
+        decoder.add_request(prompt, SamplingParams(temperature=0, max_tokens=8),
+                            kv_transfer=received)
+        while decoder.has_unfinished_requests():
+            decoder.step()
+        result = TransferResult(length, -(-length // block_size), received.blocks.num_bytes,
+                                received.seconds, prefill_seconds,
+                                decoder.num_prefill_computed_tokens - computed_before)
+        results.append(result)
+        log(format_pd_row(result))
+    return results
+
+
+def format_pd_row(r: TransferResult) -> str:
+    return (f"{r.prompt_tokens:>6} {r.num_blocks:>6} {r.kv_bytes / 1e6:>8.2f} "
+            f"{1000 * r.wire_seconds:>8.1f} {r.megabytes_per_s:>8.0f} "
+            f"{1000 * r.prefill_seconds:>10.1f} {r.decode_computed_prompt_tokens:>14}")
+
+
+def run_scaling_bench(model: str | None, dtype: str, sizes: list[int], batches: list[int],
+                      input_len: int, output_len: int, prompt_lens: list[int],
+                      log: Any = print) -> dict[str, Any]:
+    log(TP_HEADER)
+    tp = run_tp(model, dtype, sizes, batches, input_len, output_len, log)
+    pd: list[TransferResult] = []
+    if prompt_lens:
+        log("")
+        log(PD_HEADER)
+        pd = run_disaggregated(model, dtype, prompt_lens, log)
+    return {"machine": machine_info(), "dtype": dtype,
+            "tensor_parallel": [{**asdict(r), "tokens_per_s": r.tokens_per_s,
+                                 "collective_share": r.collective_share} for r in tp],
+            "disaggregated": [{**asdict(r), "megabytes_per_s": r.megabytes_per_s}
+                              for r in pd]}

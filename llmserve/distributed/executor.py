@@ -28,6 +28,7 @@ import os
 import pickle
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,10 +123,10 @@ class Executor:
         return self.ranks.tp
 
     def start_workers(self, spec: WorkerSpec) -> None:
-        broadcast_object(self.ranks.control, spec)
+        self._send(spec)
 
     def allocate_caches(self, spec: CacheSpec) -> None:
-        broadcast_object(self.ranks.control, spec)
+        self._send(spec)
 
     def send_step(self, out: Any, accepted_drafts: list[tuple[str, int, list[int]]]) -> None:
         """The step, and the drafts rank 0 accepted since the last one (the workers'
@@ -137,14 +138,27 @@ class Executor:
         self._send((ROWS, None))
         return all_gather_ints(self.ranks.control, 0)[1:]
 
-    def _send(self, message: tuple[str, Any]) -> None:
+    def _send(self, message: Any) -> None:
         if self.failure is not None:
             raise RuntimeError(f"tensor-parallel group is down: {self.failure}")
         try:
             broadcast_object(self.ranks.control, message)
         except Exception as exc:
-            self.failure = self.failure or f"a worker did not answer: {exc}"
-            raise
+            self.step_failed(exc)
+            raise RuntimeError(f"tensor-parallel group is down: {self.failure}") from None
+
+    def step_failed(self, error: BaseException) -> None:
+        """A step raised: under tensor parallelism the group cannot be trusted after a
+        failed collective, so the engine is down for good; `failure` names the dead rank
+        where one is found."""
+        if self.failure is None:
+            self.failure = self._dead_worker() or (
+                f"a tensor-parallel collective failed: {str(error).splitlines()[0][:300]}")
+            logger.error("%s; the engine is unavailable", self.failure)
+
+    def _dead_worker(self) -> str | None:
+        """Which worker is gone, if this executor can tell."""
+        return None
 
     def shutdown(self) -> None:
         if self._stopped:
@@ -174,19 +188,58 @@ class MultiprocExecutor(Executor):
             process.start()
         logger.info("tensor parallel: %d worker processes started (pids %s)", size - 1,
                     ", ".join(str(p.pid) for p in self.processes))
-        super().__init__(connect(0, size, host, port, device))
+        super().__init__(self._meet_workers(size, host, port, device))
         self._watch = threading.Thread(target=self._watch_workers, daemon=True,
                                        name="llmserve-tp-watch")
         self._watch.start()
+
+    def _meet_workers(self, size: int, host: str, port: int, device: torch.device) -> Ranks:
+        """`connect`, failing at once (not after the connect timeout) if a worker dies
+        before it joins."""
+        met: list[Ranks] = []
+        errors: list[BaseException] = []
+
+        def meet() -> None:
+            try:
+                met.append(connect(0, size, host, port, device))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                errors.append(exc)
+
+        thread = threading.Thread(target=meet, daemon=True, name="llmserve-tp-connect")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            dead = self._dead_worker()
+            if dead is not None and thread.is_alive():
+                raise RuntimeError(f"{dead} during start-up (its error is in the log above)")
+        if errors:
+            raise errors[0]
+        return met[0]
+
+    def _dead_worker(self, wait_s: float = 1.0) -> str | None:
+        """The first worker found dead, named with its exit code; waits up to `wait_s` for
+        one (a failed collective is usually a worker dying a moment earlier)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for process in self.processes:
+                if not process.is_alive():
+                    process.join(1.0)  # reaped: its exit code is known
+                    return (f"tensor-parallel worker {process.name} (pid {process.pid}) "
+                            f"exited with code {process.exitcode}")
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _watch_workers(self) -> None:
         sentinels = {p.sentinel: p for p in self.processes}
         while not self._stopped:
             ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
             if ready and not self._stopped:
-                dead = sentinels[ready[0]]
-                self.failure = (f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited "
-                                f"with code {dead.exitcode}")
+                found = self._dead_worker(wait_s=0.0)
+                # a name beats the generic message of a collective that failed first
+                if self.failure is None or not self.failure.startswith("tensor-parallel "
+                                                                       "worker"):
+                    self.failure = found
                 logger.error("%s; the engine is unavailable", self.failure)
                 return
 

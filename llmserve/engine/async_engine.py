@@ -239,6 +239,8 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception as e:  # a failed step must not take the server down
+                if engine.executor is not None:  # a failed collective breaks the group
+                    engine.executor.step_failed(e)
                 if engine.failure is not None:  # nor can it step again: fail fast, 503
                     logger.error("engine unavailable (%s); failing the requests in flight",
                                  engine.failure)

@@ -1,6 +1,9 @@
-"""Data-parallel serving: a router in front of several llmserve replicas.
+"""The router: one endpoint in front of several llmserve servers.
 
-`policy` picks a replica per request (prefix-cache affinity, bounded by load), `proxy`
-forwards to it, `replicas` tracks which are up, `metrics` joins their /metrics, `app` is
-the router's HTTP server and `launcher` starts replicas for `serve --data-parallel-size`.
+Data-parallel serving: `policy` picks a replica per request (prefix-cache affinity, bounded
+by load) and `launcher` starts replicas for `serve --data-parallel-size`. Disaggregated
+prefill/decode: `disaggregated` splits a request into a prefill hop and a decode hop. Both
+modes share `base` (backends, health, sending), `proxy` (forwarding one request),
+`replicas` (which backends are up), `metrics` (joining their /metrics) and `app` (the
+router's HTTP server).
 """

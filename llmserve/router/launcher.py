@@ -99,12 +99,13 @@ def run_data_parallel(args: Any, argv: list[str]) -> int:
 
 def _route(children: list[ReplicaProcess], settings: "RouterSettings", sock: socket.socket,
            access_log: bool) -> None:
-    from llmserve.router.app import run_router
+    from llmserve.router.app import build_router_app, run_router
     from llmserve.router.replicas import Replica
 
     replicas = [Replica(c.index, c.url, process=c.process) for c in children]
     banner = f"serving '{children[0].model_name}'"  # as one server says it
-    run_router(replicas, settings, sock, banner, access_log=access_log)
+    run_router(build_router_app(replicas, settings), settings, sock, banner,
+               access_log=access_log)
 
 
 def replica_command(argv: list[str], num_threads: int | None) -> list[str]:

@@ -1,8 +1,9 @@
 """Which replica serves a request: prefix-cache affinity, bounded by load.
 
 A `ReplicaPolicy` sees a request (its route and JSON body) and the load of the replicas
-that are up, and picks one; the proxy does everything else, so another policy (prefill and
-decode pools for disaggregation) plugs in without touching it.
+that are up, and picks one; the proxy does everything else, so another policy plugs in
+without touching it. (Disaggregated prefill/decode is not a policy but a router mode of its
+own: `disaggregated`.)
 
 `PrefixAffinityPolicy` sends requests whose prompts start alike to the same replica, whose
 prefix cache then already holds their shared blocks: the key is a hash of the prompt's first

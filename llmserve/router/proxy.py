@@ -34,7 +34,7 @@ class ReplicaFailed(Exception):
     """The replica went down (or dropped the connection) before it answered."""
 
     def __init__(self, replica: Replica, why: str, connect_failed: bool = False) -> None:
-        super().__init__(f"replica {replica.index} is down: {why}")
+        super().__init__(f"{replica.name} is down: {why}")
         self.replica = replica
         self.connect_failed = connect_failed  # True: the request never reached the replica
 

@@ -28,6 +28,7 @@ class Replica:
     index: int
     url: str  # http://host:port, no trailing slash
     process: subprocess.Popen | None = None  # set when the router's parent started it
+    role: str | None = None  # "prefill" or "decode" behind a disaggregated router
     is_up: bool = True
     reason: str = ""  # why it is down
     in_flight: int = 0
@@ -36,20 +37,34 @@ class Replica:
     def __post_init__(self) -> None:
         self.url = self.url.rstrip("/")
 
+    @property
+    def name(self) -> str:
+        """What errors and logs call it: "replica 0", or "prefill server"."""
+        return f"{self.role} server" if self.role else f"replica {self.index}"
+
+    @property
+    def label(self) -> str:
+        """Its value of the label on its metrics (`replica="0"`, or `role="prefill"`)."""
+        return self.role or str(self.index)
+
+    def identity(self) -> dict[str, int | str]:
+        """How /health names it: {"replica": 0}, or {"role": "prefill"}."""
+        return {"role": self.role} if self.role else {"replica": self.index}
+
     def mark_down(self, reason: str) -> None:
         if self.is_up:
-            logger.warning("replica %d (%s) is down: %s", self.index, self.url, reason)
+            logger.warning("%s (%s) is down: %s", self.name, self.url, reason)
         self.is_up, self.reason = False, reason
         self.down.set()
 
     def mark_up(self) -> None:
         if not self.is_up:
-            logger.warning("replica %d (%s) is up again", self.index, self.url)
+            logger.warning("%s (%s) is up again", self.name, self.url)
             self.down = asyncio.Event()
         self.is_up, self.reason = True, ""
 
     def describe_down(self) -> str:
-        return f"replica {self.index} is down ({self.reason})"
+        return f"{self.name} is down ({self.reason})"
 
 
 class HealthMonitor:

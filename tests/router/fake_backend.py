@@ -40,6 +40,7 @@ class FakeBackend:
         self.healthy = True
         self.open_streams = 0
         self.seen: list[tuple[str, dict[str, str]]] = []  # (path, headers) of each request
+        self.bodies: list[dict[str, Any]] = []  # the JSON body of each ({} if none)
         self.registry = CollectorRegistry()
         Counter("llmserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                 registry=self.registry).inc(prefix_hits)
@@ -55,7 +56,9 @@ class FakeBackend:
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             body = await self._record(request)
-            return await self._answer(body, body.get("prompt", ""), "text_completion")
+            prompt = body.get("prompt")  # a batch or token ids: answered as any other prompt
+            return await self._answer(body, prompt if isinstance(prompt, str) else "",
+                                      "text_completion")
 
         @app.post("/v1/chat/completions")
         async def chat(request: Request) -> Response:
@@ -87,7 +90,9 @@ class FakeBackend:
     async def _record(self, request: Request) -> dict[str, Any]:
         self.seen.append((request.url.path, dict(request.headers)))
         raw = await request.body()
-        return json.loads(raw) if raw else {}
+        body = json.loads(raw) if raw else {}
+        self.bodies.append(body)
+        return body
 
     async def _answer(self, body: dict[str, Any], prompt: str, kind: str) -> Response:
         if prompt.startswith("error"):

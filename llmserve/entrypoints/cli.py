@@ -137,7 +137,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     print(memory_report(args.model, args.batch, args.seq_len, args.dtype, args.kv_dtype,
                         args.kv_cache_memory, args.block_size, args.device,
-                        args.quantization))
+                        args.quantization, args.tensor_parallel_size))
     return 0
 
 
@@ -148,7 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_data_parallel(args, args.argv)
     from llmserve.entrypoints.openai.server import run_server
 
-    options = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    options = {name: getattr(args, name) for name in (*ENGINE_FLAGS, "kv_role",
+                                                      "kv_transfer_address")}
     return run_server(args, {k: v for k, v in options.items() if v is not None})
 
 
@@ -307,6 +308,8 @@ def _add_memory(sub: Any, common: argparse.ArgumentParser) -> None:
     mem.add_argument("--kv-cache-memory", type=kv_cache_memory, default="2GiB",
                      help="KV-cache budget: a size (2GiB) or a fraction of free memory (0.3)")
     mem.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    mem.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="also show each rank's share (default 1)")
     mem.set_defaults(func=cmd_memory)
 
 
@@ -324,12 +327,24 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
                     help="N engine processes behind one endpoint, requests routed by prompt "
                          "prefix and load; --threads is then per replica (default: cores / N)")
     _add_route_prefix_flag(dp)
+    pd = serve.add_argument_group("disaggregated prefill/decode (see docs/scaling.md)")
+    pd.add_argument("--role", dest="kv_role", choices=("prefill", "decode"),
+                    help="prefill: send each finished prompt's KV blocks to the decode server; "
+                         "decode: continue requests from the KV blocks received (put "
+                         "'llmserve router --prefill URL --decode URL' in front)")
+    pd.add_argument("--kv-transfer-address", metavar="HOST:PORT",
+                    help="where the prefill and decode servers meet (the decode server "
+                         "listens there)")
     serve.set_defaults(func=cmd_serve, check=partial(_check_serve_args, serve))
 
 
 def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.data_parallel_size < 1:
         parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if (args.kv_role is None) != (args.kv_transfer_address is None):
+        parser.error("--role and --kv-transfer-address go together")
+    if args.kv_role is not None and args.data_parallel_size > 1:
+        parser.error("--role does not combine with --data-parallel-size")
 
 
 def _add_router(sub: Any, common: argparse.ArgumentParser) -> None:

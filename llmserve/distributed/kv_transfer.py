@@ -40,6 +40,7 @@ PREFILL_RANK, DECODE_RANK = 0, 1
 CONNECT_TIMEOUT = datetime.timedelta(seconds=600)
 TRANSFER_TIMEOUT = datetime.timedelta(days=7)  # idle servers wait this long between transfers
 UNCLAIMED_TTL_S = 600.0  # a transfer no request asked for is dropped after this
+TRANSFER_TAG, WATCH_TAG = 0, 1  # transfers; a receive that only ends when the peer goes
 
 
 @dataclass
@@ -140,7 +141,9 @@ class TransferStats:
 
 
 class KVSender:
-    """Prefill side: sends transfers in order on its own thread."""
+    """Prefill side: sends transfers in order on its own thread. A second thread waits on
+    a receive the decode side never answers, so that a decode server that goes away is
+    seen at once (its connection closes), not at the next transfer."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
@@ -149,6 +152,14 @@ class KVSender:
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True, name="llmserve-kv-send")
         self._thread.start()
+        threading.Thread(target=self._watch_peer, daemon=True, name="llmserve-kv-watch").start()
+
+    def _watch_peer(self) -> None:
+        try:
+            self.group.recv([torch.zeros(1)], DECODE_RANK, WATCH_TAG).wait()
+        except Exception as exc:  # noqa: BLE001 - the decode side is gone
+            self.stats.failure = self.stats.failure or f"the decode server went away: {exc}"
+            logger.error("KV transfer: %s", self.stats.failure)
 
     def send(self, transfer: TransferredKV) -> None:
         with self._ready:
@@ -187,7 +198,7 @@ class KVSender:
             self._put(blocks.scales.contiguous())
 
     def _put(self, tensor: torch.Tensor) -> None:
-        self.group.send([tensor], DECODE_RANK, 0).wait()
+        self.group.send([tensor], DECODE_RANK, TRANSFER_TAG).wait()
 
 
 class KVReceiver:
@@ -254,7 +265,7 @@ class KVReceiver:
                              KVBlocks(data, scales), time.perf_counter() - start)
 
     def _get(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.group.recv([tensor], PREFILL_RANK, 0).wait()
+        self.group.recv([tensor], PREFILL_RANK, TRANSFER_TAG).wait()
         return tensor
 
     def _drop_unclaimed(self) -> None:

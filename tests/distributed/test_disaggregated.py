@@ -160,3 +160,27 @@ def test_decode_without_its_transfer_fails_clearly(servers):
         "prompt": "x", "max_tokens": 1, "kv_transfer_params": {"transfer": "t"}})
     assert unknown.status_code == 400
     assert unknown.json()["error"]["param"] == "kv_transfer_params"
+
+
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
+def test_a_role_that_dies_turns_its_peer_unavailable(smollm2_gguf, tmp_path, victim):
+    """SIGKILL one server: its peer sees the closed connection at once, /health turns 503
+    within seconds, and a request that needs the peer gets a 503, not a hang."""
+    address = f"127.0.0.1:{free_port()}"
+    model = ["--model", str(smollm2_gguf), "--served-model-name", "smollm2", "--port", "0"]
+    with (process(["serve", *model, *SERVE, "--role", "decode", "--kv-transfer-address",
+                   address], tmp_path / "decode.log") as decode,
+          process(["serve", *model, *SERVE, "--role", "prefill", "--kv-transfer-address",
+                   address], tmp_path / "prefill.log") as prefill):
+        urls = {"decode": url_of(*decode), "prefill": url_of(*prefill)}
+        killed, survivor = (prefill, "decode") if victim == "prefill" else (decode, "prefill")
+        killed[0].kill()
+        seconds = wait_for(lambda: httpx.get(f"{urls[survivor]}/health").status_code == 503,
+                           5, f"the {survivor} server stayed healthy")
+        print(f"{victim} killed: {survivor} unhealthy after {seconds:.2f} s")
+        options = ({"transfer_id": "x"} if survivor == "decode"
+                   else {"do_remote_decode": True, "transfer_id": "x"})
+        refused = httpx.post(f"{urls[survivor]}/v1/completions", timeout=30, json={
+            "prompt": "Hello", "max_tokens": 2, "kv_transfer_params": options})
+        assert refused.status_code == 503
+        assert f"the {victim} server went away" in refused.json()["error"]["message"]

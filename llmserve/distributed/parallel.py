@@ -20,13 +20,19 @@ How a model is split (`ShardPlan`):
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 # intermediate channels are split in multiples of this (one int4 group along K of down_proj)
 MLP_SPLIT_UNIT = 32
+# On gloo, tensors up to this size are summed by a direct exchange (each rank sends its
+# part to every other with `send`/`recv`, then all add the parts in rank order): measured
+# on 2 local processes with (1, 576) fp32, 165 us against 1.9 ms for gloo's all-reduce
+# (ring) and 0.9 ms for its all-gather. Larger tensors take gloo's all-reduce.
+EXCHANGE_MAX_BYTES = 4 << 20
+EXCHANGE_TAG = 2
 
 
 @dataclass
@@ -36,20 +42,27 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    exchange: bool = False  # gloo: small sums and gathers by direct exchange (see above)
     comm_seconds: float = 0.0  # time inside collectives since the last `reset_timing`
     comm_calls: int = 0
-    _timed: bool = field(default=False, repr=False)
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place (the partial sums of a row-parallel linear)."""
+        """Sum `x` over the ranks (the partial sums of a row-parallel linear); every rank
+        gets the same bits."""
         if self.size == 1:
             return x
         start = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.exchange and x.numel() * x.element_size() <= EXCHANGE_MAX_BYTES:
+            parts = self._exchange(x)
+            x = parts[0].clone()
+            for part in parts[1:]:  # rank order on every rank: the same sum everywhere
+                x += part
+        else:
+            dist.all_reduce(x, group=self.group)
         self._count(start)
         return x
 
@@ -61,11 +74,32 @@ class TensorParallel:
         width = max(sizes)
         if x.shape[1] < width:  # equal shapes for the collective; the padding is cut off
             x = torch.nn.functional.pad(x, (0, width - x.shape[1]))
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        x = x.contiguous()
+        if self.exchange and x.numel() * x.element_size() <= EXCHANGE_MAX_BYTES:
+            parts = self._exchange(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
         out = torch.cat([p[:, :n] for p, n in zip(parts, sizes, strict=True)], dim=1)
         self._count(start)
         return out
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x`, in rank order, by point-to-point sends and receives."""
+        x = x.contiguous()
+        parts: list[torch.Tensor] = []
+        works = [self.group.send([x], peer, EXCHANGE_TAG)
+                 for peer in range(self.size) if peer != self.rank]
+        for peer in range(self.size):
+            if peer == self.rank:
+                parts.append(x)
+                continue
+            part = torch.empty_like(x)
+            works.append(self.group.recv([part], peer, EXCHANGE_TAG))
+            parts.append(part)
+        for work in works:
+            work.wait()
+        return parts
 
     def _count(self, start: float) -> None:
         self.comm_seconds += time.perf_counter() - start

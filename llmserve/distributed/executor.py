@@ -117,7 +117,7 @@ def all_gather_ints(control: Any, value: int) -> list[int]:
 CONTROL_TAG = 1  # rank 0's messages (the model's exchanges use parallel.EXCHANGE_TAG)
 
 # messages rank 0 broadcasts to the workers
-STEP, ROWS, STOP = "step", "rows", "stop"
+STEP, ROWS, CALIBRATE, STOP = "step", "rows", "calibrate", "stop"
 
 
 class Executor:
@@ -143,6 +143,11 @@ class Executor:
         """The step, and the drafts rank 0 accepted since the last one (the workers'
         persistent batches learn them before the step)."""
         self._send((STEP, (accepted_drafts, out)))
+
+    def calibrate(self, num_drafts: int) -> None:
+        """The workers join the speculative decoding cost calibration rank 0 runs next
+        (`spec_decode/cost.py`: the same forwards, so the collectives meet)."""
+        self._send((CALIBRATE, num_drafts))
 
     def rows_held(self) -> list[int]:
         """Requests each worker's persistent batch holds (rank 1 first)."""

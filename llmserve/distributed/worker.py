@@ -13,6 +13,7 @@ import time
 import torch
 
 from llmserve.distributed.executor import (
+    CALIBRATE,
     ROWS,
     STEP,
     STOP,
@@ -46,6 +47,7 @@ def run_external_worker(device: str = "cpu") -> None:
 def serve_steps(ranks: Ranks) -> None:
     """Build this rank's model and cache as rank 0 says, then run steps until told to stop."""
     from llmserve.loader.model_loader import load_model
+    from llmserve.spec_decode.cost import measure_step_costs
     from llmserve.worker.attention import KVCache, attention_backend
     from llmserve.worker.model_runner import ModelRunner
 
@@ -82,6 +84,8 @@ def serve_steps(ranks: Ranks) -> None:
             for request_id, num_drafts, accepted in accepted_drafts:
                 runner.input_batch.accept_drafts(request_id, num_drafts, accepted)
             runner.execute(out)
+        elif kind == CALIBRATE:
+            measure_step_costs(model, kv_cache, attention, payload)
         elif kind == ROWS:
             all_gather_ints(ranks.control, len(runner.input_batch.row_of))
         elif kind == STOP:

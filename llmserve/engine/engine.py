@@ -420,6 +420,8 @@ class Engine:
                                              self.kv_plan.num_tokens)
         costs = None
         if config.adaptive:
+            if self.executor is not None:
+                self.executor.calibrate(config.num_speculative_tokens)
             costs = measure_step_costs(self.loaded.model, self.runner.kv_cache, self.attention,
                                        config.num_speculative_tokens,
                                        draft.time_step if draft is not None else None)

@@ -164,3 +164,23 @@ def test_tiny_folders_with_replicated_kv_heads(tiny, size):
                                          for p in prompts]
     finally:
         llm.engine.shutdown()
+
+
+def test_speculative_decoding_under_tp_is_lossless(smollm2_gguf, smollm2_llm):
+    """Prompt lookup with TP=2: the workers join the start-up cost calibration and learn the
+    accepted drafts; greedy tokens equal TP=1's without speculation."""
+    prompt = ("Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown "
+              "fox jumps over the lazy dog. The quick brown")
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = smollm2_llm.generate([prompt] * 2, params, use_tqdm=False)
+    llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="64MiB",
+              tensor_parallel_size=2,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                  "disable_by_batch_size": None})
+    try:
+        got = llm.generate([prompt] * 2, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == \
+            [o.outputs[0].token_ids for o in expected]
+        assert llm.engine.speculator.stats.num_accepted_tokens > 0
+    finally:
+        llm.engine.shutdown()

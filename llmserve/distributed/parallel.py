@@ -33,6 +33,7 @@ MLP_SPLIT_UNIT = 32
 # (ring) and 0.9 ms for its all-gather. Larger tensors take gloo's all-reduce.
 EXCHANGE_MAX_BYTES = 4 << 20
 EXCHANGE_TAG = 2
+CHAIN_TAG = 3
 
 
 @dataclass
@@ -65,6 +66,42 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         self._count(start)
         return x
+
+    def row_parallel(self, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`linear` (this rank's columns of a row-parallel layer) applied to `x` (this
+        rank's share of its input), summed over the ranks.
+
+        On the exact float32 path (the native GEMM, whose multiply-adds run in k order)
+        the ranks chain instead of adding partial sums: rank r continues rank r - 1's
+        accumulators over its own columns, and the last rank's result, the one-rank
+        result bit for bit, goes to every rank. Elsewhere: the partial sums' all-reduce.
+        """
+        if self.size == 1:
+            return linear(x)
+        from llmserve.models.packed_float import PackedFloatLinearMethod, float_linear
+
+        if not self.exchange or not isinstance(linear.method, PackedFloatLinearMethod):
+            return self.all_reduce(linear(x))
+        rows = x.reshape(-1, x.shape[-1])
+        last = self.size - 1
+        start = time.perf_counter()
+        init = None
+        if self.rank > 0:
+            init = torch.empty(rows.shape[0], linear.out_features)
+            self.group.recv([init], self.rank - 1, CHAIN_TAG).wait()
+        self.comm_seconds += time.perf_counter() - start
+        out = float_linear(rows, linear.method.weight,
+                           linear.bias if self.rank == last else None, init)
+        start = time.perf_counter()
+        if self.rank < last:
+            self.group.send([out], self.rank + 1, CHAIN_TAG).wait()
+            self.group.recv([out], last, CHAIN_TAG).wait()
+        else:
+            works = [self.group.send([out], peer, CHAIN_TAG) for peer in range(last)]
+            for work in works:
+                work.wait()
+        self._count(start)
+        return out.reshape(*x.shape[:-1], linear.out_features)
 
     def all_gather_rows(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         """(N, sizes[rank]) per rank -> (N, sum(sizes)), rank order (vocabulary shards)."""

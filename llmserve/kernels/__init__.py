@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _SOURCES = (_SOURCE, _SOURCE.with_name("llama_layers.cpp"), _SOURCE.with_name("thread_pool.h"))
 DEFAULT_SPIN_US = 1000
-_ABI = 11
+_ABI = 12
 _LOCK = threading.Lock()
 _pool_size: dict[str, int] = {}  # threads of the kernels' current pool
 
@@ -50,6 +50,7 @@ _SIGNATURES = {
     "llmserve_argmax_rows": [_P, _I64, _I64, _P],
     "llmserve_apply_token_bitmask": [_P, _I64, _P, _I64, _P],
     "llmserve_f32_linear": [_P, _I64, _I64, _P, _P, _I64, _P],
+    "llmserve_f32_linear_from": [_P, _I64, _I64, _P, _P, _P, _I64, _P],
     "llmserve_kv_cache_write": [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
     "llmserve_paged_attention": [
         _P, _I64, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _I64, _F32,

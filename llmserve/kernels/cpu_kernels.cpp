@@ -404,13 +404,25 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
 // (one zmm per k); a row's 16 outputs accumulate with one fused multiply-add per k, in k
 // order, whatever the tile, so a row's result does not depend on the other rows (torch's
 // GEMM picks its blocking by M, which can move the last bits with the batch).
+// `init` (M, N), when given, is where the accumulators start instead of zero: the partial
+// sums of the k before this weight's (a tensor-parallel rank continuing the previous rank's
+// chain gives the one-rank result bit for bit).
 template <int MT, int NB>
 inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int64_t nb0,
-                     int64_t N, const float* bias, float* y) {
+                     int64_t N, const float* bias, const float* init, float* y) {
 #if defined(__AVX512F__)
   __m512 acc[MT][NB];
   for (int m = 0; m < MT; ++m)
-    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n0 = (nb0 + b) * kBlockN;
+      if (init == nullptr || n0 >= N) {
+        acc[m][b] = _mm512_setzero_ps();
+        continue;
+      }
+      const __mmask16 mask =
+          N - n0 >= kBlockN ? 0xFFFF : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+      acc[m][b] = _mm512_maskz_loadu_ps(mask, init + (m0 + m) * N + n0);
+    }
   for (int64_t k = 0; k < K; ++k) {
     __m512 wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(w + ((nb0 + b) * K + k) * kBlockN);
@@ -426,7 +438,7 @@ inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int6
       for (int64_t c = 0; c < kBlockN; ++c) {
         const int64_t n = (nb0 + b) * kBlockN + c;
         if (n >= N) break;
-        float acc = 0.f;
+        float acc = init ? init[(m0 + m) * N + n] : 0.f;
         for (int64_t k = 0; k < K; ++k)
           acc = std::fma(x[(m0 + m) * K + k], w[((nb0 + b) * K + k) * kBlockN + c], acc);
         y[(m0 + m) * N + n] = bias ? acc + bias[n] : acc;
@@ -456,9 +468,10 @@ struct F32Tiles {
   const float* w;
   int64_t N;
   const float* bias;
+  const float* init;
   float* y;
   template <int MT, int NB>
-  void run(int64_t m, int64_t b) const { f32_tile<MT, NB>(x, m, K, w, b, N, bias, y); }
+  void run(int64_t m, int64_t b) const { f32_tile<MT, NB>(x, m, K, w, b, N, bias, init, y); }
 };
 
 inline float bf16_to_float(uint16_t v) {
@@ -614,7 +627,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 11; }
+int32_t llmserve_kernels_abi() { return 12; }
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.
@@ -774,17 +787,24 @@ void llmserve_pack_f32_weight(const float* w, int64_t N, int64_t K, float* packe
       packed[((n / kBlockN) * K + k) * kBlockN + n % kBlockN] = w[n * K + k];
 }
 
-// y (M, N) = x (M, K) . W^T [+ bias] in float32 on a packed weight.
-void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
-                         const float* bias, int64_t N, float* y) {
+// y (M, N) = [init +] x (M, K) . W^T [+ bias] in float32 on a packed weight; the
+// multiply-adds continue from `init` (see f32_tile).
+void llmserve_f32_linear_from(const float* x, int64_t M, int64_t K, const float* w,
+                              const float* bias, const float* init, int64_t N, float* y) {
   const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
   constexpr int kRows = 4;
   // rows in blocks that stay in L2 while a thread's weight blocks stream past
   const int64_t row_block = std::max<int64_t>(kRows, (256 * 1024 / (4 * K)) / kRows * kRows);
-  const F32Tiles tile{x, K, w, N, bias, y};
+  const F32Tiles tile{x, K, w, N, bias, init, y};
   parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
     for_tiles<kRows, 4>(tile, M, nb, ne, row_block);
   });
+}
+
+// y (M, N) = x (M, K) . W^T [+ bias] in float32 on a packed weight.
+void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
+                         const float* bias, int64_t N, float* y) {
+  llmserve_f32_linear_from(x, M, K, w, bias, nullptr, N, y);
 }
 
 // Structured output: row rows[r] of x (N floats a row) gets -inf wherever bit n % 32 of

@@ -78,7 +78,7 @@ class LlamaAttention(nn.Module):
         if not rotated:
             q, k = apply_rotary(q, k, rope)
         out = meta.backend.forward(q, k, v, cache, meta, self.scale)  # (T, H, D)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.q_size)))
+        return self.tp.row_parallel(self.o_proj, out.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -93,7 +93,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        return self.tp.row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

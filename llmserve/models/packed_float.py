@@ -51,13 +51,15 @@ def packed_float_bytes(out_features: int, in_features: int) -> int:
     return -(-out_features // _N_ALIGN) * _N_ALIGN * in_features * 4
 
 
-def float_linear(x: torch.Tensor, w: PackedFloatWeight, bias: torch.Tensor | None = None
-                 ) -> torch.Tensor:
-    """x (..., K) float32 -> (..., N) float32."""
+def float_linear(x: torch.Tensor, w: PackedFloatWeight, bias: torch.Tensor | None = None,
+                 init: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N) float32. `init` (..., N): the multiply-adds continue
+    from it (the partial sums of the k before this weight's), instead of from zero."""
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty(rows.shape[0], w.out_features)
-    native().llmserve_f32_linear(ptr(rows), rows.shape[0], w.in_features, ptr(w.packed),
-                                 ptr(bias), w.out_features, ptr(y))
+    start = None if init is None else init.reshape(-1, w.out_features).contiguous()
+    native().llmserve_f32_linear_from(ptr(rows), rows.shape[0], w.in_features, ptr(w.packed),
+                                      ptr(bias), ptr(start), w.out_features, ptr(y))
     return y.reshape(*x.shape[:-1], w.out_features)
 
 

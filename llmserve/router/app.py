@@ -29,8 +29,7 @@ from llmserve.entrypoints.openai.http_layer import (
     install_error_handlers,
 )
 from llmserve.entrypoints.openai.protocol import error_body
-from llmserve.entrypoints.openai.server import API_KEY_ENV
-from llmserve.errors import LLMServeError
+from llmserve.entrypoints.openai.server import API_KEY_ENV, serve_announced
 from llmserve.router.base import Router, RouterSettings, down_response, json_or_none
 from llmserve.router.disaggregated import DisaggregatedRouter
 from llmserve.router.metrics import DataParallelMetrics
@@ -179,17 +178,4 @@ def run_router(app: FastAPI, settings: RouterSettings, sock: socket.socket, bann
     # uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done; this
     # handler absorbs it (as `llmserve serve` does), so the process goes on to stop cleanly.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    asyncio.run(_serve(server, sock, banner))
-
-
-async def _serve(server: Any, sock: socket.socket, banner: str) -> None:
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not task.done():
-        await asyncio.sleep(0.05)
-    if server.started:
-        host, port = sock.getsockname()[:2]
-        host = f"[{host}]" if ":" in host else host
-        print(f"llmserve: {banner} at http://{host}:{port}/v1", flush=True)
-    await task
-    if not server.started:
-        raise LLMServeError("the router failed to start (see the log above)")
+    asyncio.run(serve_announced(server, sock, banner, "router"))

@@ -52,17 +52,24 @@ def url_of(proc: subprocess.Popen, log: Path) -> str:
     return banner().group(1)
 
 
-@pytest.fixture(scope="module")
-def servers(smollm2_gguf, tmp_path_factory):
-    """(router URL, prefill URL, decode URL)."""
-    logs = tmp_path_factory.mktemp("pd")
+@contextmanager
+def server_pair(gguf: Path, logs: Path) -> Iterator[dict]:
+    """A decode and a prefill server meeting at a free port: {role: (process, log)}."""
     address = f"127.0.0.1:{free_port()}"
-    model = ["--model", str(smollm2_gguf), "--served-model-name", "smollm2", "--port", "0"]
+    model = ["--model", str(gguf), "--served-model-name", "smollm2", "--port", "0"]
     with (process(["serve", *model, *SERVE, "--role", "decode", "--kv-transfer-address",
                    address], logs / "decode.log") as decode,
           process(["serve", *model, *SERVE, "--role", "prefill", "--kv-transfer-address",
                    address], logs / "prefill.log") as prefill):
-        decode_url, prefill_url = url_of(*decode), url_of(*prefill)
+        yield {"decode": decode, "prefill": prefill}
+
+
+@pytest.fixture(scope="module")
+def servers(smollm2_gguf, tmp_path_factory):
+    """(router URL, prefill URL, decode URL)."""
+    logs = tmp_path_factory.mktemp("pd")
+    with server_pair(smollm2_gguf, logs) as pair:
+        decode_url, prefill_url = url_of(*pair["decode"]), url_of(*pair["prefill"])
         with process(["router", "--prefill", prefill_url, "--decode", decode_url, "--port",
                       "0"], logs / "router.log") as router:
             yield url_of(*router), prefill_url, decode_url
@@ -166,15 +173,10 @@ def test_decode_without_its_transfer_fails_clearly(servers):
 def test_a_role_that_dies_turns_its_peer_unavailable(smollm2_gguf, tmp_path, victim):
     """SIGKILL one server: its peer sees the closed connection at once, /health turns 503
     within seconds, and a request that needs the peer gets a 503, not a hang."""
-    address = f"127.0.0.1:{free_port()}"
-    model = ["--model", str(smollm2_gguf), "--served-model-name", "smollm2", "--port", "0"]
-    with (process(["serve", *model, *SERVE, "--role", "decode", "--kv-transfer-address",
-                   address], tmp_path / "decode.log") as decode,
-          process(["serve", *model, *SERVE, "--role", "prefill", "--kv-transfer-address",
-                   address], tmp_path / "prefill.log") as prefill):
-        urls = {"decode": url_of(*decode), "prefill": url_of(*prefill)}
-        killed, survivor = (prefill, "decode") if victim == "prefill" else (decode, "prefill")
-        killed[0].kill()
+    with server_pair(smollm2_gguf, tmp_path) as pair:
+        urls = {role: url_of(*server) for role, server in pair.items()}
+        survivor = "decode" if victim == "prefill" else "prefill"
+        pair[victim][0].kill()
         seconds = wait_for(lambda: httpx.get(f"{urls[survivor]}/health").status_code == 503,
                            5, f"the {survivor} server stayed healthy")
         print(f"{victim} killed: {survivor} unhealthy after {seconds:.2f} s")

@@ -18,13 +18,13 @@ from llmserve import LLM, SamplingParams
 from llmserve.distributed.executor import connect, free_port
 from llmserve.loader.model_loader import load_model
 from llmserve.worker.attention import AttentionMetadata, KVCache, attention_backend
+from tests.models.test_compile import NUM_TOKENS, _greedy
 from tests.models.test_llama_reference import PROMPTS, reference_greedy
 
 # The row-parallel layers (o_proj, down_proj) chain the ranks' multiply-adds in k order on
 # the float32 path, as TP=1 runs them, and every column-parallel layer, attention head and
 # vocabulary shard computes TP=1's arithmetic: the logits are TP=1's bits. (Adding the
 # ranks' partial sums instead, as an all-reduce does, moved them by up to 1.3e-4.)
-NUM_TOKENS = 32
 
 
 def _logits(model, ids: list[int]) -> torch.Tensor:
@@ -79,15 +79,6 @@ def test_real_model_logits_equal_tp1(smollm2_gguf, smollm2_llm, chat_ids, size):
     reference = _logits(smollm2_llm.engine.loaded.model, chat_ids)
     assert torch.equal(ours, reference), (
         f"TP={size}: max |logit diff| vs TP=1 {(ours - reference).abs().max().item():.2e}")
-
-
-def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    """The first prompt alone, the rest as one batch (prefills and decodes mixed)."""
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    outs = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
-    outs += llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params,
-                         use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
 
 
 @pytest.mark.parametrize("size", [2, 3])

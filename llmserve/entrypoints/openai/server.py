@@ -204,21 +204,23 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
     # uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done; this
     # handler absorbs it so the process exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    asyncio.run(_serve(server, sock, settings.model_name))
+    asyncio.run(serve_announced(server, sock, f"serving '{settings.model_name}'", "server"))
     return 0
 
 
-async def _serve(server: Any, sock: socket.socket, model_name: str) -> None:
+async def serve_announced(server: Any, sock: socket.socket, banner: str, what: str) -> None:
+    """Run a uvicorn server on `sock`; once it listens, print `llmserve: <banner> at
+    <url>/v1` (what users and the tests read to find it)."""
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         host, port = sock.getsockname()[:2]
         host = f"[{host}]" if ":" in host else host
-        print(f"llmserve: serving '{model_name}' at http://{host}:{port}/v1", flush=True)
+        print(f"llmserve: {banner} at http://{host}:{port}/v1", flush=True)
     await task
     if not server.started:
-        raise LLMServeError("the server failed to start (see the log above)")
+        raise LLMServeError(f"the {what} failed to start (see the log above)")
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -42,23 +42,27 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, meta))
 
 
-def _rank(rank: int, size: int, port: int, spec: str, ids: list[int]) -> None:
+def _rank(rank: int, size: int, port: int, spec: str, ids: list[int],
+          quantization: str | None) -> None:
     torch.set_num_threads(1)
     ranks = connect(rank, size, "127.0.0.1", port, torch.device("cpu"))
-    _logits(load_model(spec, torch.float32, tp=ranks.tp).model, ids)
+    _logits(load_model(spec, torch.float32, quantization=quantization, tp=ranks.tp).model, ids)
 
 
-def tp_logits(spec: str, size: int, ids: list[int]) -> torch.Tensor:
+def tp_logits(spec: str, size: int, ids: list[int], quantization: str | None = None
+              ) -> torch.Tensor:
     """Rank 0's logits (all of the vocabulary) with `size` ranks."""
     port = free_port()
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_rank, args=(r, size, port, spec, ids), daemon=True)
+    workers = [context.Process(target=_rank, args=(r, size, port, spec, ids, quantization),
+                               daemon=True)
                for r in range(1, size)]
     for w in workers:
         w.start()
     try:
         ranks = connect(0, size, "127.0.0.1", port, torch.device("cpu"))
-        logits = _logits(load_model(spec, torch.float32, tp=ranks.tp).model, ids)
+        logits = _logits(load_model(spec, torch.float32, quantization=quantization,
+                                    tp=ranks.tp).model, ids)
     finally:
         for w in workers:
             w.join(60)
@@ -79,6 +83,20 @@ def test_real_model_logits_equal_tp1(smollm2_gguf, smollm2_llm, chat_ids, size):
     reference = _logits(smollm2_llm.engine.loaded.model, chat_ids)
     assert torch.equal(ours, reference), (
         f"TP={size}: max |logit diff| vs TP=1 {(ours - reference).abs().max().item():.2e}")
+
+
+def test_quantized_shards_keep_the_checkpoint_groups(smollm2_gguf, chat_ids):
+    """The default path (the file's Q4_1 groups on the int4 kernel) at TP=2: each rank packs
+    its share of the quantized weights (the MLP split falls on 32-wide groups, so they are
+    the checkpoint's own); partial sums are added across ranks (not chained), so logits
+    move by float rounding only: same argmax at every position, within 0.05."""
+    ours = tp_logits(str(smollm2_gguf), 2, chat_ids, quantization="auto")
+    single = _logits(load_model(str(smollm2_gguf), torch.float32, quantization="auto").model,
+                     chat_ids)
+    diff = (ours - single).abs().max().item()
+    print(f"int4 TP=2: max |logit diff| vs TP=1 = {diff:.2e}")
+    assert diff <= 0.05
+    assert torch.equal(ours.argmax(-1), single.argmax(-1))
 
 
 @pytest.mark.parametrize("size", [2, 3])

@@ -91,6 +91,8 @@ class ModelConfig:
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 ATTENTION_BACKEND_CHOICES = ("auto", "native", "flex", "torch")
+# fcfs and priority batch continuously; static runs each admitted batch to completion
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
@@ -266,6 +268,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
                 f"not {self.attention_backend!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", not {self.scheduling_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -109,6 +109,7 @@ def report(llm: LLM, results: list[ThroughputResult], seed: int) -> dict[str, An
         "input_len": results[0].input_len,
         "output_len": results[0].output_len,
         "seed": seed,
+        "scheduling_policy": llm.engine.config.scheduling_policy,
         "runs": [r.to_dict() for r in results],
         "batched_over_sequential": ratio,
     }
@@ -123,5 +124,8 @@ def format_table(results: list[ThroughputResult], llm: LLM | None = None) -> str
         f"{r.output_tokens_per_s:>11.1f}{r.total_tokens_per_s:>10.1f}"
         for r in results
     ]
-    path = [format_path(path_info(llm))] if llm is not None else []
+    path = []
+    if llm is not None:
+        path = [f"{format_path(path_info(llm))}; scheduling "
+                f"{llm.engine.config.scheduling_policy}"]
     return "\n".join([format_machine(), *path, header, *rows])

@@ -7,6 +7,12 @@ leaves). When a running request cannot get a block, the lowest-priority running 
 (for FCFS: the most recently admitted) is preempted: its blocks are freed and it goes back
 to the front of the waiting queue to be recomputed later. Nothing is ever dropped.
 
+The "static" policy batches statically instead (the baseline continuous batching is
+measured against): it admits a batch, the leading waiting requests whose prompts fit the
+free blocks (up to `max_num_seqs`), and admits nothing else until every member finished.
+Members are admitted in chunks as the budget allows and a preempted member resumes within
+its batch; a request arriving meanwhile waits for the next batch.
+
 Speculative decoding: a decoding request with draft tokens (`Request.spec_token_ids`, set
 by the engine's proposer) is scheduled with them after its last token,
 
@@ -29,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.config import SCHEDULING_POLICIES
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
@@ -41,7 +48,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512
     max_model_len: int = 8192
-    policy: str = "fcfs"  # or "priority": lower value runs first, ties by arrival
+    # or "priority": lower value runs first, ties by arrival; or "static" (batch by batch)
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -50,8 +58,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', not {self.policy!r}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", not {self.policy!r}")
 
 
 @dataclass
@@ -122,6 +131,8 @@ class Scheduler:
         # requests the runner holds a row for -> how many of their block ids it has
         self._num_blocks_sent: dict[str, int] = {}
         self.num_preemptions = 0
+        # static policy: the unfinished members of the batch being run (empty: none runs)
+        self.batch: set[Request] = set()
 
     # ---- admission and removal -------------------------------------------------------
 
@@ -152,6 +163,8 @@ class Scheduler:
         """
         for child, parent in children:
             self.requests[child.request_id] = child
+            if parent in self.batch:
+                self.batch.add(child)
             if parent in self.running:
                 self.kv.fork(parent, child)
                 child.num_computed_tokens = parent.num_computed_tokens
@@ -203,6 +216,8 @@ class Scheduler:
             if request not in self.running:
                 continue  # preempted earlier in this step to make room
             budget -= self._schedule_running(request, budget, out)
+        if self.config.policy == "static" and not self.batch:
+            self.batch = self._next_batch()
         if out.num_preempted == 0:
             self._schedule_waiting(budget, out)
         out.preempted_request_ids, self._preempted_ids = self._preempted_ids, set()
@@ -235,6 +250,8 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.config.policy == "static" and request not in self.batch:
+                break  # the batch's members not yet admitted lead the queue
             if request.remote_kv is not None:
                 if not self._admit_prefilled(request, out):
                     break
@@ -257,6 +274,21 @@ class Scheduler:
             self.running.append(request)
             self._emit(request, num_new, out)
             budget -= num_new
+
+    def _next_batch(self) -> set[Request]:
+        """Static policy: the leading waiting requests, up to `max_num_seqs`, whose prompts
+        fit the free blocks together (prefix hits not counted); the first one always (the
+        engine refuses a request larger than the whole cache). Members' decodes may still
+        run out of blocks: a preempted member resumes within the batch."""
+        batch: set[Request] = set()
+        num_free = self.kv.pool.num_free_blocks
+        for request in self.waiting[: self.config.max_num_seqs]:
+            num_blocks = -(-request.num_tokens // self.kv.block_size)
+            if batch and num_blocks > num_free:
+                break
+            batch.add(request)
+            num_free -= num_blocks
+        return batch
 
     def _admit_prefilled(self, request: Request, out: SchedulerOutput) -> bool:
         """Admit a request whose prompt a prefill engine computed: fresh blocks that the
@@ -377,6 +409,7 @@ class Scheduler:
         self.kv.free(request)
         self._num_blocks_sent.pop(request.request_id, None)
         self._preempted_ids.add(request.request_id)
+        request.num_preempted_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
@@ -387,6 +420,7 @@ class Scheduler:
 
     def _free(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.batch.discard(request)
         request.timings.finished = time.time()
         self.kv.free(request)
         self._num_blocks_sent.pop(request.request_id, None)

@@ -65,6 +65,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
+    num_preempted_tokens: int = 0  # computed tokens whose KV preemptions freed (recomputed)
     block_hashes: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None

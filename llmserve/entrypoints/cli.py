@@ -20,6 +20,7 @@ from llmserve.config import (
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
+    SCHEDULING_POLICIES,
 )
 from llmserve.errors import LLMServeError
 from llmserve.loader.catalog import DEFAULT_MODEL
@@ -459,7 +460,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--block-size", type=int)
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", default=None)
-    group.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    group.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                       help="fcfs (default) and priority batch continuously; static admits "
+                            "a batch and runs it to completion before the next")
     group.add_argument("--tensor-parallel-size", "-tp", type=int,
                        help="split the model over N processes (heads, MLP channels, "
                             "vocabulary; default 1)")

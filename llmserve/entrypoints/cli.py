@@ -1,4 +1,5 @@
-"""The `llmserve` command line: pull, models, generate, chat, memory, serve, router, bench.
+"""The `llmserve` command line: pull, models, generate, run-batch, chat, memory, serve, router,
+bench.
 
 Every subcommand is one small `cmd_*` function; each imports what it needs (torch, the
 engine) itself, so that `--help` and usage errors stay quick. User errors (`LLMServeError`,
@@ -125,6 +126,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from llmserve.config import EngineConfig
+    from llmserve.engine.async_engine import AsyncEngine
+    from llmserve.engine.engine import Engine
+    from llmserve.entrypoints.cli_run_batch import read_batch_lines, run_batch_file
+    from llmserve.entrypoints.openai.server import served_model_id
+
+    lines = read_batch_lines(Path(args.input))  # read before the model loads
+    if not lines:
+        raise LLMServeError(f"{args.input} holds no requests")
+    out: Path | Any = sys.stdout if args.output == "-" else Path(args.output)
+    if isinstance(out, Path) and not out.parent.is_dir():
+        raise LLMServeError(f"cannot write {out}: folder {out.parent} does not exist")
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    config = EngineConfig(model=args.model, **{k: v for k, v in options.items() if v is not None})
+    engine = AsyncEngine(Engine(config))
+    summary = run_batch_file(engine, args.served_model_name or served_model_id(args.model),
+                             lines, out, args.max_concurrency, use_tqdm=not args.no_progress)
+    where = "stdout" if out is sys.stdout else out
+    print(f"run-batch: {summary.line()}; results in {where}", file=sys.stderr)
+    return 0
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from llmserve.entrypoints.cli_generate import chat_repl
 
@@ -243,6 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_pull(sub, common)
     _add_generate(sub, common)
+    _add_run_batch(sub, common)
     _add_chat(sub, common)
     _add_memory(sub, common)
     _add_serve(sub, common)
@@ -284,6 +309,33 @@ def _check_generate_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error("--input needs --output")
     if args.prompt is not None and args.output is not None:
         parser.error("--output goes with --input; --prompt streams to stdout")
+
+
+def _add_run_batch(sub: Any, common: argparse.ArgumentParser) -> None:
+    batch = sub.add_parser(
+        "run-batch", parents=[common], help="run an OpenAI Batch file offline",
+        description="Run an OpenAI Batch input file (lines {\"custom_id\", \"method\": "
+        "\"POST\", \"url\": \"/v1/chat/completions\" or \"/v1/completions\", \"body\"}) "
+        "through the server's handlers as one continuous batch; the output has one line per "
+        "input line, in order, in OpenAI's batch output format. An existing output file is "
+        "resumed: lines with a result there are not run again.")
+    _add_model_flag(batch)
+    batch.add_argument("-i", "--input", required=True, metavar="IN.jsonl",
+                       help="OpenAI Batch input file")
+    batch.add_argument("-o", "--output", required=True, metavar="OUT.jsonl",
+                       help="results ('-': stdout, in order as they are ready)")
+    batch.add_argument("--served-model-name",
+                       help="the model id bodies may name (default: --model)")
+    batch.add_argument("--max-concurrency", type=int, default=64, metavar="N",
+                       help="requests in flight at most (default 64)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_engine_flags(batch)
+    batch.set_defaults(func=cmd_run_batch, check=partial(_check_run_batch_args, batch))
+
+
+def _check_run_batch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.max_concurrency < 1:
+        parser.error(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
 
 
 def _add_chat(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -34,34 +35,55 @@ def error_response(status: int, message: str, param: str | None = None,
                         headers=headers)
 
 
+def exception_error(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """(status, OpenAI error body) that a route answers when its handler raised `exc`
+    (`llmserve run-batch` writes the same for a batch line)."""
+    param = code = None
+    if isinstance(exc, BadRequest):
+        status, message, param, code = exc.status, str(exc), exc.param, exc.code
+        if param and param not in message:
+            message = f"{param}: {message}"
+    elif isinstance(exc, RequestValidationError | ValidationError):
+        status = 400
+        message, param = describe_validation_error(exc.errors())
+    elif isinstance(exc, QueueFull):
+        status, message, code = 429, str(exc), "rate_limit_exceeded"
+    elif isinstance(exc, EngineShutdown):
+        status, message = 503, str(exc)
+    elif isinstance(exc, EngineStepError):
+        status, message = 500, str(exc)  # logged with its traceback by the engine
+    else:
+        status, message = 500, f"internal server error: {type(exc).__name__}: {exc}"
+    return status, error_body(message, _ERROR_TYPES.get(status, "server_error"), param, code)
+
+
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     """Every error leaves in OpenAI's shape: {"error": {message, type, param, code}}."""
 
+    def respond(exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
+        status, body = exception_error(exc)
+        return JSONResponse(body, status_code=status, headers=headers)
+
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = describe_validation_error(exc.errors())
-        return error_response(400, message, param)
+        return respond(exc)
 
     @app.exception_handler(BadRequest)
     async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        message = str(exc)
-        if exc.param and exc.param not in message:
-            message = f"{exc.param}: {message}"
-        return error_response(exc.status, message, exc.param, exc.code)
+        return respond(exc)
 
     @app.exception_handler(QueueFull)
     async def _queue_full(_: Request, exc: QueueFull) -> JSONResponse:
         retry = max(exc.retry_after, retry_after_s)
-        return error_response(429, str(exc), code="rate_limit_exceeded",
-                              headers={"Retry-After": str(retry)})
+        return respond(exc, {"Retry-After": str(retry)})
 
     @app.exception_handler(EngineShutdown)
     async def _shutdown(_: Request, exc: EngineShutdown) -> JSONResponse:
-        return error_response(503, str(exc), headers={"Retry-After": str(retry_after_s)})
+        return respond(exc, {"Retry-After": str(retry_after_s)})
 
     @app.exception_handler(EngineStepError)
     async def _step_failed(_: Request, exc: EngineStepError) -> JSONResponse:
-        return error_response(500, str(exc))  # logged with its traceback by the engine
+        return respond(exc)
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
@@ -70,7 +92,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+        return respond(exc)
 
 
 def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:

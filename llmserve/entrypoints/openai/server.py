@@ -187,7 +187,7 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
     logging.getLogger("llmserve").setLevel(logging.INFO)
     model = args.model or DEFAULT_MODEL
     settings = ServerSettings(
-        model_name=args.served_model_name or _model_id(model),
+        model_name=args.served_model_name or served_model_id(model),
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         metrics_require_auth=args.metrics_require_auth,
         allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o),
@@ -237,7 +237,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _model_id(model: str) -> str:
+def served_model_id(model: str) -> str:
     """The served id of a `--model` value: a catalog name as is, a path by its last part."""
     path = Path(model)
     if path.exists() or os.sep in model:

@@ -22,7 +22,12 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times of one request (seconds since the epoch) and derived latencies."""
+    """Wall-clock times of one request (seconds since the epoch) and derived latencies.
+
+    A request of several sequences (n > 1 siblings, several prompts) is their `merge`:
+    the earliest arrival, schedule and first token, the latest last token and finish, and
+    the counts summed; its TPOT averages over the sequences it keeps in `sequences`.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None
@@ -32,6 +37,38 @@ class RequestMetrics:
     num_generated_tokens: int
     num_draft_tokens: int = 0  # speculative decoding: drafts verified for this request
     num_accepted_tokens: int = 0  # of which accepted
+    num_preemptions: int = 0  # times the scheduler freed its KV to make room
+    num_preempted_tokens: int = 0  # computed tokens those preemptions freed (recomputed)
+    sequences: tuple["RequestMetrics", ...] = ()  # a merged request's single sequences
+
+    @classmethod
+    def merge(cls, parts: "list[RequestMetrics]") -> "RequestMetrics":
+        """One request's metrics from its sequences' (or from merged ones)."""
+        seqs = tuple(s for p in parts for s in (p.sequences or (p,)))
+        if len(seqs) == 1:
+            return seqs[0]
+
+        def first(values: list[float | None]) -> float | None:
+            known = [v for v in values if v is not None]
+            return min(known) if known else None
+
+        def last(values: list[float | None]) -> float | None:
+            known = [v for v in values if v is not None]
+            return max(known) if known else None
+
+        return cls(
+            min(s.arrival_time for s in seqs),
+            first([s.first_scheduled_time for s in seqs]),
+            first([s.first_token_time for s in seqs]),
+            last([s.last_token_time for s in seqs]),
+            # unfinished while any sequence is
+            None if any(s.finished_time is None for s in seqs)
+            else max(s.finished_time for s in seqs),
+            *(sum(getattr(s, name) for s in seqs) for name in (
+                "num_generated_tokens", "num_draft_tokens", "num_accepted_tokens",
+                "num_preemptions", "num_preempted_tokens")),
+            sequences=seqs,
+        )
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -47,10 +84,13 @@ class RequestMetrics:
 
     @property
     def time_per_output_token(self) -> float | None:
-        """Mean time between output tokens after the first (TPOT)."""
-        if self.num_generated_tokens < 2 or self.first_token_time is None:
+        """Mean time between output tokens after the first (TPOT), over all sequences."""
+        decoding = [s for s in self.sequences or (self,)
+                    if s.num_generated_tokens >= 2 and s.first_token_time is not None]
+        if not decoding:
             return None
-        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+        return (sum(s.last_token_time - s.first_token_time for s in decoding)
+                / sum(s.num_generated_tokens - 1 for s in decoding))
 
     @property
     def e2e_latency(self) -> float | None:

@@ -14,7 +14,7 @@ best_of > n, whose best are not known before the end) every sibling's full outpu
 
 from dataclasses import replace
 
-from llmserve.outputs import CompletionOutput, PromptLogprobs, RequestOutput
+from llmserve.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -31,6 +31,7 @@ class ParallelGroup:
         self.completions: dict[int, CompletionOutput] = {}
         self.num_finished = 0
         self.last_output: RequestOutput | None = None
+        self.metrics: dict[int, RequestMetrics] = {}  # each sibling's latest
         self.prompt_logprobs: PromptLogprobs | None = None  # the first sibling's
         self._prompt_logprobs_sent = False  # DELTA: they go out once
 
@@ -53,6 +54,8 @@ class ParallelGroup:
         if completion.finished:
             self.num_finished += 1
         self.last_output = output
+        if output.metrics is not None:
+            self.metrics[index] = output.metrics
         if output.prompt_logprobs is not None and not self._prompt_logprobs_sent:
             self.prompt_logprobs = output.prompt_logprobs
 
@@ -82,8 +85,14 @@ class ParallelGroup:
             self.prompt_logprobs, self._prompt_logprobs_sent = None, True
         return RequestOutput(
             self.request_id, last.prompt, last.prompt_token_ids, completions, finished,
-            last.metrics, last.num_cached_tokens, prompt_logprobs=prompt_logprobs,
+            self._metrics(), last.num_cached_tokens, prompt_logprobs=prompt_logprobs,
         )
+
+    def _metrics(self) -> RequestMetrics | None:
+        """The request's metrics: its siblings' merged (those that have run so far)."""
+        if not self.metrics:
+            return None
+        return RequestMetrics.merge([self.metrics[i] for i in sorted(self.metrics)])
 
     def _best(self, completions: list[CompletionOutput]) -> list[CompletionOutput]:
         completions = sorted(completions, key=lambda c: c.cumulative_logprob, reverse=True)

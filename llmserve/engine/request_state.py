@@ -84,6 +84,7 @@ class RequestState:
         metrics = RequestMetrics(
             t.arrival, t.first_scheduled, t.first_token, t.last_token, t.finished,
             request.num_output_tokens, request.num_draft_tokens, request.num_accepted_tokens,
+            request.num_preemptions, request.num_preempted_tokens,
         )
         return RequestOutput(
             request.request_id, self.prompt, request.prompt_token_ids, [completion],

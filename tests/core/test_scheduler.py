@@ -409,6 +409,8 @@ def test_fcfs_preempts_the_latest_request_and_recomputes_it_with_its_outputs():
     assert second.status == RequestStatus.PREEMPTED and second.num_preemptions == 1
     assert sched.waiting[0] is second and second.num_computed_tokens == 0
     assert sched.kv.block_ids("second") == []
+    # its KV freed: the prompt and 4 outputs (the 5th was yet to be computed)
+    assert second.num_preempted_tokens == 12
     tokens_at_preemption = list(second.all_token_ids)
 
     while "second" not in scheduled(outs[-1]):

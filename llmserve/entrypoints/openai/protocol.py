@@ -11,8 +11,9 @@ import uuid
 from dataclasses import fields
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
+from llmserve.outputs import RequestMetrics
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,9 @@ class SamplingRequest(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # llmserve's: the request's timeline in the response (`metrics_json`); None: as the
+    # X-Return-Metrics header says. Strict: "yes" is refused, not read as true
+    return_metrics: StrictBool | None = None
 
     def refuse_unsupported(self) -> None:
         """A 400 naming the first field set that llmserve cannot honour (`UNSUPPORTED_FIELDS`)."""
@@ -260,6 +264,38 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def metrics_json(metrics: RequestMetrics, prompt_tokens: int, cached_tokens: int,
+                 choice_tokens: list[int]) -> dict[str, Any]:
+    """A response's `metrics`: the request's timeline (unix seconds), its latencies, and
+    its counts (`choice_tokens`: generated tokens per choice, in choice order).
+
+    Several sequences (n > 1, several prompts) count as one request: the earliest
+    arrival and first token, the latest finish, TPOT averaged over the sequences.
+    """
+    body = {
+        "arrival_time": metrics.arrival_time,
+        "first_scheduled_time": metrics.first_scheduled_time,
+        "first_token_time": metrics.first_token_time,
+        "last_token_time": metrics.last_token_time,
+        "finished_time": metrics.finished_time,
+        "queue_time_s": metrics.queue_time,
+        "ttft_s": metrics.time_to_first_token,
+        "tpot_s": metrics.time_per_output_token,
+        "e2e_s": metrics.e2e_latency,
+        "num_prompt_tokens": prompt_tokens,
+        "num_cached_tokens": cached_tokens,
+        # every generated token, also the choices best_of drops
+        "num_generation_tokens": metrics.num_generated_tokens,
+        "num_preemptions": metrics.num_preemptions,
+        "num_preempted_tokens": metrics.num_preempted_tokens,
+        "num_draft_tokens": metrics.num_draft_tokens,
+        "num_accepted_tokens": metrics.num_accepted_tokens,
+    }
+    if len(choice_tokens) > 1:
+        body["num_generation_tokens_per_choice"] = choice_tokens
+    return body
 
 
 def error_body(message: str, type_: str, param: str | None = None,

@@ -33,6 +33,7 @@ from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingRequest,
     TokenizeRequest,
     now,
 )
@@ -96,10 +97,12 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
+        _read_flag_headers(body, request)
         return await _respond(request, completions.create(body, _arrival(request)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+        _read_flag_headers(body, request)
         return await _respond(request, chat.create(body, _arrival(request)))
 
     @app.get("/v1/models")
@@ -145,6 +148,19 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
+
+
+def _read_flag_headers(body: SamplingRequest, request: Request) -> None:
+    """`X-Return-Metrics: 1` (or true, 0, false) sets `return_metrics` where the body does
+    not."""
+    value = request.headers.get("x-return-metrics")
+    if value is None or body.return_metrics is not None:
+        return
+    flag = {"1": True, "true": True, "0": False, "false": False}.get(value.strip().lower())
+    if flag is None:
+        raise BadRequest(f"the X-Return-Metrics header must be 1, true, 0 or false, not "
+                         f"{value!r}", param="X-Return-Metrics")
+    body.return_metrics = flag
 
 
 def _arrival(request: Request) -> float:

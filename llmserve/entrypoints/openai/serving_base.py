@@ -16,9 +16,15 @@ from starlette.responses import StreamingResponse
 
 from llmserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
 from llmserve.engine.engine import RequestRejected
-from llmserve.entrypoints.openai.protocol import SAMPLING_FIELDS, BadRequest, now, usage
+from llmserve.entrypoints.openai.protocol import (
+    SAMPLING_FIELDS,
+    BadRequest,
+    metrics_json,
+    now,
+    usage,
+)
 from llmserve.entrypoints.openai.structured import Constraint, rename_engine_error
-from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 # how long a decode server waits for a prompt's KV from its prefill server
@@ -131,10 +137,11 @@ class ChunkFormatter(ABC):
 
 
 async def stream_response(streams: list[RequestStream], formatter: ChunkFormatter,
-                          request_id: str, model_name: str,
-                          include_usage: bool) -> AsyncIterator[str]:
+                          request_id: str, model_name: str, include_usage: bool,
+                          return_metrics: bool = False) -> AsyncIterator[str]:
     """The SSE events of a streamed response: each delta's chunks as they come, an error
-    event if the engine fails, the usage chunk when asked, then [DONE]."""
+    event if the engine fails, the usage chunk when asked, then [DONE]. `return_metrics`:
+    the last chunk before [DONE] (the usage chunk, else the last finish) has `metrics`."""
     created = now()
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -145,17 +152,27 @@ async def stream_response(streams: list[RequestStream], formatter: ChunkFormatte
         return body
 
     tally = StreamUsage()
+    num_finished = 0
     try:
         async for i, delta in merge_streams(streams):
             tally.add(i, delta)
-            for c in delta.outputs:
-                for choice in formatter.choice_chunks(i, c):
-                    yield sse(chunk([choice]))
+            num_finished += delta.finished
+            bodies = [chunk([choice]) for c in delta.outputs
+                      for choice in formatter.choice_chunks(i, c)]
+            if return_metrics and not include_usage and num_finished == len(streams):
+                bodies = bodies or [chunk([])]
+                bodies[-1]["metrics"] = tally.metrics()
+            for body in bodies:
+                yield sse(body)
     except Exception as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
                              "code": 500}})
+        return_metrics = False
     if include_usage:
-        yield sse({**chunk([]), "usage": usage(*tally.counts())})
+        body = {**chunk([]), "usage": usage(*tally.counts())}
+        if return_metrics:
+            body["metrics"] = tally.metrics()
+        yield sse(body)
     yield sse("[DONE]")
 
 
@@ -247,6 +264,17 @@ def usage_of(outputs: list[RequestOutput]) -> tuple[int, int, int]:
     return prompt, completion, cached
 
 
+def response_metrics(outputs: list[RequestOutput]) -> dict[str, Any] | None:
+    """The `metrics` of a whole response from its final outputs (one per prompt)."""
+    metrics = [o.metrics for o in outputs if o.metrics is not None]
+    if not metrics:
+        return None
+    prompt, _, cached = usage_of(outputs)
+    choice_tokens = [len(c.token_ids) for o in outputs
+                     for c in sorted(o.outputs, key=lambda c: c.index)]
+    return metrics_json(RequestMetrics.merge(metrics), prompt, cached, choice_tokens)
+
+
 def output_kind(stream: bool) -> RequestOutputKind:
     """Deltas for a streamed response, the final output only for a whole one."""
     return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -259,11 +287,28 @@ class StreamUsage:
         self.prompt_tokens: dict[int, int] = {}  # per prompt index
         self.cached_tokens: dict[int, int] = {}
         self.completion_tokens = 0
+        self.choice_tokens: dict[tuple[int, int], int] = {}  # (prompt index, choice index)
+        self.request_metrics: dict[int, RequestMetrics] = {}  # per prompt index, the latest
 
     def add(self, prompt_index: int, delta: RequestOutput) -> None:
         self.prompt_tokens[prompt_index] = len(delta.prompt_token_ids)
         self.cached_tokens[prompt_index] = delta.num_cached_tokens
         self.completion_tokens += sum(len(c.token_ids) for c in delta.outputs)
+        for c in delta.outputs:
+            key = (prompt_index, c.index)
+            self.choice_tokens[key] = self.choice_tokens.get(key, 0) + len(c.token_ids)
+        if delta.metrics is not None:
+            self.request_metrics[prompt_index] = delta.metrics
+
+    def metrics(self) -> dict[str, Any] | None:
+        """The response's `metrics`, as `response_metrics` builds them for a whole one."""
+        if not self.request_metrics:
+            return None
+        prompt, _, cached = self.counts()
+        merged = RequestMetrics.merge([self.request_metrics[i]
+                                       for i in sorted(self.request_metrics)])
+        return metrics_json(merged, prompt, cached,
+                            [self.choice_tokens[k] for k in sorted(self.choice_tokens)])
 
     def counts(self) -> tuple[int, int, int]:
         """(prompt, completion, cached), as `usage_of` counts them."""

@@ -21,6 +21,7 @@ from llmserve.entrypoints.openai.serving_base import (
     final_outputs,
     output_kind,
     prompt_logprobs_json,
+    response_metrics,
     stream_response,
     token_logprobs,
     top_entries,
@@ -108,13 +109,16 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return stream_response(streams, _ChatChunks(self, top_k, extractors), request_id,
-                                   self.model_name, include_usage)
+                                   self.model_name, include_usage, bool(request.return_metrics))
         (final,) = await final_outputs(streams)
         choices = [self._choice(c, top_k, extractors) for c in final.outputs]
         choices.sort(key=lambda c: c["index"])
-        return {"id": request_id, "object": "chat.completion", "created": now(),
+        body = {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final])),
                 "prompt_logprobs": prompt_logprobs_json(final)}
+        if request.return_metrics:
+            body["metrics"] = response_metrics([final])
+        return body
 
     def _params(self, request: ChatCompletionRequest, constraint: Constraint | None,
                 keep_special_tokens: bool) -> tuple[SamplingParams, str]:

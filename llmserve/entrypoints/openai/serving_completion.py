@@ -18,6 +18,7 @@ from llmserve.entrypoints.openai.serving_base import (
     final_outputs,
     output_kind,
     prompt_logprobs_json,
+    response_metrics,
     stream_response,
     token_logprobs,
     top_entries,
@@ -59,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             formatter = _CompletionChunks(self, params.n, echoes, request.logprobs)
             return stream_response(streams, formatter, request_id, self.model_name,
-                                   include_usage)
+                                   include_usage, bool(request.return_metrics))
         finals = await final_outputs(streams)
         choices = [
             {**self._choice(i * params.n + c.index, c, echoes[i], request.logprobs),
@@ -67,8 +68,11 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, out in enumerate(finals) for c in out.outputs
         ]
         choices.sort(key=lambda c: c["index"])
-        return {"id": request_id, "object": "text_completion", "created": now(),
+        body = {"id": request_id, "object": "text_completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage(*usage_of(finals))}
+        if request.return_metrics:
+            body["metrics"] = response_metrics(finals)
+        return body
 
     def _tokenize(self, prompts: list[str | list[int]], add_special: bool) -> list[list[int]]:
         return [self.tokenizer.encode(p, add_special_tokens=add_special) if isinstance(p, str)

@@ -141,9 +141,9 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
         raise LLMServeError(f"cannot write {out}: folder {out.parent} does not exist")
     options = {name: getattr(args, name) for name in ENGINE_FLAGS}
     config = EngineConfig(model=args.model, **{k: v for k, v in options.items() if v is not None})
-    engine = AsyncEngine(Engine(config))
-    summary = run_batch_file(engine, args.served_model_name or served_model_id(args.model),
-                             lines, out, args.max_concurrency, use_tqdm=not args.no_progress)
+    model_name = args.served_model_name or served_model_id(args.model)
+    summary = run_batch_file(lambda: AsyncEngine(Engine(config)), model_name, lines, out,
+                             args.max_concurrency, use_tqdm=not args.no_progress)
     where = "stdout" if out is sys.stdout else out
     print(f"run-batch: {summary.line()}; results in {where}", file=sys.stderr)
     return 0

@@ -157,9 +157,8 @@ class BatchHandlers:
         }
 
     async def run(self, line: BatchLine) -> Record:
-        """The output record of one line (errors included; never raises but on cancel)."""
-        if line.error is not None:
-            return _record(line.custom_id, None, line.error)
+        """The output record of a request line (the server's errors included; raises only
+        when cancelled)."""
         try:
             body = await self._respond(line)
         except Exception as e:  # the server's error handlers see the same exceptions
@@ -182,14 +181,17 @@ class BatchHandlers:
 
 
 async def run_lines(
-    engine: AsyncEngine, model_name: str, lines: list[BatchLine],
+    engine: AsyncEngine | None, model_name: str, lines: list[BatchLine],
     on_result: Callable[[BatchLine, Record], None], max_concurrency: int = 64,
     use_tqdm: bool = True,
 ) -> BatchSummary:
-    """Run `lines` through the handlers, at most `max_concurrency` at a time, calling
-    `on_result` as each finishes (in completion order). Starts and shuts down `engine`."""
+    """Run the request `lines` (no `error`) through the handlers, at most `max_concurrency`
+    at a time, calling `on_result` as each finishes (in completion order). Starts and shuts
+    down `engine` (None: there are no lines)."""
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+    if engine is None:
+        return BatchSummary()
     handlers = BatchHandlers(engine, model_name)
     summary = BatchSummary()
     bar = tqdm(total=len(lines), desc="Processed requests", unit="req", dynamic_ncols=True,
@@ -230,29 +232,32 @@ def _is_ok(record: Record) -> bool:
 
 
 def run_batch_file(
-    engine: AsyncEngine, model_name: str, lines: list[BatchLine], out: Path | TextIO,
-    max_concurrency: int = 64, use_tqdm: bool = True,
+    make_engine: Callable[[], AsyncEngine], model_name: str, lines: list[BatchLine],
+    out: Path | TextIO, max_concurrency: int = 64, use_tqdm: bool = True,
 ) -> BatchSummary:
     """Run a batch file's `lines` into `out`: a path (resumed if it holds results, written
-    whole and in order at the end) or a stream (results in order as they are ready)."""
+    whole and in order at the end) or a stream (results in order as they are ready).
+    `make_engine` is called (the model loaded) only if some line is left to run."""
     done = read_done(out) if isinstance(out, Path) else {}
+    # line-level errors need no engine: they are judged again, here
     results: list[Record | None] = [
-        done.get(line.custom_id) if line.error is None and line.custom_id else None
-        for line in lines]
+        _record(line.custom_id, None, line.error) if line.error is not None
+        else done.get(line.custom_id) for line in lines]
     todo = [line for line, result in zip(lines, results, strict=True) if result is None]
+    engine = make_engine() if todo else None
     if isinstance(out, Path):
         summary = _run_into_file(engine, model_name, todo, results, out, max_concurrency,
                                  use_tqdm)
     else:
         summary = _run_into_stream(engine, model_name, todo, results, out, max_concurrency,
                                    use_tqdm)
-    summary.num_skipped = len(lines) - len(todo)
+    summary.num_skipped = sum(line.error is None for line in lines) - len(todo)
     summary.num_ok = sum(_is_ok(record) for record in results)
     summary.num_errors = len(results) - summary.num_ok
     return summary
 
 
-def _run_into_file(engine: AsyncEngine, model_name: str, todo: list[BatchLine],
+def _run_into_file(engine: AsyncEngine | None, model_name: str, todo: list[BatchLine],
                    results: list[Record | None], path: Path, max_concurrency: int,
                    use_tqdm: bool) -> BatchSummary:
     try:
@@ -278,19 +283,23 @@ def _run_into_file(engine: AsyncEngine, model_name: str, todo: list[BatchLine],
     return summary
 
 
-def _run_into_stream(engine: AsyncEngine, model_name: str, todo: list[BatchLine],
+def _run_into_stream(engine: AsyncEngine | None, model_name: str, todo: list[BatchLine],
                      results: list[Record | None], out: TextIO, max_concurrency: int,
                      use_tqdm: bool) -> BatchSummary:
     written = 0  # results[:written] are out
 
-    def on_result(line: BatchLine, record: Record) -> None:
+    def write_ready() -> None:
         nonlocal written
-        results[line.index] = record
         while written < len(results) and results[written] is not None:
             out.write(_json_line(results[written]))
             written += 1
         out.flush()
 
+    def on_result(line: BatchLine, record: Record) -> None:
+        results[line.index] = record
+        write_ready()
+
+    write_ready()  # the line-level errors before the first request
     return asyncio.run(run_lines(engine, model_name, todo, on_result, max_concurrency,
                                  use_tqdm))
 

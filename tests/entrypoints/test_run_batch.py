@@ -237,6 +237,16 @@ def test_resume_recomputes_only_the_missing_lines(first_run, smollm2_gguf, monke
             assert _choice_texts(new) == _choice_texts(old)
 
 
+
+    def no_engine(*_: Any, **__: Any) -> None:
+        raise AssertionError("nothing is left to run, yet the model was loaded")
+
+    monkeypatch.setattr("llmserve.engine.engine.Engine", no_engine)
+    assert _run(smollm2_gguf, src, str(partial), "--no-progress") == 0
+    assert [r["id"] for r in _read(partial) if r["response"]] == [
+        r["id"] for r in after if r["response"]]
+
+
 def _choice_texts(record: dict[str, Any]) -> list[str] | dict:
     body = record["response"]["body"]
     if "error" in body:

@@ -97,15 +97,23 @@ class HealthMonitor:
             replica.mark_down(problem)
 
     async def _problem(self, replica: Replica) -> str | None:
-        if replica.process is not None and replica.process.poll() is not None:
-            return f"its process exited with code {replica.process.returncode}"
+        exited = _exited(replica)
+        if exited is not None:
+            return exited
         try:
             response = await self.client.get(f"{replica.url}/health", headers=self.headers,
                                               timeout=self.timeout_s)
         except httpx.TimeoutException:
             return f"/health did not answer within {self.timeout_s:g} s"
         except httpx.TransportError as e:
-            return f"/health failed: {type(e).__name__}: {e}"
+            # a process that died while the check was under way is named for that
+            return _exited(replica) or f"/health failed: {type(e).__name__}: {e}"
         if response.status_code != 200:
             return f"/health answered {response.status_code}"
         return None
+
+
+def _exited(replica: Replica) -> str | None:
+    if replica.process is not None and replica.process.poll() is not None:
+        return f"its process exited with code {replica.process.returncode}"
+    return None

@@ -199,8 +199,11 @@ def test_killed_replica_ends_streams_and_requests_with_503():
             assert whole.value.body["message"].startswith("replica 1 is down")
             with httpx.Client(base_url=router_url) as http:
                 wait_for(lambda: http.get("/health").status_code == 503, 3, "still healthy")
-                down = http.get("/health").json()["down"]
-                assert down[0]["replica"] == 1 and "exited" in down[0]["reason"]
+                # named by its exit (a check under way when it died may first see the
+                # refused connection; the next check names the exit)
+                wait_for(lambda: "exited" in http.get("/health").json()["down"][0]["reason"],
+                         3, "the exit is not named")
+                assert http.get("/health").json()["down"][0]["replica"] == 1
                 again = http.post("/v1/completions", json={"prompt": prompt_for(1, "moved")})
                 assert again.json()["choices"][0]["text"] == "replica-0"
                 failures = samples(http.get("/metrics").text)

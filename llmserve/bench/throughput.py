@@ -1,11 +1,17 @@
 """Offline throughput: N synthetic prompts of exactly `input_len` tokens, each generating
-exactly `output_len` tokens (greedy, EOS ignored), through `LLM.generate`.
+exactly `output_len` tokens (greedy, EOS ignored), through `LLM.generate`; with
+`random_output_len`, request i generates a length drawn uniformly from [1, 2 x output_len
+- 1] instead (mean `output_len`, seeded), as real traffic's answers differ in length.
 
-`batched` submits every prompt at once (continuous batching); `sequential` runs the same
-engine one request at a time, the baseline batching is measured against. Each run gets its
-own prompts (a different seed) so a later run never hits the prefix cache of an earlier one.
+`batched` submits every prompt at once (continuous batching, under the engine's scheduling
+policy); `static` submits them at once to the same engine switched to static batching (a
+batch runs to completion before the next is admitted: with lengths that differ, a batch
+waits for its longest member); `sequential` runs the same engine one request at a time, the
+baseline batching is measured against. Each run gets its own prompts (a different seed) so
+a later run never hits the prefix cache of an earlier one.
 """
 
+import dataclasses
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -15,7 +21,7 @@ from llmserve.bench.machine import format_machine, format_path, machine_info, pa
 from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
 
-Mode = Literal["batched", "sequential"]
+Mode = Literal["batched", "static", "sequential"]
 _WARMUP_OUTPUT_LEN = 4
 
 
@@ -71,18 +77,31 @@ def run_throughput(
     mode: Mode = "batched",
     seed: int = 0,
     use_tqdm: bool = True,
+    random_output_len: bool = False,
+    lengths_seed: int = 0,
 ) -> ThroughputResult:
-    """Time `num_prompts` requests of `input_len` + `output_len` tokens in `mode`."""
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    """Time `num_prompts` requests of `input_len` + `output_len` tokens in `mode`. The
+    random output lengths come from `lengths_seed`, so that runs in different modes (whose
+    prompts differ, by `seed`) generate the same numbers of tokens."""
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+              for n in output_lens(num_prompts, output_len, random_output_len, lengths_seed)]
     warmup = synthetic_prompts(llm, 1, input_len, seed=-1 - seed)
     llm.generate(warmup, SamplingParams(temperature=0.0, max_tokens=_WARMUP_OUTPUT_LEN,
                                         ignore_eos=True), use_tqdm=False)
     prompts = synthetic_prompts(llm, num_prompts, input_len, seed)
+    scheduler = llm.engine.scheduler
+    policy = scheduler.config
     start = time.perf_counter()
-    if mode == "batched":
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    if mode == "sequential":
+        outputs = [llm.generate(p, sp, use_tqdm=False)[0] for p, sp in zip(prompts, params,
+                                                                           strict=True)]
     else:
-        outputs = [llm.generate(p, params, use_tqdm=False)[0] for p in prompts]
+        if mode == "static":  # the same engine, batch by batch
+            scheduler.config = dataclasses.replace(policy, policy="static")
+        try:
+            outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+        finally:
+            scheduler.config = policy
     elapsed = time.perf_counter() - start
     return ThroughputResult(
         mode=mode,
@@ -95,12 +114,23 @@ def run_throughput(
     )
 
 
+def output_lens(num_prompts: int, output_len: int, random_lengths: bool, seed: int
+                ) -> list[int]:
+    """Every request's output length: `output_len`, or uniform in [1, 2 x output_len - 1]."""
+    if not random_lengths:
+        return [output_len] * num_prompts
+    rng = random.Random(seed)
+    return [rng.randint(1, 2 * output_len - 1) for _ in range(num_prompts)]
+
+
 def report(llm: LLM, results: list[ThroughputResult], seed: int) -> dict[str, Any]:
     """The JSON report: the setup, one entry per run, and the batched/sequential ratio."""
     by_mode = {r.mode: r for r in results}
-    ratio = None
+    ratio = static = None
     if {"batched", "sequential"} <= by_mode.keys():
         ratio = by_mode["batched"].output_tokens_per_s / by_mode["sequential"].output_tokens_per_s
+    if {"batched", "static"} <= by_mode.keys():
+        static = by_mode["batched"].output_tokens_per_s / by_mode["static"].output_tokens_per_s
     return {
         "model": llm.engine.loaded.source.name,
         **path_info(llm),
@@ -112,6 +142,7 @@ def report(llm: LLM, results: list[ThroughputResult], seed: int) -> dict[str, An
         "scheduling_policy": llm.engine.config.scheduling_policy,
         "runs": [r.to_dict() for r in results],
         "batched_over_sequential": ratio,
+        "batched_over_static": static,
     }
 
 

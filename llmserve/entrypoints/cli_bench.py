@@ -25,18 +25,24 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "input_len", "output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.compare_static and args.scheduling_policy == "static":
+        raise ValueError("--compare-static compares continuous batching with static: leave "
+                         "--scheduling-policy at fcfs or priority")
     modes = ["batched", "sequential"] if args.compare else [
         "sequential" if args.sequential else "batched"]
+    if args.compare_static:
+        modes = ["batched", "static"]
     llm = _make_llm(args)
     results = [
         run_throughput(llm, args.num_prompts, args.input_len, args.output_len, mode,
-                       seed=args.seed + i)  # a seed per run: no prefix-cache hits across runs
+                       seed=args.seed + i,  # a seed per run: no prefix-cache hits across runs
+                       random_output_len=args.random_output_len, lengths_seed=args.seed)
         for i, mode in enumerate(modes)
     ]
     print(format_table(results, llm))
-    if args.compare:
+    if args.compare or args.compare_static:
         speedup = results[0].output_tokens_per_s / results[1].output_tokens_per_s
-        print(f"batched / sequential output throughput: {speedup:.2f}x")
+        print(f"batched / {modes[1]} output throughput: {speedup:.2f}x")
     if args.output_json:
         write_json(args.output_json, report(llm, results, seed=args.seed))
     return 0
@@ -247,8 +253,14 @@ def _add_bench_throughput(kinds: Any, common: argparse.ArgumentParser) -> None:
     mode = tp.add_mutually_exclusive_group()
     mode.add_argument("--sequential", action="store_true",
                       help="one request at a time through the same engine")
+    mode.add_argument("--compare-static", action="store_true",
+                      help="run continuous batching, then the same engine batch by batch "
+                           "(static), and print the speed-up")
     mode.add_argument("--compare", action="store_true",
                       help="run batched and sequential and print the speed-up")
+    tp.add_argument("--random-output-len", action="store_true",
+                    help="each request's output length uniform in [1, 2 x --output-len - 1] "
+                         "(mean --output-len) instead of exactly --output-len")
     tp.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
     _add_engine_flags(tp)
     tp.set_defaults(func=cmd_bench_throughput)

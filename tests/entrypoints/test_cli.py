@@ -96,6 +96,32 @@ def test_bench_throughput_writes_json(tmp_path):
     assert run["requests_per_s"] > 0 and run["total_tokens_per_s"] > run["output_tokens_per_s"]
 
 
+def test_bench_throughput_compares_static_batching(tmp_path):
+    """Continuous then static batching on the same engine, with random output lengths: the
+    same lengths in both runs (the tokens generated match), the policy restored after."""
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "throughput", *MODEL, *SMALL_KV, "--num-prompts", "6",
+                   "--input-len", "8", "--output-len", "6", "--random-output-len",
+                   "--max-num-seqs", "2", "--compare-static", "--output-json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "batched / static output throughput" in proc.stdout
+    report = json.loads(out.read_text())
+    batched, static = report["runs"]
+    assert (batched["mode"], static["mode"]) == ("batched", "static")
+    assert batched["num_output_tokens"] == static["num_output_tokens"]
+    assert batched["num_output_tokens"] != 6 * 6  # the lengths vary (seed 0)
+    assert report["scheduling_policy"] == "fcfs" and report["batched_over_static"] > 0
+
+
+def test_output_lens_random_but_seeded():
+    from llmserve.bench.throughput import output_lens
+
+    lengths = output_lens(200, 16, True, seed=3)
+    assert lengths == output_lens(200, 16, True, seed=3)
+    assert min(lengths) >= 1 and max(lengths) <= 31 and len(set(lengths)) > 10
+    assert output_lens(5, 16, False, seed=3) == [16] * 5
+
+
 # ---- commands that only read metadata ----------------------------------------------------
 
 

@@ -18,15 +18,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmserve import __version__
 from llmserve.entrypoints.openai.http_layer import (
-    AuthMiddleware,
-    BodyLimitMiddleware,
     install_error_handlers,
+    install_middleware,
 )
 from llmserve.entrypoints.openai.protocol import error_body
 from llmserve.entrypoints.openai.server import API_KEY_ENV, serve_announced
@@ -69,13 +67,7 @@ def build_app(router: Router) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, retry_after_s=1)
     _add_routes(app, router)
-    if settings.api_key:
-        app.add_middleware(AuthMiddleware, api_key=settings.api_key,
-                           open_paths=settings.open_paths)
-    if settings.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                           allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    install_middleware(app, settings)
     return app
 
 

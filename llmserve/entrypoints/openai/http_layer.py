@@ -57,6 +57,20 @@ def exception_error(exc: Exception) -> tuple[int, dict[str, Any]]:
     return status, error_body(message, _ERROR_TYPES.get(status, "server_error"), param, code)
 
 
+def install_middleware(app: FastAPI, settings: Any) -> None:
+    """API key, CORS and the request-size cap, as `settings` (a server's or a router's:
+    `api_key`, `open_paths`, `allowed_origins`, `max_request_bytes`) asks."""
+    from fastapi.middleware.cors import CORSMiddleware
+
+    if settings.api_key:
+        app.add_middleware(AuthMiddleware, api_key=settings.api_key,
+                           open_paths=settings.open_paths)
+    if settings.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+
+
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     """Every error leaves in OpenAI's shape: {"error": {message, type, param, code}}."""
 

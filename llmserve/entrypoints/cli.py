@@ -446,7 +446,7 @@ def _add_network_flags(group: Any) -> None:
     group.add_argument("--port", type=int, default=8000,
                        help="port (default 8000; 0: any free)")
     group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route "
-                       "but /health and /metrics (default: $LLMSERVE_API_KEY)")
+                       "but /health, /metrics and the chat page (default: $LLMSERVE_API_KEY)")
     group.add_argument("--metrics-require-auth", action="store_true",
                        help="protect /metrics with the API key too")
     group.add_argument("--allowed-origins", action="append", metavar="ORIGINS",

@@ -5,7 +5,7 @@ replica the policy picks (prefix affinity and load by default) and come back unc
 /v1/models comes from the first replica that is up. `build_disaggregated_app()` fronts a
 prefill and a decode server (`disaggregated`). Either way /health is 200 only while every
 backend is up, /metrics joins the backends' metrics and the router's own, and
-`run_router()` serves the app with uvicorn.
+`run_router()` serves the app with uvicorn. The chat page at / is served here as on a server.
 """
 
 import asyncio
@@ -28,6 +28,7 @@ from llmserve.entrypoints.openai.http_layer import (
 )
 from llmserve.entrypoints.openai.protocol import error_body
 from llmserve.entrypoints.openai.server import API_KEY_ENV, serve_announced
+from llmserve.entrypoints.openai.web_ui import add_web_ui_routes
 from llmserve.router.base import Router, RouterSettings, down_response, json_or_none
 from llmserve.router.disaggregated import DisaggregatedRouter
 from llmserve.router.metrics import DataParallelMetrics
@@ -67,6 +68,7 @@ def build_app(router: Router) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, retry_after_s=1)
     _add_routes(app, router)
+    add_web_ui_routes(app)
     install_middleware(app, settings)
     return app
 

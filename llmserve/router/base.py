@@ -20,6 +20,7 @@ from fastapi.responses import Response
 
 from llmserve.entrypoints.openai.http_layer import error_response
 from llmserve.entrypoints.openai.server import DEFAULT_MAX_REQUEST_BYTES
+from llmserve.entrypoints.openai.web_ui import PAGE_PATHS
 from llmserve.router.metrics import RouterMetrics
 from llmserve.router.policy import DEFAULT_PREFIX_CHARS
 from llmserve.router.proxy import ReplicaFailed, forward, replica_failed_response
@@ -49,7 +50,7 @@ class RouterSettings:
         if self.health_interval_s <= 0 or self.health_timeout_s <= 0:
             raise ValueError("health_interval_s and health_timeout_s must be positive")
         paths = {"/health"} if self.metrics_require_auth else {"/health", "/metrics"}
-        object.__setattr__(self, "open_paths", frozenset(paths))
+        object.__setattr__(self, "open_paths", frozenset(paths) | PAGE_PATHS)
 
     @property
     def auth_headers(self) -> dict[str, str]:

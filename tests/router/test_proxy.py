@@ -141,6 +141,8 @@ def test_api_key_checked_here_and_forwarded():
         client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="secret", max_retries=0)
         assert client.completions.create(model="fake", prompt="x").choices[0].text == "replica-0"
         assert httpx.get(f"{router_url}/health").status_code == 200  # open, as on a server
+        page = httpx.get(f"{router_url}/")  # the chat page too: it asks for the key
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert backend.seen[-1][1]["authorization"] == "Bearer secret"
 
 

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app()` (FastAPI) and `run_server()` (uvicorn).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health,
-/metrics, /version. Model work happens on the AsyncEngine's thread, tokenization on its
-small executor; the event loop only moves bytes.
+/metrics, /version, and the chat page at / (web_ui.py). Model work happens on the
+AsyncEngine's thread, tokenization on its small executor; the event loop only moves bytes.
 """
 
 import asyncio
@@ -38,6 +38,7 @@ from llmserve.entrypoints.openai.protocol import (
 from llmserve.entrypoints.openai.serving_base import SSEResponse
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.web_ui import PAGE_PATHS, add_web_ui_routes
 from llmserve.errors import LLMServeError
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
@@ -62,7 +63,7 @@ class ServerSettings:
         if self.max_request_bytes < 1:
             raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         paths = {"/health"} if self.metrics_require_auth else {"/health", "/metrics"}
-        object.__setattr__(self, "open_paths", frozenset(paths))
+        object.__setattr__(self, "open_paths", frozenset(paths) | PAGE_PATHS)
 
 
 def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -78,6 +79,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
                   docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, settings.retry_after_s)
     _add_routes(app, engine, settings)
+    add_web_ui_routes(app)
     install_middleware(app, settings)
     return app
 

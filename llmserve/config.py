@@ -5,13 +5,24 @@ from typing import Any
 
 from llmserve.errors import UnsupportedModelError
 
-# Hugging Face `model_type` values served by the Llama-family module, and what each adds.
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Hugging Face `model_type` values llmserve runs: the Llama family (`models/llama.py`) and
+# Gemma 3 (`models/gemma3.py`, text-only checkpoints).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# Hugging Face `model_type` spellings of a supported architecture.
+ARCHITECTURE_ALIASES = {"gemma3_text": "gemma3"}
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder, in Hugging Face `config.json` terms."""
+    """Shape and numerics of a decoder, in Hugging Face `config.json` terms.
+
+    Per layer: `sliding_windows[i]` is the attention window of layer i (a query sees the
+    last `window` positions, itself included; 0: every position) and
+    `rope_local_theta`, when set, is the rotary base of the windowed layers (Gemma 3's
+    local layers). `attention_scale` overrides head_dim ** -0.5; the soft-caps (Gemma)
+    squash attention scores and final logits as cap * tanh(x / cap).
+    """
 
     architecture: str
     vocab_size: int
@@ -29,6 +40,11 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
     hidden_act: str = "silu"
+    sliding_windows: tuple[int, ...] = ()  # per layer; empty: no layer is windowed
+    rope_local_theta: float | None = None
+    attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -37,8 +53,12 @@ class ModelConfig:
                 f"unsupported model architecture '{self.architecture}' "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        if self.hidden_act != "silu":
-            raise UnsupportedModelError(f"unsupported activation '{self.hidden_act}' (only silu)")
+        if self.hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"unsupported activation '{self.hidden_act}' "
+                                        f"(supported: {', '.join(ACTIVATIONS)})")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
+            raise UnsupportedModelError(
+                f"{len(self.sliding_windows)} sliding windows for {self.num_hidden_layers} layers")
         if self.num_attention_heads % self.num_key_value_heads:
             raise UnsupportedModelError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -49,10 +69,19 @@ class ModelConfig:
             if kind not in ("default", "llama3", "linear"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type '{kind}'")
 
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window (0: unwindowed)."""
+        return self.sliding_windows[layer] if self.sliding_windows else 0
+
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Build from a Hugging Face `config.json` dictionary."""
         arch = cfg.get("model_type")
+        arch = ARCHITECTURE_ALIASES.get(arch, arch)
+        if arch == "gemma3" and "text_config" in cfg:
+            raise UnsupportedModelError(
+                "this Gemma 3 checkpoint has a vision tower (Gemma3ForConditionalGeneration); "
+                "llmserve runs text-only Gemma 3 checkpoints (Gemma3ForCausalLM)")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported model architecture '{arch}' "
@@ -61,11 +90,24 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
+        rope_local_theta = cfg.get("rope_local_base_freq")
         rope_params = cfg.get("rope_parameters")  # newer transformers nest rope settings here
+        if isinstance(rope_params, dict) and "full_attention" in rope_params:
+            # per layer type (Gemma 3): the global layers' rope, and the local layers' base
+            local = rope_params.get("sliding_attention") or {}
+            rope_local_theta = local.get("rope_theta", rope_local_theta)
+            if local.get("rope_type", "default") != "default":
+                raise UnsupportedModelError("unsupported rope scaling on sliding-window layers")
+            rope_params = rope_params["full_attention"]
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        gemma = arch == "gemma3"
+        if gemma and rope_local_theta is None:
+            rope_local_theta = 10000.0
+        hidden_act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        scalar = cfg.get("query_pre_attn_scalar") if gemma else None
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -81,9 +123,43 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
-            qk_norm=arch == "qwen3",
-            hidden_act=cfg.get("hidden_act", "silu"),
+            qk_norm=arch in ("qwen3", "gemma3"),
+            hidden_act=hidden_act,
+            sliding_windows=hf_sliding_windows(cfg, arch),
+            rope_local_theta=rope_local_theta if gemma else None,
+            attention_scale=None if scalar is None else float(scalar) ** -0.5,
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
+            final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
         )
+
+
+def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
+    """Each layer's attention window from a Hugging Face config (empty: none windowed).
+
+    `layer_types` names them where the config has it; otherwise Gemma 3 windows five
+    layers of every six (`sliding_window_pattern`), Mistral every layer when
+    `sliding_window` is set, and Qwen2/3 the layers from `max_window_layers` on when
+    `use_sliding_window` is true."""
+    window = cfg.get("sliding_window")
+    num_layers = cfg["num_hidden_layers"]
+    if not window:
+        return ()
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        return ()
+    types = cfg.get("layer_types")
+    if types is None:
+        if arch == "gemma3":
+            pattern = cfg.get("sliding_window_pattern", 6)
+            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                     for i in range(num_layers)]
+        elif arch in ("qwen2", "qwen3"):
+            first = cfg.get("max_window_layers", num_layers)
+            types = ["sliding_attention" if i >= first else "full_attention"
+                     for i in range(num_layers)]
+        else:
+            types = ["sliding_attention"] * num_layers
+    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    return windows if any(windows) else ()
 
 
 # "auto" keeps a quantized checkpoint quantized: GGUF Q4_* on the int4 kernels, Q5/Q6/Q8

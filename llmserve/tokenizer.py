@@ -18,7 +18,7 @@ import jinja2
 import jinja2.ext
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from llmserve.errors import (
@@ -89,6 +89,25 @@ _PRE_TOKENIZERS: dict[str, _PreTokenizerSpec] = {
 _TURN_TERMINATORS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 # End-of-document tokens: a model that emits one is done, whatever its metadata's eos says.
 _DOCUMENT_TERMINATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+_SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
+
+# Chat templates for GGUF files that carry none (base models), by `general.architecture`;
+# a file's own `tokenizer.chat_template` always wins.
+DEFAULT_CHAT_TEMPLATES = {
+    # Gemma's turn format: the system prompt opens the first user turn
+    "gemma3": (
+        "{{ bos_token }}"
+        "{% if messages and messages[0]['role'] == 'system' %}"
+        "{% set system = messages[0]['content'] + '\n\n' %}{% set messages = messages[1:] %}"
+        "{% else %}{% set system = '' %}{% endif %}"
+        "{% for message in messages %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+        "{{ '<start_of_turn>' + role + '\n' + (system if loop.first else '') "
+        "+ message['content'] | trim + '<end_of_turn>\n' }}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+    ),
+}
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -176,50 +195,40 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
-        """Build from GGUF `tokenizer.*` metadata (as `read_metadata` returns it).
-
-        Only byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is supported; SentencePiece
-        vocabularies (`llama`) raise `UnsupportedModelError`.
-        """
+        """Build from GGUF `tokenizer.*` metadata (as `read_metadata` returns it): byte-level
+        BPE (`tokenizer.ggml.model == "gpt2"`) or a SentencePiece BPE vocabulary (`llama`,
+        e.g. Gemma's, Llama 2's). Other kinds raise `UnsupportedModelError`."""
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModelError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE 'gpt2'); "
-                "use the model's Hugging Face folder instead"
-            )
-        pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-        spec = _PRE_TOKENIZERS.get(pre)
-        if spec is None:
-            raise UnsupportedModelError(
-                f"GGUF pre-tokenizer {pre!r} is not supported "
-                f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
-            )
-        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        tokens: list[str] = meta.get("tokenizer.ggml.tokens", [])
         token_types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        backend = HFTokenizer(
-            models.BPE(vocab, merges, ignore_merges=spec.ignore_merges)  # type: ignore[arg-type]
-        )
-        backend.pre_tokenizer = spec.build()
-        backend.decoder = decoders.ByteLevel()
-        backend.add_tokens(_gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_USER_DEFINED))
-        backend.add_special_tokens(_gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_CONTROL))
-
+        if kind == "gpt2":
+            backend = _byte_level_backend(meta, tokens, token_types)
+        elif kind == "llama":
+            backend = _sentencepiece_backend(meta, tokens, token_types)
+        else:
+            raise UnsupportedModelError(
+                f"GGUF tokenizer model {kind!r} is not supported (supported: byte-level BPE "
+                "'gpt2', SentencePiece 'llama'); use the model's Hugging Face folder instead"
+            )
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))
         add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-        post = _bos_eos_processor(tokens, bos if add_bos else None, eos if add_eos else None)
+        post = _bos_eos_processor(tokens, bos if add_bos and bos is not None else None,
+                                  eos if add_eos else None)
         if post is not None:
             backend.post_processor = post
+        template = meta.get("tokenizer.chat_template")
+        if template is None:
+            template = DEFAULT_CHAT_TEMPLATES.get(meta.get("general.architecture", ""))
         return cls(
             backend,
             bos_token_id=bos,
             eos_token_id=eos,
             unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-            chat_template=meta.get("tokenizer.chat_template"),
+            chat_template=template,
         )
 
     @classmethod
@@ -365,6 +374,84 @@ def _gguf_added_tokens(tokens: list[str], token_types: list[int], kind: int) -> 
         for tok, tt in zip(tokens, token_types, strict=True)
         if tt == kind
     ]
+
+
+def _byte_level_backend(meta: dict[str, Any], tokens: list[str],
+                        token_types: list[int]) -> HFTokenizer:
+    """Byte-level BPE with the pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre`."""
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    spec = _PRE_TOKENIZERS.get(pre)
+    if spec is None:
+        raise UnsupportedModelError(
+            f"GGUF pre-tokenizer {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(_PRE_TOKENIZERS))})"
+        )
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = HFTokenizer(
+        models.BPE(vocab, merges, ignore_merges=spec.ignore_merges)  # type: ignore[arg-type]
+    )
+    backend.pre_tokenizer = spec.build()
+    backend.decoder = decoders.ByteLevel()
+    backend.add_tokens(_gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_USER_DEFINED))
+    backend.add_special_tokens(_gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_CONTROL))
+    return backend
+
+
+def _sentencepiece_backend(meta: dict[str, Any], tokens: list[str],
+                           token_types: list[int]) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary as a `tokenizers` BPE with byte fallback.
+
+    Spaces are written as U+2581 (and, with `add_space_prefix`, one is put before the
+    text). GGUF files keep no merges for these vocabularies, so they are recovered from the
+    vocabulary (`_sentencepiece_merges`). Gemma files spell their whitespace-run tokens
+    with real spaces ("  "); those are respelled with U+2581, the form the merges reach.
+    """
+    arch = meta.get("general.architecture", "")
+    gemma = arch.startswith("gemma")
+    if gemma:
+        tokens = [_SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    if gemma:  # Gemma's merge order is the vocabulary's order, not its scores
+        priority: list[float] = [-i for i in range(len(tokens))]
+    else:
+        priority = list(meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None and 0 <= unk_id < len(tokens) else None
+    backend = HFTokenizer(models.BPE(
+        vocab, _sentencepiece_merges(tokens, priority),  # type: ignore[arg-type]
+        unk_token=unk, fuse_unk=True, byte_fallback=True))
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", not gemma))
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", _SPIECE_SPACE)]
+    if space_prefix:
+        steps.insert(0, normalizers.Prepend(_SPIECE_SPACE))
+    backend.normalizer = normalizers.Sequence(steps)
+    decode_steps: list[decoders.Decoder] = [
+        decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        decode_steps.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(decode_steps)
+    # user-defined tokens ("\n", "<start_of_image>") stay whole, unless respelled above
+    user = [t for t in _gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_USER_DEFINED)
+            if not t.content.startswith(_SPIECE_SPACE)]
+    backend.add_tokens(user)
+    backend.add_special_tokens(_gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_CONTROL))
+    return backend
+
+
+def _sentencepiece_merges(tokens: list[str], priority: list[float]) -> list[tuple[str, str]]:
+    """The BPE merges a SentencePiece vocabulary implies: every way of cutting a token into
+    two vocabulary pieces, best token first (highest `priority`), and for one token the
+    longer left piece first (as SentencePiece's own BPE and transformers order them)."""
+    vocab = set(tokens)
+    found: list[tuple[float, int, int, str, str]] = []
+    for index, token in enumerate(tokens):
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                found.append((-priority[index], index, len(token) - cut, left, right))
+    found.sort(key=lambda m: m[:3])
+    return [(left, right) for _, _, _, left, right in found]
 
 
 def _bos_eos_processor(

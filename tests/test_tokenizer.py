@@ -177,12 +177,34 @@ def test_no_chat_template_is_an_error() -> None:
 
 
 def test_unsupported_gguf_tokenizers() -> None:
-    with pytest.raises(UnsupportedModelError, match="'llama'"):
-        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    with pytest.raises(UnsupportedModelError, match="'rwkv'"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "rwkv"})
     with pytest.raises(UnsupportedModelError, match="'nonesuch'"):
         Tokenizer.from_gguf_metadata(
             {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "nonesuch"}
         )
+
+
+def test_sentencepiece_vocabulary_from_gguf_metadata() -> None:
+    """A Llama-2-style SentencePiece vocabulary: merges recovered from the scores, a space
+    put before the text, bytes outside the vocabulary spelled with byte tokens, BOS added
+    (llama.cpp's default for these vocabularies). The real one (Gemma 3) is compared
+    with transformers in tests/models/test_gemma3_reference.py."""
+    tokens = ["<unk>", "<s>", "</s>", "<0x63>", "\u2581", "a", "b", "\u2581a", "ab", "\u2581ab"]
+    meta = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0, 0.0, 0.0, 0.0, -5.0, -1.0, -2.0, -3.0, -4.0, -1.5],
+        "tokenizer.ggml.token_type": [2, 3, 3, 6, 1, 1, 1, 1, 1, 1],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    tok = Tokenizer.from_gguf_metadata(meta)
+    assert tok.encode("ab") == [1, 9]  # <s> ▁ab
+    assert tok.encode("ab ab c", add_special_tokens=False) == [9, 9, 4, 3]
+    assert tok.decode([1, 9, 9, 4, 3], skip_special_tokens=True) == "ab ab c"
+    assert tok.stop_token_ids == frozenset({2})
 
 
 def test_add_bos_eos_from_metadata() -> None:

@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _SOURCES = (_SOURCE, _SOURCE.with_name("llama_layers.cpp"), _SOURCE.with_name("thread_pool.h"))
 DEFAULT_SPIN_US = 1000
-_ABI = 12
+_ABI = 13
 _LOCK = threading.Lock()
 _pool_size: dict[str, int] = {}  # threads of the kernels' current pool
 
@@ -54,7 +54,7 @@ _SIGNATURES = {
     "llmserve_kv_cache_write": [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
     "llmserve_paged_attention": [
         _P, _I64, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _I64, _F32,
-        _P,
+        _I64, _F32, _P,
     ],
 }
 _RESTYPES = {"llmserve_kernels_abi": _I32}

@@ -627,7 +627,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 12; }
+int32_t llmserve_kernels_abi() { return 13; }
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.
@@ -928,7 +928,9 @@ void llmserve_kv_cache_write(const float* k, const float* v, int64_t kv_stride, 
 // [query_start[b], query_start[b + 1]) at positions context_lens[b] + i, and attends
 // causally to its cached keys 0 .. context_lens[b] + i through its row of block_tables
 // (B, max_blocks). q: (T, H, D) fp32 with rows `q_stride` floats apart; out: (T, H, D)
-// contiguous; cache: (num_blocks, block_size, Hkv, D).
+// contiguous; cache: (num_blocks, block_size, Hkv, D). With `window` > 0 a query at
+// position p sees only keys p - window + 1 .. p (sliding-window layers); with `softcap`
+// > 0 each score s becomes softcap * tanh(s / softcap).
 //
 // Work items are (sequence, kv head, tile of queries): a block of keys and values is read
 // (and widened) once for every query head of the group and every query of the tile. Each
@@ -941,7 +943,8 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
                               const float* v_scales, int32_t dtype, int64_t block_size,
                               int64_t Hkv, const int32_t* block_tables, int64_t max_blocks,
                               const int32_t* query_start, const int32_t* context_lens,
-                              int64_t B, float scale, float* out) {
+                              int64_t B, float scale, int64_t window, float softcap,
+                              float* out) {
   constexpr int64_t kTile = 8;
   const int64_t group = H / Hkv;
   std::vector<int64_t> item_start(B + 1, 0);
@@ -964,11 +967,14 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
       int64_t nq = std::min(kTile, static_cast<int64_t>(query_start[b + 1] - query_start[b]) - q0);
       int64_t context = context_lens[b];
       int64_t last_key = context + q0 + nq;  // keys the tile's last query sees
+      // the block holding the first key the tile's first query sees
+      int64_t first_block = window > 0 ? std::max<int64_t>(0, context + q0 + 1 - window) /
+                                             block_size : 0;
       const int32_t* table = block_tables + b * max_blocks;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(running_max.begin(), running_max.end(), -INFINITY);
       std::fill(denom.begin(), denom.end(), 0.f);
-      for (int64_t k0 = 0; k0 < last_key; k0 += block_size) {
+      for (int64_t k0 = first_block * block_size; k0 < last_key; k0 += block_size) {
         int64_t n = std::min(block_size, last_key - k0);
         int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_size;
         for (int64_t j = 0; j < n; ++j) {
@@ -978,17 +984,23 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
                                      &values[j * D]);
         }
         for (int64_t i = 0; i < nq; ++i) {
-          int64_t visible = std::min(n, context + q0 + i + 1 - k0);  // causal
-          if (visible <= 0) continue;
+          int64_t pos = context + q0 + i;
+          // keys [lo, visible) of the block: causal, and inside the window if any
+          int64_t visible = std::min(n, pos + 1 - k0);
+          int64_t lo = window > 0 ? std::max<int64_t>(0, pos + 1 - window - k0) : 0;
+          if (visible <= lo) continue;
           int64_t token = query_start[b] + q0 + i;
           for (int64_t g = 0; g < group; ++g) {
             int64_t h = kvh * group + g, r = i * group + g;
             const float* qv = q + token * q_stride + h * D;
             float block_max = -INFINITY;
-            for (int64_t j0 = 0; j0 < visible; j0 += 16)
+            for (int64_t j0 = lo; j0 < visible; j0 += 16)
               scores_block(qv, &key_rows[j0], std::min<int64_t>(16, visible - j0), D, scale,
                            &scores[j0]);
-            for (int64_t j = 0; j < visible; ++j) block_max = std::max(block_max, scores[j]);
+            if (softcap > 0.f)
+              for (int64_t j = lo; j < visible; ++j)
+                scores[j] = softcap * std::tanh(scores[j] / softcap);
+            for (int64_t j = lo; j < visible; ++j) block_max = std::max(block_max, scores[j]);
             float* a = &acc[r * D];
             if (block_max > running_max[r]) {
               float correction;
@@ -998,7 +1010,7 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
               denom[r] *= correction;
               running_max[r] = block_max;
             }
-            for (int64_t j0 = 0; j0 < visible; j0 += 16) {
+            for (int64_t j0 = lo; j0 < visible; j0 += 16) {
               int64_t m = std::min<int64_t>(16, visible - j0);
               for (int64_t j = 0; j < m; ++j) shifted[j] = scores[j0 + j] - running_max[r];
               exp_block(shifted, m, probs);

@@ -28,7 +28,8 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
                               const float* v_scales, int32_t dtype, int64_t block_size,
                               int64_t Hkv, const int32_t* block_tables, int64_t max_blocks,
                               const int32_t* query_start, const int32_t* context_lens,
-                              int64_t B, float scale, float* out);
+                              int64_t B, float scale, int64_t window, float softcap,
+                              float* out);
 }
 
 namespace {
@@ -52,6 +53,7 @@ struct LlamaLayer {
   void* value_cache;
   float* key_scales;
   float* value_scales;
+  int64_t window;  // sliding attention window (0: none)
 };
 
 struct LlamaShape {
@@ -121,7 +123,8 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
     llmserve_paged_attention(qkv, qkv_width, H, D, L.key_cache, L.value_cache, L.key_scales,
                              L.value_scales, step->kv_dtype, step->block_size, Hkv,
                              step->block_tables, step->max_blocks, step->query_start,
-                             step->context_lens, step->num_seqs, s.attention_scale, attn);
+                             step->context_lens, step->num_seqs, s.attention_scale,
+                             L.window, /*softcap=*/0.f, attn);
     linear(attn, T, L.o, delta, qscratch);
     add_(x, delta, T * C);
     llmserve_rms_norm(x, T, C, L.post_attention_norm, s.eps, h);

@@ -21,7 +21,7 @@ from llmserve.loader.gguf_meta import GGUFTensor, open_gguf, read_metadata
 from llmserve.loader.weights import LoadedWeights, WeightSlices, drop_tied_head, require_path
 
 # GGUF `general.architecture` -> Hugging Face `model_type`.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
 
 FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16})
 # 4-bit types whose blocks are (or refine to) groups of 32 with a scale and an offset: the
@@ -54,6 +54,21 @@ GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma 3 norms around both halves of a layer: its `ffn_norm` is the pre-MLP norm.
+GEMMA3_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+LAYER_NAMES = {"gemma3": GEMMA3_LAYER_NAMES}
+
+# Gemma's RMSNorm scales by (1 + weight); llama.cpp's converter stores 1 + weight, the
+# Hugging Face checkpoint (our canonical form) the weight itself.
+NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma3"})
+# Gemma 3 in llama.cpp: five local layers (window, rotary base 10000) to one global
+GEMMA3_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 # Llama 3 GGUFs carry their rope scaling as per-frequency divisors, not as metadata.
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
@@ -86,11 +101,14 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     config = _build_config(metadata, arch, by_name, rope_freqs)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in by_name.items():
-        rows, cols = slices(config, hf_name(name)) if slices is not None else (None, None)
+        canonical = hf_name(name, arch)
+        rows, cols = slices(config, canonical) if slices is not None else (None, None)
         weight = _to_torch(tensor, rows, cols)
         if arch in ROTARY_PERMUTED_ARCHITECTURES:
             weight = _unpermute_qk(name, weight, config)
-        tensors[hf_name(name)] = weight.to(dtype)
+        if arch in NORM_SHIFTED_ARCHITECTURES and name.endswith("norm.weight"):
+            weight = weight.float() - 1.0
+        tensors[canonical] = weight.to(dtype)
     drop_tied_head(config, tensors)
     return LoadedWeights(config=config, tensors=tensors, metadata=metadata,
                          quantization=stored_quantization(by_name.values()))
@@ -123,14 +141,15 @@ def gguf_stored_quantization(path: str | Path) -> str | None:
     return stored_quantization(open_gguf(require_path(path, is_dir=False)).tensors)
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor (`blk.3.attn_q.weight` -> `model.layers.3...`)."""
     if gguf_name in GGUF_GLOBAL_NAMES:
         return GGUF_GLOBAL_NAMES[gguf_name]
     prefix, _, rest = gguf_name.partition(".")
     layer, _, key = rest.partition(".")
-    if prefix == "blk" and layer.isdigit() and key in GGUF_LAYER_NAMES:
-        return f"model.layers.{layer}.{GGUF_LAYER_NAMES[key]}"
+    names = LAYER_NAMES.get(arch, GGUF_LAYER_NAMES)
+    if prefix == "blk" and layer.isdigit() and key in names:
+        return f"model.layers.{layer}.{names[key]}"
     raise UnsupportedModelError(f"unsupported GGUF tensor '{gguf_name}'")
 
 
@@ -172,13 +191,22 @@ def _build_config(
         "rope.dimension_count", hidden // heads
     )
     rope_theta = float(key("rope.freq_base", 10000.0))
+    num_layers = key("block_count")
+    gemma = arch == "gemma3"
+    window = int(metadata.get(f"{arch}.attention.sliding_window") or 0)
+    windows: tuple[int, ...] = ()
+    if window and gemma:
+        windows = tuple(0 if (i + 1) % GEMMA3_WINDOW_PATTERN == 0 else window
+                        for i in range(num_layers))
+    elif window:  # Mistral-style: every layer windowed
+        windows = (window,) * num_layers
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         # The embedding's row count, which can exceed the tokenizer's token list (padding).
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
         intermediate_size=key("feed_forward_length"),
-        num_hidden_layers=key("block_count"),
+        num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=key("attention.head_count_kv", heads),
         head_dim=head_dim,
@@ -189,7 +217,18 @@ def _build_config(
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        sliding_windows=windows,
+        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
+        # llama.cpp: 1/sqrt(head_dim) for Gemma 3, except 27B's 1/sqrt(hidden / heads)
+        attention_scale=(hidden // heads) ** -0.5 if gemma and num_layers == 62 else None,
+        attn_logit_softcapping=_positive(metadata.get(f"{arch}.attn_logit_softcapping")),
+        final_logit_softcapping=_positive(metadata.get(f"{arch}.final_logit_softcapping")),
     )
+
+
+def _positive(value: Any) -> float | None:
+    return float(value) if value else None
 
 
 def _rope_scaling(

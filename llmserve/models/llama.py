@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
+"""The Llama family (Llama 2/3, SmolLM2, Mistral with its sliding window, Qwen2 with qkv
+bias, Qwen3 with q/k norm); its layers are shared by Gemma 3 (`gemma3.py`).
 
 `forward` takes a flat batch of tokens from many sequences (prefill chunks and decodes
 together), their positions and explicit attention metadata; everything outside attention
@@ -18,6 +19,7 @@ from llmserve.models.layers import (
     RotaryEmbedding,
     RotaryPositions,
     apply_rotary,
+    gelu_tanh_and_mul,
     silu_and_mul,
 )
 from llmserve.models.llama_native import NativeLlamaLayers
@@ -33,11 +35,15 @@ STACKED_PARAMS = {
 }
 
 
+ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
+
+
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor parallelism); the
-    o_proj partial sums are all-reduced over the ranks."""
+    o_proj partial sums are all-reduced over the ranks. Layer `layer` attends within its
+    sliding window, if the config gives it one."""
 
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None, layer: int = 0) -> None:
         super().__init__()
         self.tp = plan.tp if plan is not None else TensorParallel()
         self.num_heads = len(plan.attention.q_heads) if plan else cfg.num_attention_heads
@@ -45,7 +51,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = cfg.attention_scale or self.head_dim**-0.5
+        self.window = cfg.window(layer)
+        self.softcap = cfg.attn_logit_softcapping or 0.0
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -77,13 +85,14 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = apply_rotary(q, k, rope)
-        out = meta.backend.forward(q, k, v, cache, meta, self.scale)  # (T, H, D)
+        out = meta.backend.forward(q, k, v, cache, meta, self.scale, self.window,
+                                   self.softcap)  # (T, H, D)
         return self.tp.row_parallel(self.o_proj, out.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    """SiLU-gated MLP over this rank's intermediate channels; down_proj's partial sums are
-    all-reduced over the ranks."""
+    """Gated MLP (SiLU, or tanh-GELU for Gemma) over this rank's intermediate channels;
+    down_proj's partial sums are all-reduced over the ranks."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
         super().__init__()
@@ -91,15 +100,16 @@ class LlamaMLP(nn.Module):
         self.intermediate_size = len(plan.mlp) if plan else cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size)
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size)
+        self.act_and_mul = ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.row_parallel(self.down_proj, silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.row_parallel(self.down_proj, self.act_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, plan)
+        self.self_attn = LlamaAttention(cfg, plan, layer)
         self.mlp = LlamaMLP(cfg, plan)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -118,8 +128,8 @@ class LlamaModel(nn.Module):
         )
         vocab = len(plan.vocab) if plan else cfg.vocab_size
         self.embed_tokens = Embedding(vocab, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, plan)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, plan, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -34,7 +34,7 @@ class _LlamaLayer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_attention_norm", _P),
                 ("qkv", _PackedWeight), ("o", _PackedWeight), ("gate_up", _PackedWeight),
                 ("down", _PackedWeight), ("key_cache", _P), ("value_cache", _P),
-                ("key_scales", _P), ("value_scales", _P)]
+                ("key_scales", _P), ("value_scales", _P), ("window", _I64)]
 
 
 class _LlamaShape(ctypes.Structure):
@@ -93,7 +93,7 @@ class NativeLlamaLayers:
         self.model = model
         self.shape = _LlamaShape(cfg.hidden_size, cfg.num_attention_heads,
                                  cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
-                                 cfg.rms_norm_eps, cfg.head_dim**-0.5)
+                                 cfg.rms_norm_eps, cfg.attention_scale or cfg.head_dim**-0.5)
         self.weights = []
         for layer in model.model.layers:
             self.weights.append([_packed_weight(m) for m in _linears(layer)])
@@ -106,7 +106,9 @@ class NativeLlamaLayers:
     def build(cls, model: nn.Module) -> "NativeLlamaLayers | None":
         """For a model the fused call can run exactly; None otherwise."""
         lib = native()
-        if lib is None or model.config.qk_norm:
+        cfg = model.config
+        if (lib is None or cfg.qk_norm or cfg.attn_logit_softcapping
+                or cfg.hidden_act != "silu"):
             return None
         if next(model.parameters()).device.type != "cpu":
             return None
@@ -128,7 +130,7 @@ class NativeLlamaLayers:
                 array[i] = _LlamaLayer(
                     ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
                     qkv, o, gate_up, down, ptr(cache.key), ptr(cache.value),
-                    ptr(cache.key_scales), ptr(cache.value_scales))
+                    ptr(cache.key_scales), ptr(cache.value_scales), self.model.config.window(i))
             self._layers, self._cache_ref = array, weakref.ref(kv_cache)
         return self._layers
 

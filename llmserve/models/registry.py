@@ -4,6 +4,7 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.errors import UnsupportedModelError
+from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -11,6 +12,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "gemma3": Gemma3ForCausalLM,
 }
 
 

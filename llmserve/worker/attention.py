@@ -5,9 +5,12 @@ Token layout of one forward (T tokens in all):
     | seq 0 queries | seq 1 queries | ... |      query_start[b] .. query_start[b + 1]
 
 Sequence b's queries sit at positions `context_lens[b] + i` and attend causally to its
-cached keys `0 .. context_lens[b] + i` through row b of `block_tables`. New keys/values are
+cached keys `0 .. context_lens[b] + i` through row b of `block_tables` (with a sliding
+`window`, only to the last `window` of them: keys `p - window + 1 .. p` for position p;
+a `softcap` squashes scores as softcap * tanh(score / softcap)). New keys/values are
 written through `slot_mapping` (slot = block_id * block_size + offset) before attention
-reads them back, in place.
+reads them back, in place. Blocks wholly out of a layer's window are not read, but stay
+allocated (every layer shares one block table, and global layers still read them).
 
 Backends (picked per device, or by name: `attention_backend` below):
 * `NativeCPUBackend`: one C++ call per layer for every query of the step, decode or prompt
@@ -193,8 +196,9 @@ class AttentionMetadata:
 class AttentionBackend:
     """Writes a layer's new K/V into the paged cache, then attends every query.
 
-    `forward(q (T, H, D), k/v (T, H_kv, D), cache, meta, scale) -> (T, H, D)`; it must not
-    depend on module-global state, and a sequence's output must not depend on the others.
+    `forward(q (T, H, D), k/v (T, H_kv, D), cache, meta, scale, window, softcap)
+    -> (T, H, D)`; it must not depend on module-global state, and a sequence's output must
+    not depend on the others. `window` 0 and `softcap` 0.0 mean none.
     """
 
     # never reads a cache slot before writing it (then the cache may start unzeroed: SDPA
@@ -203,7 +207,8 @@ class AttentionBackend:
     reads_only_written_slots = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -212,15 +217,16 @@ class TorchBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, cache, meta, scale):
+    def forward(self, q, k, v, cache, meta, scale, window=0, softcap=0.0):
         if cache.key.dtype == torch.int8:
             raise ValueError("kv_cache_dtype int8 needs the native CPU kernels")
         if torch.compiler.is_compiling():  # a per-sequence loop: one opaque op in the graph
-            return _python_attention_op(self.name, q, k, v, cache, meta, scale)
-        return _torch_attention(q, k, v, cache, meta, scale)
+            return _python_attention_op(self.name, q, k, v, cache, meta, scale, window,
+                                        softcap)
+        return _torch_attention(q, k, v, cache, meta, scale, window, softcap)
 
 
-def _torch_attention(q, k, v, cache, meta, scale) -> torch.Tensor:
+def _torch_attention(q, k, v, cache, meta, scale, window=0, softcap=0.0) -> torch.Tensor:
     num_kv_heads, head_dim = cache.key.shape[2], cache.key.shape[3]
     cache.key.view(-1, num_kv_heads, head_dim).index_copy_(
         0, meta.slot_mapping, k.to(cache.key.dtype))
@@ -230,7 +236,7 @@ def _torch_attention(q, k, v, cache, meta, scale) -> torch.Tensor:
     for b in range(len(meta.context_lens)):
         rows = slice(meta.query_start[b], meta.query_start[b + 1])
         out[rows] = _sdpa_from_cache(q[rows], k[rows], v[rows], cache, meta, b, scale,
-                                     _gather_torch)
+                                     _gather_torch, window, softcap)
     return out
 
 
@@ -250,19 +256,19 @@ class NativeCPUBackend(AttentionBackend):
         if self.lib is None:
             raise RuntimeError("native CPU kernels are not available")
 
-    def forward(self, q, k, v, cache, meta, scale):
+    def forward(self, q, k, v, cache, meta, scale, window=0, softcap=0.0):
         if torch.compiler.is_compiling():  # ctypes cannot be traced: the same kernels as ops
             torch.ops.llmserve.kv_cache_write(k, v, meta.slot_mapping, cache.key, cache.value,
                                               cache.key_scales, cache.value_scales)
             return torch.ops.llmserve.paged_attention(
                 q, cache.key, cache.value, cache.key_scales, cache.value_scales,
                 meta.block_tables, meta.query_start_t, meta.context_lens_t, meta.block_size,
-                scale)
+                scale, window, softcap)
         _kv_cache_write(self.lib, k, v, meta.slot_mapping, cache.key, cache.value,
                         cache.key_scales, cache.value_scales)
         return _paged_attention(self.lib, q, cache.key, cache.value, cache.key_scales,
                                 cache.value_scales, meta.block_tables, meta.query_start_t,
-                                meta.context_lens_t, meta.block_size, scale)
+                                meta.context_lens_t, meta.block_size, scale, window, softcap)
 
 
 def _kv_cache_write(lib, k, v, slot_mapping, key_cache, value_cache, key_scales,
@@ -279,7 +285,8 @@ def _kv_cache_write(lib, k, v, slot_mapping, key_cache, value_cache, key_scales,
 
 
 def _paged_attention(lib, q, key_cache, value_cache, key_scales, value_scales, block_tables,
-                     query_start, context_lens, block_size, scale) -> torch.Tensor:
+                     query_start, context_lens, block_size, scale, window=0,
+                     softcap=0.0) -> torch.Tensor:
     """Native attention of every query q (T, H, D) over its sequence's cached keys; the
     kernel computes in fp32, the result comes back in q's dtype."""
     t, h, d = q.shape
@@ -290,7 +297,7 @@ def _paged_attention(lib, q, key_cache, value_cache, key_scales, value_scales, b
         ptr(q), q.stride(0), h, d, ptr(key_cache), ptr(value_cache), ptr(key_scales),
         ptr(value_scales), KERNEL_KV_DTYPES[key_cache.dtype], block_size, key_cache.shape[2],
         ptr(block_tables), block_tables.shape[1], ptr(query_start), ptr(context_lens),
-        context_lens.shape[0], scale, ptr(out),
+        context_lens.shape[0], scale, window, softcap, ptr(out),
     )
     return out.to(dtype)
 
@@ -311,15 +318,16 @@ def _kv_cache_write_op(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Ten
 def _paged_attention_op(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         key_scales: torch.Tensor | None, value_scales: torch.Tensor | None,
                         block_tables: torch.Tensor, query_start: torch.Tensor,
-                        context_lens: torch.Tensor, block_size: int,
-                        scale: float) -> torch.Tensor:
+                        context_lens: torch.Tensor, block_size: int, scale: float,
+                        window: int, softcap: float) -> torch.Tensor:
     return _paged_attention(native(), q, key_cache, value_cache, key_scales, value_scales,
-                            block_tables, query_start, context_lens, block_size, scale)
+                            block_tables, query_start, context_lens, block_size, scale,
+                            window, softcap)
 
 
 @_paged_attention_op.register_fake
 def _(q, key_cache, value_cache, key_scales, value_scales, block_tables, query_start,
-      context_lens, block_size, scale):
+      context_lens, block_size, scale, window, softcap):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -340,25 +348,50 @@ def _gather_torch(cache: LayerKV, which: str, block_ids: torch.Tensor,
     return blocks.flatten(0, 1)[:total].transpose(0, 1)  # (H_kv, total, D)
 
 
-def _sdpa_from_cache(q, k, v, cache, meta, b, scale, gather) -> torch.Tensor:
+def _sdpa_from_cache(q, k, v, cache, meta, b, scale, gather, window=0,
+                     softcap=0.0) -> torch.Tensor:
     """Causal attention of sequence b's chunk over `| context | chunk |`. q: (n, H, D)."""
     n = q.shape[0]
     context = meta.context_lens[b]
-    if context == 0:  # attends only to itself: the fresh k/v, no cache read
+    if context == 0 and not window:  # attends only to itself: the fresh k/v, no cache read
         keys, values, mask = k.transpose(0, 1), v.transpose(0, 1), None
     else:
         total = context + n
-        table = meta.block_tables[b, : -(-total // meta.block_size)]
-        keys = gather(cache, "key", table, total).to(q.dtype)
-        values = gather(cache, "value", table, total).to(q.dtype)
+        if context == 0:
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            table = meta.block_tables[b, : -(-total // meta.block_size)]
+            keys = gather(cache, "key", table, total).to(q.dtype)
+            values = gather(cache, "value", table, total).to(q.dtype)
         # query i sits at position context + i and sees keys 0 .. context + i
         q_pos = torch.arange(n, device=q.device)[:, None] + context
-        mask = torch.arange(total, device=q.device)[None, :] <= q_pos  # (n, total)
+        key_pos = torch.arange(total, device=q.device)[None, :]
+        mask = key_pos <= q_pos  # (n, total)
+        if window:
+            mask &= key_pos > q_pos - window
+    if softcap:
+        return _softcapped_attention(q, keys, values, mask, scale, softcap)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=mask is None,
         scale=scale, enable_gqa=True,
     )  # (H, n, D)
     return out.transpose(0, 1)
+
+
+def _softcapped_attention(q, keys, values, mask, scale, softcap) -> torch.Tensor:
+    """Attention with soft-capped scores (SDPA has no such option). q: (n, H, D); keys,
+    values: (H_kv, total, D); mask: (n, total) or None (causal over the chunk itself)."""
+    n, h = q.shape[0], q.shape[1]
+    group = h // keys.shape[0]
+    keys = keys.repeat_interleave(group, dim=0)
+    values = values.repeat_interleave(group, dim=0)
+    scores = torch.matmul(q.transpose(0, 1).float(), keys.float().transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap  # (H, n, total)
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, values.float()).to(q.dtype).transpose(0, 1)
 
 
 class FlexAttentionBackend(AttentionBackend):
@@ -388,24 +421,26 @@ class FlexAttentionBackend(AttentionBackend):
         self.tables = self.logical = self.q_pos = None  # the mask's persistent buffers
         self.plan_key: tuple | None = None  # (the step's block_tables tensor, its plan)
 
-    def forward(self, q, k, v, cache, meta, scale):
+    def forward(self, q, k, v, cache, meta, scale, window=0, softcap=0.0):
         if cache.key.dtype == torch.int8:
             raise ValueError("kv_cache_dtype int8 needs the native CPU kernels")
         if torch.compiler.is_compiling():  # one opaque op in the model's graph
-            return _python_attention_op(self.name, q, k, v, cache, meta, scale)
+            return _python_attention_op(self.name, q, k, v, cache, meta, scale, window,
+                                        softcap)
         return self.attend(q, k, v, cache.key, cache.value, meta.slot_mapping,
                            meta.block_tables, meta.query_start, meta.context_lens,
-                           meta.block_size, scale)
+                           meta.block_size, scale, window, softcap)
 
     def attend(self, q, k, v, key_cache, value_cache, slot_mapping, block_tables,
-               query_start, context_lens, block_size, scale) -> torch.Tensor:
+               query_start, context_lens, block_size, scale, window=0,
+               softcap=0.0) -> torch.Tensor:
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         key_cache.view(-1, num_kv_heads, head_dim).index_copy_(
             0, slot_mapping, k.to(key_cache.dtype))
         value_cache.view(-1, num_kv_heads, head_dim).index_copy_(
             0, slot_mapping, v.to(value_cache.dtype))
         plan = self.plan(block_tables, query_start, context_lens, block_size,
-                         key_cache.shape[0])
+                         key_cache.shape[0], window)
         num_seqs, padded_len = len(context_lens), plan.padded_len
         t, h, d = q.shape
         dtype = q.dtype
@@ -417,17 +452,29 @@ class FlexAttentionBackend(AttentionBackend):
         values = value_cache.view(1, -1, num_kv_heads, head_dim).transpose(1, 2)
         with _flex_compile_settings():
             out = self.flex(q, keys, values, block_mask=plan.block_mask, scale=scale,
-                            enable_gqa=h != num_kv_heads, kernel_options=plan.kernel_options)
+                            enable_gqa=h != num_kv_heads, kernel_options=plan.kernel_options,
+                            score_mod=_softcap_score_mod(softcap) if softcap else None)
         out = out.transpose(1, 2).reshape(num_seqs * padded_len, h, d)
         if plan.dest is not None:
             out = out.index_select(0, plan.dest)
         return out.to(dtype)
 
     def plan(self, block_tables, query_start, context_lens, block_size,
-             num_blocks) -> SimpleNamespace:
-        """The step's block mask and query layout, built once for all layers."""
+             num_blocks, window=0) -> SimpleNamespace:
+        """The step's block mask and query layout, built once for all layers (once per
+        window size: local and global layers differ only in the mask)."""
         if self.plan_key is not None and self.plan_key[0] is block_tables:
-            return self.plan_key[1]
+            plans = self.plan_key[1]
+        else:
+            plans = {}
+            self.plan_key = (block_tables, plans)
+        if window not in plans:
+            plans[window] = self._build_plan(block_tables, query_start, context_lens,
+                                             block_size, num_blocks, window)
+        return plans[window]
+
+    def _build_plan(self, block_tables, query_start, context_lens, block_size, num_blocks,
+                    window) -> SimpleNamespace:
         from torch.nn.attention.flex_attention import BlockMask
 
         device = block_tables.device
@@ -463,19 +510,17 @@ class FlexAttentionBackend(AttentionBackend):
             num_seqs, 1, num_q_blocks, width).contiguous()
         block_mask = BlockMask.from_kv_blocks(
             kv_num_blocks, kv_indices, BLOCK_SIZE=(q_block, block_size),
-            mask_mod=self.mask_mod, seq_lengths=(padded_len, num_blocks * block_size),
-            compute_q_blocks=False)
+            mask_mod=self.windowed_mask_mod(window) if window else self.mask_mod,
+            seq_lengths=(padded_len, num_blocks * block_size), compute_q_blocks=False)
         dest = None
         if padded_len > 1:
             seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
             offsets = np.arange(len(seq_of_token)) - starts[seq_of_token]
             dest = torch.from_numpy(seq_of_token * padded_len + offsets).to(device)
-        plan = SimpleNamespace(
+        return SimpleNamespace(
             block_mask=block_mask, padded_len=padded_len, dest=dest,
             kernel_options={"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": q_block,
                             "BLOCK_N": block_size})
-        self.plan_key = (block_tables, plan)
-        return plan
 
     def _fit_buffers(self, num_seqs, width, query_rows, block_size, num_blocks,
                      device) -> None:
@@ -504,6 +549,23 @@ class FlexAttentionBackend(AttentionBackend):
         return own & (logical * self.block_size + kv_idx % self.block_size
                       <= self.q_pos[b, q_idx])
 
+    def windowed_mask_mod(self, window: int):
+        """`mask_mod`, and the key within the last `window` positions of the query's."""
+        def mask_mod(b, h, q_idx, kv_idx):
+            block = kv_idx // self.block_size
+            logical = self.logical[b, block]
+            key_pos = logical * self.block_size + kv_idx % self.block_size
+            q_pos = self.q_pos[b, q_idx]
+            own = self.tables[b, logical] == block
+            return own & (key_pos <= q_pos) & (key_pos > q_pos - window)
+        return mask_mod
+
+
+def _softcap_score_mod(softcap: float):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / softcap) * softcap
+    return score_mod
+
 
 def _flex_compile_settings() -> Any:
     """torch's default shape settings for compiling flex_attention, also when called from
@@ -524,10 +586,11 @@ def _pow2(n: int) -> int:
 
 
 def _python_attention_op(name: str, q, k, v, cache: LayerKV, meta: AttentionMetadata,
-                         scale: float) -> torch.Tensor:
+                         scale: float, window: int, softcap: float) -> torch.Tensor:
     return torch.ops.llmserve.python_paged_attention(
         q, k, v, meta.slot_mapping, cache.key, cache.value, meta.block_tables,
-        meta.query_start_t, meta.context_lens_t, meta.block_size, scale, name)
+        meta.query_start_t, meta.context_lens_t, meta.block_size, scale, name, window,
+        softcap)
 
 
 # The torch and flex backends as one op inside a compiled step: dynamo would specialize on
@@ -538,23 +601,25 @@ def _python_paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                slot_mapping: torch.Tensor, key_cache: torch.Tensor,
                                value_cache: torch.Tensor, block_tables: torch.Tensor,
                                query_start: torch.Tensor, context_lens: torch.Tensor,
-                               block_size: int, scale: float, backend: str) -> torch.Tensor:
+                               block_size: int, scale: float, backend: str, window: int,
+                               softcap: float) -> torch.Tensor:
     if backend == "flex":
         out = _flex_backend(q.device).attend(
             q, k, v, key_cache, value_cache, slot_mapping, block_tables,
-            query_start.tolist(), context_lens.tolist(), block_size, scale)
+            query_start.tolist(), context_lens.tolist(), block_size, scale, window, softcap)
     else:
         meta = SimpleNamespace(slot_mapping=slot_mapping, block_tables=block_tables,
                                block_size=block_size, query_start=query_start.tolist(),
                                context_lens=context_lens.tolist())
-        out = _torch_attention(q, k, v, LayerKV(key_cache, value_cache), meta, scale)
+        out = _torch_attention(q, k, v, LayerKV(key_cache, value_cache), meta, scale, window,
+                               softcap)
     # contiguous, as the fake promises: inductor reads the result with the fake's strides
     return out.contiguous()
 
 
 @_python_paged_attention_op.register_fake
 def _(q, k, v, slot_mapping, key_cache, value_cache, block_tables, query_start, context_lens,
-      block_size, scale, backend):
+      block_size, scale, backend, window, softcap):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

@@ -19,17 +19,27 @@ H, H_KV, D, BLOCK = 6, 2, 32, 4
 SEQUENCES = [(37, 1), (0, 1), (13, 1), (20, 5), (0, 25), (40, 30)]
 
 
-def dense_reference(q, keys, values, context):
-    """q (n, H, D) at positions context.., keys/values (context + n, H_kv, D)."""
+def dense_reference(q, keys, values, context, window=0, softcap=0.0):
+    """q (n, H, D) at positions context.., keys/values (context + n, H_kv, D); a query at
+    p sees keys p - window + 1 .. p with a window; scores soft-capped with a softcap."""
     n, total = q.shape[0], keys.shape[0]
-    mask = torch.arange(total)[None, :] <= (torch.arange(n)[:, None] + context)
+    q_pos, key_pos = torch.arange(n)[:, None] + context, torch.arange(total)[None, :]
+    mask = key_pos <= q_pos
+    if window:
+        mask &= key_pos > q_pos - window
+    if softcap:  # written out: SDPA has no soft-cap
+        k = keys.repeat_interleave(H // H_KV, dim=1).transpose(0, 1)
+        v = values.repeat_interleave(H // H_KV, dim=1).transpose(0, 1)
+        scores = q.transpose(0, 1) @ k.transpose(1, 2) * D**-0.5
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+        return (torch.softmax(scores, -1) @ v).transpose(0, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask,
         scale=D**-0.5, enable_gqa=True)
     return out.transpose(0, 1)
 
 
-def run(backend, dtype, device="cpu", block=BLOCK):
+def run(backend, dtype, device="cpu", block=BLOCK, window=0, softcap=0.0):
     """The SEQUENCES as one step, their contexts cached by an earlier step (on `device`,
     with `block` tokens a cache block); inputs are made on the CPU, outputs come back there."""
     torch.manual_seed(0)
@@ -53,14 +63,14 @@ def run(backend, dtype, device="cpu", block=BLOCK):
     k_ctx = torch.cat([history[i][0][: SEQUENCES[i][0]] for i in order]).to(device)
     v_ctx = torch.cat([history[i][1][: SEQUENCES[i][0]] for i in order]).to(device)
     backend.forward(torch.zeros(k_ctx.shape[0], H, D, device=device), k_ctx, v_ctx,
-                    cache.layer(0), ctx_meta, D**-0.5)
+                    cache.layer(0), ctx_meta, D**-0.5, window, softcap)
     meta = AttentionMetadata.build(
         [n for _, n in SEQUENCES], [c for c, _ in SEQUENCES], block_ids, block,
         device=device, backend=backend)
     out = backend.forward(torch.cat(queries).to(device),
                           torch.cat([k for k, _ in news]).to(device),
                           torch.cat([v for _, v in news]).to(device), cache.layer(0), meta,
-                          D**-0.5)
+                          D**-0.5, window, softcap)
     return out.float().cpu(), queries, history, meta
 
 
@@ -72,11 +82,11 @@ def eager_flex():
 BACKENDS = [TorchBackend, eager_flex] + ([NativeCPUBackend] if native() is not None else [])
 
 
-def max_diff_to_dense(out, queries, history, meta) -> float:
+def max_diff_to_dense(out, queries, history, meta, window=0, softcap=0.0) -> float:
     worst = 0.0
     for b, (context, _) in enumerate(SEQUENCES):
         rows = slice(meta.query_start[b], meta.query_start[b + 1])
-        ref = dense_reference(queries[b], *history[b], context)
+        ref = dense_reference(queries[b], *history[b], context, window, softcap)
         worst = max(worst, (out[rows] - ref).abs().max().item())
     return worst
 
@@ -86,6 +96,19 @@ def test_backend_matches_dense_attention_fp32(backend_cls):
     diff = max_diff_to_dense(*run(backend_cls(), torch.float32))
     print(f"{backend_cls.__name__}: max |diff| = {diff:.2e}")
     assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (4, 0.0), (9, 3.0), (0, 2.0)])
+@pytest.mark.parametrize("backend_cls", BACKENDS)
+def test_sliding_window_and_softcap_match_dense_attention(backend_cls, window, softcap):
+    """Windows shorter than, equal to and longer than a cache block (4 slots), across
+    block boundaries and chunks, alone and with a soft-cap (Gemma 2/3's numerics)."""
+    out, queries, history, meta = run(backend_cls(), torch.float32, window=window,
+                                      softcap=softcap)
+    diff = max_diff_to_dense(out, queries, history, meta, window, softcap)
+    assert diff <= 1e-5, f"{backend_cls.__name__}: max |diff| = {diff:.2e}"
+    unwindowed = max_diff_to_dense(out, queries, history, meta, 0, softcap)
+    assert window == 0 or unwindowed > 1e-3  # the window did change what was seen
 
 
 def test_flex_backend_with_shared_prefix_blocks_and_a_fresh_step():

@@ -1,0 +1,110 @@
+"""Gemma 3 (text): the Llama layers with Gemma's numerics.
+
+What differs from Llama (`llama.py`, whose attention and MLP it shares):
+* the embedding is scaled by sqrt(hidden_size);
+* RMSNorm scales by (1 + weight): the checkpoint's weights get their 1 added at load, so
+  the norm itself is Llama's;
+* four norms per layer: before and after attention, before and after the MLP (the
+  "post" norms apply to the sublayer's output, before the residual add);
+* q/k RMSNorm per head, attention scaled by query_pre_attn_scalar ** -0.5;
+* GeGLU MLP (tanh GELU);
+* interleaved layers: local ones attend within a sliding window with their own rotary
+  base (`rope_local_theta`), global ones attend to everything with `rope_theta` (and its
+  scaling);
+* optional soft-capping of attention scores and of the final logits.
+"""
+
+import torch
+from torch import nn
+
+from llmserve.config import ModelConfig
+from llmserve.distributed.parallel import ShardPlan
+from llmserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, RotaryPositions
+from llmserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from llmserve.worker.attention import AttentionMetadata, KVCache, LayerKV
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None, layer: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, plan, layer)
+        self.mlp = LlamaMLP(cfg, plan)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_local = cfg.window(layer) > 0
+
+    def forward(self, rope: RotaryPositions, x: torch.Tensor, cache: LayerKV,
+                meta: AttentionMetadata) -> torch.Tensor:
+        attn = self.self_attn(rope, self.input_layernorm(x), cache, meta)
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary_local = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta or cfg.rope_theta)
+        vocab = len(plan.vocab) if plan else cfg.vocab_size
+        self.embed_tokens = Embedding(vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, plan, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """Decoder + LM head (tied to the embedding in every Gemma 3 release). Parameter names
+    follow Hugging Face's Gemma3ForCausalLM, with q/k/v and gate/up fused."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.plan = plan if plan is not None and plan.tp.size > 1 else None
+        self.model = Gemma3Model(cfg, self.plan)
+        vocab = len(self.plan.vocab) if self.plan else cfg.vocab_size
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab)
+        self.native_layers = None  # the one-call native stack is Llama's layer only
+        self.compiled_layers = None  # set by models/compile.py: one graph for every layer
+        self.embed_scale = cfg.hidden_size**0.5
+
+    def enable_native_layers(self) -> None:
+        """Gemma's layers run op by op (the native stack has Llama's layer shape)."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
+        x = self._embed(input_ids)
+        # as Hugging Face: the scale rounded to the embedding's dtype first
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        ropes = {False: self.model.rotary.at(positions, x.dtype),
+                 True: self.model.rotary_local.at(positions, x.dtype)}
+        if self.compiled_layers is not None:
+            for rope in ropes.values():
+                rope.look_up()  # the tables go into the compiled layer as inputs
+        for i, layer in enumerate(self.model.layers):
+            x = layer(ropes[layer.is_local], x, kv_cache.layer(i), meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Hugging Face-named tensors; every RMSNorm weight w is stored as 1 + w."""
+        shifted = {name: t + 1.0 if name.endswith("norm.weight") else t
+                   for name, t in tensors.items()}
+        super().load_weights(shifted)

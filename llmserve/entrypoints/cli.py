@@ -81,8 +81,12 @@ def _is_torchrun_worker(args: argparse.Namespace) -> bool:
 def cmd_pull(args: argparse.Namespace) -> int:
     if args.list:
         return cmd_models(args)
-    from llmserve.loader.catalog import fetch_model
+    from llmserve.loader.catalog import catalog_entry, fetch_model
 
+    entry = catalog_entry(args.model)
+    licence = entry.license + (f" ({entry.license_url})" if entry.license_url else "")
+    print(f"{entry.name}: {entry.description}\nlicence: {licence}; by using the model you "
+          "accept its terms", file=sys.stderr)
     print(fetch_model(args.model, progress=True))
     return 0
 

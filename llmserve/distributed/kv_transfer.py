@@ -21,8 +21,8 @@ then to the decode server with `kv_transfer_params: {"transfer_id": id}`.
 """
 
 import datetime
+import json
 import logging
-import pickle
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 
 from llmserve.worker.attention import KVCache
+
+# the cache dtypes a transfer may carry, by their `str(dtype)`
+_KV_DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int8)}
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ class TransferredKV:
     transfer_id: str
     prompt_token_ids: list[int]
     first_token: int
-    block_hashes: list[int]
+    block_hashes: list[bytes]
     blocks: KVBlocks
     seconds: float = 0.0  # on the wire
     received_at: float = field(default_factory=time.monotonic)
@@ -185,12 +188,12 @@ class KVSender:
 
     def _send_one(self, t: TransferredKV) -> None:
         blocks = t.blocks
-        header = pickle.dumps({
+        header = json.dumps({
             "transfer_id": t.transfer_id, "prompt_token_ids": t.prompt_token_ids,
-            "first_token": t.first_token, "block_hashes": t.block_hashes,
-            "shape": tuple(blocks.data.shape), "dtype": str(blocks.data.dtype),
-            "scales_shape": None if blocks.scales is None else tuple(blocks.scales.shape),
-        })
+            "first_token": t.first_token, "block_hashes": [h.hex() for h in t.block_hashes],
+            "shape": list(blocks.data.shape), "dtype": str(blocks.data.dtype),
+            "scales_shape": None if blocks.scales is None else list(blocks.scales.shape),
+        }).encode()
         self._put(torch.tensor([len(header)], dtype=torch.int64))
         self._put(torch.frombuffer(bytearray(header), dtype=torch.uint8))
         self._put(_as_bytes(blocks.data))
@@ -248,9 +251,10 @@ class KVReceiver:
     def _receive_one(self) -> TransferredKV:
         size = self._get(torch.zeros(1, dtype=torch.int64))
         start = time.perf_counter()  # the header's arrival: the transfer is under way
-        header = pickle.loads(self._get(torch.empty(int(size), dtype=torch.uint8))
-                              .numpy().tobytes())
-        dtype = getattr(torch, header["dtype"].removeprefix("torch."))
+        # JSON, not pickle: a peer's bytes never run as code here
+        header = json.loads(self._get(torch.empty(int(size), dtype=torch.uint8))
+                            .numpy().tobytes())
+        dtype = _KV_DTYPES[header["dtype"]]
         shape = header["shape"]
         nbytes = torch.empty((), dtype=dtype).element_size()
         for dim in shape:
@@ -261,7 +265,8 @@ class KVReceiver:
         if header["scales_shape"] is not None:
             scales = self._get(torch.empty(header["scales_shape"], dtype=torch.float32))
         return TransferredKV(header["transfer_id"], header["prompt_token_ids"],
-                             header["first_token"], header["block_hashes"],
+                             header["first_token"],
+                             [bytes.fromhex(h) for h in header["block_hashes"]],
                              KVBlocks(data, scales), time.perf_counter() - start)
 
     def _get(self, tensor: torch.Tensor) -> torch.Tensor:

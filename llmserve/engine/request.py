@@ -66,7 +66,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     num_preempted_tokens: int = 0  # computed tokens whose KV preemptions freed (recomputed)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # sha256 chain, per full block
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # tokenized bad_words

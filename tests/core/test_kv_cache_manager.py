@@ -38,6 +38,28 @@ def test_block_hash_chains_parent_tokens_and_extra_keys():
     assert hash_block(None, [1, 2, 3, 4], "salt") != root
 
 
+def test_block_hash_is_sha256_and_the_same_in_every_process():
+    """A collision-resistant digest (never Python's `hash()`, whose per-process string
+    seed also made salted hashes differ between a prefill and a decode server), with each
+    part delimited: moving a token between parts changes it."""
+    import hashlib
+    import subprocess
+    import sys
+
+    digest = hash_block(None, [1, 2, 3, 4], "tenant-a")
+    assert isinstance(digest, bytes) and len(digest) == hashlib.sha256().digest_size
+    code = ("from llmserve.core.kv_cache_manager import hash_block; "
+            "print(hash_block(None, [1, 2, 3, 4], 'tenant-a').hex())")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+                             check=True).stdout.strip()
+        assert out == digest.hex()
+    assert hash_block(None, [1, 2, 3]) != hash_block(None, [1, 2, 3, 0])
+    assert hash_block(None, [12], "3") != hash_block(None, [1], "23")
+    assert hash_block(None, [1], ("a", "b")) != hash_block(None, [1], "a,b")
+
+
 def test_request_hashes_cover_only_full_blocks_and_grow_with_output():
     kv = KVCacheManager(8, BLOCK_SIZE)
     request = make_request(list(range(10)))
@@ -123,10 +145,14 @@ def test_equal_blocks_after_different_prefixes_do_not_hit():
 def test_a_different_cache_salt_does_not_hit():
     kv = KVCacheManager(16, BLOCK_SIZE)
     prompt = list(range(9))
-    admit(kv, make_request(prompt, cache_salt="alice"))
-    assert admit(kv, make_request(prompt, cache_salt="bob")) == 0
-    assert admit(kv, make_request(prompt)) == 0
+    alice, bob, anyone = (make_request(prompt, cache_salt=s) for s in ("alice", "bob", None))
+    admit(kv, alice)
+    assert admit(kv, bob) == 0
+    assert admit(kv, anyone) == 0
     assert admit(kv, make_request(prompt, cache_salt="alice")) == 8
+    # the tenants' blocks are disjoint
+    blocks = [{b.block_id for b in kv.req_blocks[r.request_id]} for r in (alice, bob, anyone)]
+    assert not (blocks[0] & blocks[1] or blocks[0] & blocks[2] or blocks[1] & blocks[2])
 
 
 def test_caching_disabled_never_hits():

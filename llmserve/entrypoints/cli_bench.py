@@ -1,5 +1,6 @@
-"""`llmserve bench ...`: throughput, serve, latency, quality and plot, as `cmd_*` functions
-and their argument parsers. Errors follow the CLI's rule: one `error: ...` line, exit 1.
+"""`llmserve bench ...`: throughput, serve, latency, quality, spec, scaling, soak and plot,
+as `cmd_*` functions and their argument parsers. Errors follow the CLI's rule: one
+`error: ...` line, exit 1.
 """
 
 import argparse
@@ -199,6 +200,32 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_soak(args: argparse.Namespace) -> int:
+    import shlex
+
+    from llmserve.bench.machine import format_machine
+    from llmserve.bench.soak import SoakConfig, run_soak
+    from llmserve.bench.soak_report import format_soak, plot_soak
+
+    if args.plot and not args.output_json:
+        raise LLMServeError("--plot draws from the result file: give --output-json too")
+    config = SoakConfig(
+        base_url=args.base_url, model=args.model, server_pid=args.server_pid,
+        server_args=tuple(shlex.split(args.server_args or "")), duration_s=args.duration,
+        concurrency=args.concurrency, sample_interval_s=args.sample_interval,
+        warmup_s=args.warmup, disconnect_fraction=args.disconnect_fraction,
+        input_len=args.input_len, output_len=args.output_len, seed=args.seed,
+        api_key=args.api_key)
+    print(format_machine(), flush=True)
+    report = run_soak(config)
+    print(format_soak(report))
+    if args.output_json:
+        write_json(args.output_json, report)
+    if args.plot:
+        plot_soak(report, Path(args.plot))
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     import sys
 
@@ -239,6 +266,7 @@ def add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     _add_bench_quality(kinds, common)
     _add_bench_spec(kinds, common)
     _add_bench_scaling(kinds, common)
+    _add_bench_soak(kinds, common)
     _add_bench_plot(kinds, common)
 
 
@@ -393,6 +421,44 @@ def _add_bench_scaling(kinds: Any, common: argparse.ArgumentParser) -> None:
     sc.set_defaults(func=cmd_bench_scaling)
 
 
+def _add_bench_soak(kinds: Any, common: argparse.ArgumentParser) -> None:
+    from llmserve.bench.soak import parse_duration
+
+    duration = _parsed(parse_duration)
+    so = kinds.add_parser(
+        "soak", parents=[common],
+        help="hours of streamed load on one server, sampled for leaks: RSS slope, KV usage "
+             "at the end, latency percentiles over time")
+    target = so.add_argument_group("server (default: start `llmserve serve` on a free port)")
+    target.add_argument("--base-url", help="soak this running server instead")
+    target.add_argument("--server-pid", type=int,
+                        help="with --base-url: the process whose tree's RSS is sampled")
+    target.add_argument("--model", help="model to serve (default: serve's default); with "
+                        "--base-url the served id (default: the first of /v1/models)")
+    target.add_argument("--server-args", metavar="'FLAGS'",
+                        help="more flags for the started server, e.g. '--threads 2'")
+    target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    load = so.add_argument_group("load")
+    load.add_argument("--duration", type=duration, default=1800.0,
+                      help="how long clients send, e.g. 20s, 30m, 2h (default 30m)")
+    load.add_argument("--concurrency", type=int, default=32, help="streams at once (default 32)")
+    load.add_argument("--disconnect-fraction", type=float, default=0.05,
+                      help="requests hung up on mid-stream (default 0.05)")
+    load.add_argument("--input-len", type=_int_range, default=(16, 512), metavar="LOW:HIGH",
+                      help="prompt tokens, uniform (default 16:512)")
+    load.add_argument("--output-len", type=_int_range, default=(16, 256), metavar="LOW:HIGH",
+                      help="output tokens, uniform (default 16:256)")
+    load.add_argument("--seed", type=int, default=0)
+    out = so.add_argument_group("sampling and results")
+    out.add_argument("--sample-interval", type=duration, default=10.0,
+                     help="between samples (default 10s)")
+    out.add_argument("--warmup", type=duration, default=60.0,
+                     help="left out of the RSS slope (default 1m)")
+    out.add_argument("--output-json", metavar="FILE", help="write the samples and summary")
+    out.add_argument("--plot", metavar="FILE.png", help="plot the samples (needs --output-json)")
+    so.set_defaults(func=cmd_bench_soak)
+
+
 def _add_bench_plot(kinds: Any, common: argparse.ArgumentParser) -> None:
     pl = kinds.add_parser("plot", parents=[common],
                           help="plot `bench serve` result files against each other")
@@ -411,6 +477,25 @@ def _int_list(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like 1,4,16, got {text!r}") from None
+
+
+def _int_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        return (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH like 16:512, got {text!r}") from None
+
+
+def _parsed(parse: Any) -> Any:
+    """An argparse type from a parser that raises ValueError with the message to show."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
 
 
 def _str_list(text: str) -> list[str]:

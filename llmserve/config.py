@@ -167,6 +167,8 @@ def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 ATTENTION_BACKEND_CHOICES = ("auto", "native", "flex", "torch")
+# queued requests a server admits before answering 429 (`--max-num-waiting`)
+DEFAULT_MAX_NUM_WAITING = 1024
 # fcfs and priority batch continuously; static runs each admitted batch to completion
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 

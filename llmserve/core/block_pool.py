@@ -31,7 +31,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, Block] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
-        self.cached: dict[int, Block] = {}
+        self.cached: dict[bytes, Block] = {}
         self.num_evictions = 0
 
     @property

@@ -9,6 +9,16 @@ Only the engine thread touches the `Engine`; callers talk to it through a locked
 list and a wake-up event, so the thread sleeps when there is nothing to do. Tokenization and
 chat templating run on a small executor (`run_in_executor`), never on the event loop.
 
+Faults and overload:
+* a model step that raises fails the requests of that step (`EngineStepError`: a 500, or
+  an error event on a stream); the others go on;
+* the engine thread itself dying fails every request, makes `is_running` false (`/health`
+  503) and calls `on_fatal` (the server then exits non-zero, for a supervisor to restart);
+* `max_num_waiting` caps queued requests (`QueueFull`: 429); `request_timeout` ends a
+  request that outlives it (`RequestTimeout`), freeing its KV blocks;
+* a stream whose reader falls behind keeps at most `MAX_PENDING_OUTPUTS` outputs: older
+  ones are merged into one, so a slow reader holds its own request's output, no more.
+
 The engine always reports deltas (`RequestOutputKind.DELTA`): the engine thread does no
 per-step copying, the metrics see each step's new tokens, and a stream whose caller asked
 for FINAL_ONLY or CUMULATIVE outputs sums the deltas on its own event loop.
@@ -24,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
+from llmserve.config import DEFAULT_MAX_NUM_WAITING
 from llmserve.engine.engine import Engine
 from llmserve.errors import LLMServeError
 from llmserve.metrics import LOG_INTERVAL_S, EngineMetrics
@@ -32,6 +43,8 @@ from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+MAX_PENDING_OUTPUTS = 64  # unread outputs a stream keeps before merging them
 
 
 class QueueFull(LLMServeError):
@@ -51,7 +64,12 @@ class EngineStepError(LLMServeError):
 
 
 class EngineUnavailable(EngineShutdown):
-    """The engine cannot run any more steps (a tensor-parallel rank died): 503."""
+    """The engine cannot run any more steps (a tensor-parallel rank died, or the engine
+    thread itself): 503."""
+
+
+class RequestTimeout(LLMServeError):
+    """The request outlived the server's request timeout; its KV blocks were freed."""
 
 
 @dataclass
@@ -79,9 +97,11 @@ class RequestStream:
     loop: asyncio.AbstractEventLoop
     engine: "AsyncEngine"
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    deadline: float | None = None  # time.monotonic() past which it is timed out
     admitted: asyncio.Future = field(init=False)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
+    num_merged: int = 0  # outputs merged because the reader fell behind
     _accumulated: OutputAccumulator = field(default_factory=OutputAccumulator)
 
     def __post_init__(self) -> None:
@@ -110,19 +130,42 @@ class RequestStream:
             self.finished = True
             self.engine.abort(self.request_id)
 
+    def put(self, item: Any) -> None:
+        """Queue an output (or the error that ends the stream); on the stream's loop.
+
+        Past `MAX_PENDING_OUTPUTS` unread deltas, they are merged with the new one into a
+        single delta (the same tokens, text and logprobs), so a reader that falls behind
+        costs its request's own output at most, never an unbounded queue."""
+        if isinstance(item, RequestOutput) and self.queue.qsize() >= MAX_PENDING_OUTPUTS:
+            merged = OutputAccumulator()
+            while not self.queue.empty():
+                merged.add(self.queue.get_nowait())  # only outputs: an error ends the stream
+            merged.add(item)
+            item = merged.build()
+            self.num_merged += 1
+        self.queue.put_nowait(item)
+
 
 class AsyncEngine:
     """Runs `engine` in a background thread; `generate()` streams a request's outputs.
 
     `max_num_waiting` caps the requests admitted but not yet running: beyond it `QueueFull`
-    is raised at once (the server answers 429). Call `start()` once, `shutdown()` at the end.
+    is raised at once (the server answers 429); None: no cap. `request_timeout` (seconds
+    from arrival; None: none) ends requests that outlive it. `on_fatal` is called (from the
+    engine thread) if that thread dies. Call `start()` once, `shutdown()` at the end.
     """
 
-    def __init__(self, engine: Engine, max_num_waiting: int | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
+    def __init__(self, engine: Engine, max_num_waiting: int | None = DEFAULT_MAX_NUM_WAITING,
+                 metrics: EngineMetrics | None = None, request_timeout: float | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
         if max_num_waiting is not None and max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be >= 0, got {max_num_waiting}")
+        if request_timeout is not None and request_timeout <= 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
         self.engine = engine
+        self.request_timeout = request_timeout
+        self.on_fatal = on_fatal
+        self.fatal: BaseException | None = None  # what killed the engine thread, if it died
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.max_num_waiting = max_num_waiting
@@ -179,7 +222,10 @@ class AsyncEngine:
             if request_id is None:
                 request_id = f"req-{self._next_id}"
                 self._next_id += 1
-            stream = RequestStream(request_id, loop, self, params.output_kind)
+            deadline = None
+            if self.request_timeout is not None:
+                deadline = time.monotonic() + self.request_timeout
+            stream = RequestStream(request_id, loop, self, params.output_kind, deadline)
             self._adds.append(_Add(request_id, prompt, deltas, arrival_time or time.time(),
                                    priority, cache_salt, stream, kv_transfer))
         self._wakeup.set()
@@ -227,11 +273,27 @@ class AsyncEngine:
     # ---- the engine thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - whatever it was, nobody must hang
+            self.fatal = e
+            logger.critical("the engine thread died; failing every request", exc_info=e)
+            with self._lock:
+                self._accepting = False
+            self._fail_all(EngineUnavailable(f"the engine stopped: {type(e).__name__}: {e}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)
+            return
+        self._fail_all(EngineShutdown("the server shut down before the request finished"))
+
+    def _loop(self) -> None:
         engine = self.engine
         while True:
             self._wakeup.clear()
             if self._apply_commands():
-                break
+                return
+            if self.request_timeout is not None:
+                self._expire()
             if not engine.has_unfinished_requests():
                 self._update_state()
                 self._wakeup.wait(timeout=LOG_INTERVAL_S)
@@ -239,20 +301,42 @@ class AsyncEngine:
             try:
                 outputs = engine.step()
             except Exception as e:  # a failed step must not take the server down
-                if engine.executor is not None:  # a failed collective breaks the group
-                    engine.executor.step_failed(e)
-                if engine.failure is not None:  # nor can it step again: fail fast, 503
-                    logger.error("engine unavailable (%s); failing the requests in flight",
-                                 engine.failure)
-                    self._fail_all(EngineUnavailable(
-                        f"the engine is unavailable: {engine.failure}"))
-                    continue
-                logger.exception("engine step failed; aborting the requests in flight")
-                self._fail_all(EngineStepError(f"the model step failed: {e}"))
+                self._step_failed(e)
                 continue
             self._deliver(outputs)
             self._update_state()
-        self._fail_all(EngineShutdown("the server shut down before the request finished"))
+
+    def _step_failed(self, error: Exception) -> None:
+        """Fail the requests of the step that raised; the others go on. If the engine can
+        step no more (a tensor-parallel rank died) or the step had no request (a fault
+        outside any one request), every request in flight fails."""
+        engine = self.engine
+        if engine.executor is not None:  # a failed collective breaks the group
+            engine.executor.step_failed(error)
+        if engine.failure is not None:  # nor can it step again: fail fast, 503
+            logger.error("engine unavailable (%s); failing the requests in flight",
+                         engine.failure)
+            self._fail_all(EngineUnavailable(f"the engine is unavailable: {engine.failure}"))
+            return
+        failed = engine.callers_of(engine.step_request_ids) & self._streams.keys()
+        logger.exception("model step failed; failing its %d request(s)", len(failed),
+                         exc_info=error)
+        message = EngineStepError(f"the model step failed: {type(error).__name__}: {error}")
+        if failed:
+            self._fail(failed, message)
+        else:
+            self._fail_all(message)
+        self._update_state()
+
+    def _expire(self) -> None:
+        """End the requests past their deadline, freeing their blocks."""
+        now = time.monotonic()
+        expired = {rid for rid, stream in self._streams.items()
+                   if stream.deadline is not None and stream.deadline <= now}
+        if expired:
+            self._fail(expired, RequestTimeout(
+                f"the request ran past the server's request timeout "
+                f"({self.request_timeout:g} s, --request-timeout) and was stopped"))
 
     def _apply_commands(self) -> bool:
         """Admit and abort as asked; returns True when the thread should stop."""
@@ -294,19 +378,23 @@ class AsyncEngine:
                 continue
             if output.finished:
                 del self._streams[output.request_id]
-            by_loop[stream.loop].append((stream.queue, output))
+            by_loop[stream.loop].append((stream, output))
         for loop, items in by_loop.items():
             _call_soon(loop, _put_all, items)
 
     def _fail_all(self, error: Exception) -> None:
-        streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
+        self._fail(set(self._streams), error)
+
+    def _fail(self, request_ids: set[str], error: Exception) -> None:
+        """Abort these requests (their blocks are freed) and end their streams with `error`."""
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id)
             try:
                 final = self.engine.abort_request(request_id)
                 self.metrics.observe([final] if final is not None else [])
             except Exception:
                 logger.exception("aborting %s failed", request_id)
-            _call_soon(stream.loop, _put_all, [(stream.queue, error)])
+            _call_soon(stream.loop, _put_all, [(stream, error)])
 
     def _update_state(self) -> None:
         scheduler, kv = self.engine.scheduler, self.engine.kv_manager
@@ -327,9 +415,9 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> Non
         pass
 
 
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for queue, item in items:
-        queue.put_nowait(item)
+def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
+    for stream, item in items:
+        stream.put(item)
 
 
 def _set_result(future: asyncio.Future, value: Any) -> None:

@@ -136,6 +136,7 @@ class Engine:
         self.states: dict[str, RequestState] = {}  # single requests and siblings, not beams
         self.groups: dict[str, ParallelGroup | BeamSearchGroup] = {}  # by the caller's id
         self.beams = BeamSearchRunner(self.scheduler, self.tokenizer)
+        self.step_request_ids: list[str] = []  # what the last step scheduled (engine ids)
         self.logprobs_decoder = LogprobsDecoder(self.tokenizer)
         self.structured = StructuredOutputManager(self.tokenizer, model_cfg.vocab_size)
         self.speculator = self._build_speculator(config.speculative_config)
@@ -263,14 +264,30 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.states or self.groups)
 
+    def callers_of(self, request_ids: list[str]) -> set[str]:
+        """The callers' request ids behind engine request ids (a sibling of n > 1 or a
+        beam belongs to its caller's request)."""
+        callers = set()
+        for request_id in request_ids:
+            state = self.states.get(request_id)
+            if state is not None and state.parent is not None:
+                callers.add(state.parent.request_id)
+            elif self.beams.owns(request_id):
+                callers.add(self.beams.group_of[request_id].request_id)
+            else:
+                callers.add(request_id)
+        return callers
+
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One scheduling + forward step; the outputs (per `output_kind`) of every request
         that got tokens, one per caller's request id."""
+        self.step_request_ids = []
         if self.speculator is not None:
             self._propose_drafts()
         out = self.scheduler.schedule()
+        self.step_request_ids = [s.request_id for s in out.scheduled]
         grammar = self.structured.start_step({
             s.request_id: state.grammar for s in out.scheduled
             if s.sample and (state := self.states.get(s.request_id)) is not None

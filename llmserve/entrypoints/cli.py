@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from llmserve.config import (
     ATTENTION_BACKEND_CHOICES,
+    DEFAULT_MAX_NUM_WAITING,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPE_CHOICES,
     QUANTIZATION_CHOICES,
@@ -376,8 +377,12 @@ def _add_serve(sub: Any, common: argparse.ArgumentParser) -> None:
     net = serve.add_argument_group("server")
     _add_network_flags(net)
     net.add_argument("--served-model-name", help="model id clients use (default: --model)")
-    net.add_argument("--max-num-waiting", type=int,
-                     help="queued requests at most; beyond it answer 429 (default: no cap)")
+    net.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
+                     help="queued requests at most; beyond it answer 429 (default: "
+                          f"{DEFAULT_MAX_NUM_WAITING}; -1: no cap)")
+    net.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                     help="end a request that runs longer than this from its arrival, with "
+                          "an error (its KV blocks are freed at once; default: no limit)")
     _add_engine_flags(serve)
     dp = serve.add_argument_group("data parallelism")
     dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",

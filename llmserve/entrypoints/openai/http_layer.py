@@ -16,7 +16,12 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from llmserve.engine.async_engine import EngineShutdown, EngineStepError, QueueFull
+from llmserve.engine.async_engine import (
+    EngineShutdown,
+    EngineStepError,
+    QueueFull,
+    RequestTimeout,
+)
 from llmserve.entrypoints.openai.protocol import BadRequest, error_body
 
 logger = logging.getLogger(__name__)
@@ -24,7 +29,7 @@ logger = logging.getLogger(__name__)
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error",
                 413: "invalid_request_error", 429: "rate_limit_error",
-                503: "service_unavailable_error"}
+                503: "service_unavailable_error", 504: "timeout_error"}
 
 
 def error_response(status: int, message: str, param: str | None = None,
@@ -50,6 +55,8 @@ def exception_error(exc: Exception) -> tuple[int, dict[str, Any]]:
         status, message, code = 429, str(exc), "rate_limit_exceeded"
     elif isinstance(exc, EngineShutdown):
         status, message = 503, str(exc)
+    elif isinstance(exc, RequestTimeout):
+        status, message, code = 504, str(exc), "request_timeout"
     elif isinstance(exc, EngineStepError):
         status, message = 500, str(exc)  # logged with its traceback by the engine
     else:
@@ -97,6 +104,10 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     @app.exception_handler(EngineStepError)
     async def _step_failed(_: Request, exc: EngineStepError) -> JSONResponse:
+        return respond(exc)
+
+    @app.exception_handler(RequestTimeout)
+    async def _timed_out(_: Request, exc: RequestTimeout) -> JSONResponse:
         return respond(exc)
 
     @app.exception_handler(HTTPException)

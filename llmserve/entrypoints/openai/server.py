@@ -45,6 +45,8 @@ API_KEY_ENV = "LLMSERVE_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ServerSettings:
@@ -205,16 +207,23 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
     )
     sock = listening_socket(args.host, args.port)  # before loading: a busy port fails fast
+    max_num_waiting = None if args.max_num_waiting < 0 else args.max_num_waiting
     async_engine = AsyncEngine(Engine(EngineConfig(model=model, **engine_options)),
-                               args.max_num_waiting)
+                               max_num_waiting, request_timeout=args.request_timeout)
     app = build_app(async_engine, settings)
     config = uvicorn.Config(app, log_config=None, access_log=args.verbose,
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s))
     server = uvicorn.Server(config)
+    # the engine thread dying ends the server (exit 1), for a supervisor to restart it;
+    # uvicorn watches `should_exit` from its own loop
+    async_engine.on_fatal = lambda _: setattr(server, "should_exit", True)
     # uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done; this
     # handler absorbs it so the process exits 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     asyncio.run(serve_announced(server, sock, f"serving '{settings.model_name}'", "server"))
+    if async_engine.fatal is not None:
+        logger.error("exiting: the engine thread died (%s)", async_engine.fatal)
+        return 1
     return 0
 
 

@@ -60,10 +60,11 @@ def _engine_config(gguf: Any, **options: Any) -> EngineConfig:
 
 @contextmanager
 def run_server(gguf: Any, loaded: Any, max_num_waiting: int | None = None,
-               engine_options: dict | None = None, **settings: Any) -> Iterator[RunningServer]:
+               engine_options: dict | None = None, request_timeout: float | None = None,
+               **settings: Any) -> Iterator[RunningServer]:
     """A real server on a free port; stopped (gracefully) on exit."""
     engine = Engine(_engine_config(gguf, **(engine_options or {})), loaded=loaded)
-    async_engine = AsyncEngine(engine, max_num_waiting)
+    async_engine = AsyncEngine(engine, max_num_waiting, request_timeout=request_timeout)
     app = build_app(async_engine, ServerSettings(model_name=MODEL, **settings))
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            timeout_graceful_shutdown=5))

@@ -131,6 +131,10 @@ def _tiny_folder(folder, kind: str) -> transformers.PreTrainedModel:
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = transformers.LlamaForCausalLM(config)
+    elif kind == "gemma3":  # a local layer (window 16) and a global one
+        model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, head_dim=32, sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"]))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     torch.manual_seed(0)
@@ -146,7 +150,7 @@ def _tiny_folder(folder, kind: str) -> transformers.PreTrainedModel:
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2"])
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "gemma3"])
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
     return folder, _tiny_folder(folder, request.param)

@@ -177,7 +177,8 @@ def test_attention_backend_by_name(smollm2_gguf):
     uncompiled), and what a backend cannot do is refused at start, naming it."""
     from llmserve import LLM, SamplingParams
     from llmserve.errors import LLMServeError
-    from llmserve.worker.attention import FlexAttentionBackend, TorchBackend
+    from llmserve.worker.attention import TorchBackend
+    from llmserve.worker.flex_attention import FlexAttentionBackend
 
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "1, 2, 3, 4,"]

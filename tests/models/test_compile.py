@@ -20,11 +20,11 @@ from llmserve.models.compile import CompiledForward, compile_model, is_compiled
 from llmserve.models.llama import LlamaForCausalLM
 from llmserve.worker.attention import (
     AttentionMetadata,
-    FlexAttentionBackend,
     KVCache,
     NativeCPUBackend,
     TorchBackend,
 )
+from llmserve.worker.flex_attention import FlexAttentionBackend
 from tests.models.test_llama_reference import (
     CHAT,
     LOGIT_TOLERANCE,

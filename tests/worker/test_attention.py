@@ -7,11 +7,11 @@ import torch.nn.functional as F
 from llmserve.kernels import native
 from llmserve.worker.attention import (
     AttentionMetadata,
-    FlexAttentionBackend,
     KVCache,
     NativeCPUBackend,
     TorchBackend,
 )
+from llmserve.worker.flex_attention import FlexAttentionBackend
 
 H, H_KV, D, BLOCK = 6, 2, 32, 4
 # (context already cached, new queries): decodes, a short chunk, long chunks with and

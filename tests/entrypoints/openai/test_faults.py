@@ -14,13 +14,13 @@ import openai
 import pytest
 
 from llmserve import SamplingParams
-from llmserve.sampling_params import RequestOutputKind
 from llmserve.engine.async_engine import (
     MAX_PENDING_OUTPUTS,
     AsyncEngine,
     RequestTimeout,
 )
 from llmserve.engine.engine import Engine
+from llmserve.sampling_params import RequestOutputKind
 from tests.entrypoints.openai.conftest import MODEL, _engine_config, run_server
 
 POISON = 9999  # a prompt token id: steps of its request fail once it has FAIL_AFTER tokens

@@ -142,9 +142,21 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def _compile_chat_template(source: str) -> jinja2.Template:
     """Chat templates come from model files, i.e. untrusted code: render them sandboxed, with
-    the same environment settings and helpers as transformers so prompts match exactly."""
+    the same environment settings and helpers as transformers so prompts match exactly.
+
+    The sandbox refuses the template Python's internals (`__class__`, `__globals__`, ...),
+    unsafe callables and changes to the data passed in, and caps `range` at 100,000 items;
+    it does not bound a render's time or memory (SECURITY.md)."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -345,11 +357,15 @@ class Tokenizer:
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
-                **self._special_token_strings(),
-                **kwargs,
+                **{**self._special_token_strings(), **kwargs},  # as transformers: kwargs win
             )
-        except jinja2.TemplateError as e:
+        except jinja2.TemplateError as e:  # raise_exception(), the sandbox's refusals
             raise ChatTemplateError(f"chat template error: {e}") from None
+        except Exception as e:  # the template is untrusted code: any failure is this request's
+            raise ChatTemplateError(f"chat template error: {type(e).__name__}: {e}") from None
+        if not prompt.isascii() and _has_lone_surrogate(prompt):
+            raise ChatTemplateError("the rendered prompt is not valid Unicode (a lone "
+                                    "surrogate, e.g. from chat_template_kwargs or tools)")
         if tokenize:
             return self.encode(prompt, add_special_tokens=False)
         return prompt

@@ -176,6 +176,47 @@ def test_no_chat_template_is_an_error() -> None:
         _toy_tokenizer(None).apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+# Templates come from model files: a hostile one tries to reach Python's internals (to read
+# files or run commands) through the objects it is given, or to exhaust the server.
+HOSTILE_TEMPLATES = [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ cycler.__init__.__globals__.os.system('touch {canary}') }}",
+    "{{ joiner.__init__.__globals__['os'].popen('touch {canary}').read() }}",
+    "{{ lipsum.__globals__['os'].system('touch {canary}') }}",
+    "{{ self.__init__.__globals__.__builtins__.open('{canary}', 'w') }}",
+    "{{ raise_exception.__globals__['__builtins__']['open']('{canary}', 'w') }}",
+    "{{ namespace.__init__.__globals__ }}",
+    "{{ messages.__class__.__base__.__subclasses__() }}",
+    "{{ '{0.__class__.__init__.__globals__}'.format(messages) }}",
+    "{{ messages.append(1) }}{{ messages.pop() }}",
+    "{% include '{canary}' %}",
+    "{% for i in range(10 ** 10) %}{{ i }}{% endfor %}",
+]
+
+
+@pytest.mark.parametrize("template", HOSTILE_TEMPLATES)
+def test_a_hostile_template_fails_safely(template: str, tmp_path: Path) -> None:
+    """The sandbox refuses: a ChatTemplateError (a 400 for the request), no file written,
+    no command run, the messages unchanged."""
+    canary = tmp_path / "canary"
+    tok = _toy_tokenizer(template.replace("{canary}", str(canary)))
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ChatTemplateError, match="chat template error"):
+        tok.apply_chat_template(messages)
+    assert not canary.exists()
+    assert messages == [{"role": "user", "content": "hi"}]
+
+
+def test_template_variables_from_the_caller() -> None:
+    """Extra variables win over the special-token strings (as in transformers); one that
+    makes the prompt invalid Unicode is refused, not handed to the Rust tokenizer."""
+    tok = _toy_tokenizer("{{ bos_token }}{{ extra }}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, bos_token="[B]", extra="!") == "[B]!"
+    with pytest.raises(ChatTemplateError, match="not valid Unicode"):
+        tok.apply_chat_template(messages, extra="\ud800", tokenize=True)
+
+
 def test_unsupported_gguf_tokenizers() -> None:
     with pytest.raises(UnsupportedModelError, match="'rwkv'"):
         Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "rwkv"})

@@ -1,5 +1,6 @@
 """Frozen, validated configuration dataclasses."""
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,16 @@ SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # Hugging Face `model_type` spellings of a supported architecture.
 ARCHITECTURE_ALIASES = {"gemma3_text": "gemma3"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# Sanity bounds on what a config makes llmserve allocate beyond the weights the loaders
+# check against the file: per-layer tables (before any weight is seen), and the rotary
+# cos/sin tables of max_position_embeddings x head_dim values, at most this many or as many
+# as the model has weights (Llama 3.1: 131072 x 128 = 2**24; Qwen2.5-7B-1M: 2**27 for 7e9
+# weights). A corrupt or hostile file is refused, not given gigabytes.
+MAX_NUM_LAYERS = 1 << 16
+MAX_ROTARY_TABLE = 1 << 24
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,7 @@ class ModelConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported activation '{self.hidden_act}' "
                                         f"(supported: {', '.join(ACTIVATIONS)})")
+        self._check_values()
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
             raise UnsupportedModelError(
                 f"{len(self.sliding_windows)} sliding windows for {self.num_hidden_layers} layers")
@@ -68,6 +80,52 @@ class ModelConfig:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if kind not in ("default", "llama3", "linear"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type '{kind}'")
+            numbers = ("factor", "low_freq_factor", "high_freq_factor",
+                       "original_max_position_embeddings")
+            for name in numbers if kind != "default" else ():
+                value = self.rope_scaling.get(name)
+                if (value is not None or name == "factor") and not _is_positive(value):
+                    raise ValueError(f"rope_scaling {name} must be a positive number, "
+                                     f"got {value!r}")
+
+    def _check_values(self) -> None:
+        """Types and ranges of the numbers, which come from untrusted files: a ValueError
+        naming the field, before anything is sized by them."""
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_hidden_layers > MAX_NUM_LAYERS:
+            raise ValueError(f"num_hidden_layers {self.num_hidden_layers} is beyond any "
+                             f"model's (at most {MAX_NUM_LAYERS})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary embeddings turn pairs of "
+                             f"values), got {self.head_dim}")
+        q_size = self.num_attention_heads * self.head_dim
+        kv_size = self.num_key_value_heads * self.head_dim
+        layer = self.hidden_size * (2 * q_size + 2 * kv_size + 3 * self.intermediate_size)
+        weights = self.vocab_size * self.hidden_size + self.num_hidden_layers * layer
+        if self.max_position_embeddings * self.head_dim > max(MAX_ROTARY_TABLE, weights):
+            raise ValueError(
+                f"max_position_embeddings {self.max_position_embeddings} x head_dim "
+                f"{self.head_dim} is beyond any model's (rotary tables of more values than "
+                f"{MAX_ROTARY_TABLE} and than the model's {weights} weights)")
+        if not _is_number(self.rms_norm_eps) or self.rms_norm_eps < 0:
+            raise ValueError(f"rms_norm_eps must be a number >= 0, got {self.rms_norm_eps!r}")
+        positive = {"rope_theta": self.rope_theta, "rope_local_theta": self.rope_local_theta,
+                    "attention_scale": self.attention_scale,
+                    "attn_logit_softcapping": self.attn_logit_softcapping,
+                    "final_logit_softcapping": self.final_logit_softcapping}
+        for name, value in positive.items():
+            if (value is not None or name == "rope_theta") and not _is_positive(value):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not all(_is_int(w) and w >= 0 for w in self.sliding_windows):
+            raise ValueError(f"sliding windows must be integers >= 0, got {self.sliding_windows}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(f"rope_scaling must be an object, got {self.rope_scaling!r}")
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window (0: unwindowed)."""
@@ -75,9 +133,11 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a Hugging Face `config.json` dictionary."""
+        """Build from a Hugging Face `config.json` dictionary (a bad value: ValueError)."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"the config must be a JSON object, not {type(cfg).__name__}")
         arch = cfg.get("model_type")
-        arch = ARCHITECTURE_ALIASES.get(arch, arch)
+        arch = ARCHITECTURE_ALIASES.get(arch, arch) if isinstance(arch, str) else arch
         if arch == "gemma3" and "text_config" in cfg:
             raise UnsupportedModelError(
                 "this Gemma 3 checkpoint has a vision tower (Gemma3ForConditionalGeneration); "
@@ -87,7 +147,11 @@ class ModelConfig:
                 f"unsupported model architecture '{arch}' "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        heads = cfg["num_attention_heads"]
+        heads, hidden = _hf_size(cfg, "num_attention_heads"), _hf_size(cfg, "hidden_size")
+        _hf_size(cfg, "num_hidden_layers")
+        if not cfg.get("head_dim") and hidden % heads:
+            raise ValueError(f"hidden_size {hidden} is not a multiple of num_attention_heads "
+                             f"{heads}, and there is no head_dim")
         rope_scaling = cfg.get("rope_scaling")
         rope_theta = cfg.get("rope_theta")
         rope_local_theta = cfg.get("rope_local_base_freq")
@@ -95,6 +159,9 @@ class ModelConfig:
         if isinstance(rope_params, dict) and "full_attention" in rope_params:
             # per layer type (Gemma 3): the global layers' rope, and the local layers' base
             local = rope_params.get("sliding_attention") or {}
+            if not isinstance(local, dict):
+                raise ValueError(f"rope_parameters.sliding_attention must be an object, "
+                                 f"got {local!r}")
             rope_local_theta = local.get("rope_theta", rope_local_theta)
             if local.get("rope_type", "default") != "default":
                 raise UnsupportedModelError("unsupported rope scaling on sliding-window layers")
@@ -108,6 +175,8 @@ class ModelConfig:
             rope_local_theta = 10000.0
         hidden_act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
         scalar = cfg.get("query_pre_attn_scalar") if gemma else None
+        if scalar is not None and not _is_positive(scalar):
+            raise ValueError(f"query_pre_attn_scalar must be a positive number, got {scalar!r}")
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -133,6 +202,30 @@ class ModelConfig:
         )
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _is_positive(value: Any) -> bool:
+    return _is_number(value) and value > 0
+
+
+def _hf_size(cfg: dict[str, Any], name: str) -> int:
+    """A positive integer field of config.json, checked before anything is sized by it."""
+    value = cfg[name]
+    if not _is_int(value) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if name == "num_hidden_layers" and value > MAX_NUM_LAYERS:
+        raise ValueError(f"num_hidden_layers {value} is beyond any model's "
+                         f"(at most {MAX_NUM_LAYERS})")
+    return value
+
+
 def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     """Each layer's attention window from a Hugging Face config (empty: none windowed).
 
@@ -141,24 +234,33 @@ def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     `sliding_window` is set, and Qwen2/3 the layers from `max_window_layers` on when
     `use_sliding_window` is true."""
     window = cfg.get("sliding_window")
-    num_layers = cfg["num_hidden_layers"]
+    num_layers = _hf_size(cfg, "num_hidden_layers")
     if not window:
         return ()
+    if not _is_int(window) or window < 0:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
     if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         return ()
     types = cfg.get("layer_types")
     if types is None:
         if arch == "gemma3":
             pattern = cfg.get("sliding_window_pattern", 6)
+            if not _is_int(pattern) or pattern < 1:
+                raise ValueError(f"sliding_window_pattern must be a positive integer, "
+                                 f"got {pattern!r}")
             types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                      for i in range(num_layers)]
         elif arch in ("qwen2", "qwen3"):
             first = cfg.get("max_window_layers", num_layers)
+            if not _is_number(first):
+                raise ValueError(f"max_window_layers must be an integer, got {first!r}")
             types = ["sliding_attention" if i >= first else "full_attention"
                      for i in range(num_layers)]
         else:
             types = ["sliding_attention"] * num_layers
-    windows = tuple(int(window) if t == "sliding_attention" else 0 for t in types)
+    if not isinstance(types, list):
+        raise ValueError(f"layer_types must be a list, got {types!r}")
+    windows = tuple(window if t == "sliding_attention" else 0 for t in types)
     return windows if any(windows) else ()
 
 

@@ -90,6 +90,9 @@ _TURN_TERMINATORS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", 
 # End-of-document tokens: a model that emits one is done, whatever its metadata's eos says.
 _DOCUMENT_TERMINATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 _SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
+# Recovering a SentencePiece vocabulary's merges costs the square of a token's length; real
+# tokens are tens of characters, a longer one is a corrupt (or hostile) file.
+_MAX_SENTENCEPIECE_TOKEN_CHARS = 1024
 
 # Chat templates for GGUF files that carry none (base models), by `general.architecture`;
 # a file's own `tokenizer.chat_template` always wins.
@@ -211,6 +214,7 @@ class Tokenizer:
         BPE (`tokenizer.ggml.model == "gpt2"`) or a SentencePiece BPE vocabulary (`llama`,
         e.g. Gemma's, Llama 2's). Other kinds raise `UnsupportedModelError`."""
         kind = meta.get("tokenizer.ggml.model")
+        _check_gguf_tokenizer_metadata(meta)
         tokens: list[str] = meta.get("tokenizer.ggml.tokens", [])
         token_types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
         if kind == "gpt2":
@@ -233,13 +237,14 @@ class Tokenizer:
             backend.post_processor = post
         template = meta.get("tokenizer.chat_template")
         if template is None:
-            template = DEFAULT_CHAT_TEMPLATES.get(meta.get("general.architecture", ""))
+            template = DEFAULT_CHAT_TEMPLATES.get(_gguf_architecture(meta))
         return cls(
             backend,
             bos_token_id=bos,
             eos_token_id=eos,
-            unk_token_id=meta.get("tokenizer.ggml.unknown_token_id"),
-            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            # as llama.cpp, an optional special id outside the vocabulary is ignored
+            unk_token_id=_token_id_or_none(meta, "tokenizer.ggml.unknown_token_id"),
+            pad_token_id=_token_id_or_none(meta, "tokenizer.ggml.padding_token_id"),
             chat_template=template,
         )
 
@@ -382,6 +387,54 @@ class Tokenizer:
         return {name: s for name, s in strings.items() if s is not None}
 
 
+def _check_gguf_tokenizer_metadata(meta: dict[str, Any]) -> None:
+    """The `tokenizer.*` metadata of an untrusted file has the types and lengths the
+    builders rely on: a ModelFormatError naming the key, not a crash in `tokenizers`."""
+
+    def bad(key: str, problem: str) -> ModelFormatError:
+        return ModelFormatError(f"GGUF tokenizer metadata: {key} {problem}")
+
+    tokens = meta.get("tokenizer.ggml.tokens", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise bad("tokenizer.ggml.tokens", "must be a list of strings")
+    per_token = {"tokenizer.ggml.token_type": (int,), "tokenizer.ggml.scores": (int, float)}
+    for key, types in per_token.items():
+        values = meta.get(key, [0] * len(tokens))
+        if not isinstance(values, list) or not all(type(v) in types for v in values):
+            raise bad(key, f"must be a list of {' or '.join(t.__name__ for t in types)}s")
+        if len(values) != len(tokens):
+            raise bad(key, f"has {len(values)} entries for {len(tokens)} tokens")
+    merges = meta.get("tokenizer.ggml.merges", [])
+    if not isinstance(merges, list) or not all(isinstance(m, str) and " " in m for m in merges):
+        raise bad("tokenizer.ggml.merges", "must be a list of 'left right' strings")
+    for key in ("bos", "eos", "unknown", "padding"):
+        value = meta.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None and type(value) is not int:
+            raise bad(f"tokenizer.ggml.{key}_token_id", f"must be a token id, got {value!r}")
+        if key in ("bos", "eos") and value is not None and not 0 <= value < len(tokens):
+            raise bad(f"tokenizer.ggml.{key}_token_id",
+                      f"is {value}, outside the {len(tokens)} tokens")
+    for key in ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"):
+        if not isinstance(meta.get(key, ""), str):
+            raise bad(key, f"must be a string, got {meta[key]!r}")
+    if meta.get("tokenizer.ggml.model") == "llama":
+        longest = max(tokens, key=len, default="")
+        if len(longest) > _MAX_SENTENCEPIECE_TOKEN_CHARS:
+            raise bad("tokenizer.ggml.tokens", f"holds a token of {len(longest)} characters "
+                      f"(at most {_MAX_SENTENCEPIECE_TOKEN_CHARS})")
+
+
+def _token_id_or_none(meta: dict[str, Any], key: str) -> int | None:
+    value = meta.get(key)
+    num_tokens = len(meta.get("tokenizer.ggml.tokens", []))
+    return value if value is not None and 0 <= value < num_tokens else None
+
+
+def _gguf_architecture(meta: dict[str, Any]) -> str:
+    arch = meta.get("general.architecture", "")
+    return arch if isinstance(arch, str) else ""
+
+
 def _gguf_added_tokens(tokens: list[str], token_types: list[int], kind: int) -> list[AddedToken]:
     """Tokens of one GGUF type, matched verbatim in text before pre-tokenization."""
     special = kind == _TOKEN_TYPE_CONTROL
@@ -404,9 +457,12 @@ def _byte_level_backend(meta: dict[str, Any], tokens: list[str],
         )
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = HFTokenizer(
-        models.BPE(vocab, merges, ignore_merges=spec.ignore_merges)  # type: ignore[arg-type]
-    )
+    try:
+        bpe = models.BPE(vocab, merges, ignore_merges=spec.ignore_merges)  # type: ignore[arg-type]
+    except Exception as e:  # tokenizers raises a bare Exception on a merge it cannot use
+        raise ModelFormatError(f"GGUF tokenizer metadata: tokenizer.ggml.merges: "
+                               f"{str(e)[:200]!r}") from None
+    backend = HFTokenizer(bpe)
     backend.pre_tokenizer = spec.build()
     backend.decoder = decoders.ByteLevel()
     backend.add_tokens(_gguf_added_tokens(tokens, token_types, _TOKEN_TYPE_USER_DEFINED))
@@ -423,8 +479,7 @@ def _sentencepiece_backend(meta: dict[str, Any], tokens: list[str],
     vocabulary (`_sentencepiece_merges`). Gemma files spell their whitespace-run tokens
     with real spaces ("  "); those are respelled with U+2581, the form the merges reach.
     """
-    arch = meta.get("general.architecture", "")
-    gemma = arch.startswith("gemma")
+    gemma = _gguf_architecture(meta).startswith("gemma")
     if gemma:
         tokens = [_SPIECE_SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]
     vocab = {tok: i for i, tok in enumerate(tokens)}

@@ -18,7 +18,13 @@ from gguf import GGMLQuantizationType as QT
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.loader.gguf_meta import GGUFTensor, open_gguf, read_metadata
-from llmserve.loader.weights import LoadedWeights, WeightSlices, drop_tied_head, require_path
+from llmserve.loader.weights import (
+    LoadedWeights,
+    WeightSlices,
+    check_weight_shapes,
+    drop_tied_head,
+    require_path,
+)
 
 # GGUF `general.architecture` -> Hugging Face `model_type`.
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
@@ -95,10 +101,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     metadata = read_metadata(reader)
     arch = _architecture(metadata)
     by_name = {t.name: t for t in reader.tensors}
-    rope_freqs = by_name.pop(ROPE_FREQS_TENSOR, None)
-    for tensor in by_name.values():
-        _check_supported(tensor)
-    config = _build_config(metadata, arch, by_name, rope_freqs)
+    config = _checked_config(path, metadata, arch, by_name)
+    by_name.pop(ROPE_FREQS_TENSOR, None)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in by_name.items():
         canonical = hf_name(name, arch)
@@ -116,11 +120,28 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
     """The model config of a GGUF file, without reading or dequantizing its weights."""
-    reader = open_gguf(require_path(path, is_dir=False))
+    path = require_path(path, is_dir=False)
+    reader = open_gguf(path)
     metadata = read_metadata(reader)
     by_name = {t.name: t for t in reader.tensors}
-    rope_freqs = by_name.pop(ROPE_FREQS_TENSOR, None)
-    return _build_config(metadata, _architecture(metadata), by_name, rope_freqs)
+    return _checked_config(path, metadata, _architecture(metadata), by_name)
+
+
+def _checked_config(path: Path, metadata: dict[str, Any], arch: str,
+                    tensors: dict[str, GGUFTensor]) -> ModelConfig:
+    """The config of a GGUF file, its values and every tensor's type and shape checked
+    against it before a byte of weights is read."""
+    tensors = dict(tensors)
+    rope_freqs = tensors.pop(ROPE_FREQS_TENSOR, None)
+    for tensor in [*tensors.values(), *([rope_freqs] if rope_freqs else [])]:
+        _check_supported(tensor)
+    try:
+        config = _build_config(metadata, arch, tensors, rope_freqs)
+    except ValueError as e:  # ModelConfig's checks of the values
+        raise ModelFormatError(f"{path}: {e}") from None
+    shapes = {hf_name(name, arch): tuple(reversed(t.shape)) for name, t in tensors.items()}
+    check_weight_shapes(config, shapes, path)
+    return config
 
 
 def stored_quantization(tensors) -> str | None:
@@ -150,14 +171,14 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str:
     names = LAYER_NAMES.get(arch, GGUF_LAYER_NAMES)
     if prefix == "blk" and layer.isdigit() and key in names:
         return f"model.layers.{layer}.{names[key]}"
-    raise UnsupportedModelError(f"unsupported GGUF tensor '{gguf_name}'")
+    raise UnsupportedModelError(f"unsupported GGUF tensor {gguf_name!r}")
 
 
 def _architecture(metadata: dict[str, Any]) -> str:
     arch = metadata.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"unsupported GGUF architecture '{arch}' (supported: {', '.join(GGUF_ARCHITECTURES)})"
+            f"unsupported GGUF architecture {arch!r} (supported: {', '.join(GGUF_ARCHITECTURES)})"
         )
     return arch
 
@@ -176,24 +197,30 @@ def _build_config(
     tensors: dict[str, GGUFTensor],
     rope_freqs: GGUFTensor | None,
 ) -> ModelConfig:
-    """ModelConfig from `{arch}.*` metadata; bias, qk-norm and tying from which tensors exist."""
+    """ModelConfig from `{arch}.*` metadata; bias, qk-norm and tying from which tensors exist.
+    A missing or ill-typed value is a ValueError naming its key."""
 
-    def key(name: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelFormatError(f"GGUF metadata lacks '{arch}.{name}'")
-        return value
+    def size(name: str, default: int | None = None, minimum: int = 1) -> int:
+        return _metadata_int(metadata, f"{arch}.{name}", default, minimum)
 
-    if "token_embd.weight" not in tensors:
+    def number(name: str, default: float) -> float:
+        return _metadata_float(metadata, f"{arch}.{name}", default)
+
+    embedding = tensors.get("token_embd.weight")
+    if embedding is None:
         raise ModelFormatError("GGUF file has no token_embd.weight tensor")
-    hidden, heads = key("embedding_length"), key("attention.head_count")
-    head_dim = metadata.get(f"{arch}.attention.key_length") or key(
-        "rope.dimension_count", hidden // heads
-    )
-    rope_theta = float(key("rope.freq_base", 10000.0))
-    num_layers = key("block_count")
+    if len(embedding.shape) != 2:
+        raise ValueError(f"token_embd.weight has shape {embedding.shape}, not (hidden, vocab)")
+    hidden, heads = size("embedding_length"), size("attention.head_count")
+    head_dim = size("attention.key_length", 0, minimum=0) or size(
+        "rope.dimension_count", hidden // heads, minimum=0)
+    rope_theta = number("rope.freq_base", 10000.0)
+    num_layers = size("block_count")
+    if num_layers > len(tensors):  # before anything is built per layer
+        raise ValueError(f"GGUF metadata '{arch}.block_count' is {num_layers}, but the file "
+                         f"holds {len(tensors)} tensors")
     gemma = arch == "gemma3"
-    window = int(metadata.get(f"{arch}.attention.sliding_window") or 0)
+    window = size("attention.sliding_window", 0, minimum=0)
     windows: tuple[int, ...] = ()
     if window and gemma:
         windows = tuple(0 if (i + 1) % GEMMA3_WINDOW_PATTERN == 0 else window
@@ -203,15 +230,15 @@ def _build_config(
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         # The embedding's row count, which can exceed the tokenizer's token list (padding).
-        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        vocab_size=int(embedding.shape[1]),
         hidden_size=hidden,
-        intermediate_size=key("feed_forward_length"),
+        intermediate_size=size("feed_forward_length"),
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=key("attention.head_count_kv", heads),
+        num_key_value_heads=size("attention.head_count_kv", heads),
         head_dim=head_dim,
-        max_position_embeddings=key("context_length"),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=size("context_length"),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=_rope_scaling(metadata, arch, rope_freqs, head_dim, rope_theta),
         tie_word_embeddings="output.weight" not in tensors,
@@ -221,14 +248,28 @@ def _build_config(
         sliding_windows=windows,
         rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
         # llama.cpp: 1/sqrt(head_dim) for Gemma 3, except 27B's 1/sqrt(hidden / heads)
-        attention_scale=(hidden // heads) ** -0.5 if gemma and num_layers == 62 else None,
-        attn_logit_softcapping=_positive(metadata.get(f"{arch}.attn_logit_softcapping")),
-        final_logit_softcapping=_positive(metadata.get(f"{arch}.final_logit_softcapping")),
+        attention_scale=(hidden / heads) ** -0.5 if gemma and num_layers == 62 else None,
+        attn_logit_softcapping=number("attn_logit_softcapping", 0.0) or None,
+        final_logit_softcapping=number("final_logit_softcapping", 0.0) or None,
     )
 
 
-def _positive(value: Any) -> float | None:
-    return float(value) if value else None
+def _metadata_int(metadata: dict[str, Any], key: str, default: int | None = None,
+                  minimum: int = 1) -> int:
+    value = metadata.get(key, default)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks '{key}'")
+    if type(value) is not int or value < minimum:  # bool is not an int here
+        raise ValueError(f"GGUF metadata '{key}' must be an integer >= {minimum}, "
+                         f"got {value!r}")
+    return value
+
+
+def _metadata_float(metadata: dict[str, Any], key: str, default: float) -> float:
+    value = metadata.get(key, default)
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ValueError(f"GGUF metadata '{key}' must be a number, got {value!r}")
+    return float(value)
 
 
 def _rope_scaling(
@@ -240,16 +281,16 @@ def _rope_scaling(
 ) -> dict[str, Any] | None:
     """HF-style `rope_scaling` from `{arch}.rope.scaling.*` keys or a `rope_freqs` tensor."""
     if rope_freqs is not None:
-        divisors = torch.from_numpy(np.array(rope_freqs.data, dtype=np.float32)).flatten()
+        divisors = _to_torch(rope_freqs).float().flatten()
         return _llama3_scaling_from_divisors(divisors, head_dim, rope_theta)
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return None
     scaling: dict[str, Any] = {"rope_type": kind}
-    if (factor := metadata.get(f"{arch}.rope.scaling.factor")) is not None:
-        scaling["factor"] = float(factor)
-    if (original := metadata.get(f"{arch}.rope.scaling.original_context_length")) is not None:
-        scaling["original_max_position_embeddings"] = int(original)
+    if f"{arch}.rope.scaling.factor" in metadata:
+        scaling["factor"] = _metadata_float(metadata, f"{arch}.rope.scaling.factor", 0.0)
+    if (original := f"{arch}.rope.scaling.original_context_length") in metadata:
+        scaling["original_max_position_embeddings"] = _metadata_int(metadata, original)
     return scaling
 
 
@@ -262,6 +303,9 @@ def _llama3_scaling_from_divisors(
     same low/high factors and original context, so the factor (the largest divisor) fixes the
     rest. The recovered parameters are checked by recomputing the divisors.
     """
+    if divisors.numel() == 0 or 2 * divisors.numel() != head_dim:
+        raise UnsupportedModelError(f"unsupported GGUF rope_freqs of {divisors.numel()} values "
+                                    f"(not Llama 3 rope scaling of head_dim {head_dim})")
     scaling = {"rope_type": "llama3", "factor": float(divisors.max()), **LLAMA3_ROPE_DEFAULTS}
     inv_freq = rope_theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
@@ -271,9 +315,7 @@ def _llama3_scaling_from_divisors(
     expected = 1 / ((1 - smooth) / scaling["factor"] + smooth)
     expected = torch.where(wavelen < original / high, 1.0, expected)
     expected = torch.where(wavelen > original / low, scaling["factor"], expected)
-    if divisors.shape != expected.shape or not torch.allclose(
-        divisors.double(), expected, rtol=1e-4
-    ):
+    if not torch.allclose(divisors.double(), expected, rtol=1e-4):
         raise UnsupportedModelError("unsupported GGUF rope_freqs (not Llama 3 rope scaling)")
     return scaling
 

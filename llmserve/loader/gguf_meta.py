@@ -8,11 +8,18 @@ milliseconds. Layout (little-endian, GGUF v2/v3):
     magic "GGUF" | version u32 | tensor_count u64 | kv_count u64
     kv_count x (key: str, type: u32, value) | tensor_count x (name: str, n_dims: u32,
     dims: u64 x n_dims, type: u32, offset: u64) | padding to `general.alignment` | data
+
+The file is untrusted: every count and length is checked against the bytes left before
+anything is allocated for it, and every tensor must lie inside the file, aligned, without
+overlapping another, so a hostile header is a one-line `ModelFormatError`, never a huge
+allocation.
 """
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,10 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
           10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+# The fewest bytes one entry can take: a metadata pair (key length, type, a 1-byte value)
+# and a tensor info (name length, n_dims, type, offset).
+_MIN_KV_BYTES, _MIN_TENSOR_INFO_BYTES = 8 + 4 + 1, 8 + 4 + 4 + 8
 
 
 @dataclass
@@ -48,21 +59,18 @@ class GGUFFile:
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
-    """Parse a GGUF file; a missing, truncated or foreign file is a one-line error."""
+    """Parse a GGUF file; a missing, truncated, foreign or corrupt file is a one-line error."""
     path = Path(path)
     if not path.is_file():
         raise ModelNotFoundError(f"model file not found: {path}")
     try:
         with open(path, "rb") as f:
+            if f.seek(0, 2) == 0:
+                raise ModelFormatError(f"{path} is empty, not a GGUF file")
             buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        return _Parser(buffer, path).parse()
-    except ModelFormatError:
-        raise
-    except (struct.error, ValueError, IndexError, UnicodeDecodeError, OSError) as e:
-        raise ModelFormatError(
-            f"cannot read GGUF file {path}: {type(e).__name__}: {e} "
-            "(is the file truncated or not a GGUF file? fetch it again)"
-        ) from None
+    except OSError as e:
+        raise ModelFormatError(f"cannot read GGUF file {path}: {e}") from None
+    return _Parser(buffer, path).parse()
 
 
 def read_metadata(file: GGUFFile) -> dict[str, Any]:
@@ -80,69 +88,129 @@ class _Parser:
         if self.buffer[:4] != b"GGUF":
             raise ModelFormatError(f"{self.path} is not a GGUF file (bad magic)")
         self.pos = 4
-        version = self._scalar("<I")
+        version = self._scalar("<I", "the version")
         if version not in (2, 3):
             raise ModelFormatError(f"{self.path}: unsupported GGUF version {version}")
-        num_tensors, num_kv = self._scalar("<Q"), self._scalar("<Q")
-        metadata = {}
+        num_tensors = self._count(self._scalar("<Q", "the tensor count"), _MIN_TENSOR_INFO_BYTES,
+                                  "tensor count")
+        num_kv = self._count(self._scalar("<Q", "the metadata count"), _MIN_KV_BYTES,
+                             "metadata count")
+        metadata: dict[str, Any] = {}
         for _ in range(num_kv):
-            key = self._string()
-            metadata[key] = self._value(self._scalar("<I"))
+            key = self._string("a metadata key")
+            if key in metadata:
+                raise self._error(f"metadata key {key!r} appears twice")
+            metadata[key] = self._value(self._scalar("<I", f"the type of {key!r}"), key)
         infos = [self._tensor_info() for _ in range(num_tensors)]
-        alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+        names = [name for name, *_ in infos]
+        if len(set(names)) != len(names):
+            twice = next(name for name in names if names.count(name) > 1)
+            raise self._error(f"tensor {twice!r} appears twice")
+        alignment = self._alignment(metadata)
         start = -(-self.pos // alignment) * alignment
-        tensors = [self._tensor(name, shape, qtype, start + offset)
-                   for name, shape, qtype, offset in infos]
+        tensors = [self._tensor(*info, start, alignment) for info in infos]
+        self._check_no_overlap([(offset, t.data.nbytes, t.name)
+                                for (*_, offset), t in zip(infos, tensors, strict=True)])
         return GGUFFile(self.path, metadata, tensors)
 
-    def _scalar(self, fmt: str) -> Any:
+    def _error(self, problem: str) -> ModelFormatError:
+        return ModelFormatError(f"corrupt GGUF file {self.path}: {problem}")
+
+    def _truncated(self, what: str) -> ModelFormatError:
+        return ModelFormatError(
+            f"GGUF file {self.path} is truncated: {what} at offset {self.pos} runs past the "
+            f"end of the file ({len(self.buffer)} bytes; fetch it again)"
+        )
+
+    def _need(self, num_bytes: int, what: str) -> None:
+        if self.pos + num_bytes > len(self.buffer):
+            raise self._truncated(what)
+
+    def _count(self, count: int, min_bytes: int, what: str) -> int:
+        """`count` entries of at least `min_bytes` each must fit in the bytes left."""
+        if count * min_bytes > len(self.buffer) - self.pos:
+            raise ModelFormatError(
+                f"GGUF file {self.path} is truncated or corrupt: {what} {count} at offset "
+                f"{self.pos} cannot fit in the {len(self.buffer) - self.pos} bytes left")
+        return count
+
+    def _scalar(self, fmt: str, what: str) -> Any:
+        size = struct.calcsize(fmt)
+        self._need(size, what)
         (value,) = struct.unpack_from(fmt, self.buffer, self.pos)
-        self.pos += struct.calcsize(fmt)
+        self.pos += size
         return value
 
-    def _string(self) -> str:
-        length = self._scalar("<Q")
-        end = self.pos + length
-        if end > len(self.buffer):
-            raise ValueError("string runs past the end of the file")
-        text = self.buffer[self.pos : end].decode("utf-8", errors="replace")
-        self.pos = end
+    def _string(self, what: str) -> str:
+        length = self._scalar("<Q", f"the length of {what}")
+        self._need(length, f"{what} of {length} bytes")
+        text = self.buffer[self.pos : self.pos + length].decode("utf-8", errors="replace")
+        self.pos += length
         return text
 
-    def _value(self, value_type: int) -> Any:
+    def _value(self, value_type: int, key: str) -> Any:
         if value_type == _STRING:
-            return self._string()
+            return self._string(f"the value of {key!r}")
         if value_type == _ARRAY:
-            item_type, count = self._scalar("<I"), self._scalar("<Q")
+            item_type = self._scalar("<I", f"the item type of {key!r}")
+            count = self._scalar("<Q", f"the length of {key!r}")
+            if item_type == _ARRAY:
+                raise self._error(f"{key!r} is an array of arrays (not supported)")
             if item_type == _STRING:
-                return [self._string() for _ in range(count)]
-            if item_type in _NUMPY:
-                dtype = np.dtype(_NUMPY[item_type])
-                values = np.frombuffer(self.buffer, dtype, count, self.pos)
-                self.pos += dtype.itemsize * count
-                return values.tolist()
-            return [self._value(item_type) for _ in range(count)]
+                self._count(count, 8, f"{key!r}: string count")
+                return [self._string(f"item {i} of {key!r}") for i in range(count)]
+            if item_type not in _NUMPY:
+                raise self._error(f"{key!r} has unknown item type {item_type}")
+            dtype = np.dtype(_NUMPY[item_type])
+            self._need(count * dtype.itemsize, f"the {count} items of {key!r}")
+            values = np.frombuffer(self.buffer, dtype, count, self.pos)
+            self.pos += dtype.itemsize * count
+            return values.tolist()
         if value_type not in _SCALARS:
-            raise ValueError(f"unknown GGUF value type {value_type}")
-        return self._scalar(_SCALARS[value_type])
+            raise self._error(f"{key!r} has unknown value type {value_type}")
+        return self._scalar(_SCALARS[value_type], f"the value of {key!r}")
 
     def _tensor_info(self) -> tuple[str, tuple[int, ...], int, int]:
-        name = self._string()
-        n_dims = self._scalar("<I")
-        shape = tuple(self._scalar("<Q") for _ in range(n_dims))
-        return name, shape, self._scalar("<I"), self._scalar("<Q")
+        name = self._string("a tensor name")
+        n_dims = self._scalar("<I", f"the dimension count of {name!r}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise self._error(f"tensor {name!r} has {n_dims} dimensions (1 to {_MAX_DIMS})")
+        shape = tuple(self._scalar("<Q", f"the shape of {name!r}") for _ in range(n_dims))
+        qtype = self._scalar("<I", f"the type of {name!r}")
+        return name, shape, qtype, self._scalar("<Q", f"the offset of {name!r}")
 
-    def _tensor(self, name: str, shape: tuple[int, ...], qtype: int, start: int) -> GGUFTensor:
+    def _alignment(self, metadata: dict[str, Any]) -> int:
+        alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
+            raise self._error(f"general.alignment must be a power of two, got {alignment!r}")
+        return alignment
+
+    def _tensor(self, name: str, shape: tuple[int, ...], qtype: int, offset: int, start: int,
+                alignment: int) -> GGUFTensor:
         try:
             tensor_type = GGMLQuantizationType(qtype)
         except ValueError:
-            raise ModelFormatError(f"{self.path}: unknown tensor type {qtype} in {name}") from None
+            raise self._error(f"unknown tensor type {qtype} in {name!r}") from None
         block_size, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
-        num_bytes = int(np.prod(shape, dtype=np.int64)) // block_size * type_size
-        if start + num_bytes > len(self.buffer):
+        if shape[0] % block_size:
+            raise self._error(f"tensor {name!r}: its rows of {shape[0]} values are not whole "
+                              f"{tensor_type.name} blocks of {block_size}")
+        if offset % alignment:
+            raise self._error(f"tensor {name!r}: data offset {offset} is not a multiple of the "
+                              f"alignment {alignment}")
+        num_bytes = math.prod(shape) // block_size * type_size
+        if start + offset + num_bytes > len(self.buffer):
             raise ModelFormatError(
-                f"GGUF file {self.path} is truncated: tensor {name} runs past the end of the "
-                "file (fetch it again)"
+                f"GGUF file {self.path} is truncated: tensor {name!r} ({num_bytes} bytes at "
+                f"offset {start + offset}) runs past the end of the file "
+                f"({len(self.buffer)} bytes; fetch it again)"
             )
-        data = np.frombuffer(self.buffer, np.uint8, num_bytes, start)
+        data = np.frombuffer(self.buffer, np.uint8, num_bytes, start + offset)
         return GGUFTensor(name, shape, tensor_type, data)
+
+    def _check_no_overlap(self, spans: list[tuple[int, int, str]]) -> None:
+        """Each byte of data belongs to one tensor (spans: offset, size, name), so the
+        weights cannot outgrow the file."""
+        for (offset, size, name), (next_offset, _, next_name) in pairwise(sorted(spans)):
+            if next_offset < offset + size:
+                raise self._error(f"the data of tensors {name!r} and {next_name!r} overlap")

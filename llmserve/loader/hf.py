@@ -9,12 +9,20 @@ from safetensors import SafetensorError, safe_open
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
-from llmserve.loader.weights import LoadedWeights, WeightSlices, drop_tied_head, require_path
+from llmserve.loader.weights import (
+    LoadedWeights,
+    WeightSlices,
+    check_weight_shapes,
+    drop_tied_head,
+    require_path,
+)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 # Checkpoint entries that are not weights (buffers older transformers versions saved).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+# safetensors dtypes read as weights (cast to the model's dtype)
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 
 def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -32,8 +40,15 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
         config = ModelConfig.from_hf_config(hf_config)
     except KeyError as e:
         raise ModelFormatError(f"{folder / 'config.json'} lacks the field {e}") from None
+    except ValueError as e:
+        raise ModelFormatError(f"{folder / 'config.json'}: {e}") from None
+    files = _safetensors_files(folder)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        shapes.update(_safetensors_shapes(file))
+    check_weight_shapes(config, shapes, folder)
     tensors: dict[str, torch.Tensor] = {}
-    for file in _safetensors_files(folder):
+    for file in files:
         tensors.update(_read_safetensors(file, dtype, config, slices))
     drop_tied_head(config, tensors)
     return LoadedWeights(config=config, tensors=tensors, metadata=hf_config)
@@ -56,9 +71,12 @@ def _read_config(folder: Path) -> dict[str, Any]:
     if not config_path.is_file():
         raise ModelFormatError(f"not a Hugging Face model folder: no config.json in {folder}")
     try:
-        return json.loads(config_path.read_text())
-    except (OSError, ValueError) as e:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError, RecursionError) as e:
         raise ModelFormatError(f"cannot read {config_path}: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelFormatError(f"{config_path} is not a JSON object")
+    return config
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -67,9 +85,14 @@ def _safetensors_files(folder: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise ModelFormatError(f"cannot read {index}: {e}") from None
-        files = [folder / name for name in sorted(set(weight_map.values()))]
+        for name in names:
+            if not isinstance(name, str) or Path(name).name != name:
+                raise ModelFormatError(f"{index}: weight_map names {name!r}, not a file "
+                                       f"beside it")
+        files = [folder / name for name in names]
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise ModelFormatError(f"{folder} lacks weight shard(s) {', '.join(missing)}")
@@ -83,6 +106,23 @@ def _safetensors_files(folder: Path) -> list[Path]:
             "(re-save with save_pretrained(..., safe_serialization=True))"
         )
     raise ModelFormatError(f"no *.safetensors weights in {folder}")
+
+
+def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """The weights' shapes from a safetensors header (the library checks its offsets and
+    sizes against the file); a tensor of another dtype than FLOAT_DTYPES is refused."""
+    try:
+        with safe_open(file, framework="pt") as f:
+            parts = {name: f.get_slice(name) for name in f.keys()
+                     if not name.endswith(IGNORED_SUFFIXES)}
+            for name, part in parts.items():
+                if part.get_dtype() not in FLOAT_DTYPES:
+                    raise UnsupportedModelError(
+                        f"{file}: tensor {name!r} has dtype {part.get_dtype()} (weights are "
+                        f"read from {', '.join(FLOAT_DTYPES)})")
+            return {name: tuple(part.get_shape()) for name, part in parts.items()}
+    except (SafetensorError, OSError) as e:
+        raise ModelFormatError(f"cannot read {file}: {e}") from None
 
 
 def _read_safetensors(file: Path, dtype: torch.dtype, config: ModelConfig,

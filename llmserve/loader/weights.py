@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from llmserve.config import ModelConfig
-from llmserve.errors import ModelNotFoundError
+from llmserve.errors import ModelFormatError, ModelNotFoundError
 
 # (config, canonical tensor name) -> (rows, columns) to read; None: the whole dimension
 WeightSlices = Callable[[ModelConfig, str], tuple[slice | None, slice | None]]
@@ -49,3 +49,61 @@ def drop_tied_head(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Non
     """With tied embeddings the head *is* the embedding: keep one copy, under its name."""
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each weight of one decoder layer (names after `model.layers.{i}.`)."""
+    hidden, head_dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
+    q_size = config.num_attention_heads * head_dim
+    kv_size = config.num_key_value_heads * head_dim
+    layer = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_size, hidden),
+        "self_attn.k_proj.weight": (kv_size, hidden),
+        "self_attn.v_proj.weight": (kv_size, hidden),
+        "self_attn.o_proj.weight": (hidden, q_size),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    if config.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q_size,), "self_attn.k_proj.bias": (kv_size,),
+                  "self_attn.v_proj.bias": (kv_size,)}
+    if config.qk_norm:
+        layer |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
+    if config.architecture == "gemma3":
+        layer |= {"pre_feedforward_layernorm.weight": (hidden,),
+                  "post_feedforward_layernorm.weight": (hidden,)}
+    return layer
+
+
+def check_weight_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                        source: str | Path) -> None:
+    """Check a checkpoint's tensors (canonical name -> shape, read from its header) against
+    its config before any weight is read: every tensor has its place and the shape the
+    config implies, and none is missing. So the model built from the config holds no more
+    weights than the file, and a corrupt file is named here, not deep in the model."""
+    layer = layer_shapes(config)
+    if config.num_hidden_layers * len(layer) > len(shapes):  # before listing every layer
+        raise ModelFormatError(f"{source} holds {len(shapes)} tensors, too few for "
+                               f"{config.num_hidden_layers} layers of {len(layer)}")
+    expected = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+        "model.norm.weight": (config.hidden_size,),
+        "lm_head.weight": (config.vocab_size, config.hidden_size),  # a tied file may have it
+    }
+    for i in range(config.num_hidden_layers):
+        expected |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    for name, shape in shapes.items():
+        if name not in expected:
+            raise ModelFormatError(f"{source}: tensor {name!r} has no place in a "
+                                   f"{config.num_hidden_layers}-layer {config.architecture} model")
+        if tuple(shape) != expected[name]:
+            raise ModelFormatError(f"{source}: tensor {name} has shape {tuple(shape)}, the config "
+                                   f"implies {expected[name]}")
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = [name for name in expected if name not in shapes and name not in optional]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ModelFormatError(f"{source} lacks tensor(s) {', '.join(missing[:3])}{more}")

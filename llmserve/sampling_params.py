@@ -12,6 +12,8 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_BEST_OF = 64
 MAX_BEAM_WIDTH = 16
+# a seed is a signed 64-bit integer (vLLM's range; torch.Generator takes no wider)
+SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
 @dataclass
@@ -81,9 +83,9 @@ class SamplingParams:
     """How to pick the next tokens and when to stop.
 
     `temperature=0` is greedy. `top_k` of 0 or -1 disables top-k; `top_p=1` and `min_p=0`
-    disable theirs. `seed` makes a request's samples reproducible whatever else is batched
-    with it. Stop strings are matched on the detokenized text and are not returned unless
-    `include_stop_str_in_output`.
+    disable theirs. `seed` (a signed 64-bit integer) makes a request's samples reproducible
+    whatever else is batched with it. Stop strings are matched on the detokenized text and
+    are not returned unless `include_stop_str_in_output`.
 
     Penalties follow vLLM: `repetition_penalty` (> 0, 1 = off) divides positive and
     multiplies negative logits of tokens seen in the prompt or the output;
@@ -156,6 +158,8 @@ class SamplingParams:
         _check(self.n >= 1, "n", f"must be at least 1, got {self.n}")
         self._check_fan_out()
         _check(self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature}")
+        _check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed",
+               f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         _check(self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")

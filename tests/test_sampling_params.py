@@ -2,7 +2,7 @@
 
 import pytest
 
-from llmserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingParams
+from llmserve.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, SEED_RANGE, SamplingParams
 
 INVALID = [
     (dict(temperature=-1), "temperature"),
@@ -20,6 +20,8 @@ INVALID = [
     (dict(logit_bias={3: -100.5}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"),
     (dict(bad_words=[""]), "bad_words"),
+    (dict(seed=2**64), "seed"),  # torch.Generator refuses it: it failed the whole step
+    (dict(seed=-(2**63) - 1), "seed"),
 ]
 
 
@@ -35,5 +37,6 @@ def test_valid_edges_are_accepted():
         temperature=0, top_p=1, logprobs=MAX_LOGPROBS, prompt_logprobs=0,
         repetition_penalty=0.5, presence_penalty=-2, frequency_penalty=2,
         logit_bias={"5": 100, 6: -100}, allowed_token_ids=[1], bad_words=["bad"],
+        seed=SEED_RANGE[1],
     )
     assert params.logit_bias == {5: 100.0, 6: -100.0}

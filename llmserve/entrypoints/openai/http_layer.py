@@ -1,4 +1,5 @@
-"""The HTTP plumbing around the routes: OpenAI-shaped errors, API-key auth, body-size limit.
+"""The HTTP plumbing around the routes: OpenAI-shaped errors, API-key auth, body-size limit,
+and /openapi.json saying so.
 
 The middlewares are plain ASGI (not `BaseHTTPMiddleware`), so streamed responses pass
 through untouched and a client's disconnect still reaches the route.
@@ -11,6 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
@@ -22,7 +24,7 @@ from llmserve.engine.async_engine import (
     QueueFull,
     RequestTimeout,
 )
-from llmserve.entrypoints.openai.protocol import BadRequest, error_body
+from llmserve.entrypoints.openai.protocol import BadRequest, ErrorResponse, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +80,44 @@ def install_middleware(app: FastAPI, settings: Any) -> None:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
 
 
+def install_openapi(app: FastAPI, settings: Any) -> None:
+    """/openapi.json as the routes answer: request bodies from the pydantic models, errors
+    in OpenAI's shape (FastAPI would claim 422s in its own), and, where `settings.api_key`
+    is set, the bearer key on every route but the open ones (/openapi.json itself is not
+    one: SECURITY.md)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _openapi_schema(app, settings)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _openapi_schema(app: FastAPI, settings: Any) -> dict[str, Any]:
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas = schema["components"]["schemas"]
+    for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body
+        schemas.pop(unused, None)
+    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(error_schema.pop("$defs"), ErrorResponse=error_schema)
+    error = {"content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    if settings.api_key:
+        schema["components"]["securitySchemes"] = {"apiKey": {"type": "http",
+                                                              "scheme": "bearer"}}
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            responses = operation["responses"]
+            responses.pop("422", None)
+            responses["4XX"] = {"description": "Refused: OpenAI's error shape", **error}
+            responses["5XX"] = {"description": "Failed: OpenAI's error shape", **error}
+            if settings.api_key:
+                operation["security"] = ([] if path in settings.open_paths
+                                         else [{"apiKey": []}])
+    return schema
+
+
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     """Every error leaves in OpenAI's shape: {"error": {message, type, param, code}}."""
 
@@ -121,22 +161,34 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
 
 def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
-    """One line naming the field (as `messages[0].content`) and what is wrong with it."""
+    """One line naming the field (as `messages[0].content`) and what is wrong with it.
+
+    A value that fits no branch of a union (`prompt`: text, texts, token ids...) fails in
+    every branch; of the first field's errors the one that says most is told: a value out
+    of range over a wrong type, the deepest location over a shallower one."""
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"invalid JSON in the request body: {first.get('ctx', {}).get('error', '')}", None
-    loc = [p for p in first.get("loc", ()) if p != "body"]
-    # pydantic names union branches in the location ("str", "list[int]"): drop them
-    loc = [p for p in loc if isinstance(p, int) or not any(c in p for c in "[]")
-           and p not in ("str", "int", "float", "bool", "function-after")]
+    if errors[0].get("type") == "json_invalid":
+        error = errors[0].get("ctx", {}).get("error", "")
+        return f"invalid JSON in the request body: {error}", None
+    located = [(_field_path(e.get("loc", ())), e) for e in errors]
+    root = located[0][0][:1]
+    same_field = [(loc, e) for loc, e in located if loc[:1] == root]
+    loc, error = max(same_field, key=lambda le: (not le[1].get("type", "").endswith("_type"),
+                                                 len(le[0])))
     param = ""
     for part in loc:
         param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else part)
     if not param:
-        return f"the request body must be a JSON object: {first.get('msg')}", None
-    return f"{param}: {first.get('msg')}", param
+        return f"the request body must be a JSON object: {error.get('msg')}", None
+    return f"{param}: {error.get('msg')}", param
+
+
+def _field_path(loc: tuple[Any, ...]) -> list[str | int]:
+    """A pydantic error location less "body" and the names pydantic gives union branches
+    ("str", "list[int]", "constrained-str")."""
+    return [p for p in loc if isinstance(p, int) or p != "body" and not any(c in p for c in "[]-")
+            and p not in ("str", "int", "float", "bool")]
 
 
 class AuthMiddleware:

@@ -9,12 +9,18 @@ import logging
 import time
 import uuid
 from dataclasses import fields
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 from llmserve.outputs import RequestMetrics
-from llmserve.sampling_params import SamplingParams
+from llmserve.sampling_params import (
+    MAX_BEST_OF,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    SEED_RANGE,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +30,22 @@ NEUTRAL_VALUES: dict[str, Any] = {
     "n": 1, "best_of": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
     "repetition_penalty": 1.0, "logit_bias": {}, "bad_words": [], "allowed_token_ids": None,
 }
+
+
+# Ranges SamplingParams enforces, stated in the fields too, so that /openapi.json shows them
+# (and the contract fuzzer draws valid requests from it). Token ids' upper bound is the
+# model's vocabulary, checked when the request is admitted.
+TokenId = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+# one prompt (text or token ids) or several
+Prompt = Text | Annotated[list[Text], Field(min_length=1)] | TokenIds | Annotated[
+    list[TokenIds], Field(min_length=1)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+StopList = Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+# template variables the server sets; `chat_template_kwargs` may not replace them
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
 
 
 class BadRequest(ValueError):
@@ -38,14 +60,22 @@ class BadRequest(ValueError):
 
 
 class OpenAIModel(BaseModel):
-    """A request body: unknown fields are kept aside (and logged), not refused."""
+    """A request body: unknown fields are kept aside (and logged), not refused.
 
-    model_config = ConfigDict(extra="allow")
+    Every declared string must be valid Unicode: JSON can spell a lone surrogate
+    ("\\ud800"), which the Rust tokenizer cannot take. pydantic checks that only for strings
+    with a length bound, hence a bound no body reaches (the body cap is the real one).
+    """
+
+    model_config = ConfigDict(extra="allow", str_max_length=2**40)
 
     @model_validator(mode="after")
     def _log_unknown_fields(self) -> "OpenAIModel":
-        if self.model_extra:
-            logger.info("ignoring unknown request fields: %s", ", ".join(self.model_extra))
+        if self.model_extra:  # names quoted (a newline in one cannot forge a log line), 8 at most
+            names = [repr(name[:40]) for name in list(self.model_extra)[:8]]
+            more = len(self.model_extra) - len(names)
+            logger.info("ignoring unknown request fields: %s%s", ", ".join(names),
+                        f" and {more} more" if more else "")
         return self
 
 
@@ -80,30 +110,30 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_BEST_OF)
+    best_of: int | None = Field(None, ge=1, le=MAX_BEST_OF)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: Text | StopList | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: NumLogprobs | None = None
     priority: int = 0
     cache_salt: str | None = None
     # disaggregated prefill/decode (distributed/kv_transfer.py): set by `llmserve router`
@@ -146,10 +176,10 @@ class SamplingRequest(OpenAIModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: Prompt
+    max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: NumLogprobs | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -194,16 +224,25 @@ class ToolDefinition(OpenAIModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     tools: list[ToolDefinition] | None = None
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_server_variables(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = [name for name in TEMPLATE_VARIABLES if name in (kwargs or {})]
+        if taken:
+            raise ValueError(f"'{taken[0]}' is set by the request itself, not by "
+                             "chat_template_kwargs")
+        return kwargs
 
 
 class TokenizeRequest(OpenAIModel):
@@ -298,7 +337,24 @@ def metrics_json(metrics: RequestMetrics, prompt_tokens: int, cached_tokens: int
     return body
 
 
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+    type: str
+    param: str | None  # the request field (or header) at fault, as `messages[0].content`
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, the body of every 4xx and 5xx (described in /openapi.json)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorInfo
+
+
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
-    """OpenAI's error shape."""
+    """OpenAI's error shape (`ErrorResponse`)."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

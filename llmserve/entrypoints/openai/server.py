@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmserve import __version__
@@ -25,6 +25,7 @@ from llmserve.engine.async_engine import AsyncEngine
 from llmserve.entrypoints.openai.http_layer import (
     install_error_handlers,
     install_middleware,
+    install_openapi,
 )
 from llmserve.entrypoints.openai.protocol import (
     BadRequest,
@@ -44,6 +45,9 @@ from llmserve.errors import LLMServeError
 API_KEY_ENV = "LLMSERVE_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
+# how /openapi.json describes a route that answers a stream when asked ("stream": true)
+_STREAMED: dict[int | str, Any] = {
+    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +82,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         await engine.shutdown(settings.shutdown_timeout_s)
 
     app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_error_handlers(app, settings.retry_after_s)
     _add_routes(app, engine, settings)
     add_web_ui_routes(app)
+    install_openapi(app, settings)
     install_middleware(app, settings)
     return app
 
@@ -91,12 +96,12 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
     chat = OpenAIServingChat(engine, settings.model_name)
     tokenizer = engine.tokenizer
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_STREAMED)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         _read_flag_headers(body, request)
         return await _respond(request, completions.create(body, _arrival(request)))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_STREAMED)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         _read_flag_headers(body, request)
         return await _respond(request, chat.create(body, _arrival(request)))
@@ -131,13 +136,13 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
             raise BadRequest(f"token id {bad[0]} is out of range [0, {vocab})", param="tokens")
         return {"prompt": await engine.run_blocking(tokenizer.decode, body.tokens)}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "the engine is not running"}})
     async def health() -> Response:
         if engine.is_running:
             return Response(status_code=200)
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

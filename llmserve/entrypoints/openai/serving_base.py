@@ -72,7 +72,7 @@ class OpenAIServing:
             if constraint is not None and message.startswith("structured_outputs"):
                 field = constraint.error_field
                 raise BadRequest(rename_engine_error(message, field), param=field) from None
-            first_word = message.split(" ", 1)[0]
+            first_word = message.split(" ", 1)[0].rstrip(":")  # "logit_bias: token id ..."
             param = max_tokens_field if "max_tokens" in message else prompt_field
             if first_word in SAMPLING_FIELDS and first_word != "max_tokens":
                 param = first_word

@@ -47,6 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
             options["structured_outputs"] = constraint.params
         params = build_sampling_params(options)
         prompts = _prompt_list(request.prompt)
+        _check_token_ids(prompts, self.engine.engine.loaded.config.vocab_size)
         token_ids = await self.engine.run_blocking(self._tokenize, prompts,
                                                    request.add_special_tokens)
         echoes = [""] * len(prompts)
@@ -146,12 +147,20 @@ class _CompletionChunks(ChunkFormatter):
                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]
 
 
+def _check_token_ids(prompts: list[str | list[int]], vocab_size: int) -> None:
+    """Token-id prompts hold ids of the vocabulary (checked before `echo` decodes them)."""
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < vocab_size] if isinstance(prompt, list) else []
+        if bad:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise BadRequest(f"{where}: token id {bad[0]} is out of range [0, {vocab_size})",
+                             param=where)
+
+
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:
     """The request's prompts: a string, strings, token ids or lists of token ids."""
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise BadRequest("prompt must not be empty", param="prompt")
-    if isinstance(prompt[0], int):
+    if isinstance(prompt[0], int):  # never empty: CompletionRequest says so
         return [list(prompt)]
     return list(prompt)

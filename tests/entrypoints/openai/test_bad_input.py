@@ -1,5 +1,8 @@
 """Bad requests get 4xx in OpenAI's error shape naming the field; the server carries on."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import httpx
 import pytest
 
@@ -45,6 +48,11 @@ CASES = [
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    # found by contract fuzzing and probing: each was a 500 or named the wrong field
+    (COMPLETIONS, {"prompt": [5, 2**40], "echo": True}, 400, "prompt"),
+    (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    (CHAT, {"messages": USER, "stop_token_ids": [10**9]}, 400, "stop_token_ids"),
     # fields of the OpenAI / vLLM APIs that are not served yet: refused, never dropped
     (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
     (CHAT, {"messages": USER, "use_beam_search": True}, 400, "use_beam_search"),
@@ -147,3 +155,70 @@ def test_no_op_values_of_unsupported_fields_and_unknown_fields_are_served(server
         plain = {"prompt": "hi", "max_tokens": 2, "guided_regex": None,
                  "response_format": {"type": "text"}}
         assert http.post(COMPLETIONS, json=plain).status_code == 200
+
+
+# Templates as models ship them: Gemma's refuses a system turn, others refuse what they
+# cannot format; a template can also fail on its own (a type error, a range too big).
+REJECTING_TEMPLATES = [
+    ("{% for m in messages %}{% if m['role'] == 'system' %}"
+     "{{ raise_exception('System role not supported') }}{% endif %}"
+     "{{ m['content'] }}{% endfor %}", "System role not supported"),
+    ("{% for m in messages %}{{ m['content'] + loop.index }}{% endfor %}", "TypeError"),
+    ("{% for i in range(10 ** 10) %}{{ i }}{% endfor %}", "OverflowError"),
+    ("{{ messages.__class__.__mro__ }}", "unsafe"),
+]
+
+
+@contextmanager
+def chat_template(tokenizer, source: str) -> Iterator[None]:
+    """The served model's chat template replaced by `source` (restored on exit)."""
+    saved = tokenizer.chat_template
+    tokenizer.__dict__.pop("_compiled_template", None)  # cached_property
+    tokenizer.chat_template = source
+    try:
+        yield
+    finally:
+        tokenizer.chat_template = saved
+        tokenizer.__dict__.pop("_compiled_template", None)
+
+
+@pytest.mark.parametrize(("template", "reason"), REJECTING_TEMPLATES,
+                         ids=["raise_exception", "type_error", "huge_range", "sandbox"])
+def test_a_template_that_fails_is_that_requests_400(server, client, template, reason):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    with chat_template(server.engine.tokenizer, template), server.http() as http:
+        for path in (CHAT, "/tokenize"):
+            error = _check_error(http.post(path, json={"messages": messages, "max_tokens": 2}),
+                                 400, "messages")
+            assert error["param"] == "messages" and reason in error["message"], error
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert not server.engine.engine.has_unfinished_requests()
+
+
+def test_chat_template_kwargs_cannot_replace_the_requests_variables(server):
+    with server.http() as http:
+        for name in ("messages", "tools", "add_generation_prompt"):
+            body = {"messages": USER, "chat_template_kwargs": {name: []}}
+            error = _check_error(http.post(CHAT, json=body), 400, "chat_template_kwargs")
+            assert name in error["message"]
+        ok = {"messages": USER, "max_tokens": 2, "chat_template_kwargs": {"bos_token": "<s>"}}
+        assert http.post(CHAT, json=ok).status_code == 200
+
+
+def test_lone_surrogates_are_400s_naming_where(server):
+    """JSON can spell a lone surrogate ("\\ud800"); the Rust tokenizer cannot take one (it
+    was a 500 from chat)."""
+    tool = ('{"type": "function", "function": {"name": "f", "parameters": {"type": "object", '
+            '"description": "\\ud800"}}}')
+    bodies = [
+        (CHAT, '{"messages": [{"role": "user", "content": "a\\udc00b"}]}', "messages[0].content"),
+        (COMPLETIONS, '{"prompt": ["ok", "\\ud800"]}', "prompt[1]"),
+        (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "tools": [' + tool + "]}",
+         "messages"),
+    ]
+    with server.http() as http:
+        for path, body, field in bodies:
+            resp = http.post(path, content=body.encode(),
+                             headers={"Content-Type": "application/json"})
+            assert _check_error(resp, 400, field)["param"] == field

@@ -11,9 +11,12 @@ from tests.entrypoints.openai.conftest import MODEL
 def cached_tokens(client, route: str, text: str, salt: str | None) -> int:
     extra = {"cache_salt": salt} if salt is not None else {}
     if route == "chat":
+        # the text as the system message: the template's default system preamble, which
+        # every other chat in the session shares (and caches), would be the first block
         resp = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=1,
-            extra_body=extra)
+            model=MODEL, messages=[{"role": "system", "content": text},
+                                   {"role": "user", "content": "Summarise."}],
+            max_tokens=1, extra_body=extra)
     else:
         resp = client.completions.create(model=MODEL, prompt=text, max_tokens=1,
                                          extra_body=extra)

@@ -40,19 +40,35 @@ def least_squares_slope(xs: Sequence[float], ys: Sequence[float]) -> float | Non
 
 
 def rss_trend(samples: Sequence[dict[str, Any]], warmup_s: float) -> dict[str, Any]:
-    """RSS slope in MiB per hour over the load phase after `warmup_s`, with the RSS at its
-    start and end and the maximum; None fields where RSS was not sampled."""
-    points = [(s["t_s"], s["rss_mib"]) for s in samples
-              if s["phase"] == "load" and s["t_s"] >= warmup_s and s["rss_mib"] is not None]
-    slope = least_squares_slope([t / 3600 for t, _ in points], [m for _, m in points])
+    """RSS slope in MiB per hour over the load phase after `warmup_s`, and over its second
+    half (what a server settles to once caches and lazily touched memory, such as KV-cache
+    pages written for the first time, have filled), with the RSS at the start and end of
+    the fit and the maximum; None fields where RSS was not sampled."""
+    points = _rss_points(samples, warmup_s)
+    half = _rss_points(samples, max(warmup_s, _load_end_s(samples) / 2))
     all_rss = [s["rss_mib"] for s in samples if s["rss_mib"] is not None]
     return {
-        "rss_slope_mib_per_hour": slope,
+        "rss_slope_mib_per_hour": _slope_per_hour(points),
+        "rss_slope_last_half_mib_per_hour": _slope_per_hour(half),
         "rss_fit_points": len(points),
         "rss_after_warmup_mib": points[0][1] if points else None,
         "rss_end_of_load_mib": points[-1][1] if points else None,
         "rss_max_mib": max(all_rss) if all_rss else None,
     }
+
+
+def _rss_points(samples: Sequence[dict[str, Any]], from_s: float) -> list[tuple[float, float]]:
+    """(t_s, rss_mib) of the load phase's samples from `from_s` on."""
+    return [(s["t_s"], s["rss_mib"]) for s in samples
+            if s["phase"] == "load" and s["t_s"] >= from_s and s["rss_mib"] is not None]
+
+
+def _load_end_s(samples: Sequence[dict[str, Any]]) -> float:
+    return max((s["t_s"] for s in samples if s["phase"] == "load"), default=0.0)
+
+
+def _slope_per_hour(points: Sequence[tuple[float, float]]) -> float | None:
+    return least_squares_slope([t / 3600 for t, _ in points], [m for _, m in points])
 
 
 def summarize_soak(samples: Sequence[dict[str, Any]], latencies: dict[str, list[float]],
@@ -119,7 +135,8 @@ def format_soak(report: dict[str, Any]) -> str:
             f"RSS: {s['rss_after_warmup_mib']:.1f} MiB after the warm-up -> "
             f"{s['rss_end_of_load_mib']:.1f} MiB at the end of the load (max "
             f"{s['rss_max_mib']:.1f}); slope {slope:+.2f} MiB/hour (least squares over "
-            f"{s['rss_fit_points']} samples after the first {c['warmup_s']:g} s)")
+            f"{s['rss_fit_points']} samples after the first {c['warmup_s']:g} s), "
+            f"{_slope(s['rss_slope_last_half_mib_per_hour'])} over the second half")
     kv = s["kv_usage_end"]
     lines.append("KV usage at the end: n/a" if kv is None else
                  f"KV usage at the end: {100 * kv:.2f} % (back to ~0: "
@@ -142,6 +159,10 @@ def _latency_row(d: dict[str, Any]) -> str:
 
 def _ms(value: float) -> str:
     return "-" if value is None or math.isnan(value) else f"{value:.0f}"
+
+
+def _slope(mib_per_hour: float | None) -> str:
+    return "n/a" if mib_per_hour is None else f"{mib_per_hour:+.2f} MiB/hour"
 
 
 def _seconds(ms: float | None) -> float:
@@ -203,13 +224,16 @@ def plot_soak(report: dict[str, Any], output: Path) -> None:
 
 def _plot_fit(ax: Any, samples: Sequence[dict[str, Any]], summary: dict[str, Any],
               warmup_s: float) -> None:
-    slope = summary["rss_slope_mib_per_hour"]
-    points = [(s["t_s"], s["rss_mib"]) for s in samples
-              if s["phase"] == "load" and s["t_s"] >= warmup_s and s["rss_mib"] is not None]
-    if slope is None or not points:
-        return
-    mean_t = sum(t for t, _ in points) / len(points)
-    mean_m = sum(m for _, m in points) / len(points)
-    ends = [points[0][0], points[-1][0]]
-    ax.plot([t / 60 for t in ends], [mean_m + slope * (t - mean_t) / 3600 for t in ends],
-            "k--", label=f"fit {slope:+.1f} MiB/h")
+    """The fitted lines: after the warm-up, and over the second half of the load."""
+    half_s = max(warmup_s, _load_end_s(samples) / 2)
+    for from_s, key, style, what in (
+            (warmup_s, "rss_slope_mib_per_hour", "k--", "after warm-up"),
+            (half_s, "rss_slope_last_half_mib_per_hour", "r:", "second half")):
+        points, slope = _rss_points(samples, from_s), summary.get(key)
+        if slope is None or not points:
+            continue
+        mean_t = sum(t for t, _ in points) / len(points)
+        mean_m = sum(m for _, m in points) / len(points)
+        ends = [points[0][0], points[-1][0]]
+        ax.plot([t / 60 for t in ends], [mean_m + slope * (t - mean_t) / 3600 for t in ends],
+                style, linewidth=2, label=f"fit {what}: {slope:+.1f} MiB/h")

@@ -40,7 +40,16 @@ def test_rss_trend_leaves_out_the_warm_up_and_the_run_down():
     assert trend["rss_fit_points"] == 180
     assert trend["rss_after_warmup_mib"] == pytest.approx(400.1)
     assert trend["rss_max_mib"] == pytest.approx(400.0 + 6 * 1850 / 3600)
+    assert trend["rss_slope_last_half_mib_per_hour"] == pytest.approx(6.0)
     assert rss_trend([_sample(10, None)], 0)["rss_slope_mib_per_hour"] is None
+
+
+def test_rss_that_settles_is_flat_over_the_second_half():
+    # KV-cache pages written for the first time: +4 MiB/s for 10 minutes, then flat
+    samples = [_sample(t, 1000.0 + 4 * min(t, 600)) for t in range(0, 1810, 10)]
+    trend = rss_trend(samples, warmup_s=60)
+    assert trend["rss_slope_mib_per_hour"] > 1000
+    assert trend["rss_slope_last_half_mib_per_hour"] == pytest.approx(0.0, abs=1e-9)
 
 
 def _fake_process(proc, pid: int, ppid: int, comm: str, rss_kb: int | None) -> None:
@@ -109,7 +118,8 @@ def test_parse_metrics_sums_replicas_and_reads_reasons():
 SAMPLE_FIELDS = {"t_s", "phase", "rss_mib", "num_server_processes", "load_1m", "kv_usage",
                  "running", "waiting", "finished_on_server", "requests", "window"}
 SUMMARY_FIELDS = {"sent", "completed", "disconnected", "errors", "errors_by_message",
-                  "server_aborts", "rss_slope_mib_per_hour", "rss_fit_points",
+                  "server_aborts", "rss_slope_mib_per_hour",
+                  "rss_slope_last_half_mib_per_hour", "rss_fit_points",
                   "rss_after_warmup_mib", "rss_end_of_load_mib", "rss_max_mib",
                   "kv_usage_end", "kv_returned_to_zero", "load_1m_mean", "load_1m_max",
                   "ttft_ms", "tpot_ms", "e2el_ms"}

@@ -71,7 +71,7 @@ class Op:
     kind: str  # whole, stream, slow, hang_up, cancel, refuse, beam
     route: str  # completions or chat
     body: dict[str, Any]
-    hang_up_after: int = 0  # hang_up: chunks read first; cancel: 0
+    hang_up_after: int = 0  # hang_up: the chunks read before hanging up
     cancel_after_s: float = 0.0  # cancel (HTTP or beam): when the task is cancelled
     refusal: tuple[int, str] | None = None  # refuse: (status, param)
 

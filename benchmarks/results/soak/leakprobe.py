@@ -58,10 +58,11 @@ stats = last.filter_traces(filters).compare_to(first.filter_traces(filters), "li
 print("top growth by line:")
 for stat in stats[:20]:
     print(" ", stat)
-print("traced total: first %.1f MiB, last %.1f MiB" % (
-    sum(s.size for s in first.statistics("filename")) / 2**20,
-    sum(s.size for s in last.statistics("filename")) / 2**20))
+first_mib = sum(s.size for s in first.statistics("filename")) / 2**20
+last_mib = sum(s.size for s in last.statistics("filename")) / 2**20
+print(f"traced total: first {first_mib:.1f} MiB, last {last_mib:.1f} MiB")
 grown = {k: last_types[k] - first_types.get(k, 0) for k in last_types}
 print("object counts grown:", sorted(grown.items(), key=lambda kv: -kv[1])[:15])
 s = report["summary"]
-print("RSS slope", s["rss_slope_mib_per_hour"], "second half", s.get("rss_slope_last_half_mib_per_hour"))
+print("RSS slope", s["rss_slope_mib_per_hour"], "second half",
+      s.get("rss_slope_last_half_mib_per_hour"))

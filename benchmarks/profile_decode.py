@@ -42,10 +42,10 @@ def main() -> int:
     runner_time = 0.0
     execute = engine.runner.execute
 
-    def timed_execute(out):  # noqa: ANN001, ANN202 - a transparent wrapper
+    def timed_execute(out, *rest):  # noqa: ANN001, ANN202 - a transparent wrapper
         nonlocal runner_time
         start = time.perf_counter()
-        result = execute(out)
+        result = execute(out, *rest)
         runner_time += time.perf_counter() - start
         return result
 

@@ -259,24 +259,13 @@ def test_serve_gemma3_with_the_openai_client(gemma_gguf):
     """`llmserve serve --model gemma3-270m` as a user starts it (the catalog name, the
     default fast path), over a real socket, with the official client: a chat answer
     streamed and whole, a completion, and the model's name in /v1/models."""
-    import re
-    import subprocess
-    import sys
-    import threading
-
     import openai
 
-    cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--model",
-           "gemma3-270m", "--port", "0", "--kv-cache-memory", "64MiB",
-           "--max-model-len", "1024"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()))
-        reader.start()
-        reader.join(180)
-        assert lines and lines[0], f"no URL printed; stderr: {proc.stderr.read()[-2000:]}"
-        url = re.search(r"http://\S+", lines[0]).group(0)
+    from tests.cli_server import cli_server
+
+    args = ["--model", "gemma3-270m", "--port", "0", "--kv-cache-memory", "64MiB",
+            "--max-model-len", "1024"]
+    with cli_server(args) as (_, url):
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["gemma3-270m"]
         messages = [{"role": "system", "content": "Answer in one word."},
@@ -295,10 +284,3 @@ def test_serve_gemma3_with_the_openai_client(gemma_gguf):
                                                temperature=0)
         assert completion.usage.completion_tokens == 8
         assert completion.choices[0].text.strip()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

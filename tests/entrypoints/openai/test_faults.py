@@ -4,9 +4,6 @@ timeout ends with an error and frees its blocks; a slow reader's stream stays bo
 
 import asyncio
 import json
-import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,6 +18,7 @@ from llmserve.engine.async_engine import (
 )
 from llmserve.engine.engine import Engine
 from llmserve.sampling_params import RequestOutputKind
+from tests.cli_server import cli_server
 from tests.entrypoints.openai.conftest import MODEL, _engine_config, run_server
 
 POISON = 9999  # a prompt token id: steps of its request fail once it has FAIL_AFTER tokens
@@ -182,16 +180,13 @@ sys.exit(main(sys.argv[1:]))
 
 def test_a_dead_engine_thread_fails_requests_and_exits_nonzero(smollm2_gguf):
     """The engine thread dies after its first step: the request in flight gets a 503 (no
-    hang), /health is 503 while the server stops, and the process exits 1."""
+    hang), and the process exits 1 (for a supervisor to restart it)."""
     import httpx
 
-    cmd = [sys.executable, "-c", DIE_AFTER_FIRST_STEP, "serve", "--model", str(smollm2_gguf),
-           "--port", "0", "--kv-cache-memory", "32MiB", "--max-model-len", "256"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()
-        assert line, f"no URL printed; stderr: {proc.stderr.read()[-2000:]}"
-        base = re.search(r"http://\S+", line).group(0).removesuffix("/v1")
+    args = ["--model", str(smollm2_gguf), "--port", "0", "--kv-cache-memory", "32MiB",
+            "--max-model-len", "256"]
+    with cli_server(args, entry=["-c", DIE_AFTER_FIRST_STEP]) as (proc, url):
+        base = url.removesuffix("/v1")
         with httpx.Client(base_url=base, timeout=60) as http:
             resp = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 32,
                                                       "ignore_eos": True})
@@ -199,7 +194,29 @@ def test_a_dead_engine_thread_fails_requests_and_exits_nonzero(smollm2_gguf):
             assert "engine stopped" in resp.json()["error"]["message"]
         assert proc.wait(60) == 1
         assert "the engine thread died" in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+
+
+def test_a_dead_engine_thread_turns_health_503(smollm2_gguf, loaded_model, monkeypatch):
+    """In process, where the server outlives its engine thread: /health says 503, new
+    requests get a 503 at once, and `on_fatal` was told."""
+    deliver = AsyncEngine._deliver
+
+    def dying(self, outputs):
+        deliver(self, outputs)
+        raise SystemError("injected: the engine thread dies")
+
+    monkeypatch.setattr(AsyncEngine, "_deliver", dying)
+    with run_server(smollm2_gguf, loaded_model) as server:
+        told: list[BaseException] = []
+        server.engine.on_fatal = told.append
+        with server.http() as http:
+            assert http.get("/health").status_code == 200
+            first = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                      "max_tokens": 8, "ignore_eos": True})
+            assert first.status_code == 503
+            wait_for(lambda: bool(told))
+            assert isinstance(told[0], SystemError)
+            assert http.get("/health").status_code == 503
+            later = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi",
+                                                      "max_tokens": 8})
+            assert later.status_code == 503

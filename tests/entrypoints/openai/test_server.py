@@ -236,25 +236,15 @@ def test_api_key(keyed_server):
 def test_llmserve_serve_prints_url_and_exits_0_on_sigterm(smollm2_gguf):
     """`llmserve serve` in a subprocess: URL on stdout, /health, SIGTERM finishes in-flight."""
     import json
-    import re
     import signal
-    import subprocess
-    import sys
-    import threading
 
     import httpx
 
-    cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve", "--model",
-           str(smollm2_gguf), "--port", "0", "--kv-cache-memory", "32MiB",
-           "--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.append(proc.stdout.readline()))
-        reader.start()
-        reader.join(180)
-        assert lines and lines[0], f"no URL printed; stderr: {proc.stderr.read()[-2000:]}"
-        url = re.search(r"http://\S+", lines[0]).group(0)
+    from tests.cli_server import cli_server
+
+    args = ["--model", str(smollm2_gguf), "--port", "0", "--kv-cache-memory", "32MiB",
+            "--max-model-len", "512"]
+    with cli_server(args) as (proc, url):
         assert url.endswith("/v1") and "127.0.0.1" in url
         base = url.removesuffix("/v1")
         with httpx.Client(base_url=base, timeout=60) as http:
@@ -270,10 +260,6 @@ def test_llmserve_serve_prints_url_and_exits_0_on_sigterm(smollm2_gguf):
         assert rest[-1] == "data: [DONE]"
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_cors_off_by_default_and_configurable(server, keyed_server):

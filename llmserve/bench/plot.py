@@ -53,6 +53,13 @@ def plot_reports(paths: list[Path], output: Path) -> None:
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
+    save_figure(fig, output)
+
+
+def save_figure(fig: Any, output: Path) -> None:
+    """Lay out, write and close a matplotlib figure; an unwritable path is an LLMServeError."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     try:
         fig.savefig(output, dpi=110)

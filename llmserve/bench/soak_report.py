@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from llmserve.bench.plot import save_figure
 from llmserve.bench.stats import PERCENTILES, distribution_ms
 from llmserve.errors import LLMServeError
 
@@ -213,13 +214,7 @@ def plot_soak(report: dict[str, Any], output: Path) -> None:
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    try:
-        fig.savefig(output, dpi=110)
-    except OSError as e:
-        raise LLMServeError(f"cannot write {output}: {e.strerror or e}") from None
-    finally:
-        plt.close(fig)
+    save_figure(fig, output)
 
 
 def _plot_fit(ax: Any, samples: Sequence[dict[str, Any]], summary: dict[str, Any],

@@ -571,39 +571,70 @@ inline void exp_block(const float* x, int64_t n, float* out) {
 #endif
 }
 
-// out[j] = scale * (q . keys[j]) for j < n (n <= 16). With AVX-512 (D a multiple of 16):
-// 16 per-key vector accumulators reduced by one transpose-and-add tree, so each lane is
-// summed in the same order whatever n is (lanes never mix).
+// out[j] = scale * (q . keys[j]) for j < n (n <= 16). With AVX-512: C = D / 16 chunks, 16
+// per-key vector accumulators reduced by one transpose-and-add tree, so each lane is summed
+// in the same order whatever n is (lanes never mix). C is a compile-time constant so the
+// accumulators stay in registers (indexed by a run-time count they lived on the stack, and
+// every multiply-add went through memory: most of decode attention's time); lanes past n
+// compute on key 0 and are dropped.
+#if defined(__AVX512F__)
+template <int C>
+inline void scores_block_fixed(const float* q, const float* const* keys, int64_t n,
+                               float scale, float* out) {
+  const float* rows[16];
+  for (int j = 0; j < 16; ++j) rows[j] = keys[j < n ? j : 0];
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    const __m512 qv = _mm512_loadu_ps(q + 16 * c);
+    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[j] + 16 * c), a[j]);
+  }
+  __m512 t[4];
+  for (int g = 0; g < 4; ++g) {
+    __m512 b[2];
+    for (int h = 0; h < 2; ++h) {
+      __m512 x = a[4 * g + 2 * h], y = a[4 * g + 2 * h + 1];
+      b[h] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[0]), _mm512_castps_pd(b[1]));
+    __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[0]), _mm512_castps_pd(b[1]));
+    t[g] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(t[0], t[1], 0x44),
+                             _mm512_shuffle_f32x4(t[0], t[1], 0xEE));
+  __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(t[2], t[3], 0x44),
+                             _mm512_shuffle_f32x4(t[2], t[3], 0xEE));
+  __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88),
+                           _mm512_shuffle_f32x4(u01, u23, 0xDD));
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  _mm512_storeu_ps(out, _mm512_maskz_mul_ps(valid, r, _mm512_set1_ps(scale)));
+}
+
+// acc (16 C) += sum_j p[j] * values[j] for j < n, in key order, the accumulator in registers.
+template <int C>
+inline void accumulate_values_fixed(float* acc, const float* p, const float* const* values,
+                                    int64_t n) {
+  __m512 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + 16 * c), a[c]);
+  }
+  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+#endif
+
 inline void scores_block(const float* q, const float* const* keys, int64_t n, int64_t D,
                          float scale, float* out) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 a[16];
-    for (int j = 0; j < 16; ++j) {
-      a[j] = _mm512_setzero_ps();
-      if (j >= n) continue;
-      for (int64_t d = 0; d < D; d += 16)
-        a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys[j] + d), a[j]);
-    }
-    __m512 c[4];
-    for (int g = 0; g < 4; ++g) {
-      __m512 b[2];
-      for (int h = 0; h < 2; ++h) {
-        __m512 x = a[4 * g + 2 * h], y = a[4 * g + 2 * h + 1];
-        b[h] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-      }
-      __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[0]), _mm512_castps_pd(b[1]));
-      __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[0]), _mm512_castps_pd(b[1]));
-      c[g] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
-    }
-    __m512 u01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44),
-                               _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
-    __m512 u23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44),
-                               _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
-    __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88),
-                             _mm512_shuffle_f32x4(u01, u23, 0xDD));
-    _mm512_storeu_ps(out, _mm512_mul_ps(r, _mm512_set1_ps(scale)));
-    return;
+  switch (D) {
+    case 32: return scores_block_fixed<2>(q, keys, n, scale, out);
+    case 64: return scores_block_fixed<4>(q, keys, n, scale, out);
+    case 80: return scores_block_fixed<5>(q, keys, n, scale, out);
+    case 96: return scores_block_fixed<6>(q, keys, n, scale, out);
+    case 128: return scores_block_fixed<8>(q, keys, n, scale, out);
+    case 256: return scores_block_fixed<16>(q, keys, n, scale, out);
+    default: break;
   }
 #endif
   for (int64_t j = 0; j < n; ++j) {
@@ -613,22 +644,18 @@ inline void scores_block(const float* q, const float* const* keys, int64_t n, in
   }
 }
 
-// acc (D) += sum_j p[j] * values[j] for j < n, in key order. With AVX-512 (D a multiple of
-// 16, at most 256) the accumulator stays in registers across the keys.
+// acc (D) += sum_j p[j] * values[j] for j < n, in key order.
 inline void accumulate_values(float* acc, const float* p, const float* const* values, int64_t n,
                               int64_t D) {
 #if defined(__AVX512F__)
-  if (D % 16 == 0 && D <= 256) {
-    __m512 a[16];
-    const int64_t chunks = D / 16;
-    for (int64_t c = 0; c < chunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
-    for (int64_t j = 0; j < n; ++j) {
-      __m512 pj = _mm512_set1_ps(p[j]);
-      for (int64_t c = 0; c < chunks; ++c)
-        a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + 16 * c), a[c]);
-    }
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-    return;
+  switch (D) {
+    case 32: return accumulate_values_fixed<2>(acc, p, values, n);
+    case 64: return accumulate_values_fixed<4>(acc, p, values, n);
+    case 80: return accumulate_values_fixed<5>(acc, p, values, n);
+    case 96: return accumulate_values_fixed<6>(acc, p, values, n);
+    case 128: return accumulate_values_fixed<8>(acc, p, values, n);
+    case 256: return accumulate_values_fixed<16>(acc, p, values, n);
+    default: break;
   }
 #endif
   for (int64_t j = 0; j < n; ++j)

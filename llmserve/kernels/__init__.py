@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 _SOURCES = (_SOURCE, _SOURCE.with_name("llama_layers.cpp"), _SOURCE.with_name("thread_pool.h"))
 DEFAULT_SPIN_US = 1000
-_ABI = 13
+_ABI = 14
 _LOCK = threading.Lock()
 _pool_size: dict[str, int] = {}  # threads of the kernels' current pool
 
@@ -43,6 +43,7 @@ _SIGNATURES = {
     "llmserve_silu_and_mul": [_P, _I64, _I64, _P],
     "llmserve_llama_layers": [_P, _I64, _P, _P, _I64, _P, _P, _P],
     "llmserve_pack_int8_weight": [_P, _I64, _I64, _P],
+    "llmserve_int8_embedding": [_P, _I64, _I64, _P, _I64, _I64, _P, _P],
     "llmserve_int8_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P],
     "llmserve_pack_q4_weight": [_P, _P, _P, _I64, _I64, _P],
     "llmserve_q4_linear": [_P, _I64, _I64, _P, _P, _I64, _P, _P],
@@ -57,7 +58,7 @@ _SIGNATURES = {
         _I64, _F32, _P,
     ],
 }
-_RESTYPES = {"llmserve_kernels_abi": _I32}
+_RESTYPES = {"llmserve_kernels_abi": _I32, "llmserve_int8_embedding": _I32}
 
 
 @cache

@@ -546,12 +546,10 @@ inline const float* cached_row(const void* base, int64_t index, int64_t D, int32
   return buffer;
 }
 
-// exp(x[j]) for j < n (n <= 16), 0 for the other lanes; lane by lane the same arithmetic
-// whatever n is. A Cephes-style polynomial after range reduction (~1 ulp).
-inline void exp_block(const float* x, int64_t n, float* out) {
 #if defined(__AVX512F__)
-  __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
-  __m512 v = _mm512_maskz_loadu_ps(mask, x);
+// exp of 16 lanes: a Cephes-style polynomial after range reduction (~1 ulp); inputs below
+// -87 give exp(-87), above ~88.7 infinity.
+inline __m512 exp16(__m512 v) {
   v = _mm512_max_ps(v, _mm512_set1_ps(-87.0f));
   __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -565,7 +563,16 @@ inline void exp_block(const float* x, int64_t n, float* out) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   __m512 r2 = _mm512_mul_ps(r, r);
   p = _mm512_fmadd_ps(p, r2, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  _mm512_storeu_ps(out, _mm512_maskz_mov_ps(mask, _mm512_scalef_ps(p, k)));
+  return _mm512_scalef_ps(p, k);
+}
+#endif
+
+// exp(x[j]) for j < n (n <= 16), 0 for the other lanes; lane by lane the same arithmetic
+// whatever n is.
+inline void exp_block(const float* x, int64_t n, float* out) {
+#if defined(__AVX512F__)
+  __mmask16 mask = static_cast<__mmask16>((1u << n) - 1u);
+  _mm512_storeu_ps(out, _mm512_maskz_mov_ps(mask, exp16(_mm512_maskz_loadu_ps(mask, x))));
 #else
   for (int64_t j = 0; j < 16; ++j) out[j] = j < n ? std::exp(x[j]) : 0.f;
 #endif
@@ -670,7 +677,7 @@ inline void scale_row(float* y, float a, int64_t D) {
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 13; }
+int32_t llmserve_kernels_abi() { return 14; }
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.
@@ -719,14 +726,37 @@ void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t 
   });
 }
 
-// out (T, I) = silu(gate) * up for gate_up (T, 2I) = [gate | up].
+// out (T, I) = silu(gate) * up for gate_up (T, 2I) = [gate | up]: g / (1 + exp(-g)) * u,
+// elementwise (the same bits however the work is split), split over rows and columns so a
+// decode's one row uses every thread.
 void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* out) {
-  parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* g = gate_up + t * 2 * I;
+  parallel_for(0, T * I, 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e;) {
+      const int64_t t = i / I, c = i % I, n = std::min(e - i, I - c);  // along one row
+      const float* g = gate_up + t * 2 * I + c;
       const float* u = g + I;
-      float* o = out + t * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      float* o = out + t * I + c;
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; j + 16 <= n; j += 16) {
+        const __m512 gv = _mm512_loadu_ps(g + j);
+        const __m512 e16 = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e16)),
+                                              _mm512_loadu_ps(u + j)));
+      }
+      for (; j < n; ++j) {  // the tail through the same lane arithmetic
+        const __mmask16 one_lane = 1;
+        const __m512 gv = _mm512_maskz_loadu_ps(one_lane, g + j);
+        const __m512 e16 = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        const __m512 v = _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e16)),
+                                       _mm512_maskz_loadu_ps(one_lane, u + j));
+        _mm512_mask_storeu_ps(o + j, one_lane, v);
+      }
+#else
+      for (; j < n; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+#endif
+      i += n;
     }
   });
 }
@@ -776,6 +806,22 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
       for (; b < ne; ++b) gemm_tile<1, 1>(xq, xs, m, Kp, w, wsum, wscale, bias, b, N, y);
     }
   });
+}
+
+// out (T, K) = float(w[ids[t], k]) * scale[ids[t]]: rows of a VNNI-packed int8 weight
+// (N rows), dequantized (a tied embedding's lookup; one rounding, as torch's
+// `rows.float() * scale`). Returns 1, writing nothing, if an id is outside [0, N).
+int32_t llmserve_int8_embedding(const int8_t* packed, int64_t N, int64_t Kp, const int64_t* ids,
+                                int64_t T, int64_t K, const float* scale, float* out) {
+  for (int64_t t = 0; t < T; ++t)
+    if (ids[t] < 0 || ids[t] >= N) return 1;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = ids[t];
+    const float s = scale[n];
+    for (int64_t k = 0; k < K; ++k)
+      out[t * K + k] = static_cast<float>(packed[packed_index(n, k, Kp)]) * s;
+  }
+  return 0;
 }
 
 // Packs 4-bit codes (N, K) (one per byte, K a multiple of 32) with fp16 scales d and

@@ -51,6 +51,16 @@ def test_int8_kernels_agree_bit_for_bit(rows):
     assert torch.equal(int8_linear(x, vnni, bias), _int8_linear_torch(x, plain, bias))
     ids = torch.tensor([0, 17, 89, 42])
     assert torch.equal(vnni.rows(ids), plain.rows(ids))
+    # the embedding lookup (a native gather for the packed layout) dequantizes the same way
+    assert torch.equal(vnni.embedding_rows(ids), plain.embedding_rows(ids))
+
+
+def test_int8_embedding_refuses_an_id_outside_the_table():
+    table = PackedInt8Weight(torch.randn(90, 200))
+    for bad in (90, -1) if table.layout == "vnni" else (90,):  # torch's index wraps -1
+        with pytest.raises(IndexError):
+            table.embedding_rows(torch.tensor([3, bad]))
+    assert table.embedding_rows(torch.tensor([], dtype=torch.long)).shape == (0, 200)
 
 
 @pytest.fixture(scope="module")

@@ -169,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         x = self._embed(input_ids)
         native = self.native_layers
         if native is not None and native.can_run(x, positions, kv_cache, meta):
-            return self.model.norm(native.forward(x, positions, kv_cache, meta))
+            return native.forward(x, positions, kv_cache, meta)  # normed
         rope = self.model.rotary.at(positions, x.dtype)
         if self.compiled_layers is not None:
             rope.look_up()  # the tables go into the compiled layer as inputs

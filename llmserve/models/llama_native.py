@@ -141,7 +141,9 @@ class NativeLlamaLayers:
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """x (T, hidden) fp32 embeddings -> hidden states after the last layer (in place)."""
+        """x (T, hidden) fp32 embeddings -> hidden states after the last layer and the final
+        norm (the norm's own kernel, called here: its module added ~0.05 ms of Python to
+        a decode step)."""
         rotary = self.model.model.rotary
         t, s = x.shape[0], self.shape
         x = x.contiguous()
@@ -160,4 +162,7 @@ class NativeLlamaLayers:
         self.lib.llmserve_llama_layers(
             ptr(x), t, _address(self.shape), _address(layers), len(layers), _address(step),
             ptr(scratch), ptr(qscratch))
-        return x
+        norm = self.model.model.norm
+        out = torch.empty_like(x)
+        self.lib.llmserve_rms_norm(ptr(x), t, s.hidden, ptr(norm.weight), norm.eps, ptr(out))
+        return out

@@ -96,8 +96,11 @@ class ModelRunner:
             self._verify(request_ids, rows, step.last_token[to_sample], drafts, hidden,
                          grammar, result)
             return result
-        last = torch.from_numpy(step.last_token[to_sample]).to(self.device)
-        logits = self.model.compute_logits(hidden[last])  # (N, V)
+        if len(to_sample) == hidden.shape[0]:  # every token is a sample position (decodes)
+            last_hidden = hidden
+        else:
+            last_hidden = hidden[torch.from_numpy(step.last_token[to_sample]).to(self.device)]
+        logits = self.model.compute_logits(last_hidden)  # (N, V)
         if not self.driver:
             return result
         sampling = batch.sampling_batch(rows, logits.shape[-1])

@@ -11,6 +11,7 @@ and prefill's (and large batches') is MFU = model FLOPs per second / peak FLOP/s
 above 1 means the peak was underestimated; it is reported as ">100%", never as a number.
 """
 
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -101,6 +102,8 @@ class LatencyResult:
     bytes_per_step: float
     decode_flops_per_step: float
     prefill_flops: float
+    # every decode run's TPOT when there were several (`tpot_s` is their median)
+    tpot_runs_s: tuple[float, ...] = ()
 
     def mbu(self, peaks: MachinePeaks) -> float:
         return self.bytes_per_step / self.tpot_s / peaks.bandwidth_bytes_per_s
@@ -231,18 +234,24 @@ def _attention_flops(llm: LLM, query_tokens: int, context: float) -> float:
 
 
 def run_latency(llm: LLM, batch: int, input_len: int, output_len: int,
-                seed: int = 0) -> LatencyResult:
-    """Prefill of `batch` prompts (wall clock) and the decode TPOT of `batch` streams."""
+                seed: int = 0, repeats: int = 1) -> LatencyResult:
+    """Prefill of `batch` prompts (wall clock) and the decode TPOT of `batch` streams: the
+    median over `repeats` decode runs (fresh prompts each), which a shared machine's noise
+    moves less than one run."""
     greedy = {"temperature": 0.0, "ignore_eos": True}
     prefill_prompts = synthetic_prompts(llm, batch, input_len, seed=2 * seed + 1)
     start = time.perf_counter()
     llm.generate(prefill_prompts, SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
     prefill_s = time.perf_counter() - start
-    decode_prompts = synthetic_prompts(llm, batch, input_len, seed=2 * seed + 2)
-    outputs = llm.generate(decode_prompts, SamplingParams(max_tokens=output_len, **greedy),
-                           use_tqdm=False)
-    tpots = [o.metrics.time_per_output_token for o in outputs]
-    tpot_s = sum(tpots) / len(tpots)
+    runs = []
+    for r in range(repeats):
+        decode_prompts = synthetic_prompts(llm, batch, input_len,
+                                           seed=2 * seed + 2 + 1000 * r)
+        outputs = llm.generate(decode_prompts, SamplingParams(max_tokens=output_len, **greedy),
+                               use_tqdm=False)
+        tpots = [o.metrics.time_per_output_token for o in outputs]
+        runs.append(sum(tpots) / len(tpots))
+    tpot_s = statistics.median(runs)
     weights, num_params = weight_bytes_and_params(llm)
     mean_context = input_len + output_len / 2
     return LatencyResult(
@@ -253,6 +262,7 @@ def run_latency(llm: LLM, batch: int, input_len: int, output_len: int,
         + _attention_flops(llm, batch, mean_context),
         prefill_flops=2 * num_params * batch * input_len
         + _attention_flops(llm, batch * input_len, input_len / 2),
+        tpot_runs_s=tuple(runs) if repeats > 1 else (),
     )
 
 
@@ -271,6 +281,12 @@ def format_table(results: list[LatencyResult], peaks: MachinePeaks, llm: LLM | N
                      f"{1000 * r.tpot_s:>10.2f}{r.batch / r.tpot_s:>9.1f}"
                      f"{r.bytes_per_step / 1e6:>9.1f}{format_ratio(r.mbu(peaks)):>8}"
                      f"{format_ratio(r.decode_mfu(peaks)):>9}")
+    spread = [r for r in results if r.tpot_runs_s]
+    if spread:
+        lines.append(f"TPOT: median of {len(spread[0].tpot_runs_s)} decode runs; per batch "
+                     "min-max: " + ", ".join(
+                         f"{r.batch}: {1000 * min(r.tpot_runs_s):.2f}-"
+                         f"{1000 * max(r.tpot_runs_s):.2f} ms" for r in spread))
     if max(ratios) > 1.0:
         lines.append("* >100%: the path beat the measured peak, so the peak is underestimated "
                      "(e.g. a faster kernel than the benchmark GEMM); the ratio is not shown")

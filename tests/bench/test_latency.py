@@ -105,3 +105,38 @@ def test_weight_bytes_skip_an_untied_embedding(tiny_folder):
     int8 = LLM(str(tiny_folder), dtype="float32", quantization="int8", kv_cache_memory="4MiB")
     int8_bytes, _ = weight_bytes_and_params(int8)
     assert num_bytes / 4.5 < int8_bytes < num_bytes / 3  # int8 weights + fp32 scales, norms
+
+
+def test_repeated_decode_runs_report_their_median_and_spread(tiny_folder, capsys):
+    from llmserve.bench.latency import run_latency
+
+    llm = LLM(str(tiny_folder), dtype="float32", kv_cache_memory="4MiB")
+    result = run_latency(llm, batch=2, input_len=8, output_len=5, repeats=3)
+    assert len(result.tpot_runs_s) == 3 and all(t > 0 for t in result.tpot_runs_s)
+    assert result.tpot_s == sorted(result.tpot_runs_s)[1]
+    assert run_latency(llm, batch=1, input_len=8, output_len=5).tpot_runs_s == ()
+    table = format_table([result], MachinePeaks(10e9, {"fp32": 50e9}, "fp32"))
+    low, high = min(result.tpot_runs_s), max(result.tpot_runs_s)
+    assert f"median of 3 decode runs; per batch min-max: 2: {1000 * low:.2f}-" in table
+    assert f"{1000 * high:.2f} ms" in table
+
+
+def test_cli_takes_the_larger_copy_peak_of_before_and_after(tiny_folder, tmp_path, capsys,
+                                                            monkeypatch):
+    import json
+
+    import llmserve.bench.latency as latency
+    from llmserve.entrypoints.cli import main
+
+    peaks = iter([7e9, 5e9])  # before the runs, then after
+    monkeypatch.setattr(latency, "measure_bandwidth", lambda device="cpu": next(peaks))
+    monkeypatch.setattr(latency, "measure_gemm", lambda kind, device="cpu": 1e9)
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", str(tiny_folder), "--dtype", "float32",
+                 "--batch", "1", "--input-len", "4", "--output-len", "3", "--repeat", "2",
+                 "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["bandwidth_bytes_per_s"] == 7e9
+    assert len(report["runs"][0]["tpot_runs_s"]) == 2
+    assert "peak copy bandwidth 7.0 GB/s" in capsys.readouterr().out
+    assert main(["bench", "latency", "--model", str(tiny_folder), "--repeat", "0"]) != 0

@@ -1,11 +1,16 @@
 """`llmserve bench latency`: prefill time and decode TPOT per batch size, with MBU and MFU.
 
-The machine's peaks are measured once: memory bandwidth as a large tensor copy (bytes read
-+ bytes written per second) and compute as a GEMM of the kind the path computes in
-(`peak_kind`: fp32 for float32, bf16 for bfloat16, int8 `_int_mm` for the int8 path).
-Decode at small batch is bound by memory, so its yardstick is MBU::
+Memory bandwidth is measured as a large tensor copy (bytes read + bytes written per
+second) right after each decode run, and compute once as a GEMM of the kind the path
+computes in (`peak_kind`: fp32 for float32, bf16 for bfloat16, int8 `_int_mm` for the int8
+path). Decode at small batch is bound by memory, so its yardstick is MBU, per decode run
+against the bandwidth measured right after it, the median over the runs::
 
-    MBU = (weight bytes + KV bytes read per step) / TPOT / peak bandwidth
+    MBU = (weight bytes + KV bytes read per step) / TPOT / copy bandwidth
+
+(On a shared VM the bandwidth moves between phases within seconds: the build machine
+copies at ~65-70 GB/s for the first seconds after an idle spell and ~40 GB/s sustained, so
+a peak taken at another moment than the run measures the machine's mood, not the path.)
 
 and prefill's (and large batches') is MFU = model FLOPs per second / peak FLOP/s. A ratio
 above 1 means the peak was underestimated; it is reported as ">100%", never as a number.
@@ -104,8 +109,16 @@ class LatencyResult:
     prefill_flops: float
     # every decode run's TPOT when there were several (`tpot_s` is their median)
     tpot_runs_s: tuple[float, ...] = ()
+    # the copy bandwidth measured right after each decode run, when it was
+    bandwidth_runs: tuple[float, ...] = ()
 
     def mbu(self, peaks: MachinePeaks) -> float:
+        """Against each run's own bandwidth (the median over runs) when measured, else
+        against the peak."""
+        if self.bandwidth_runs:
+            tpots = self.tpot_runs_s or (self.tpot_s,)
+            return statistics.median(self.bytes_per_step / t / bw
+                                     for t, bw in zip(tpots, self.bandwidth_runs, strict=True))
         return self.bytes_per_step / self.tpot_s / peaks.bandwidth_bytes_per_s
 
     def decode_mfu(self, peaks: MachinePeaks) -> float:
@@ -234,16 +247,17 @@ def _attention_flops(llm: LLM, query_tokens: int, context: float) -> float:
 
 
 def run_latency(llm: LLM, batch: int, input_len: int, output_len: int,
-                seed: int = 0, repeats: int = 1) -> LatencyResult:
+                seed: int = 0, repeats: int = 1,
+                bandwidth: Callable[[], float] | None = None) -> LatencyResult:
     """Prefill of `batch` prompts (wall clock) and the decode TPOT of `batch` streams: the
     median over `repeats` decode runs (fresh prompts each), which a shared machine's noise
-    moves less than one run."""
+    moves less than one run. `bandwidth`, when given, is measured right after each run."""
     greedy = {"temperature": 0.0, "ignore_eos": True}
     prefill_prompts = synthetic_prompts(llm, batch, input_len, seed=2 * seed + 1)
     start = time.perf_counter()
     llm.generate(prefill_prompts, SamplingParams(max_tokens=1, **greedy), use_tqdm=False)
     prefill_s = time.perf_counter() - start
-    runs = []
+    runs, bandwidths = [], []
     for r in range(repeats):
         decode_prompts = synthetic_prompts(llm, batch, input_len,
                                            seed=2 * seed + 2 + 1000 * r)
@@ -251,6 +265,8 @@ def run_latency(llm: LLM, batch: int, input_len: int, output_len: int,
                                use_tqdm=False)
         tpots = [o.metrics.time_per_output_token for o in outputs]
         runs.append(sum(tpots) / len(tpots))
+        if bandwidth is not None:
+            bandwidths.append(bandwidth())
     tpot_s = statistics.median(runs)
     weights, num_params = weight_bytes_and_params(llm)
     mean_context = input_len + output_len / 2
@@ -263,6 +279,7 @@ def run_latency(llm: LLM, batch: int, input_len: int, output_len: int,
         prefill_flops=2 * num_params * batch * input_len
         + _attention_flops(llm, batch * input_len, input_len / 2),
         tpot_runs_s=tuple(runs) if repeats > 1 else (),
+        bandwidth_runs=tuple(bandwidths),
     )
 
 
@@ -287,6 +304,11 @@ def format_table(results: list[LatencyResult], peaks: MachinePeaks, llm: LLM | N
                      "min-max: " + ", ".join(
                          f"{r.batch}: {1000 * min(r.tpot_runs_s):.2f}-"
                          f"{1000 * max(r.tpot_runs_s):.2f} ms" for r in spread))
+    paired = [bw for r in results for bw in r.bandwidth_runs]
+    if paired:
+        lines.append("MBU: each decode run against the copy bandwidth measured right after "
+                     f"it ({min(paired) / 1e9:.1f}-{max(paired) / 1e9:.1f} GB/s), the median "
+                     "over runs")
     if max(ratios) > 1.0:
         lines.append("* >100%: the path beat the measured peak, so the peak is underestimated "
                      "(e.g. a faster kernel than the benchmark GEMM); the ratio is not shown")

@@ -83,8 +83,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from dataclasses import replace
-
     from llmserve.bench.latency import (
         format_table,
         llm_peak_kind,
@@ -103,14 +101,11 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
         raise ValueError("--repeat must be at least 1")
     llm = _make_llm(args)
     run_latency(llm, max(args.batch), 16, 4, seed=99)  # warm-up
-    # the copy peak before and after the runs, the larger one kept: the machine's bandwidth
-    # moves between phases, and a peak taken in a slow one would flatter MBU
-    before = measure_bandwidth(llm.engine.device)
+    device = llm.engine.device
     results = [run_latency(llm, b, args.input_len, args.output_len, seed=i,
-                           repeats=args.repeat)
+                           repeats=args.repeat, bandwidth=lambda: measure_bandwidth(device))
                for i, b in enumerate(args.batch)]
-    peaks = measure_peaks(llm.engine.device, llm_peak_kind(llm))
-    peaks = replace(peaks, bandwidth_bytes_per_s=max(peaks.bandwidth_bytes_per_s, before))
+    peaks = measure_peaks(device, llm_peak_kind(llm))
     print(format_table(results, peaks, llm))
     if args.output_json:
         write_json(args.output_json, report(llm, results, peaks))

@@ -121,22 +121,27 @@ def test_repeated_decode_runs_report_their_median_and_spread(tiny_folder, capsys
     assert f"{1000 * high:.2f} ms" in table
 
 
-def test_cli_takes_the_larger_copy_peak_of_before_and_after(tiny_folder, tmp_path, capsys,
-                                                            monkeypatch):
+def test_mbu_pairs_each_decode_run_with_the_bandwidth_measured_after_it(tiny_folder, tmp_path,
+                                                                        capsys, monkeypatch):
     import json
 
     import llmserve.bench.latency as latency
     from llmserve.entrypoints.cli import main
 
-    peaks = iter([7e9, 5e9])  # before the runs, then after
-    monkeypatch.setattr(latency, "measure_bandwidth", lambda device="cpu": next(peaks))
+    # after run 1, after run 2, then the peak the MFU table uses
+    bandwidths = iter([7e9, 5e9, 6e9])
+    monkeypatch.setattr(latency, "measure_bandwidth", lambda device="cpu": next(bandwidths))
     monkeypatch.setattr(latency, "measure_gemm", lambda kind, device="cpu": 1e9)
     out = tmp_path / "lat.json"
     assert main(["bench", "latency", "--model", str(tiny_folder), "--dtype", "float32",
                  "--batch", "1", "--input-len", "4", "--output-len", "3", "--repeat", "2",
                  "--output-json", str(out)]) == 0
-    report = json.loads(out.read_text())
-    assert report["bandwidth_bytes_per_s"] == 7e9
-    assert len(report["runs"][0]["tpot_runs_s"]) == 2
-    assert "peak copy bandwidth 7.0 GB/s" in capsys.readouterr().out
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["bandwidth_runs"] == [7e9, 5e9] and len(run["tpot_runs_s"]) == 2
+    per_run = [run["bytes_per_step"] / t / bw
+               for t, bw in zip(run["tpot_runs_s"], run["bandwidth_runs"], strict=True)]
+    assert run["mbu"] == pytest.approx(min(1.0, sum(per_run) / 2))
+    text = capsys.readouterr().out
+    assert "peak copy bandwidth 6.0 GB/s" in text
+    assert "copy bandwidth measured right after it (5.0-7.0 GB/s)" in text
     assert main(["bench", "latency", "--model", str(tiny_folder), "--repeat", "0"]) != 0

@@ -591,24 +591,10 @@ inline void exp_block(const float* x, int64_t n, float* out) {
 #endif
 }
 
-// out[j] = scale * (q . keys[j]) for j < n (n <= 16). With AVX-512: C = D / 16 chunks, 16
-// per-key vector accumulators reduced by one transpose-and-add tree, so each lane is summed
-// in the same order whatever n is (lanes never mix). C is a compile-time constant so the
-// accumulators stay in registers (indexed by a run-time count they lived on the stack, and
-// every multiply-add went through memory: most of decode attention's time); lanes past n
-// compute on key 0 and are dropped.
 #if defined(__AVX512F__)
-template <int C>
-inline void scores_block_fixed(const float* q, const float* const* keys, int64_t n,
-                               float scale, float* out) {
-  const float* rows[16];
-  for (int j = 0; j < 16; ++j) rows[j] = keys[j < n ? j : 0];
-  __m512 a[16];
-  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-  for (int c = 0; c < C; ++c) {
-    const __m512 qv = _mm512_loadu_ps(q + 16 * c);
-    for (int j = 0; j < 16; ++j) a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[j] + 16 * c), a[j]);
-  }
+// out[j] = scale * (the 16 lanes of a[j] summed) for j < n, 0 past n: one transpose-and-add
+// tree, each lane summed in the same order whatever n is.
+inline void store_key_sums(const __m512 (&a)[16], int64_t n, float scale, float* out) {
   __m512 t[4];
   for (int g = 0; g < 4; ++g) {
     __m512 b[2];
@@ -630,6 +616,27 @@ inline void scores_block_fixed(const float* q, const float* const* keys, int64_t
   _mm512_storeu_ps(out, _mm512_maskz_mul_ps(valid, r, _mm512_set1_ps(scale)));
 }
 
+// out[j] = scale * (q . keys[j]) for j < n (n <= 16). With AVX-512: C = D / 16 chunks, 16
+// per-key vector accumulators reduced by one transpose-and-add tree, so each lane is summed
+// in the same order whatever n is (lanes never mix). C is a compile-time constant so the
+// accumulators stay in registers (indexed by a run-time count they lived on the stack, and
+// every multiply-add went through memory: most of decode attention's time); lanes past n
+// compute on key 0 and are dropped.
+template <int C>
+inline void scores_block_fixed(const float* q, const float* const* keys, int64_t n,
+                               float scale, float* out) {
+  const float* rows[16];
+  for (int j = 0; j < 16; ++j) rows[j] = keys[j < n ? j : 0];
+  __m512 a[16];
+  for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    const __m512 qv = _mm512_loadu_ps(q + 16 * c);
+    for (int j = 0; j < 16; ++j)
+      a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[j] + 16 * c), a[j]);
+  }
+  store_key_sums(a, n, scale, out);
+}
+
 // acc (16 C) += sum_j p[j] * values[j] for j < n, in key order, the accumulator in registers.
 template <int C>
 inline void accumulate_values_fixed(float* acc, const float* p, const float* const* values,
@@ -638,7 +645,8 @@ inline void accumulate_values_fixed(float* acc, const float* p, const float* con
   for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
     const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + 16 * c), a[c]);
+    for (int c = 0; c < C; ++c)
+      a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + 16 * c), a[c]);
   }
   for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
@@ -655,6 +663,17 @@ inline void scores_block(const float* q, const float* const* keys, int64_t n, in
     case 128: return scores_block_fixed<8>(q, keys, n, scale, out);
     case 256: return scores_block_fixed<16>(q, keys, n, scale, out);
     default: break;
+  }
+  if (D % 16 == 0) {  // other head sizes: the same sums, the chunks counted at run time
+    __m512 a[16];
+    for (int j = 0; j < 16; ++j) {
+      a[j] = _mm512_setzero_ps();
+      if (j >= n) continue;
+      for (int64_t d = 0; d < D; d += 16)
+        a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys[j] + d), a[j]);
+    }
+    store_key_sums(a, n, scale, out);
+    return;
   }
 #endif
   for (int64_t j = 0; j < n; ++j) {
@@ -676,6 +695,18 @@ inline void accumulate_values(float* acc, const float* p, const float* const* va
     case 128: return accumulate_values_fixed<8>(acc, p, values, n);
     case 256: return accumulate_values_fixed<16>(acc, p, values, n);
     default: break;
+  }
+  if (D % 16 == 0 && D <= 256) {  // other head sizes: the chunks counted at run time
+    __m512 a[16];
+    const int64_t chunks = D / 16;
+    for (int64_t c = 0; c < chunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 pj = _mm512_set1_ps(p[j]);
+      for (int64_t c = 0; c < chunks; ++c)
+        a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + 16 * c), a[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return;
   }
 #endif
   for (int64_t j = 0; j < n; ++j)

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -616,20 +617,20 @@ inline void store_key_sums(const __m512 (&a)[16], int64_t n, float scale, float*
   _mm512_storeu_ps(out, _mm512_maskz_mul_ps(valid, r, _mm512_set1_ps(scale)));
 }
 
-// out[j] = scale * (q . keys[j]) for j < n (n <= 16). With AVX-512: C = D / 16 chunks, 16
+// out[j] = scale * (q . keys[j]) for j < n (n <= 16), D = 16 * chunks. With AVX-512: 16
 // per-key vector accumulators reduced by one transpose-and-add tree, so each lane is summed
-// in the same order whatever n is (lanes never mix). C is a compile-time constant so the
-// accumulators stay in registers (indexed by a run-time count they lived on the stack, and
-// every multiply-add went through memory: most of decode attention's time); lanes past n
-// compute on key 0 and are dropped.
-template <int C>
-inline void scores_block_fixed(const float* q, const float* const* keys, int64_t n,
-                               float scale, float* out) {
+// in the same order whatever n is (lanes never mix); lanes past n compute on key 0 and are
+// dropped. With `chunks` a compile-time constant (std::integral_constant) the loops unroll
+// and the accumulators stay in registers; counted at run time they live on the stack and
+// every multiply-add goes through memory (it was most of decode attention's time).
+template <typename Chunks>
+inline void scores_chunks(const float* q, const float* const* keys, int64_t n, float scale,
+                          float* out, Chunks chunks) {
   const float* rows[16];
   for (int j = 0; j < 16; ++j) rows[j] = keys[j < n ? j : 0];
   __m512 a[16];
   for (int j = 0; j < 16; ++j) a[j] = _mm512_setzero_ps();
-  for (int c = 0; c < C; ++c) {
+  for (int64_t c = 0; c < chunks; ++c) {
     const __m512 qv = _mm512_loadu_ps(q + 16 * c);
     for (int j = 0; j < 16; ++j)
       a[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows[j] + 16 * c), a[j]);
@@ -637,43 +638,38 @@ inline void scores_block_fixed(const float* q, const float* const* keys, int64_t
   store_key_sums(a, n, scale, out);
 }
 
-// acc (16 C) += sum_j p[j] * values[j] for j < n, in key order, the accumulator in registers.
-template <int C>
-inline void accumulate_values_fixed(float* acc, const float* p, const float* const* values,
-                                    int64_t n) {
-  __m512 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+// acc (16 * chunks) += sum_j p[j] * values[j] for j < n, in key order (chunks <= 16; in
+// registers when a compile-time constant, as above).
+template <typename Chunks>
+inline void accumulate_chunks(float* acc, const float* p, const float* const* values,
+                              int64_t n, Chunks chunks) {
+  __m512 a[16];
+  for (int64_t c = 0; c < chunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
   for (int64_t j = 0; j < n; ++j) {
     const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int c = 0; c < C; ++c)
+    for (int64_t c = 0; c < chunks; ++c)
       a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + 16 * c), a[c]);
   }
-  for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
+
+template <int64_t C>
+using Chunks = std::integral_constant<int64_t, C>;
 #endif
 
+// out[j] = scale * (q . keys[j]) for j < n (n <= 16).
 inline void scores_block(const float* q, const float* const* keys, int64_t n, int64_t D,
                          float scale, float* out) {
 #if defined(__AVX512F__)
-  switch (D) {
-    case 32: return scores_block_fixed<2>(q, keys, n, scale, out);
-    case 64: return scores_block_fixed<4>(q, keys, n, scale, out);
-    case 80: return scores_block_fixed<5>(q, keys, n, scale, out);
-    case 96: return scores_block_fixed<6>(q, keys, n, scale, out);
-    case 128: return scores_block_fixed<8>(q, keys, n, scale, out);
-    case 256: return scores_block_fixed<16>(q, keys, n, scale, out);
-    default: break;
-  }
-  if (D % 16 == 0) {  // other head sizes: the same sums, the chunks counted at run time
-    __m512 a[16];
-    for (int j = 0; j < 16; ++j) {
-      a[j] = _mm512_setzero_ps();
-      if (j >= n) continue;
-      for (int64_t d = 0; d < D; d += 16)
-        a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(keys[j] + d), a[j]);
-    }
-    store_key_sums(a, n, scale, out);
-    return;
+  switch (D) {  // the common head sizes unrolled
+    case 32: return scores_chunks(q, keys, n, scale, out, Chunks<2>{});
+    case 64: return scores_chunks(q, keys, n, scale, out, Chunks<4>{});
+    case 80: return scores_chunks(q, keys, n, scale, out, Chunks<5>{});
+    case 96: return scores_chunks(q, keys, n, scale, out, Chunks<6>{});
+    case 128: return scores_chunks(q, keys, n, scale, out, Chunks<8>{});
+    case 256: return scores_chunks(q, keys, n, scale, out, Chunks<16>{});
+    default:
+      if (D % 16 == 0) return scores_chunks(q, keys, n, scale, out, D / 16);
   }
 #endif
   for (int64_t j = 0; j < n; ++j) {
@@ -688,25 +684,14 @@ inline void accumulate_values(float* acc, const float* p, const float* const* va
                               int64_t D) {
 #if defined(__AVX512F__)
   switch (D) {
-    case 32: return accumulate_values_fixed<2>(acc, p, values, n);
-    case 64: return accumulate_values_fixed<4>(acc, p, values, n);
-    case 80: return accumulate_values_fixed<5>(acc, p, values, n);
-    case 96: return accumulate_values_fixed<6>(acc, p, values, n);
-    case 128: return accumulate_values_fixed<8>(acc, p, values, n);
-    case 256: return accumulate_values_fixed<16>(acc, p, values, n);
-    default: break;
-  }
-  if (D % 16 == 0 && D <= 256) {  // other head sizes: the chunks counted at run time
-    __m512 a[16];
-    const int64_t chunks = D / 16;
-    for (int64_t c = 0; c < chunks; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 pj = _mm512_set1_ps(p[j]);
-      for (int64_t c = 0; c < chunks; ++c)
-        a[c] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(values[j] + 16 * c), a[c]);
-    }
-    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
-    return;
+    case 32: return accumulate_chunks(acc, p, values, n, Chunks<2>{});
+    case 64: return accumulate_chunks(acc, p, values, n, Chunks<4>{});
+    case 80: return accumulate_chunks(acc, p, values, n, Chunks<5>{});
+    case 96: return accumulate_chunks(acc, p, values, n, Chunks<6>{});
+    case 128: return accumulate_chunks(acc, p, values, n, Chunks<8>{});
+    case 256: return accumulate_chunks(acc, p, values, n, Chunks<16>{});
+    default:
+      if (D % 16 == 0 && D <= 256) return accumulate_chunks(acc, p, values, n, D / 16);
   }
 #endif
   for (int64_t j = 0; j < n; ++j)

@@ -6,54 +6,36 @@ in its JSON, so a number is never read apart from the hardware (and the instruct
 PyTorch chose) that produced it. `bench serve` reports the machine running the client.
 """
 
-import platform
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from llmserve import cpu_info
+
 if TYPE_CHECKING:
     from llmserve.llm import LLM
 
-# The x86 flags that decide which GEMM kernels run: fp32 (avx2/avx512f), int8 dot
-# products (VNNI), bf16 (avx512_bf16) and Intel's matrix tiles (AMX).
+# The flags that decide which GEMM kernels run. x86: fp32 (avx2/avx512f), int8 dot products
+# (VNNI), bf16 (avx512_bf16) and Intel's matrix tiles (AMX); ARM: NEON, int8 dot products
+# and matrix multiplies (dotprod, i8mm), bf16 and SVE.
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
-             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-_CPUINFO = Path("/proc/cpuinfo")
+             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
+             "neon", "dotprod", "i8mm", "bf16", "sve")
 
 
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:
-    """The `CPU_FLAGS` this CPU has, in `CPU_FLAGS` order ([] where /proc/cpuinfo is absent)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = _CPUINFO.read_text(encoding="utf-8", errors="replace")
-        except OSError:
-            return []
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            present = set(value.split())
-            return [flag for flag in CPU_FLAGS if flag in present]
-    return []
-
-
-def _cpu_model(cpuinfo: str) -> str:
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name":
-            return value.strip()
-    return platform.processor() or platform.machine()
+    """The `CPU_FLAGS` this CPU has (or the /proc/cpuinfo text `cpuinfo` names), in
+    `CPU_FLAGS` order; [] where the platform does not say."""
+    present = (cpu_info.cpu_features() if cpuinfo is None
+               else cpu_info.features_from_cpuinfo(cpuinfo))
+    return [flag for flag in CPU_FLAGS if flag in present]
 
 
 def machine_info() -> dict[str, Any]:
     """CPU model, flags, PyTorch's CPU capability, threads, and the GPU if there is one."""
-    try:
-        cpuinfo = _CPUINFO.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        cpuinfo = ""
     info: dict[str, Any] = {
-        "cpu": _cpu_model(cpuinfo),
-        "cpu_flags": cpu_flags(cpuinfo),
+        "cpu": cpu_info.cpu_model_name(),
+        "cpu_flags": cpu_flags(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(),

@@ -1,4 +1,6 @@
-"""Memory of a process tree and the machine's load, read from /proc (Linux only).
+"""Memory of a process tree and the machine's load, read from /proc (Linux), else from
+psutil where it is installed (macOS, Windows), else not at all (`rss_source()` is None and
+`tree_rss_bytes` None: the soak says so and samples the rest).
 
 A server's resident memory is its own VmRSS plus that of every descendant (tensor-parallel
 ranks, compile workers): pages shared between them count once per process, so the sum is an
@@ -7,14 +9,36 @@ upper bound, but it moves only when one of them grows or shrinks.
 
 import os
 from pathlib import Path
+from types import ModuleType
 
 PROC = Path("/proc")
+NO_RSS_SOURCE = ("this system has no /proc and psutil is not installed, so the server's RSS "
+                 "is not sampled (pip install psutil to sample it)")
+
+
+def _psutil() -> ModuleType | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil
+
+
+def rss_source(proc: Path = PROC) -> str | None:
+    """Where `tree_rss_bytes` reads from here: "/proc", "psutil", or None (nowhere)."""
+    if proc.is_dir():
+        return "/proc"
+    return "psutil" if _psutil() is not None else None
 
 
 def parent_pids(proc: Path = PROC) -> dict[int, int]:
     """pid -> parent pid of every process visible now."""
     parents = {}
-    for entry in proc.iterdir():
+    try:
+        entries = list(proc.iterdir())
+    except OSError:  # no /proc here
+        return {}
+    for entry in entries:
         if not entry.name.isdigit():
             continue
         try:
@@ -59,7 +83,10 @@ def rss_bytes(pid: int, proc: Path = PROC) -> int | None:
 
 def tree_rss_bytes(pid: int, proc: Path = PROC) -> tuple[int, int] | None:
     """(summed VmRSS of `pid` and its descendants, number of processes); None once `pid`
-    is gone."""
+    is gone, or where `rss_source()` is None."""
+    source = rss_source(proc)
+    if source != "/proc":
+        return _psutil_tree_rss_bytes(pid) if source == "psutil" else None
     total, count = 0, 0
     for member in process_tree(pid, proc):
         rss = rss_bytes(member, proc)
@@ -69,6 +96,28 @@ def tree_rss_bytes(pid: int, proc: Path = PROC) -> tuple[int, int] | None:
     return (total, count) if count else None
 
 
-def load_average_1m() -> float:
-    """The kernel's 1-minute load average (runnable + uninterruptible tasks)."""
-    return os.getloadavg()[0]
+def _psutil_tree_rss_bytes(pid: int) -> tuple[int, int] | None:
+    psutil = _psutil()
+    try:
+        root = psutil.Process(pid)
+        members = [root, *root.children(recursive=True)]
+    except psutil.Error:  # gone, or not ours to see
+        return None
+    total, count = 0, 0
+    for member in members:
+        try:
+            total += member.memory_info().rss
+            count += 1
+        except psutil.Error:
+            continue
+    return (total, count) if count else None
+
+
+def load_average_1m() -> float | None:
+    """The 1-minute load average (runnable + uninterruptible tasks); None where neither
+    the OS (Windows) nor psutil gives one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        psutil = _psutil()
+        return psutil.getloadavg()[0] if psutil is not None else None

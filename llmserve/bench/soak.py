@@ -4,9 +4,9 @@ for leaks (memory that grows, KV blocks that never come back).
     `concurrency` clients, each in a loop until `duration`: a random prompt length and
         output length, /v1/completions or /v1/chat/completions, streamed; a
         `disconnect_fraction` of them hang up after a random number of chunks
-    every `sample_interval`: the server's RSS (its process tree, /proc), KV usage and
-        running/waiting (/metrics), the 1-minute load, request counts, and TTFT, TPOT and
-        E2E percentiles of the requests completed in the window
+    every `sample_interval`: the server's RSS (its process tree, /proc or else psutil), KV
+        usage and running/waiting (/metrics), the 1-minute load, request counts, and TTFT,
+        TPOT and E2E percentiles of the requests completed in the window
     then: the clients stop sending and their last requests finish, the server goes idle
         (nothing running or waiting), one last sample: its KV usage should be back at ~0
 
@@ -33,7 +33,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.bench.machine import machine_info
-from llmserve.bench.procfs import load_average_1m, tree_rss_bytes
+from llmserve.bench.procfs import NO_RSS_SOURCE, load_average_1m, rss_source, tree_rss_bytes
 from llmserve.bench.soak_clients import Tally, plan_request, stream_once
 from llmserve.bench.soak_report import format_sample, summarize_soak
 from llmserve.bench.workloads import LocalTokenizer, PromptTokenizer, ServerTokenizer
@@ -208,6 +208,8 @@ def run_soak(config: SoakConfig, log: Any = None) -> dict[str, Any]:
         base_url, model, server_pid = server.wait_until_serving(), server.model_name, server.pid
     else:
         base_url, server_pid = config.base_url.rstrip("/").removesuffix("/v1"), config.server_pid
+    if server_pid is not None and rss_source() is None:
+        log(NO_RSS_SOURCE)
     try:
         with httpx.Client(base_url=base_url, timeout=30, headers=(
                 {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {})) as http:

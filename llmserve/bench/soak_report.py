@@ -79,7 +79,7 @@ def summarize_soak(samples: Sequence[dict[str, Any]], latencies: dict[str, list[
     latency distributions (ms) over every completed request (`latencies`: seconds)."""
     last = samples[-1]
     kv_end = last["kv_usage"]
-    loads = [s["load_1m"] for s in samples if s["phase"] != "end"]
+    loads = [s["load_1m"] for s in samples if s["phase"] != "end" and s["load_1m"] is not None]
     return {
         **last["requests"],
         "errors_by_message": dict(errors),
@@ -107,8 +107,9 @@ def format_sample(s: dict[str, Any]) -> str:
     r, w = s["requests"], s["window"]
     rss = "n/a" if s["rss_mib"] is None else f"{s['rss_mib']:.1f} MiB"
     kv = "n/a" if s["kv_usage"] is None else f"{100 * s['kv_usage']:.1f} %"
+    load = "n/a" if s["load_1m"] is None else f"{s['load_1m']:.2f}"
     return (f"[{s['t_s']:>7.0f} s {s['phase']:>9}] RSS {rss}  KV {kv}  run {s['running']} "
-            f"wait {s['waiting']}  load {s['load_1m']:.2f}  done {r['completed']} cut "
+            f"wait {s['waiting']}  load {load}  done {r['completed']} cut "
             f"{r['disconnected']} err {r['errors']}  TTFT p50 {_ms(w['ttft_ms']['p50'])}  "
             f"TPOT p50 {_ms(w['tpot_ms']['p50'])}")
 

@@ -21,6 +21,7 @@ import torch
 from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from llmserve.cpu_info import memory_bytes
 from llmserve.distributed.executor import CacheSpec, Executor, WorkerSpec, make_executor
 from llmserve.distributed.kv_transfer import (
     KVBlocks,
@@ -633,8 +634,10 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
 def free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    available = memory_bytes()[1]
+    if available is None:
+        raise LLMServeError(
+            "this system does not say how much memory is free (no /proc/meminfo, psutil not "
+            "installed): give --kv-cache-memory (kv_cache_memory) as a size such as 4GiB "
+            "rather than a fraction, or pip install psutil")
+    return available

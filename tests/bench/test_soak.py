@@ -9,9 +9,16 @@ import sys
 import matplotlib  # noqa: F401  (a test dependency: the plot must really be drawn)
 import pytest
 
-from llmserve.bench.procfs import process_tree, rss_bytes, tree_rss_bytes
+from llmserve.bench import procfs
+from llmserve.bench.procfs import (
+    load_average_1m,
+    process_tree,
+    rss_bytes,
+    rss_source,
+    tree_rss_bytes,
+)
 from llmserve.bench.soak import SoakConfig, parse_duration, parse_metrics
-from llmserve.bench.soak_report import least_squares_slope, rss_trend
+from llmserve.bench.soak_report import format_sample, least_squares_slope, rss_trend
 from llmserve.entrypoints.cli import main
 
 
@@ -87,6 +94,34 @@ def test_tree_rss_of_this_process_counts_a_child():
     finally:
         child.kill()
         child.wait()
+
+
+def test_without_proc_the_rss_comes_from_psutil(tmp_path):
+    pytest.importorskip("psutil")
+    no_proc = tmp_path / "no-proc"
+    assert rss_source() == "/proc" and rss_source(no_proc) == "psutil"
+    from_proc = tree_rss_bytes(os.getpid())
+    from_psutil = tree_rss_bytes(os.getpid(), no_proc)
+    assert from_psutil[1] == from_proc[1]
+    assert from_psutil[0] == pytest.approx(from_proc[0], rel=0.05)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert tree_rss_bytes(gone.pid, no_proc) is None
+
+
+def test_without_proc_or_psutil_nothing_is_sampled_and_nothing_raises(tmp_path, monkeypatch):
+    monkeypatch.setattr(procfs, "_psutil", lambda: None)
+    no_proc = tmp_path / "no-proc"
+    assert rss_source(no_proc) is None
+    assert tree_rss_bytes(os.getpid(), no_proc) is None
+    assert process_tree(os.getpid(), no_proc) == []
+    monkeypatch.delattr(os, "getloadavg")  # as on Windows
+    assert load_average_1m() is None
+    sample = {"t_s": 10.0, "phase": "load", "rss_mib": None, "kv_usage": None, "running": 2,
+              "waiting": 0, "load_1m": None,
+              "requests": {"completed": 3, "disconnected": 0, "errors": 0},
+              "window": {"ttft_ms": {"p50": None}, "tpot_ms": {"p50": None}}}
+    assert "RSS n/a  KV n/a  run 2 wait 0  load n/a  done 3" in format_sample(sample)
 
 
 def test_duration_and_config_checks():

@@ -57,6 +57,11 @@ def machine_arch() -> str:
     return {"amd64": "x86_64", "x64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 
+def is_darwin() -> bool:
+    """macOS (Apple's toolchain: clang, .dylib, no /proc)."""
+    return platform.system() == "Darwin"
+
+
 def shared_library_suffix() -> str:
     """The file suffix of a shared library the C++ compiler builds here."""
     return {"Darwin": ".dylib", "Windows": ".dll"}.get(platform.system(), ".so")

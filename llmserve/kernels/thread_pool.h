@@ -10,7 +10,6 @@
 // variable until the next kernel.
 #pragma once
 
-#include <immintrin.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -25,6 +24,15 @@
 #include <vector>
 
 namespace llmserve {
+
+// A spin-wait hint to the core (x86 `pause`, ARM `yield`); nothing elsewhere.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__) || defined(__arm__)
+  asm volatile("yield");
+#endif
+}
 
 class ThreadPool {
  public:
@@ -69,7 +77,7 @@ class ThreadPool {
     }
     task(0);
     for (int64_t spins = 0; pending_.load(std::memory_order_acquire) > 0; ++spins) {
-      _mm_pause();
+      cpu_relax();
       if ((spins & 1023) == 1023) sched_yield();  // a descheduled worker needs the core
     }
   }
@@ -93,7 +101,7 @@ class ThreadPool {
     auto start = std::chrono::steady_clock::now();
     for (int64_t spins = 0;; ++spins) {
       if (generation_.load(std::memory_order_acquire) != seen) return;
-      _mm_pause();
+      cpu_relax();
       if ((spins & 255) == 255) {
         auto waited = std::chrono::steady_clock::now() - start;
         if (waited > std::chrono::microseconds(spin_us_)) break;

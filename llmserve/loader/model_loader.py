@@ -9,7 +9,7 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
-from llmserve.kernels import cpu_flags, native
+from llmserve.kernels import native
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
@@ -33,13 +33,11 @@ class LoadedModel:
 
 
 def auto_quantization(stored: str | None, device: torch.device) -> str | None:
-    """What "auto" runs for a checkpoint stored as `stored`: its own format on the CPU
-    (int4 only where the native kernel runs it: AVX-512 VNNI; int8 elsewhere), float on
-    other devices."""
-    if stored is None or device.type != "cpu":
+    """What "auto" runs for a checkpoint stored as `stored`: its own format on the CPU where
+    the native kernels run it (every instruction-set level), float elsewhere (other devices,
+    no compiler: torch's float GEMM beats torch ops emulating the integer kernels)."""
+    if stored is None or device.type != "cpu" or native() is None:
         return None
-    if stored == "int4" and not (native() is not None and "avx512_vnni" in cpu_flags()):
-        return "int8"
     return stored
 
 

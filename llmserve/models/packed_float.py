@@ -1,7 +1,7 @@
 """float32 weights packed for the native GEMM: the exact path's linears on the CPU.
 
 No quantization: the weights are the float32 values, laid out per block of 16 output
-channels as (K, 16) so the kernel (`cpu_kernels.cpp`, `llmserve_f32_linear`) runs one fused
+channels as (K, 16) so the kernel (`gemm.cpp`, `llmserve_f32_linear`) runs one fused
 multiply-add per k for 16 outputs, on the kernels' own thread pool. Against torch's GEMM
 (oneDNN/MKL under OpenMP) this
 
@@ -78,11 +78,8 @@ class PackedFloatLinearMethod(PackedLinearMethod):
 
 
 def can_pack_weights() -> bool:
-    """The native kernels are there, with AVX-512, which the float32 GEMM is written for
-    (elsewhere torch's GEMM is the faster one)."""
-    from llmserve.kernels import cpu_flags
-
-    return native() is not None and "avx512f" in cpu_flags()
+    """The native kernels are there (at any instruction-set level)."""
+    return native() is not None
 
 
 def can_pack(model: nn.Module, dtype: torch.dtype) -> bool:

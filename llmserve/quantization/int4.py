@@ -15,17 +15,17 @@ the repo's chat prompts off the float path on 2x as many prompts: 50 % agreed on
                                    + m[o, g] * sum of x's dequantized group
 
 Kernels:
-* on a CPU with AVX-512 VNNI, the native kernel (`cpu_kernels.cpp`): quantize, VNNI dot
+* on the CPU, the native kernel (`gemm.cpp`, at every instruction-set level): quantize, dot
   products of nibbles and int8 parts, float epilogue per group, in one call; integer sums are
   exact and each row's float sum runs over its groups in order, so a request's outputs do
-  not depend on the batch;
-* elsewhere, the same quantities in torch ops: activations quantized alike, weights
+  not depend on the batch (nor on the level);
+* elsewhere (CUDA, no compiler), the same quantities in torch ops: activations quantized alike, weights
   dequantized for the call and one float matmul (equal up to float summation order).
 """
 
 import torch
 
-from llmserve.kernels import cpu_flags, native, ptr
+from llmserve.kernels import native, ptr
 from llmserve.models.layers import PackedLinearMethod
 
 GROUP = 32
@@ -70,7 +70,7 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:
 class PackedInt4Weight:
     """A float weight `(N, K)` as 4-bit groups; K is padded to a multiple of 32 with zeros.
 
-    `layout` "vnni": records for the native kernel (see `cpu_kernels.cpp`); "plain": codes
+    `layout` "vnni": records for the native kernel (see `gemm.cpp`); "plain": codes
     (N, K_pad) uint8 with d, m (N, K_pad / 32) fp16, for the torch fallback.
     """
 
@@ -81,8 +81,7 @@ class PackedInt4Weight:
         padded = torch.nn.functional.pad(weight.float(), (0, self.k_pad - k))
         codes, self.d, self.m = quantize_groups(padded)
         lib = native() if weight.device.type == "cpu" else None
-        fast = lib is not None and "avx512_vnni" in cpu_flags()
-        self.layout = layout or ("vnni" if fast else "plain")
+        self.layout = layout or ("vnni" if lib is not None else "plain")
         if self.layout == "plain":
             self.codes = codes
             self.packed = None

@@ -8,15 +8,15 @@ and each token's scale depends on that token alone, so a request's outputs do no
 what else is in the batch.
 
 Kernels, giving bit-identical results (the same integers, the same float epilogue):
-* on the CPU, the native kernel (quantize + VNNI dot products + epilogue in one call;
-  weights packed for VNNI at load, read once per call);
+* on the CPU, the native kernel (`gemm.cpp`, at every instruction-set level: quantize +
+  int8 dot products + epilogue in one call; weights packed at load, read once per call);
 * elsewhere (CUDA, no compiler): the same arithmetic in torch ops and `torch._int_mm`,
   on plain `(N, K)` weights.
 """
 
 import torch
 
-from llmserve.kernels import cpu_flags, native, ptr
+from llmserve.kernels import native, ptr
 from llmserve.models.layers import PackedHead, PackedLinearMethod
 
 _EPS = 1e-8
@@ -34,7 +34,7 @@ class PackedInt8Weight:
     """An int8 weight `(N, K)` with its row sums and fp32 per-channel scales.
 
     `layout` "vnni": packed for the native kernel, `(N_pad, K_pad)` bytes in blocks of 16
-    channels x 4 k (see `cpu_kernels.cpp`); "plain": `(N, K)` for `torch._int_mm`.
+    channels x 4 k (see `gemm.cpp`); "plain": `(N, K)` for `torch._int_mm`.
     """
 
     def __init__(self, weight: torch.Tensor, layout: str | None = None) -> None:
@@ -45,9 +45,7 @@ class PackedInt8Weight:
         self.row_sums = qweight.sum(dim=1, dtype=torch.int32)
         self.scale = scale.reshape(-1).float().contiguous()  # (N,)
         lib = native() if weight.device.type == "cpu" else None
-        # the native GEMM is written for AVX-512 VNNI; elsewhere oneDNN's is the better one
-        fast = lib is not None and "avx512_vnni" in cpu_flags()
-        self.layout = layout or ("vnni" if fast else "plain")
+        self.layout = layout or ("vnni" if lib is not None else "plain")
         if self.layout == "plain":
             self.packed = qweight.contiguous()
             return

@@ -81,6 +81,21 @@ def reference_greedy(reference_model, prompt: list[int], num_tokens: int) -> lis
     return out[0, len(prompt):].tolist()
 
 
+def first_divergence_gap(reference_model, prompt: list[int], ours: list[int],
+                         ref: list[int]) -> tuple[int, float]:
+    """Where a quantized path's greedy tokens first leave the reference's (len(ref) if
+    never) and the reference's log-prob gap there between its token and ours (0 if never):
+    a quantized path may take the other branch only where the reference itself nearly
+    hesitates."""
+    i = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), len(ref))
+    if i == len(ref):
+        return i, 0.0
+    with torch.inference_mode():
+        logits = reference_model(torch.tensor([prompt + ref[:i]])).logits[0, -1].float()
+    logprobs = logits.log_softmax(-1)
+    return i, (logprobs[ref[i]] - logprobs[ours[i]]).item()
+
+
 def _tiny_folder(tmp_path, kind: str):
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=320,

@@ -1,0 +1,46 @@
+// What the kernel files share: the thread pool they run on, small index helpers, and loads
+// and stores of a partial block of 16 lanes.
+#pragma once
+
+#include "simd.h"
+#include "thread_pool.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace llmserve {
+
+// The pool kernels use (kernels_api.cpp owns it).
+ThreadPool* current_pool();
+
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& fn) {
+  current_pool()->parallel_for(end - begin, grain,
+                               [&](int64_t b, int64_t e) { fn(begin + b, begin + e); });
+}
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+constexpr int64_t kBlockN = 16;  // output channels per block of every packed weight
+
+// The first n (<= 16) lanes from p, zeros after: a block of channels past the weight's end.
+inline simd::F16 load_part(const float* p, int64_t n) {
+  return n >= 16 ? simd::load(p) : simd::load_first(p, n);
+}
+inline simd::I16 load_part(const int32_t* p, int64_t n) {
+  if (n >= 16) return simd::load_i(p);
+  alignas(64) int32_t tmp[16] = {};
+  std::memcpy(tmp, p, std::max<int64_t>(n, 0) * sizeof(int32_t));
+  return simd::load_i(tmp);
+}
+inline void store_part(float* p, simd::F16 a, int64_t n) {
+  if (n >= 16)
+    simd::store(p, a);
+  else
+    simd::store_first(p, a, n);
+}
+
+enum KVDtype : int32_t { kF32 = 0, kBF16 = 1, kInt8 = 2 };
+
+}  // namespace llmserve

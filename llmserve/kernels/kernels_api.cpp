@@ -1,0 +1,46 @@
+// llmserve's native CPU kernels: the library's identity (ABI version, instruction-set level)
+// and the thread pool every kernel runs on.
+//
+// Plain C ABI (called through ctypes with tensor data pointers), no dependency on torch.
+// Built at first use for one instruction-set level (kernels/__init__.py); the kernels are
+// in gemm.cpp (int8, int4 and float32 GEMMs), attention.cpp (paged attention, KV-cache
+// writes), elementwise.cpp (RMSNorm, rotary, SiLU*up, argmax, token bitmask) and
+// llama_layers.cpp (the Llama stack as one call), each written once on simd.h.
+
+#include "common.h"
+
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+// The pool kernels use. A replaced pool is retired, never destroyed: a kernel still
+// running on another thread may hold it (pools are replaced rarely, when an engine asks
+// for another thread count).
+std::atomic<llmserve::ThreadPool*> g_pool{nullptr};
+std::vector<std::unique_ptr<llmserve::ThreadPool>> g_pools;
+std::mutex g_pools_mutex;
+
+}  // namespace
+
+namespace llmserve {
+ThreadPool* current_pool() { return g_pool.load(); }
+}  // namespace llmserve
+
+extern "C" {
+
+int32_t llmserve_kernels_abi() { return 15; }
+
+// The instruction-set level the library was built for ("avx2", "avx512+vnni", ...).
+const char* llmserve_kernels_level() { return simd::level_name(); }
+
+// Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
+// idle workers spin for `spin_us` microseconds before they sleep.
+void llmserve_set_num_threads(int32_t num_threads, int64_t spin_us) {
+  std::lock_guard<std::mutex> lock(g_pools_mutex);
+  g_pools.push_back(std::make_unique<llmserve::ThreadPool>(std::max(1, num_threads), spin_us));
+  g_pool.store(g_pools.back().get());
+}
+
+}  // extern "C"

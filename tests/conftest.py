@@ -41,3 +41,17 @@ def smollm2_llm(smollm2_gguf):
     from llmserve import LLM
 
     return LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="256MiB")
+
+
+@pytest.fixture(params=["generic", "avx2", "avx512", "neon"])
+def kernel_level(request):
+    """Runs a test with `native()` built for each instruction-set level in turn; a level this
+    CPU cannot execute is skipped with the features it lacks (CI prints the skips)."""
+    from llmserve import kernels
+
+    missing = kernels.missing_features(request.param)
+    if missing:
+        pytest.skip(f"the {request.param} kernels need {' '.join(missing)}, which this CPU lacks")
+    with kernels.using_level(request.param):
+        assert kernels.native() is not None, "the native kernels must build on the test machines"
+        yield request.param

@@ -17,6 +17,7 @@ before it sleeps. When no compiler is present (or `LLMSERVE_NATIVE_KERNELS=0`), 
 returns None and callers fall back to plain torch ops: slower, never wrong.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -238,6 +239,28 @@ def native() -> ctypes.CDLL | None:
         logger.info("native CPU kernels loaded: %s (CPU: %s)", level_of(lib),
                     " ".join(cpu_flags()) or "no known features")
     return lib
+
+
+@contextlib.contextmanager
+def using_level(level: str):
+    """Within the block, `native()` is the library built for `level` (that level's baseline,
+    as LLMSERVE_CPU_ISA=level gives): how tests run the same code at every level in one
+    process. Packed weights are the same at every level; objects that keep the library they
+    were built with (a loaded model's native stack) keep their level."""
+    missing = missing_features(level)
+    if missing:
+        raise ValueError(f"this CPU cannot run the {level} kernels: it lacks {' '.join(missing)}")
+    saved = os.environ.get("LLMSERVE_CPU_ISA")
+    os.environ["LLMSERVE_CPU_ISA"] = level
+    native.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LLMSERVE_CPU_ISA", None)
+        else:
+            os.environ["LLMSERVE_CPU_ISA"] = saved
+        native.cache_clear()
 
 
 def _start_pool(lib: ctypes.CDLL, num_threads: int) -> None:

@@ -272,9 +272,9 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
           simd::prefetch<kStream>(next + 64 * line);
       }
     }
-    I16 ihi[MT][NB], ilo[MT][NB];
+    simd::P32 ihi[MT][NB], ilo[MT][NB];  // 8 steps a group: within dot4_nibbles' bound
     for (int m = 0; m < MT; ++m)
-      for (int b = 0; b < NB; ++b) ihi[m][b] = ilo[m][b] = simd::zero_i();
+      for (int b = 0; b < NB; ++b) ihi[m][b] = ilo[m][b] = simd::zero_pairs();
     for (int j = 0; j < 4; ++j) {
       simd::B64 ulo[NB], uhi[NB];  // the codes of k = 8j + 0..3 and 8j + 4..7
       for (int b = 0; b < NB; ++b) {
@@ -292,8 +292,8 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
         std::memcpy(&l0, xl, 4);
         std::memcpy(&l1, xl + 4, 4);
         for (int b = 0; b < NB; ++b) {
-          ihi[m][b] = simd::dot4_u7s8(simd::dot4_u7s8(ihi[m][b], ulo[b], h0), uhi[b], h1);
-          ilo[m][b] = simd::dot4_u7s8(simd::dot4_u7s8(ilo[m][b], ulo[b], l0), uhi[b], l1);
+          ihi[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(ihi[m][b], ulo[b], h0), uhi[b], h1);
+          ilo[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(ilo[m][b], ulo[b], l0), uhi[b], l1);
         }
       }
     }
@@ -303,8 +303,8 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
       const F16 mo = simd::load_half(reinterpret_cast<const uint16_t*>(rec + 32));
       for (int m = 0; m < MT; ++m) {
         // 254 * hi + lo: exact in int32 and as a float (|.| < 2^24)
-        const I16 h = ihi[m][b];
-        const I16 t = simd::shl<8>(h) - simd::shl<1>(h) + ilo[m][b];
+        const I16 h = simd::widen_pairs(ihi[m][b]);
+        const I16 t = simd::shl<8>(h) - simd::shl<1>(h) + simd::widen_pairs(ilo[m][b]);
         const F16 ds = d * simd::set1(s254[(m0 + m) * G + g]);
         acc[m][b] = simd::fmadd(simd::to_float(t), ds, acc[m][b]);
         acc[m][b] = simd::fmadd(mo, simd::set1(sums[(m0 + m) * G + g]), acc[m][b]);

@@ -8,10 +8,11 @@
 //   neon     four 128-bit q registers   (aarch64: NEON; dotprod where present)
 //   generic  plain arrays with loops    (any C++17 compiler; what the compiler vectorises)
 // The level is what the compiler was told (`-march=...`, chosen by LLMSERVE_CPU_ISA;
-// -DLLMSERVE_FORCE_GENERIC for generic), not a run-time branch. Lane-wise arithmetic (fused multiply-add, IEEE division, rounding to
-// nearest even, power-of-two scaling) is the same at every level, and the one horizontal
-// float sum below has a fixed tree, so a kernel built only from these gives the same bits
-// at every level; integer dot products are exact everywhere.
+// -DLLMSERVE_FORCE_GENERIC for generic), not a run-time branch. Lane-wise arithmetic (fused
+// multiply-add, IEEE division, rounding to nearest even, power-of-two scaling) is the same at
+// every level, and the one horizontal float sum below has a fixed tree, so a kernel built
+// only from these gives the same bits at every level (but generic on an x86 CPU without FMA,
+// see there); integer dot products are exact everywhere.
 #pragma once
 
 #include <algorithm>
@@ -188,6 +189,15 @@ inline I16 dot4_u7s8(I16 acc, B64 u, int32_t x4) {
   return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)))};
 #endif
 }
+#if !defined(__AVX512VNNI__)
+#define LLMSERVE_SIMD_PAIR_SUMS 1
+struct P32 { __m512i v; };  // see the avx2 branch
+inline P32 zero_pairs() { return {_mm512_setzero_si512()}; }
+inline P32 dot4_nibbles(P32 acc, B64 u, int32_t x4) {
+  return {_mm512_add_epi16(acc.v, _mm512_maddubs_epi16(u.v, _mm512_set1_epi32(x4)))};
+}
+inline I16 widen_pairs(P32 acc) { return {_mm512_madd_epi16(acc.v, _mm512_set1_epi16(1))}; }
+#endif
 // acc[i] += sum_b w[4i + b] * x4[b]: signed bytes in [-127, 127] both
 inline I16 dot4_s8s8(I16 acc, B64 w, int32_t x4) {
   const __m512i x = _mm512_set1_epi32(x4);
@@ -404,6 +414,22 @@ inline I16 dot4_u7s8(I16 acc, B64 u, int32_t x4) {
           _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(u.hi, x), one))};
 #endif
 }
+#if !defined(__AVXVNNI__)
+// Sums of 4-bit codes times int8 kept in int16 pairs (vpmaddubsw + vpaddw: 2 instructions a
+// step where int32 sums take 3), widened to int32 once per group (see dot4_nibbles).
+#define LLMSERVE_SIMD_PAIR_SUMS 1
+struct P32 { __m256i lo, hi; };
+inline P32 zero_pairs() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline P32 dot4_nibbles(P32 acc, B64 u, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(u.lo, x)),
+          _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(u.hi, x))};
+}
+inline I16 widen_pairs(P32 acc) {
+  const __m256i one = _mm256_set1_epi16(1);
+  return {_mm256_madd_epi16(acc.lo, one), _mm256_madd_epi16(acc.hi, one)};
+}
+#endif
 inline I16 dot4_s8s8(I16 acc, B64 w, int32_t x4) {
   // |w| unsigned times x with w's sign: |products| <= 127 * 127, pairs fit int16
   const __m256i x = _mm256_set1_epi32(x4), one = _mm256_set1_epi16(1);
@@ -434,7 +460,8 @@ inline float sum_tree(F16 a) {
 #else
 // ---- generic --------------------------------------------------------------------------------
 // Plain arrays and loops: what the compiler makes of them at the baseline instruction set
-// (SSE2 on x86-64). Written for the same lane arithmetic as the vector levels.
+// (SSE2 on x86-64, NEON on aarch64). The same lane arithmetic as the vector levels, but for
+// fused multiply-adds on a CPU without them (below).
 struct F16 { float v[16]; };
 struct I16 { int32_t v[16]; };
 struct M16 { bool v[16]; };
@@ -462,12 +489,22 @@ LLMSERVE_F16_OP2(operator/, x / y)
 LLMSERVE_F16_OP2(max, x > y ? x : y)  // x86's semantics: a NaN in either gives y
 LLMSERVE_F16_OP2(min, x < y ? x : y)
 #undef LLMSERVE_F16_OP2
+// Fused where the CPU has the instruction (aarch64 always; x86 from x86-64-v3, which the
+// avx2 level is). Without it std::fma is a slow library call (measured: the float32 GEMM
+// 20x slower than torch's), so the plain x86-64 build multiplies and adds in two roundings:
+// the same results as the other levels up to the last bits, at the speed of SSE2.
+#if defined(__FMA__) || defined(__aarch64__)
+#define LLMSERVE_FUSED(a, b, c) std::fma(a, b, c)
+#else
+#define LLMSERVE_FUSED(a, b, c) ((a) * (b) + (c))
+#endif
 inline F16 fmadd(F16 a, F16 b, F16 c) {
-  F16 r; LLMSERVE_LANES(i) r.v[i] = std::fma(a.v[i], b.v[i], c.v[i]); return r;
+  F16 r; LLMSERVE_LANES(i) r.v[i] = LLMSERVE_FUSED(a.v[i], b.v[i], c.v[i]); return r;
 }
 inline F16 fnmadd(F16 a, F16 b, F16 c) {
-  F16 r; LLMSERVE_LANES(i) r.v[i] = std::fma(-a.v[i], b.v[i], c.v[i]); return r;
+  F16 r; LLMSERVE_LANES(i) r.v[i] = LLMSERVE_FUSED(-a.v[i], b.v[i], c.v[i]); return r;
 }
+#undef LLMSERVE_FUSED
 inline F16 abs(F16 a) { F16 r; LLMSERVE_LANES(i) r.v[i] = std::fabs(a.v[i]); return r; }
 inline F16 round_even(F16 a) {
   F16 r; LLMSERVE_LANES(i) r.v[i] = std::nearbyint(a.v[i]); return r;
@@ -564,8 +601,20 @@ inline float sum_tree(F16 a) {
 #undef LLMSERVE_LANES
 #endif
 
+// Sums of 4-bit codes u in [0, 15] times int8 x, for up to 8 steps between widenings (a
+// pair of int16 products then stays below 8 * 2 * 15 * 127 = 30480): acc[i] += sum_b
+// u[4i + b] * x4[b]. Levels with a one-instruction int32 dot product keep int32 sums and
+// widening is nothing.
+#if !defined(LLMSERVE_SIMD_PAIR_SUMS)
+using P32 = I16;
+inline P32 zero_pairs() { return zero_i(); }
+inline P32 dot4_nibbles(P32 acc, B64 u, int32_t x4) { return dot4_u7s8(acc, u, x4); }
+inline I16 widen_pairs(P32 acc) { return acc; }
+#endif
+
 // exp of 16 lanes: a Cephes-style polynomial after range reduction (~1 ulp); inputs below
-// -87 give exp(-87), above ~88.7 infinity. The same bits at every level.
+// -87 give exp(-87), above ~88.7 infinity. The same bits at every level with fused
+// multiply-adds.
 inline F16 exp(F16 v) {
   v = min(max(v, set1(-87.0f)), set1(88.8f));  // keeps 2^k within scale_pow2's range
   const F16 k = round_even(v * set1(1.44269504088896341f));

@@ -13,7 +13,9 @@ struct B64 { uint8x16_t v[4]; };
 
 inline F16 zero() { F16 r; LLMSERVE_QUARTERS(q) r.v[q] = vdupq_n_f32(0.f); return r; }
 inline F16 set1(float x) { F16 r; LLMSERVE_QUARTERS(q) r.v[q] = vdupq_n_f32(x); return r; }
-inline F16 load(const float* p) { F16 r; LLMSERVE_QUARTERS(q) r.v[q] = vld1q_f32(p + 4 * q); return r; }
+inline F16 load(const float* p) {
+  F16 r; LLMSERVE_QUARTERS(q) r.v[q] = vld1q_f32(p + 4 * q); return r;
+}
 inline void store(float* p, F16 a) { LLMSERVE_QUARTERS(q) vst1q_f32(p + 4 * q, a.v[q]); }
 // through a stack copy: neon has no masked loads, and p[n ..] may be unmapped
 inline F16 load_first(const float* p, int64_t n) {
@@ -137,7 +139,9 @@ template <int N> inline I16 shl(I16 a) {
 // logical: zeros shifted in, as the generic level's unsigned shift
 template <int N> inline I16 shr(I16 a) {
   I16 r;
-  LLMSERVE_QUARTERS(q) r.v[q] = vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_s32(a.v[q]), N));
+  LLMSERVE_QUARTERS(q) {
+    r.v[q] = vreinterpretq_s32_u32(vshrq_n_u32(vreinterpretq_u32_s32(a.v[q]), N));
+  }
   return r;
 }
 inline int32_t reduce_add(I16 a) {  // integer: any order gives the same sum (mod 2^32)

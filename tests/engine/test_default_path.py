@@ -36,7 +36,7 @@ def test_default_keeps_the_checkpoint_quantized(default_llm, smollm2_llm, smollm
     from llmserve.loader.model_loader import auto_quantization
 
     assert gguf_stored_quantization(smollm2_gguf) == "int4"  # a Q4_1 GGUF
-    # int4 where the native kernel runs it (AVX-512 VNNI), int8 elsewhere
+    # int4 wherever the native kernels run (every instruction-set level)
     expected = auto_quantization("int4", torch.device("cpu"))
     assert default_llm.engine.loaded.quantization == expected
     assert smollm2_llm.engine.loaded.quantization is None  # dtype="float32": exact

@@ -5,17 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.kernels import cpu_flags, native
 from llmserve.models.packed_float import PackedFloatWeight, float_linear, packed_float_bytes
 
-needs_kernel = pytest.mark.skipif(
-    native() is None or "avx512f" not in cpu_flags(),
-    reason="the native float32 GEMM is built for AVX-512")
 
-
-@needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
-def test_float_linear_equals_torch_up_to_rounding(rows):
+def test_float_linear_equals_torch_up_to_rounding(rows, kernel_level):
     torch.manual_seed(rows)
     weight = torch.randn(90, 200)  # 90 channels: a partial block of 16
     bias = torch.randn(90)
@@ -25,8 +19,7 @@ def test_float_linear_equals_torch_up_to_rounding(rows):
     assert (ours - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@needs_kernel
-def test_float_linear_rows_do_not_depend_on_the_batch():
+def test_float_linear_rows_do_not_depend_on_the_batch(kernel_level):
     torch.manual_seed(1)
     weight = PackedFloatWeight(torch.randn(100, 256))
     x = torch.randn(23, 256)
@@ -35,7 +28,6 @@ def test_float_linear_rows_do_not_depend_on_the_batch():
         assert torch.equal(float_linear(x[i : i + 1], weight)[0], together[i])
 
 
-@needs_kernel
 def test_packed_rows_are_the_weight_rows():
     weight = torch.randn(50, 33)
     packed = PackedFloatWeight(weight)
@@ -44,7 +36,6 @@ def test_packed_rows_are_the_weight_rows():
     assert packed.packed.numel() * 4 == packed_float_bytes(50, 33) == 64 * 33 * 4
 
 
-@needs_kernel
 def test_the_exact_path_runs_the_packed_stack(smollm2_llm):
     """dtype="float32" on the CPU: packed float32 linears and head, one native call per
     step (the reference tests in test_llama_reference.py check its logits and tokens)."""

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from llmserve import LLM, SamplingParams
 from llmserve.config import EngineConfig
 from llmserve.engine.engine import Engine
-from llmserve.kernels import cpu_flags, native
+from llmserve.kernels import native
 from llmserve.loader.model_loader import load_model
 from llmserve.quantization.int8 import (
     PackedInt8Weight,
@@ -33,7 +33,7 @@ def test_int8_linear_is_close_to_float():
     assert (ours - ref).abs().max() <= 0.01 * ref.abs().max()
 
 
-def test_int8_linear_rows_do_not_depend_on_the_batch():
+def test_int8_linear_rows_do_not_depend_on_the_batch(kernel_level):
     torch.manual_seed(1)
     weight = PackedInt8Weight(torch.randn(64, 128))
     x = torch.randn(40, 128)  # more rows than the fused kernel takes: the oneDNN path
@@ -43,14 +43,14 @@ def test_int8_linear_rows_do_not_depend_on_the_batch():
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
-def test_int8_kernels_agree_bit_for_bit(rows):
-    """The native VNNI kernel and the plain torch ops compute the same numbers."""
+def test_int8_kernels_agree_bit_for_bit(rows, kernel_level):
+    """The native kernel (at every level) and the plain torch ops compute the same numbers."""
     lib = native()
     assert lib is not None, "the native kernels must build on the CPU test machines"
     torch.manual_seed(rows)
     weight = torch.randn(90, 200) * 0.1  # 90 channels: a partial block of 16
     vnni, plain = PackedInt8Weight(weight), PackedInt8Weight(weight, layout="plain")
-    assert vnni.layout == ("vnni" if "avx512_vnni" in cpu_flags() else "plain")
+    assert vnni.layout == "vnni"
     bias = torch.randn(90)
     x = torch.randn(rows, 200)
     x[:, 7] *= 30

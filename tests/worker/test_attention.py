@@ -100,7 +100,7 @@ def test_backend_matches_dense_attention_fp32(backend_cls):
 
 
 @pytest.mark.parametrize("head_dim", [48, 64, 80, 128, 256])
-def test_native_kernel_matches_dense_attention_at_every_head_size(head_dim):
+def test_native_kernel_matches_dense_attention_at_every_head_size(head_dim, kernel_level):
     """Head sizes with their own compiled-in loops (64, 80, 128, 256) and one without (48),
     decodes and chunks alike."""
     if native() is None:
@@ -120,6 +120,13 @@ def test_sliding_window_and_softcap_match_dense_attention(backend_cls, window, s
     assert diff <= 1e-5, f"{backend_cls.__name__}: max |diff| = {diff:.2e}"
     unwindowed = max_diff_to_dense(out, queries, history, meta, 0, softcap)
     assert window == 0 or unwindowed > 1e-3  # the window did change what was seen
+
+
+@pytest.mark.parametrize("window,softcap", [(7, 0.0), (0, 2.0)])
+def test_native_window_and_softcap_at_every_level(window, softcap, kernel_level):
+    out, queries, history, meta = run(NativeCPUBackend(), torch.float32, window=window,
+                                      softcap=softcap)
+    assert max_diff_to_dense(out, queries, history, meta, window, softcap) <= 1e-5
 
 
 def test_flex_backend_with_shared_prefix_blocks_and_a_fresh_step():
@@ -188,7 +195,7 @@ def test_flex_backend_compiled_on_cuda(dtype, tolerance):
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 0.03), (torch.int8, 0.03)])
-def test_native_backend_with_compact_kv_cache(dtype, tolerance):
+def test_native_backend_with_compact_kv_cache(dtype, tolerance, kernel_level):
     if native() is None:
         pytest.fail("the native kernels must build on the CPU test machines")
     out, queries, history, meta = run(NativeCPUBackend(), dtype)
@@ -201,7 +208,7 @@ def test_native_backend_with_compact_kv_cache(dtype, tolerance):
     assert 0 < worst <= tolerance
 
 
-def test_native_kernel_rows_do_not_depend_on_the_batch():
+def test_native_kernel_rows_do_not_depend_on_the_batch(kernel_level):
     if native() is None:
         pytest.fail("the native kernels must build on the CPU test machines")
     out, queries, history, meta = run(NativeCPUBackend(), torch.float32)

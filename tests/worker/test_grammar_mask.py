@@ -19,10 +19,18 @@ def reference(logits, bitmask, rows):
 
 
 @pytest.mark.parametrize("vocab", [49152, 49157, 7])
-@pytest.mark.parametrize("native_kernels", [True, False])
-def test_mask_applies_to_exactly_the_constrained_rows(vocab, native_kernels, monkeypatch):
-    if not native_kernels:  # the torch path (CUDA, or no compiler)
-        monkeypatch.setattr("llmserve.structured.manager.native_for", lambda *t: None)
+def test_native_mask_applies_to_exactly_the_constrained_rows(vocab, kernel_level):
+    check_mask(vocab)
+
+
+@pytest.mark.parametrize("vocab", [49152, 49157, 7])
+def test_torch_mask_applies_to_exactly_the_constrained_rows(vocab, monkeypatch):
+    # the torch path (CUDA, or no compiler)
+    monkeypatch.setattr("llmserve.structured.manager.native_for", lambda *t: None)
+    check_mask(vocab)
+
+
+def check_mask(vocab: int) -> None:
     torch.manual_seed(0)
     ids = [f"r{i}" for i in range(6)]
     constrained = ["r1", "r2", "r4"]

@@ -89,7 +89,7 @@ def test_temperature_sampling_matches_distribution():
 
 
 @pytest.mark.parametrize("shape", [(1, 7), (3, 16), (5, 49152), (32, 1000)])
-def test_argmax_equals_torch_first_index_and_nan_rows(shape):
+def test_argmax_equals_torch_first_index_and_nan_rows(shape, kernel_level):
     """The native argmax gives torch's indices: the first of equal values, NaN rows too."""
     from llmserve.worker.sampler import argmax
 

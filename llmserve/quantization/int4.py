@@ -17,10 +17,10 @@ the repo's chat prompts off the float path on 2x as many prompts: 50 % agreed on
 Kernels:
 * on the CPU, the native kernel (`gemm.cpp`, at every instruction-set level): quantize, dot
   products of nibbles and int8 parts, float epilogue per group, in one call; integer sums are
-  exact and each row's float sum runs over its groups in order, so a request's outputs do
-  not depend on the batch (nor on the level);
-* elsewhere (CUDA, no compiler), the same quantities in torch ops: activations quantized alike, weights
-  dequantized for the call and one float matmul (equal up to float summation order).
+  exact and each row's float sum runs over its groups in order, so a request's outputs
+  do not depend on the batch (nor on the level);
+* elsewhere (CUDA, no compiler), the same quantities in torch ops: activations quantized
+  alike, weights dequantized for the call and one float matmul (equal up to float summation order).
 """
 
 import torch

@@ -16,7 +16,6 @@ from llmserve.quantization.int4 import (
 )
 
 
-
 def test_int4_linear_is_close_to_the_dequantized_weight():
     """Only the weights are 4-bit: the product follows the dequantized weight to ~15 bits."""
     torch.manual_seed(0)

@@ -37,6 +37,7 @@ def machine_info() -> dict[str, Any]:
         "cpu": cpu_info.cpu_model_name(),
         "cpu_flags": cpu_flags(),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_level": kernel_level(),
         "torch_version": torch.__version__,
         "num_threads": torch.get_num_threads(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
@@ -44,11 +45,21 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def kernel_level() -> str | None:
+    """The instruction-set level of the native kernels this process runs ("avx2",
+    "avx512+vnni", ...; None without them)."""
+    from llmserve.kernels import level_of, native
+
+    lib = native()
+    return None if lib is None else level_of(lib)
+
+
 def format_machine(info: dict[str, Any] | None = None, what: str = "machine") -> str:
     """One line for a table header: CPU, flags, torch's capability, threads (and GPU)."""
     info = info or machine_info()
     flags = " ".join(info["cpu_flags"]) or "none known"
-    line = (f"{what}: {info['cpu']}; flags: {flags}; torch cpu capability "
+    line = (f"{what}: {info['cpu']}; flags: {flags}; llmserve kernels "
+            f"{info.get('kernel_level') or 'none'}; torch cpu capability "
             f"{info['torch_cpu_capability']}; {info['num_threads']} threads")
     return line + (f"; gpu: {info['gpu']}" if info["gpu"] else "")
 

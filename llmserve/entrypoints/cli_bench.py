@@ -112,6 +112,20 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from llmserve.bench.kernels import format_kernels, run_kernels
+    from llmserve.entrypoints.cli_memory import read_model_config
+    from llmserve.loader.catalog import resolve_model
+
+    if min(args.batch) < 1:
+        raise ValueError("--batch takes positive integers, e.g. 1,32")
+    result = run_kernels(read_model_config(resolve_model(args.model)), tuple(args.batch))
+    print(format_kernels(result))
+    if args.output_json:
+        write_json(args.output_json, result)
+    return 0
+
+
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     from llmserve.bench.quality import (
         QUALITY_TEXT,
@@ -268,6 +282,7 @@ def add_bench(sub: Any, common: argparse.ArgumentParser) -> None:
     _add_bench_throughput(kinds, common)
     _add_bench_serve(kinds, common)
     _add_bench_latency(kinds, common)
+    _add_bench_kernels(kinds, common)
     _add_bench_quality(kinds, common)
     _add_bench_spec(kinds, common)
     _add_bench_scaling(kinds, common)
@@ -354,6 +369,18 @@ def _add_bench_latency(kinds: Any, common: argparse.ArgumentParser) -> None:
     lt.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
     _add_engine_flags(lt)
     lt.set_defaults(func=cmd_bench_latency)
+
+
+def _add_bench_kernels(kinds: Any, common: argparse.ArgumentParser) -> None:
+    kn = kinds.add_parser(
+        "kernels", parents=[common],
+        help="every linear kernel this CPU could run a model on, timed on its shapes, at the "
+             "instruction-set level in use (LLMSERVE_CPU_ISA)")
+    _add_model_flag(kn)
+    kn.add_argument("--batch", type=_int_list, default=(1, 32),
+                    help="batch sizes (default 1,32: decode alone and a serving batch)")
+    kn.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
+    kn.set_defaults(func=cmd_bench_kernels)
 
 
 def _add_bench_quality(kinds: Any, common: argparse.ArgumentParser) -> None:

@@ -1,0 +1,178 @@
+"""`llmserve bench kernels`: every linear-layer kernel this machine could run a model's
+weights on, timed on that model's own shapes at batch 1 (decode) and at a serving batch.
+
+Candidates: llmserve's native int4, int8 and float32 GEMMs at the instruction-set level in
+use (LLMSERVE_CPU_ISA), torch's `F.linear` in float32 and bfloat16, its weight-only int8 and
+int4 kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, which vectorise only
+for some activation dtypes) and oneDNN's `_int_mm` where the CPU has int8 dot products (VNNI
+or AMX: elsewhere it is a reference loop). A time is one model step's linears (every
+layer's qkv, o, gate_up and down, and the LM head), the best of a few repeats. The table
+says which candidate the engine runs by default and for `--dtype float32`; a default slower
+than float32 at a batch size is flagged (the default path must never be).
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.config import ModelConfig
+from llmserve.kernels import cpu_flags, level_of, native, ptr
+
+
+@dataclass
+class Candidate:
+    name: str
+    run_as: str  # what the engine calls this candidate ("int4", "float32", "" if never)
+    make: Callable[[torch.Tensor], Callable[[torch.Tensor], Any]]  # weight -> x -> y
+
+
+def linear_shapes(config: ModelConfig) -> list[tuple[int, int, int]]:
+    """(out_features, in_features, count) of one step's linears."""
+    hidden, d = config.hidden_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    layers = config.num_hidden_layers
+    return [((heads + 2 * kv) * d, hidden, layers), (hidden, heads * d, layers),
+            (2 * config.intermediate_size, hidden, layers),
+            (hidden, config.intermediate_size, layers), (config.vocab_size, hidden, 1)]
+
+
+def candidates() -> list[Candidate]:
+    from llmserve.models.packed_float import PackedFloatWeight, float_linear
+    from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
+    from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
+
+    out = []
+    if native() is not None:
+        def native_int4(w):
+            packed = PackedInt4Weight(w)
+            return lambda x: int4_linear(x, packed)
+
+        def native_int8(w):
+            packed = PackedInt8Weight(w)
+            return lambda x: int8_linear(x, packed)
+
+        def native_f32(w):
+            packed = PackedFloatWeight(w)
+            return lambda x: float_linear(x, packed)
+
+        out += [Candidate("llmserve int4 (W4A15)", "int4", native_int4),
+                Candidate("llmserve int8 (W8A15)", "int8", native_int8),
+                Candidate("llmserve float32", "float32", native_f32)]
+    out += [Candidate("torch F.linear float32", "" if native() else "float32",
+                      lambda w: lambda x: F.linear(x, w)),
+            Candidate("torch F.linear bfloat16", "", _torch_bf16),
+            Candidate("torch _weight_int8pack_mm", "", _torch_int8pack),
+            Candidate("torch _weight_int4pack_mm_for_cpu", "", _torch_int4pack)]
+    if {"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_flags()):
+        out.append(Candidate("torch _int_mm (oneDNN)", "", _torch_int_mm))
+    return out
+
+
+def _torch_bf16(w: torch.Tensor):
+    wb = w.bfloat16()
+    return lambda x: F.linear(x.bfloat16(), wb)
+
+
+def _torch_int8pack(w: torch.Tensor):
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127
+    q = torch.round(w / scale[:, None]).to(torch.int8)
+    return lambda x: torch._weight_int8pack_mm(x.bfloat16(), q, scale.bfloat16())
+
+
+def _torch_int4pack(w: torch.Tensor):
+    n, k = w.shape
+    groups = w.reshape(n, k // 32, 32)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    codes = ((groups - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.reshape(n, k), 2)
+    # (K / 32, N, 2): scale and zero point (the value of code 8) per group
+    scales_zeros = torch.stack([scale, lo + 8 * scale], dim=-1).transpose(0, 1).contiguous()
+    return lambda x: torch._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, 32,
+                                                        scales_zeros.bfloat16())
+
+
+def _torch_int_mm(w: torch.Tensor):
+    q = torch.round(w / (w.abs().amax(dim=1, keepdim=True) / 127)).to(torch.int8).t()
+
+    def run(x):
+        rows = x if x.shape[0] > 16 else F.pad(x, (0, 0, 0, 17 - x.shape[0]))
+        return torch._int_mm(torch.round(rows.clamp(-1, 1) * 127).to(torch.int8), q)
+    return run
+
+
+def time_step(candidate: Candidate, shapes, batch: int, repeats: int = 3) -> float | str:
+    """Milliseconds for one step's linears at `batch` rows, or why it cannot run."""
+    total = 0.0
+    generator = torch.Generator().manual_seed(0)
+    for n, k, count in shapes:
+        w = torch.randn(n, k, generator=generator) * 0.05
+        x = torch.randn(batch, k, generator=generator)
+        try:
+            fn = candidate.make(w)
+            fn(x)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            return f"n/a: {str(exc).splitlines()[0][:60]}"
+        calls = max(2, min(50, int(2e8 // (2 * n * k * batch) + 1)))
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            best = min(best, (time.perf_counter() - start) / calls)
+        total += best * count
+    return total * 1e3
+
+
+def run_kernels(config: ModelConfig, batches: tuple[int, ...]) -> dict[str, Any]:
+    from llmserve.bench.machine import machine_info
+    from llmserve.loader.model_loader import auto_quantization
+
+    shapes = linear_shapes(config)
+    rows = []
+    for candidate in candidates():
+        times = {b: time_step(candidate, shapes, b) for b in batches}
+        rows.append({"kernel": candidate.name, "run_as": candidate.run_as, "ms": times})
+    default = auto_quantization("int4", torch.device("cpu")) or "float32"
+    lib = native()
+    return {"machine": machine_info(), "level": level_of(lib) if lib else None,
+            "batches": list(batches), "shapes": shapes, "rows": rows,
+            "default": default}
+
+
+def format_kernels(result: dict[str, Any]) -> str:
+    from llmserve.bench.machine import format_machine
+
+    batches = result["batches"]
+    lines = [format_machine(result["machine"]),
+             f"kernel level: {result['level'] or 'none (no native kernels)'}; one step's "
+             f"linears (ms, best of 3); engine: default = {result['default']}, "
+             "--dtype float32 = float32",
+             f"{'kernel':38s}" + "".join(f"{'batch ' + str(b):>14s}" for b in batches)
+             + "  engine runs it as"]
+    fastest = {b: min((r["ms"][b] for r in result["rows"] if isinstance(r["ms"][b], float)),
+                      default=None) for b in batches}
+    for row in result["rows"]:
+        cells = []
+        for b in batches:
+            ms = row["ms"][b]
+            mark = "*" if ms == fastest[b] else " "
+            cells.append(f"{ms:13.2f}{mark}" if isinstance(ms, float) else f"{ms[:13]:>14s}")
+        role = {"": "", result["default"]: "default"}.get(row["run_as"], "")
+        role = ", ".join(x for x in (role, "--dtype float32" if row["run_as"] == "float32"
+                                     else "") if x) or (row["run_as"] and f"--quantization "
+                                                        f"{row['run_as']}")
+        lines.append(f"{row['kernel']:38s}" + "".join(cells) + f"  {role}")
+    by_role = {r["run_as"]: r["ms"] for r in result["rows"] if r["run_as"]}
+    for b in batches:
+        d, f = by_role.get(result["default"], {}).get(b), by_role.get("float32", {}).get(b)
+        if isinstance(d, float) and isinstance(f, float):
+            verdict = "ok" if d <= f else "SLOWER than float32"
+            lines.append(f"batch {b}: default {d:.2f} ms vs float32 {f:.2f} ms "
+                         f"({f / d:.2f}x): {verdict}")
+    lines.append("* the fastest at that batch size")
+    return "\n".join(lines)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.config import ModelConfig
-from llmserve.kernels import cpu_flags, level_of, native, ptr
+from llmserve.kernels import cpu_flags, level_of, native
 
 
 @dataclass

@@ -1,0 +1,471 @@
+"""The native kernels give the same bits at every instruction-set level, and the right ones.
+
+kernel_check.cpp runs every exported kernel on fixed pseudo-random inputs and writes inputs
+and outputs as blobs. It is built here at each level this machine can run: on x86-64
+generic, avx2, avx2+avxvnni, avx512, avx512+vnni (those the CPU has), and aarch64's neon,
+neon+dotprod and generic, cross-compiled and run under qemu-user. Every level's blobs are
+compared with the generic level's, bit for bit (simd.h's design: the same lane arithmetic
+and one sum tree everywhere), and with numpy references, so the check cannot pass when all
+levels are equally wrong.
+
+The baseline is the generic level built with fused multiply-adds (`-mfma`): simd.h's generic
+branch, its semantic reference, fuses them wherever the CPU has them, and the plain x86-64
+build (no FMA: std::fma would be a library call) multiplies and adds in two roundings.
+
+The aarch64 tools (`aarch64-linux-gnu-g++`, `qemu-aarch64`; .ci/run installs them) missing,
+those levels skip on a developer's machine and fail in CI (CI set).
+"""
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "llmserve" / "kernels"
+CHECK_SOURCE = Path(__file__).with_name("kernel_check.cpp")
+KERNEL_SOURCES = [KERNELS / f"{name}.cpp"
+                  for name in ("kernels_api", "gemm", "attention", "elementwise", "llama_layers")]
+CXXFLAGS = ["-O2", "-std=c++17", "-pthread", "-ffp-contract=off"]
+CROSS_CXX, QEMU, AARCH64_ROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-linux-gnu"
+HOST = platform.machine()
+X86_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
+X86_V4 = X86_V3 + ("avx512f", "avx512bw", "avx512dq", "avx512vl")
+GENERIC = "-DLLMSERVE_FORCE_GENERIC"
+
+
+@dataclass(frozen=True)
+class Level:
+    id: str
+    name: str  # what llmserve_kernels_level() reports
+    arch: str  # "x86_64" or "aarch64"
+    flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...] = ()  # /proc/cpuinfo features a native run needs
+    fused: bool = True  # simd::fmadd rounds once
+
+
+LEVELS = [
+    Level("x86_64-generic+fma", "generic", "x86_64", ("-march=x86-64", "-mfma", GENERIC),
+          ("fma",)),
+    Level("x86_64-generic", "generic", "x86_64", ("-march=x86-64", GENERIC), fused=False),
+    Level("x86_64-avx2", "avx2", "x86_64", ("-march=x86-64-v3",), X86_V3),
+    Level("x86_64-avx2+avxvnni", "avx2+avxvnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni"),
+          X86_V3 + ("avx_vnni",)),
+    Level("x86_64-avx512", "avx512", "x86_64", ("-march=x86-64-v4",), X86_V4),
+    Level("x86_64-avx512+vnni", "avx512+vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"),
+          X86_V4 + ("avx512_vnni",)),
+    Level("aarch64-neon", "neon", "aarch64", ("-march=armv8-a",)),
+    Level("aarch64-neon+dotprod", "neon+dotprod", "aarch64", ("-march=armv8.2-a+dotprod",),
+          ("asimddp",)),
+    Level("aarch64-generic", "generic", "aarch64", ("-march=armv8-a", GENERIC)),
+]
+BASELINE = next((lv for lv in LEVELS if lv.name == "generic" and lv.arch == HOST and lv.fused),
+                None)
+if BASELINE is None:
+    pytest.skip(f"no kernel levels for a {HOST} host", allow_module_level=True)
+# the outputs of kernels built on simd::fmadd (the others: rotary, int8 GEMM, argmax,
+# bitmask, KV-cache writes)
+FUSED_OUTPUTS = re.compile(r"(rms_norm|silu|f32_linear|f32_linear_from|q4_linear|attention)\..*"
+                           r"\.(out|y)")
+
+
+def tolerated(level: Level, name: str) -> str | None:
+    """Why blob `name` of `level` may differ from the baseline's in its last bits, or None.
+
+    Such blobs are compared within 1e-5 of their largest magnitude instead.
+    """
+    if not level.fused and FUSED_OUTPUTS.fullmatch(name):
+        return "generic on x86-64 without FMA multiplies and adds in two roundings"
+    if not (name.startswith("attention.") and name.endswith(".out")):
+        return None
+    head_size = int(re.search(r"\.D(\d+)\.", name).group(1))
+    if level.name.startswith("avx512") and head_size % 16 == 0:
+        return "avx512's attention scores sum a key's 16 lanes in their own transpose-and-add tree"
+    if ".softcap." in name and level.arch != BASELINE.arch:
+        # attention.cpp's softcap is std::tanh, outside simd.h: glibc's tanhf gives another
+        # last bit on aarch64 than on x86-64 for some inputs (178 of 1.6M in [-8, 8])
+        return "softcap is the platform libm's tanhf, which differs between x86-64 and aarch64"
+    return None
+
+
+# ---- building and running the check at each level --------------------------------------------
+
+class Unavailable(Exception):
+    """A level this machine cannot build or run; `tool_missing`: fails in CI instead."""
+
+    def __init__(self, reason: str, tool_missing: bool = False):
+        super().__init__(reason)
+        self.tool_missing = tool_missing
+
+
+class Broken(Exception):
+    """A level whose build or run failed: its tests fail."""
+
+
+@dataclass
+class Run:
+    level_reported: str
+    blobs: dict[str, np.ndarray]
+    raw: dict[str, bytes]
+
+
+def cpu_features() -> set[str]:
+    """x86 `flags` or aarch64 `Features` of /proc/cpuinfo."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    lines = re.findall(r"^(?:flags|Features)\s*:(.*)$", text, re.MULTILINE)
+    return set(lines[0].split()) if lines else set()
+
+
+def compiler(arch: str) -> tuple[str, list[str]]:
+    """The C++ compiler for `arch` and the command prefix that runs its programs here."""
+    if arch == HOST:
+        return os.environ.get("CXX", "g++"), []
+    if arch == "aarch64" and HOST == "x86_64":
+        missing = [tool for tool in (CROSS_CXX, QEMU) if shutil.which(tool) is None]
+        if missing:
+            raise Unavailable(f"{' and '.join(missing)} not installed (apt-get install "
+                              "g++-aarch64-linux-gnu qemu-user)", tool_missing=True)
+        return CROSS_CXX, [QEMU, "-L", AARCH64_ROOT]
+    raise Unavailable(f"{arch} levels do not run on a {HOST} host")
+
+
+def check_cpu(level: Level) -> None:
+    missing = [f for f in level.cpu_flags if f not in cpu_features()] if level.arch == HOST else []
+    if missing:
+        raise Unavailable(f"this CPU lacks {' '.join(missing)}")
+
+
+DTYPES = {"f32": np.float32, "i64": np.int64, "i32": np.int32, "i8": np.int8, "u8": np.uint8,
+          "u16": np.uint16}
+
+
+def read_blobs(out: Path) -> tuple[dict[str, np.ndarray], dict[str, bytes]]:
+    blobs, raw = {}, {}
+    for line in (out / "index.txt").read_text().splitlines():
+        name, dtype, dims = line.split()
+        raw[name] = (out / f"{name}.bin").read_bytes()
+        shape = tuple(int(d) for d in dims.split(","))
+        blobs[name] = np.frombuffer(raw[name], dtype=DTYPES[dtype]).reshape(shape)
+    return blobs, raw
+
+
+def compile_cxx(what: str, arch: str, args: list[str]) -> None:
+    cxx, _ = compiler(arch)
+    build = subprocess.run([cxx, *CXXFLAGS, *args], capture_output=True, text=True, timeout=300)
+    if build.returncode != 0:
+        raise Broken(f"{what}: build failed\n{build.stderr[-4000:]}")
+
+
+def build_and_run(level: Level, check_object: Path, work: Path) -> Run:
+    """`level`'s kernels linked with the (level-independent) check program, run."""
+    _, runner = compiler(level.arch)
+    binary, out = work / "kernel_check", work / "out"
+    out.mkdir(parents=True)
+    sources = [str(check_object), *map(str, KERNEL_SOURCES)]
+    compile_cxx(level.id, level.arch, [*level.flags, *sources, "-o", str(binary)])
+    run = subprocess.run([*runner, str(binary), str(out)], capture_output=True, text=True,
+                         timeout=120)
+    if run.returncode != 0:
+        raise Broken(f"{level.id}: kernel_check exited {run.returncode}\n{run.stderr[-4000:]}")
+    return Run(run.stdout.strip(), *read_blobs(out))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Run | Exception]:
+    """Every level built and run, two at a time; the check program is built once per
+    architecture, at its baseline instruction set (its code does not depend on the level)."""
+    root = tmp_path_factory.mktemp("kernel_levels")
+    arches = {"x86_64": "-march=x86-64", "aarch64": "-march=armv8-a"}
+
+    def check_object(arch: str) -> Path | Exception:
+        target = root / f"kernel_check-{arch}.o"
+        try:
+            compile_cxx(f"kernel_check.cpp ({arch})", arch,
+                        [arches[arch], "-c", str(CHECK_SOURCE), "-o", str(target)])
+        except (Unavailable, Broken) as failure:
+            return failure
+        return target
+
+    def attempt(level: Level) -> Run | Exception:
+        try:
+            check_cpu(level)
+            if isinstance(objects[level.arch], Exception):
+                raise objects[level.arch]
+            return build_and_run(level, objects[level.arch], root / level.id)
+        except (Unavailable, Broken) as failure:
+            return failure
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        objects = dict(zip(arches, pool.map(check_object, arches), strict=True))
+        return {lv.id: result for lv, result in zip(LEVELS, pool.map(attempt, LEVELS), strict=True)}
+
+
+def run_of(runs: dict[str, Run | Exception], level: Level) -> Run:
+    result = runs[level.id]
+    if isinstance(result, Broken):
+        pytest.fail(str(result))
+    if isinstance(result, Unavailable):
+        message = f"{level.id}: {result}"
+        (pytest.fail if result.tool_missing and os.environ.get("CI") else pytest.skip)(message)
+    return result
+
+
+@pytest.fixture(params=LEVELS, ids=[lv.id for lv in LEVELS])
+def level(request) -> Level:
+    return request.param
+
+
+# ---- the tests ---------------------------------------------------------------------------------
+
+def test_level_is_the_one_built(runs, level):
+    """The flags picked the level meant (not a fallback to generic)."""
+    assert run_of(runs, level).level_reported == level.name
+
+
+def test_level_matches_generic_bits(runs, level):
+    if level == BASELINE:
+        pytest.skip("the baseline itself")
+    base, run = run_of(runs, BASELINE), run_of(runs, level)
+    assert run.raw.keys() == base.raw.keys()
+    different, near = [], {}
+    for name, expected in base.raw.items():
+        if run.raw[name] == expected:
+            continue
+        reason = tolerated(level, name)
+        if reason is None:
+            different.append(name)
+            continue
+        a, b = run.blobs[name].astype(np.float64), base.blobs[name].astype(np.float64)
+        near[name] = (np.abs(a - b).max() / np.abs(b).max(), reason)
+    print(f"\n{level.id}: {len(base.raw) - len(different) - len(near)} of {len(base.raw)} "
+          f"blobs bit-identical to {BASELINE.id}")
+    for reason in sorted({r for _, r in near.values()}):
+        worst = max(diff for diff, r in near.values() if r == reason)
+        print(f"  {sum(r == reason for _, r in near.values())} within {worst:.1e} of their "
+              f"largest value: {reason}")
+    assert not different, f"not bit-identical to generic: {different}"
+    assert all(diff <= 1e-5 for diff, _ in near.values()), near
+
+
+def test_level_matches_references(runs, level):
+    blobs = run_of(runs, level).blobs
+    figures = [check(blobs) for check in REFERENCE_CHECKS]
+    print(f"\n{level.id}: " + "; ".join(figures))
+
+
+# ---- numpy references --------------------------------------------------------------------------
+
+def cases(blobs: dict[str, np.ndarray], pattern: str) -> list[str]:
+    """The case prefixes whose names match `pattern` + an array name (at least one)."""
+    found = sorted({m.group(1) for name in blobs if (m := re.fullmatch(pattern, name))})
+    assert found, f"no blobs match {pattern}"
+    return found
+
+
+def within(actual: np.ndarray, expected: np.ndarray, bound: np.ndarray) -> float:
+    """Asserts |actual - expected| <= bound elementwise; returns the worst fraction of it."""
+    error = np.abs(actual.astype(np.float64) - expected)
+    worst = float((error / bound).max())
+    assert worst <= 1, f"max error {error.max():.3g}, {worst:.3g}x the bound"
+    return worst
+
+
+def check_rms_norm(blobs) -> str:
+    worst = 0.0
+    for p in cases(blobs, r"(rms_norm\.C\d+)\.out"):
+        x, w, eps = (blobs[f"{p}.{a}"].astype(np.float64) for a in ("x", "w", "eps"))
+        ref = w * x / np.sqrt((x * x).mean(1, keepdims=True) + eps[0])
+        worst = max(worst, within(blobs[f"{p}.out"], ref, 1e-5 * np.abs(ref) + 1e-7))
+    return f"rms_norm {worst:.2f} of 1e-5 rel"
+
+
+def check_rotary(blobs) -> str:
+    """The rotate-half formula in float32, the same products and sums: exact."""
+    for p in cases(blobs, r"(rotary\.D\d+)\.out"):
+        qkv, cos, sin = blobs[f"{p}.qkv"], blobs[f"{p}.cos"], blobs[f"{p}.sin"]
+        pos, heads = blobs[f"{p}.positions"], int(blobs[f"{p}.num_heads"][0])
+        D = cos.shape[1]
+        half = D // 2
+        x = qkv[:, : heads * D].reshape(len(pos), heads, D)  # (T, heads, D)
+        c, s = cos[pos][:, None, :], sin[pos][:, None, :]
+        x1, x2 = x[..., :half], x[..., half:]
+        rotated = np.concatenate([x1 * c[..., :half] + (-x2) * s[..., :half],
+                                  x2 * c[..., half:] + x1 * s[..., half:]], axis=-1)
+        expected = qkv.copy()
+        expected[:, : heads * D] = rotated.reshape(len(pos), heads * D)
+        np.testing.assert_array_equal(blobs[f"{p}.out"], expected)
+    return "rotary exact"
+
+
+def check_silu(blobs) -> str:
+    worst = 0.0
+    for p in cases(blobs, r"(silu\.I\d+)\.out"):
+        gate_up = blobs[f"{p}.gate_up"].astype(np.float64)
+        gate, up = np.split(gate_up, 2, axis=1)
+        with np.errstate(over="ignore"):
+            ref = gate / (1 + np.exp(-gate)) * up
+        worst = max(worst, within(blobs[f"{p}.out"], ref, 1e-6 * np.abs(ref) + 1e-30))
+    return f"silu {worst:.2f} of 1e-6 rel"
+
+
+def check_int8_linear(blobs) -> str:
+    """Exactly the kernel's W8A8 arithmetic in numpy; and near the unquantized product."""
+    w, wscale, bias = (blobs[f"int8_linear.{a}"] for a in ("w", "wscale", "bias"))
+    worst = 0.0
+    for p in cases(blobs, r"(int8_linear\.M\d+)\.y"):
+        x, y = blobs[f"{p}.x"], blobs[f"{p}.y"]
+        b = bias if blobs[f"{p}.with_bias"][0] else np.zeros_like(bias)
+        # x ~ (hi + lo / 254) * scale, hi and lo rounded to nearest even, lo clamped to 127
+        scale = np.maximum(np.abs(x).max(1), np.float32(1e-8)) / np.float32(127)
+        t = x / scale[:, None]
+        hi = np.rint(t)
+        lo = np.clip(np.rint((t - hi) * np.float32(254)), -127, 127)
+        acc_hi = (hi.astype(np.int64) @ w.T.astype(np.int64)).astype(np.float32)
+        acc_lo = (lo.astype(np.int64) @ w.T.astype(np.int64)).astype(np.float32)
+        exact = ((acc_hi + acc_lo * (np.float32(1) / np.float32(254))) * scale[:, None]) * wscale
+        np.testing.assert_array_equal(y, exact + b)
+        # each activation within scale / 508 of its two parts
+        ref = x.astype(np.float64) @ (w * wscale.astype(np.float64)[:, None]).T + b
+        bound = (scale[:, None] / 508) * (np.abs(w) @ np.ones(w.shape[1]) * wscale)[None, :]
+        worst = max(worst, within(y, ref, 1.01 * bound + 1e-6))
+    return f"int8 exact, {worst:.2f} of the quantization bound"
+
+
+def check_q4_linear(blobs) -> str:
+    """Near the dequantized product: each activation within (amax / 127) / 508 of its group."""
+    codes, bias = blobs["q4_linear.codes"].astype(np.float64), blobs["q4_linear.bias"]
+    d, m = (blobs[f"q4_linear.{a}"].view(np.float16).astype(np.float64) for a in ("d", "m"))
+    N, K = codes.shape
+    w = codes * np.repeat(d, 32, axis=1) + np.repeat(m, 32, axis=1)  # (N, K)
+    worst = 0.0
+    for p in cases(blobs, r"(q4_linear\.M\d+)\.y"):
+        x, y = blobs[f"{p}.x"].astype(np.float64), blobs[f"{p}.y"]
+        b = bias if blobs[f"{p}.with_bias"][0] else np.zeros_like(bias)
+        ref = x @ w.T + b
+        step = np.abs(x).reshape(len(x), K // 32, 32).max(2) / 127 / 508  # (M, G)
+        quantization = step @ np.abs(w).reshape(N, K // 32, 32).sum(2).T
+        rounding = 1e-5 * (np.abs(x) @ np.abs(w).T + np.abs(b))
+        worst = max(worst, within(y, ref, 1.01 * quantization + rounding))
+    return f"q4 {worst:.2f} of the quantization bound"
+
+
+def check_f32_linear(blobs) -> str:
+    w, bias = blobs["f32_linear.w"].astype(np.float64), blobs["f32_linear.bias"]
+    worst = 0.0
+    for p in cases(blobs, r"(f32_linear(?:_from)?\.M\d+)\.y"):
+        x = blobs[f"{p}.x"].astype(np.float64)
+        start = blobs.get(f"{p}.init", np.zeros((len(x), len(w)), np.float32)).astype(np.float64)
+        with_bias = f"{p}.with_bias" in blobs and blobs[f"{p}.with_bias"][0]
+        b = bias if with_bias else np.zeros_like(bias)
+        ref = start + x @ w.T + b
+        bound = 1e-5 * (np.abs(start) + np.abs(x) @ np.abs(w).T + np.abs(b))
+        worst = max(worst, within(blobs[f"{p}.y"], ref, bound))
+    return f"f32 linear {worst:.2f} of 1e-5 rel"
+
+
+def check_argmax(blobs) -> str:
+    for p in cases(blobs, r"(argmax\.N\d+)\.out"):
+        x = blobs[f"{p}.x"]
+        expected = np.where(np.isnan(x).any(1), -1, np.argmax(np.nan_to_num(x, nan=0), 1))
+        np.testing.assert_array_equal(blobs[f"{p}.out"], expected)
+    # NaN in the vector part, NaN in the tail, ties (first wins), the tail, -inf, -0 / +0
+    assert list(blobs["argmax.N100.out"][1:]) == [-1, -1, 20, 50, 97, 0, 30]
+    assert list(blobs["argmax.N10.out"]) == [2, 6]
+    return "argmax exact"
+
+
+def check_bitmask(blobs) -> str:
+    x, words, rows = blobs["bitmask.x"], blobs["bitmask.words"], blobs["bitmask.rows"]
+    N = x.shape[1]
+    bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :N]
+    expected = x.copy()
+    for r, row in enumerate(rows):
+        expected[row, bits[r] == 0] = -np.inf
+    np.testing.assert_array_equal(blobs["bitmask.out"], expected)
+    return "bitmask exact"
+
+
+def dequantized_cache(blobs, p: str, which: str) -> np.ndarray:
+    """(blocks * block_size, Hkv, D) float64 of a written cache, as the kernel reads it."""
+    cache = blobs[f"{p}.{which}_cache"]
+    cache = cache.reshape(-1, *cache.shape[2:])
+    if cache.dtype == np.uint16:  # bf16 bits: a float's upper half
+        return (cache.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if cache.dtype == np.int8:
+        scales = blobs[f"{p}.{which}_scales"].reshape(-1, cache.shape[1], 1)
+        return (cache.astype(np.float32) * scales).astype(np.float64)
+    return cache.astype(np.float64)
+
+
+def check_kv_write(blobs, p: str) -> None:
+    """fp32 copied, bf16 rounded as torch rounds, int8 by a scale of amax / 127 per row."""
+    slots = blobs[f"{p}.slot_mapping"]
+    for which in ("k", "v"):
+        cache = blobs[f"{p}.{which}_cache"]
+        Hkv, D = cache.shape[2:]
+        rows = blobs[f"{p}.{which}"][:, : Hkv * D].reshape(-1, Hkv, D)  # (T, Hkv, D)
+        written = cache.reshape(-1, Hkv, D)[slots]
+        if cache.dtype == np.float32:
+            np.testing.assert_array_equal(written, rows)
+        elif cache.dtype == np.uint16:
+            bf16 = torch.from_numpy(rows.copy()).to(torch.bfloat16).view(torch.int16).numpy()
+            np.testing.assert_array_equal(written, bf16.view(np.uint16))
+        else:
+            scale = np.maximum(np.abs(rows).max(2), np.float32(1e-8)) / np.float32(127)
+            np.testing.assert_array_equal(blobs[f"{p}.{which}_scales"].reshape(-1, Hkv)[slots],
+                                          scale)
+            expected = np.rint(np.clip(rows / scale[..., None], -127, 127)).astype(np.int8)
+            np.testing.assert_array_equal(written, expected)
+
+
+def dense_attention(blobs, p: str, scale: float, window: int, softcap: float) -> np.ndarray:
+    """(Tq, H, D): a softmax over each query's keys gathered through its block table."""
+    keys, values = dequantized_cache(blobs, p, "k"), dequantized_cache(blobs, p, "v")
+    tables, starts = blobs[f"{p}.block_tables"], blobs[f"{p}.query_start"]
+    contexts, block_size = blobs[f"{p}.context_lens"], blobs[f"{p}.k_cache"].shape[1]
+    Hkv, D = keys.shape[1:]
+    q = blobs[f"{p}.q"].astype(np.float64)
+    H = q.shape[1] // D
+    kv_head = np.arange(H) // (H // Hkv)
+    out = np.zeros((starts[-1], H, D))
+    for b in range(len(contexts)):
+        for i in range(starts[b + 1] - starts[b]):
+            pos, token = contexts[b] + i, starts[b] + i
+            first = max(0, pos + 1 - window) if window > 0 else 0
+            t = np.arange(first, pos + 1)
+            slots = tables[b, t // block_size] * block_size + t % block_size
+            k, v = keys[slots][:, kv_head], values[slots][:, kv_head]  # (n, H, D)
+            scores = scale * np.einsum("nhd,hd->hn", k, q[token, : H * D].reshape(H, D))
+            if softcap > 0:
+                scores = softcap * np.tanh(scores / softcap)
+            probs = np.exp(scores - scores.max(1, keepdims=True))
+            probs /= probs.sum(1, keepdims=True)
+            out[token] = np.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+def check_attention(blobs) -> str:
+    worst = 0.0
+    for p in cases(blobs, r"(attention\.\w+\.D\d+)\.q"):
+        check_kv_write(blobs, p)
+        for variant in ("plain", "window", "softcap"):
+            scale, window, softcap = blobs[f"{p}.{variant}.params"]
+            ref = dense_attention(blobs, p, float(scale), int(window), float(softcap))
+            worst = max(worst, within(blobs[f"{p}.{variant}.out"], ref, 1e-5 * np.abs(ref) + 1e-6))
+    return f"kv writes exact, attention {worst:.2f} of 1e-5 rel + 1e-6"
+
+
+REFERENCE_CHECKS = (check_rms_norm, check_rotary, check_silu, check_int8_linear,
+                    check_q4_linear, check_f32_linear, check_argmax, check_bitmask,
+                    check_attention)

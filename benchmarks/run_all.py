@@ -1,6 +1,7 @@
 """Every side-by-side benchmark of docs/benchmarks.md, in one command.
 
-    python benchmarks/run_all.py [--gguf FILE] [--out DIR] [--only STAGE] [--smoke]
+    python benchmarks/run_all.py [--isa native|avx2] [--gguf FILE] [--out DIR] [--only STAGE]
+                                 [--smoke]
 
 Stages, one engine at a time, 2 threads each:
 1. offline: the same 32 chat prompts x 64 tokens through transformers' static-batch
@@ -19,6 +20,11 @@ and a warning printed when other processes used more than a tenth of a core. Res
 (JSON, serve.png, commands.txt, meta.json) go to --out; then benchmarks/summarize.py
 writes summary.md there and --doc (docs/benchmarks.md). --smoke runs tiny sizes only to
 check that everything works end to end; its figures mean nothing.
+
+--isa avx2 runs both engines at the AVX2 level on any x86 machine: llmserve with
+LLMSERVE_CPU_ISA=avx2 and llama.cpp's AVX2-only build (`ISA=avx2 build_llama_server.sh`,
+bin-avx2/), into benchmarks/results-avx2; summarize.py renders it as its own section of
+docs/benchmarks.md beside the machine's own level (benchmarks/results).
 """
 
 import argparse
@@ -39,7 +45,9 @@ from monitor import LoadMonitor, warning
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_GGUF = Path.home() / ".cache/llmserve/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_LLAMA_SERVER = Path.home() / ".cache/llmserve-anchors/bin/llama-server"
+ANCHORS = Path.home() / ".cache/llmserve-anchors"
+# --isa -> (llama.cpp build folder, LLMSERVE_CPU_ISA, results folder)
+ISAS = {"native": ("bin", None, "results"), "avx2": ("bin-avx2", "avx2", "results-avx2")}
 MODEL_ID = "smollm2-135m"
 THREADS = 2
 VARIANTS = {"default": [], "fp32": ["--dtype", "float32"]}  # extra llmserve flags
@@ -84,6 +92,7 @@ class Session:
     llama_server: Path
     sizes: Sizes
     variants: list[str]
+    isa: str = "native"
     llmserve: str = field(default_factory=llmserve_command)
     load: dict = field(default_factory=dict)  # stage -> LoadMonitor.summary()
     servers: dict = field(default_factory=dict)  # label -> start-up, memory
@@ -91,10 +100,16 @@ class Session:
     def sh(self, cmd: list[str], env: dict[str, str] | None = None,
            capture: bool = False) -> str:
         """Run a command (logged to commands.txt as run); its stdout when `capture`."""
+        env = {**self.isa_env(), **(env or {})}
         self.log(command_line(cmd, env))
-        done = subprocess.run(cmd, check=True, env={**os.environ, **(env or {})},
+        done = subprocess.run(cmd, check=True, env={**os.environ, **env},
                               stdout=subprocess.PIPE if capture else None, text=True)
         return done.stdout or ""
+
+    def isa_env(self) -> dict[str, str]:
+        """LLMSERVE_CPU_ISA for every llmserve command at a named level ({} at native)."""
+        level = ISAS[self.isa][1]
+        return {"LLMSERVE_CPU_ISA": level} if level else {}
 
     def log(self, line: str) -> None:
         print(f"$ {line}", flush=True)
@@ -234,7 +249,7 @@ def run_serving(s: Session, servers: list[str]) -> None:
         port = free_port()
         cmd = [s.llmserve, "serve", "--model", str(s.gguf), "--served-model-name", MODEL_ID,
                "--port", str(port), "--threads", str(THREADS), *VARIANTS[v]]
-        serve_one(s, "llmserve" + suffix(v, "-"), cmd, port)
+        serve_one(s, "llmserve" + suffix(v, "-"), cmd, port, s.isa_env())
     files = [str(s.out / f"serve_{n}.json") for n in ("llama.cpp", "llmserve", "llmserve-fp32")
              if (s.out / f"serve_{n}.json").exists()]
     s.sh([s.llmserve, "bench", "plot", *files, "--output", str(s.out / "serve.png")])
@@ -250,6 +265,7 @@ def write_meta(s: Session, stages: list[str], fresh: bool) -> None:
     meta.setdefault("sessions", []).append(
         {"date": time.strftime("%Y-%m-%d %H:%M"), "stages": stages, "variants": s.variants})
     meta["machine"] = {**machine_info(), "cores": os.cpu_count(), "threads_per_engine": THREADS}
+    meta["isa"] = s.isa
     meta["smoke"] = s.sizes == SMOKE
     meta["sizes"] = asdict(s.sizes)
     meta["load"] = {**meta.get("load", {}), **s.load}
@@ -262,11 +278,15 @@ def write_meta(s: Session, stages: list[str], fresh: bool) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--isa", choices=ISAS, default="native",
+                        help="native: this CPU's own level for both engines; avx2: both capped "
+                             "at AVX2 (llmserve LLMSERVE_CPU_ISA=avx2, llama.cpp's bin-avx2)")
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results, "
+                                                 "or results-avx2 with --isa avx2)")
     parser.add_argument("--doc", type=Path, default=HERE.parent / "docs/benchmarks.md",
                         help="the Markdown report summarize.py writes")
-    parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER,
+    parser.add_argument("--llama-server", type=Path,
                         help="llama.cpp's llama-server binary (llama-bench beside it)")
     parser.add_argument("--servers", default=",".join(SERVERS),
                         help="servers of the serving stage, comma-separated")
@@ -276,6 +296,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes, to check the pipeline; figures mean nothing")
     args = parser.parse_args()
+    llama_bin, _, results = ISAS[args.isa]
+    args.out = args.out or HERE / results
+    args.llama_server = args.llama_server or ANCHORS / llama_bin / "llama-server"
     variants, servers = args.variants.split(","), args.servers.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
@@ -287,11 +310,12 @@ def main() -> int:
     stages = args.only or default_stages
     needs_llama = "llama-bench" in stages or ("serving" in stages and "llama.cpp" in servers)
     if needs_llama and not args.llama_server.is_file():
-        parser.error(f"no llama-server at {args.llama_server}: build it with "
+        isa = "ISA=avx2 " if args.isa == "avx2" else ""
+        parser.error(f"no llama-server at {args.llama_server}: build it with {isa}"
                      "tools/build_llama_server.sh from the shared tools, or pass --llama-server")
     args.out.mkdir(parents=True, exist_ok=True)
     s = Session(args.gguf.resolve(), args.out.resolve(), args.llama_server.resolve(),
-                SMOKE if args.smoke else Sizes(), variants)
+                SMOKE if args.smoke else Sizes(), variants, args.isa)
     if not args.only:
         (s.out / "commands.txt").unlink(missing_ok=True)  # a full run: the folder is its own
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
@@ -302,8 +326,8 @@ def main() -> int:
     for stage in stages:
         runners[stage]()
     write_meta(s, stages, fresh=not args.only)
-    subprocess.run([sys.executable, str(HERE / "summarize.py"), str(s.out), "--doc",
-                    str(args.doc)], check=True)
+    subprocess.run([sys.executable, str(HERE / "summarize.py"), "--doc", str(args.doc)],
+                   check=True)
     return 0
 
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from llmserve.config import ModelConfig
 from llmserve.kernels import cpu_flags, level_of, native
+from llmserve.loader.kernel_choice import linear_shapes
 
 
 @dataclass
@@ -28,16 +29,6 @@ class Candidate:
     name: str
     run_as: str  # what the engine calls this candidate ("int4", "float32", "" if never)
     make: Callable[[torch.Tensor], Callable[[torch.Tensor], Any]]  # weight -> x -> y
-
-
-def linear_shapes(config: ModelConfig) -> list[tuple[int, int, int]]:
-    """(out_features, in_features, count) of one step's linears."""
-    hidden, d = config.hidden_size, config.head_dim
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    layers = config.num_hidden_layers
-    return [((heads + 2 * kv) * d, hidden, layers), (hidden, heads * d, layers),
-            (2 * config.intermediate_size, hidden, layers),
-            (hidden, config.intermediate_size, layers), (config.vocab_size, hidden, 1)]
 
 
 def candidates() -> list[Candidate]:
@@ -137,7 +128,7 @@ def run_kernels(config: ModelConfig, batches: tuple[int, ...]) -> dict[str, Any]
     for candidate in candidates():
         times = {b: time_step(candidate, shapes, b) for b in batches}
         rows.append({"kernel": candidate.name, "run_as": candidate.run_as, "ms": times})
-    default = auto_quantization("int4", torch.device("cpu")) or "float32"
+    default = auto_quantization("int4", torch.device("cpu"), config) or "float32"
     lib = native()
     return {"machine": machine_info(), "level": level_of(lib) if lib else None,
             "batches": list(batches), "shapes": shapes, "rows": rows,

@@ -141,7 +141,8 @@ def _weight_method(source: ModelSource, dtype: str, quantization: str | None,
         return None
     from llmserve.loader.gguf import gguf_stored_quantization
 
-    return auto_quantization(gguf_stored_quantization(source.path), device)
+    return auto_quantization(gguf_stored_quantization(source.path), device,
+                             read_model_config(source))
 
 
 def read_model_config(source: ModelSource) -> ModelConfig:

@@ -114,10 +114,43 @@ inline void scores_chunks(const float* q, const float* const* keys, int64_t n, f
   }
   store_key_sums(a, n, scale, out);
 }
+#elif defined(LLMSERVE_SIMD_AVX2)
+// The 8 sums of eight 8-lane accumulators (lane j: a[j] summed), by one transpose-and-add
+// tree of horizontal adds: 7 instructions for 8 keys, where a sum per key costs 8.
+inline __m256 sum_8x8(const __m256 (&a)[8]) {
+  // lanes: [a0 01, a0 23, a1 01, a1 23 | a0 45, a0 67, a1 45, a1 67], and so on
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  // [a0 0-3, a1 0-3, a2 0-3, a3 0-3 | a0 4-7, a1 4-7, a2 4-7, a3 4-7]
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// out[j] = scale * (q . keys[j]) for j < n (n <= 16), D = 16 * chunks: eight keys at a time,
+// an 8-lane accumulator each (8 of the 16 ymm registers), summed by sum_8x8; lanes past n
+// compute on key 0 and are dropped. Each key's sum has the same order whatever n is.
+template <typename Chunks>
+inline void scores_chunks(const float* q, const float* const* keys, int64_t n, float scale,
+                          float* out, Chunks chunks) {
+  alignas(32) float sums[8];
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    const float* rows[8];
+    for (int j = 0; j < 8; ++j) rows[j] = keys[j0 + j < n ? j0 + j : 0];
+    __m256 a[8];
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < 2 * chunks; ++c) {
+      const __m256 qv = _mm256_loadu_ps(q + 8 * c);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[j] + 8 * c), a[j]);
+    }
+    _mm256_store_ps(sums, _mm256_mul_ps(sum_8x8(a), _mm256_set1_ps(scale)));
+    for (int j = 0; j < 8 && j0 + j < n; ++j) out[j0 + j] = sums[j];
+  }
+}
 #else
 // out[j] = scale * (q . keys[j]) for j < n (n <= 16), D = 16 * chunks: four keys at a
 // time, each a 16-lane accumulator summed by simd.h's lane tree (16 accumulators at once
-// would not fit 16 ymm or 32 q registers).
+// would not fit 32 q registers).
 template <typename Chunks>
 inline void scores_chunks(const float* q, const float* const* keys, int64_t n, float scale,
                           float* out, Chunks chunks) {

@@ -13,6 +13,7 @@ from llmserve.kernels import native
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
+from llmserve.loader.kernel_choice import choose_quantization
 from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
 from llmserve.models.packed_float import can_pack, pack_float_model
@@ -32,13 +33,21 @@ class LoadedModel:
     quantization: str | None = None  # what the linear layers actually run ("int8"; None: float)
 
 
-def auto_quantization(stored: str | None, device: torch.device) -> str | None:
-    """What "auto" runs for a checkpoint stored as `stored`: its own format on the CPU where
-    the native kernels run it (every instruction-set level), float elsewhere (other devices,
+def auto_quantization(stored: str | None, device: torch.device,
+                      config: ModelConfig | None = None) -> str | None:
+    """What "auto" runs for a checkpoint stored as `stored`: on the CPU with the native
+    kernels, its own format or another, by timing them on `config`'s shapes against float32
+    (`kernel_choice.py`; without a config, its own format); float elsewhere (other devices,
     no compiler: torch's float GEMM beats torch ops emulating the integer kernels)."""
     if stored is None or device.type != "cpu" or native() is None:
         return None
-    return stored
+    if config is None:
+        return stored
+    choice = choose_quantization(stored, config)
+    if choice is None:
+        return stored
+    logger.info("%s", choice.describe())
+    return choice.quantization
 
 
 def load_model(
@@ -76,7 +85,8 @@ def load_model(
     model.load_weights(weights.tensors)
     weights.tensors.clear()  # the model holds the only copy now: lower peak memory
     if quantization == "auto":
-        quantization = auto_quantization(weights.quantization, torch.device(device))
+        quantization = auto_quantization(weights.quantization, torch.device(device),
+                                         weights.config)
     quantize_model(model, quantization)
     if quantization is None and can_pack(model, dtype):
         pack_float_model(model)  # the exact path on the native float32 GEMM

@@ -6,6 +6,7 @@ import pytest
 
 from llmserve import LLM, SamplingParams
 from llmserve.kernels import level_of, native
+from llmserve.loader.kernel_choice import choose_quantization
 from tests.engine.test_default_path import agreement
 from tests.models.test_llama_reference import PROMPTS, reference_greedy
 
@@ -32,7 +33,10 @@ def test_exact_and_default_paths_at_the_level(kernel_level, smollm2_gguf, refere
     assert exact.engine.loaded.quantization is None
     assert greedy(exact, prompts) == reference
     default = LLM(str(smollm2_gguf), kv_cache_memory="32MiB")
-    assert default.engine.loaded.quantization == "int4"
+    # what the timing chose at this level (int4 where it is no slower than float32)
+    choice = choose_quantization("int4", default.engine.loaded.config)
+    assert default.engine.loaded.quantization == choice.quantization
+    print(f"{kernel_level}: {choice.describe()}")
     full, mean_prefix = agreement(greedy(default, prompts), reference)
     print(f"{kernel_level}: default path agrees with the reference on {full:.0%} of "
           f"{len(prompts)} prompts, mean agreeing prefix {mean_prefix:.1f} of 16 tokens")

@@ -1,0 +1,153 @@
+"""What `quantization="auto"` runs on this CPU: chosen by timing, not by CPU flags.
+
+A quantized checkpoint could run its linears in its own format (int4, int8) on the native
+kernels or as float32. The first start of a model on a machine times each candidate on the
+model's own shapes (every layer's qkv, o, gate_up and down, and the LM head in the format
+the engine gives it) at batch 1 (decode alone) and at batch 32 (a serving batch), and keeps
+the checkpoint's own format if it is never slower than float32 at either, else the fastest
+candidate that is not, else float32 (the default path is never slower than float32). The
+decision is cached beside the kernel builds, keyed by the CPU, its flags, the kernel level
+and sources, torch's version and the shapes: a warm start reads it and times nothing. It is
+logged at start; `llmserve bench kernels` prints every kernel's times.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from llmserve import cpu_info
+from llmserve.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+BATCHES = (1, 32)
+# candidates for a checkpoint stored as int4 / int8, its own format first (None: float32)
+CANDIDATES: dict[str, tuple[str | None, ...]] = {"int4": ("int4", "int8", None),
+                                                 "int8": ("int8", None)}
+_TIME_PER_SHAPE_S = 0.012  # timing budget per (candidate, batch, shape): ~1 s in all
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    quantization: str | None  # what the linears run (None: float32)
+    ms: dict[str, dict[int, float]]  # candidate ("float32" for None) -> batch -> ms a step
+    cached: bool
+
+    def describe(self) -> str:
+        cells = "; ".join(
+            f"{name} " + " / ".join(f"{ms[b]:.1f}" for b in BATCHES)
+            for name, ms in self.ms.items())
+        source = "cached" if self.cached else "measured"
+        return (f"auto runs {self.quantization or 'float32'} ({source}; ms a step's linears "
+                f"at batch {' / '.join(map(str, BATCHES))}: {cells})")
+
+
+def linear_shapes(config: ModelConfig) -> list[tuple[int, int, int]]:
+    """(out_features, in_features, count) of one step's linears, the LM head last."""
+    hidden, d = config.hidden_size, config.head_dim
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    layers = config.num_hidden_layers
+    return [((heads + 2 * kv) * d, hidden, layers), (hidden, heads * d, layers),
+            (2 * config.intermediate_size, hidden, layers),
+            (hidden, config.intermediate_size, layers), (config.vocab_size, hidden, 1)]
+
+
+def choose_quantization(stored: str | None, config: ModelConfig) -> KernelChoice | None:
+    """The linears' format for a checkpoint stored as `stored` on this CPU (native kernels
+    present), from the cache or timed now; None when there is nothing to choose."""
+    candidates = CANDIDATES.get(stored or "")
+    if candidates is None:
+        return None
+    shapes = linear_shapes(config)
+    path = _cache_path(stored, shapes)
+    try:
+        saved = json.loads(path.read_text())
+        ms = {name: {int(b): t for b, t in times.items()} for name, times in saved["ms"].items()}
+        return KernelChoice(saved["quantization"], ms, cached=True)
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    start = time.perf_counter()
+    ms = {_name(c): {b: step_ms(c, shapes, b) for b in BATCHES} for c in candidates}
+    choice = KernelChoice(pick(candidates, ms), ms, cached=False)
+    logger.info("timed the linear kernels in %.1f s", time.perf_counter() - start)
+    _write_atomically(path, {"quantization": choice.quantization, "ms": ms})
+    return choice
+
+
+def pick(candidates: tuple[str | None, ...], ms: dict[str, dict[int, float]]) -> str | None:
+    """The first candidate (the checkpoint's own format first) never slower than float32 at
+    any batch; float32 if none."""
+    floor = ms["float32"]
+    for candidate in candidates:
+        if all(ms[_name(candidate)][b] <= floor[b] for b in BATCHES):
+            return candidate
+    return None
+
+
+def step_ms(quantization: str | None, shapes: list[tuple[int, int, int]], batch: int) -> float:
+    """Milliseconds for one step's linears in `quantization` at `batch` rows (best of 3)."""
+    from llmserve.models.packed_float import PackedFloatWeight, float_linear
+    from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
+    from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
+
+    generator = torch.Generator().manual_seed(0)
+    total = 0.0
+    for i, (n, k, count) in enumerate(shapes):
+        w = torch.randn(n, k, generator=generator) * 0.05
+        x = torch.randn(batch, k, generator=generator)
+        head = i == len(shapes) - 1  # the LM head: int8 under int4 too (QUANTIZED_HEADS)
+        if quantization == "int4" and not head:
+            packed = PackedInt4Weight(w)
+            fn = lambda x, p=packed: int4_linear(x, p)  # noqa: E731
+        elif quantization is not None:
+            packed = PackedInt8Weight(w)
+            fn = lambda x, p=packed: int8_linear(x, p)  # noqa: E731
+        else:
+            packed = PackedFloatWeight(w)
+            fn = lambda x, p=packed: float_linear(x, p)  # noqa: E731
+        fn(x)
+        once = time.perf_counter()
+        fn(x)
+        once = time.perf_counter() - once
+        calls = max(1, min(20, int(_TIME_PER_SHAPE_S / 3 / max(once, 1e-6))))
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(x)
+            best = min(best, (time.perf_counter() - t0) / calls)
+        total += best * count
+    return total * 1e3
+
+
+def _name(quantization: str | None) -> str:
+    return quantization or "float32"
+
+
+def _cache_path(stored: str, shapes: list[tuple[int, int, int]]) -> Path:
+    from llmserve.kernels import _build_dir, _sources, level_of, native
+
+    key = hashlib.sha256()
+    for part in (cpu_info.cpu_model_name(), " ".join(sorted(cpu_info.cpu_features())),
+                 level_of(native()), torch.__version__, str(torch.get_num_threads()), stored,
+                 json.dumps(shapes), json.dumps(CANDIDATES), str(BATCHES)):
+        key.update(part.encode() + b"\0")
+    for source in _sources():
+        key.update(source.read_bytes())
+    return _build_dir() / f"choice-{key.hexdigest()[:16]}.json"
+
+
+def _write_atomically(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache: choose again next time
+        logger.warning("cannot cache the kernel choice in %s: %s", path, exc)

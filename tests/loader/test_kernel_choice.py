@@ -1,0 +1,58 @@
+""""auto" picks the linears' format by timing it against float32, once per machine."""
+
+import json
+
+import pytest
+
+from llmserve.config import ModelConfig
+from llmserve.loader import kernel_choice
+from llmserve.loader.kernel_choice import choose_quantization, pick
+
+TINY = ModelConfig(architecture="llama", vocab_size=512, hidden_size=64,
+                   intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128)
+
+
+def test_the_checkpoint_format_when_never_slower_than_float32():
+    ms = {"int4": {1: 1.0, 32: 9.0}, "int8": {1: 0.5, 32: 5.0}, "float32": {1: 3.0, 32: 10.0}}
+    assert pick(("int4", "int8", None), ms) == "int4"  # its own format first, not the fastest
+
+
+def test_another_format_or_float32_when_slower_at_a_serving_batch():
+    ms = {"int4": {1: 1.0, 32: 11.0}, "int8": {1: 2.0, 32: 9.0}, "float32": {1: 3.0, 32: 10.0}}
+    assert pick(("int4", "int8", None), ms) == "int8"
+    ms["int8"][1] = 3.5  # int8 now slower than float32 at batch 1
+    assert pick(("int4", "int8", None), ms) is None
+
+
+def test_timed_once_then_read_from_the_cache(tmp_path, monkeypatch, kernel_level):
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
+    first = choose_quantization("int4", TINY)
+    assert not first.cached
+    assert set(first.ms) == {"int4", "int8", "float32"}
+    assert all(first.ms[name][b] > 0 for name in first.ms for b in (1, 32))
+    assert first.quantization == pick(("int4", "int8", None), first.ms)
+    files = list((tmp_path / "kernels").glob("choice-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["ms"]
+
+    def no_timing(*args):
+        raise AssertionError("a warm start times nothing")
+
+    monkeypatch.setattr(kernel_choice, "step_ms", no_timing)
+    again = choose_quantization("int4", TINY)
+    assert again.cached and again.quantization == first.quantization
+    assert again.ms == first.ms
+    assert f"auto runs {first.quantization or 'float32'} (cached" in again.describe()
+
+
+def test_a_corrupt_cache_entry_is_timed_again(tmp_path, monkeypatch, kernel_level):
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
+    choose_quantization("int8", TINY)
+    (entry,) = (tmp_path / "kernels").glob("choice-*.json")
+    entry.write_text("{not json")
+    assert not choose_quantization("int8", TINY).cached
+
+
+@pytest.mark.parametrize("stored", [None, "int2"])
+def test_nothing_to_choose(stored):
+    assert choose_quantization(stored, TINY) is None

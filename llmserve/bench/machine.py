@@ -47,11 +47,18 @@ def machine_info() -> dict[str, Any]:
 
 def kernel_level() -> str | None:
     """The instruction-set level of the native kernels this process runs ("avx2",
-    "avx512+vnni", ...; None without them)."""
-    from llmserve.kernels import level_of, native
+    "avx512+vnni", ...; None without them); where it has not loaded them (a load generator),
+    the level LLMSERVE_CPU_ISA asks for, without building anything."""
+    from llmserve.kernels import level_of, native, requested_level
 
-    lib = native()
-    return None if lib is None else level_of(lib)
+    if native.cache_info().currsize:
+        lib = native()
+        return None if lib is None else level_of(lib)
+    try:
+        level, extensions = requested_level()
+    except ValueError:
+        return None
+    return f"{level} (requested{', with extensions' if extensions else ''})"
 
 
 def format_machine(info: dict[str, Any] | None = None, what: str = "machine") -> str:

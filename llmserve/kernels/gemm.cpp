@@ -22,7 +22,7 @@ constexpr int kInt8Wide = 4, kQ4Rows = 4, kQ4Wide = 2, kF32Wide = 2;
 #else
 constexpr int kInt8Wide = 1, kQ4Wide = 1, kF32Wide = 1;
 #ifndef LLMSERVE_Q4_ROWS
-#define LLMSERVE_Q4_ROWS 2
+#define LLMSERVE_Q4_ROWS 4
 #endif
 constexpr int kQ4Rows = LLMSERVE_Q4_ROWS;
 #endif

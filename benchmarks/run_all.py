@@ -319,6 +319,7 @@ def main() -> int:
     if not args.only:
         (s.out / "commands.txt").unlink(missing_ok=True)  # a full run: the folder is its own
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+    os.environ.update(s.isa_env())  # meta.json's machine line names the level run
     print(f"load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     runners = {"offline": lambda: run_offline(s), "latency": lambda: run_latency(s),
                "llama-bench": lambda: run_llama_bench(s),

@@ -143,7 +143,7 @@ def _cache_path(stored: str, shapes: list[tuple[int, int, int]]) -> Path:
                  level_of(native()), torch.__version__, str(torch.get_num_threads()), stored,
                  json.dumps(shapes), json.dumps(CANDIDATES), str(BATCHES)):
         key.update(part.encode() + b"\0")
-    for source in _sources():
+    for source in (*_sources(), Path(__file__)):  # the kernels, and the rule choosing
         key.update(source.read_bytes())
     return _build_dir() / f"choice-{key.hexdigest()[:16]}.json"
 

@@ -11,7 +11,6 @@ says which candidate the engine runs by default and for `--dtype float32`; a def
 than float32 at a batch size is flagged (the default path must never be).
 """
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ import torch.nn.functional as F
 
 from llmserve.config import ModelConfig
 from llmserve.kernels import cpu_flags, level_of, native
-from llmserve.loader.kernel_choice import linear_shapes
+from llmserve.loader.kernel_choice import best_seconds, linear_shapes
 
 
 @dataclass
@@ -96,7 +95,7 @@ def _torch_int_mm(w: torch.Tensor):
     return run
 
 
-def time_step(candidate: Candidate, shapes, batch: int, repeats: int = 3) -> float | str:
+def time_step(candidate: Candidate, shapes, batch: int) -> float | str:
     """Milliseconds for one step's linears at `batch` rows, or why it cannot run."""
     total = 0.0
     generator = torch.Generator().manual_seed(0)
@@ -108,14 +107,7 @@ def time_step(candidate: Candidate, shapes, batch: int, repeats: int = 3) -> flo
             fn(x)
         except (RuntimeError, NotImplementedError, TypeError) as exc:
             return f"n/a: {str(exc).splitlines()[0][:60]}"
-        calls = max(2, min(50, int(2e8 // (2 * n * k * batch) + 1)))
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn(x)
-            best = min(best, (time.perf_counter() - start) / calls)
-        total += best * count
+        total += best_seconds(lambda fn=fn, x=x: fn(x), 0.1, max_calls=50) * count
     return total * 1e3
 
 

@@ -2,6 +2,7 @@
 // and stores of a partial block of 16 lanes.
 #pragma once
 
+#include "kernels.h"  // the exported functions: their definitions must match
 #include "simd.h"
 #include "thread_pool.h"
 

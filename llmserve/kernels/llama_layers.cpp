@@ -4,33 +4,7 @@
 // give the same bits; it only removes the Python and dispatch between them (~0.3 ms per
 // layer at batch 1, measured: most of a decode step).
 
-#include <cstdint>
-
-extern "C" {
-void llmserve_rms_norm(const float* x, int64_t T, int64_t C, const float* weight, float eps,
-                       float* out);
-void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t num_heads,
-                             int64_t D, const int64_t* positions, const float* cos_table,
-                             const float* sin_table);
-void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* out);
-void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
-                          const int32_t* wsum, const float* wscale, const float* bias,
-                          int64_t N, float* y, uint8_t* workspace);
-void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
-                        const float* bias, int64_t N, float* y, uint8_t* workspace);
-void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
-                         const float* bias, int64_t N, float* y);
-void llmserve_kv_cache_write(const float* k, const float* v, int64_t kv_stride, int64_t T,
-                             int64_t Hkv, int64_t D, const int64_t* slot_mapping, void* k_cache,
-                             void* v_cache, float* k_scales, float* v_scales, int32_t dtype);
-void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64_t D,
-                              const void* k_cache, const void* v_cache, const float* k_scales,
-                              const float* v_scales, int32_t dtype, int64_t block_size,
-                              int64_t Hkv, const int32_t* block_tables, int64_t max_blocks,
-                              const int32_t* query_start, const int32_t* context_lens,
-                              int64_t B, float scale, int64_t window, float softcap,
-                              float* out);
-}
+#include "kernels.h"
 
 namespace {
 

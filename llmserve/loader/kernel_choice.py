@@ -119,19 +119,25 @@ def step_ms(quantization: str | None, shapes: list[tuple[int, int, int]], batch:
         else:
             packed = PackedFloatWeight(w)
             fn = lambda x, p=packed: float_linear(x, p)  # noqa: E731
-        fn(x)
-        once = time.perf_counter()
-        fn(x)
-        once = time.perf_counter() - once
-        calls = max(1, min(20, int(_TIME_PER_SHAPE_S / 3 / max(once, 1e-6))))
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn(x)
-            best = min(best, (time.perf_counter() - t0) / calls)
-        total += best * count
+        total += best_seconds(lambda fn=fn, x=x: fn(x), _TIME_PER_SHAPE_S) * count
     return total * 1e3
+
+
+def best_seconds(call, budget_s: float, max_calls: int = 20, repeats: int = 3) -> float:
+    """Seconds one `call()` takes: the best of `repeats` loops of as many calls as fit
+    `budget_s` in all (after one warm-up call)."""
+    call()
+    once = time.perf_counter()
+    call()
+    once = time.perf_counter() - once
+    calls = max(1, min(max_calls, int(budget_s / repeats / max(once, 1e-6))))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
 
 
 def _name(quantization: str | None) -> str:

@@ -19,40 +19,7 @@
 #include <utility>
 #include <vector>
 
-extern "C" {
-const char* llmserve_kernels_level();
-void llmserve_set_num_threads(int32_t num_threads, int64_t spin_us);
-void llmserve_rms_norm(const float* x, int64_t T, int64_t C, const float* weight, float eps,
-                       float* out);
-void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t num_heads,
-                             int64_t D, const int64_t* positions, const float* cos_table,
-                             const float* sin_table);
-void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* out);
-void llmserve_pack_int8_weight(const int8_t* w, int64_t N, int64_t K, int8_t* packed);
-void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
-                          const int32_t* wsum, const float* wscale, const float* bias,
-                          int64_t N, float* y, uint8_t* workspace);
-void llmserve_pack_q4_weight(const uint8_t* codes, const uint16_t* d, const uint16_t* m,
-                             int64_t N, int64_t K, uint8_t* packed);
-void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
-                        const float* bias, int64_t N, float* y, uint8_t* workspace);
-void llmserve_pack_f32_weight(const float* w, int64_t N, int64_t K, float* packed);
-void llmserve_f32_linear_from(const float* x, int64_t M, int64_t K, const float* w,
-                              const float* bias, const float* init, int64_t N, float* y);
-void llmserve_argmax_rows(const float* x, int64_t M, int64_t N, int64_t* out);
-void llmserve_apply_token_bitmask(float* x, int64_t N, const int32_t* words, int64_t R,
-                                  const int64_t* rows);
-void llmserve_kv_cache_write(const float* k, const float* v, int64_t kv_stride, int64_t T,
-                             int64_t Hkv, int64_t D, const int64_t* slot_mapping, void* k_cache,
-                             void* v_cache, float* k_scales, float* v_scales, int32_t dtype);
-void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64_t D,
-                              const void* k_cache, const void* v_cache, const float* k_scales,
-                              const float* v_scales, int32_t dtype, int64_t block_size,
-                              int64_t Hkv, const int32_t* block_tables, int64_t max_blocks,
-                              const int32_t* query_start, const int32_t* context_lens,
-                              int64_t B, float scale, int64_t window, float softcap,
-                              float* out);
-}
+#include "../../llmserve/kernels/kernels.h"
 
 namespace {
 

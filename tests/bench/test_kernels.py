@@ -1,0 +1,20 @@
+"""`llmserve bench kernels`: every candidate timed at each batch, the engine's roles named."""
+
+from llmserve.bench.kernels import format_kernels, run_kernels
+from tests.loader.test_kernel_choice import TINY
+
+
+def test_bench_kernels_times_every_candidate(tmp_path, monkeypatch, kernel_level):
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
+    result = run_kernels(TINY, (1, 4))
+    assert result["level"].split("+")[0] == kernel_level
+    names = [row["kernel"] for row in result["rows"]]
+    assert names[:4] == ["llmserve int4 (W4A15)", "llmserve int8 (W8A15)",
+                         "llmserve float32", "torch F.linear float32"]
+    for row in result["rows"][:4]:  # ours and torch's float32 run everywhere
+        assert all(isinstance(row["ms"][b], float) and row["ms"][b] > 0 for b in (1, 4))
+    table = format_kernels(result)
+    assert f"kernel level: {result['level']}" in table
+    assert f"engine: default = {result['default']}" in table
+    assert "llmserve float32" in table and "--dtype float32" in table
+    assert table.count("batch 1: default") == 1 and "batch 4: default" in table

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
-_ABI = 15
+_ABI = 16
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 
@@ -59,6 +59,7 @@ _SIGNATURES = {
     "llmserve_kernels_abi": [],
     "llmserve_kernels_level": [],
     "llmserve_set_num_threads": [_I32, _I64],
+    "llmserve_set_stream_prefetch": [_I32],
     "llmserve_rms_norm": [_P, _I64, _I64, _P, _F32, _P],
     "llmserve_rotary_inplace": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],
     "llmserve_silu_and_mul": [_P, _I64, _I64, _P],

@@ -44,4 +44,22 @@ inline void store_part(float* p, simd::F16 a, int64_t n) {
 
 enum KVDtype : int32_t { kF32 = 0, kBF16 = 1, kInt8 = 2 };
 
+// Whether a decode's single pass over the weights prefetches them non-temporally (set by
+// llmserve_set_stream_prefetch, chosen by timing: kernel_choice.py).
+bool stream_nontemporal();
+
+// Prefetches one line of weights. `kStream` (a decode's single pass over the weights):
+// non-temporally where that was timed faster. On a Zen 5 (32 MiB L3) it kept ~100 MB of
+// weights a token from evicting the KV cache and the interpreter's working set (engine
+// step 3.84-4.29 -> 3.70-3.94 ms); on a Xeon VM with a 480 MiB L3 it threw away weights
+// that fit it, and the next token read them from memory again (batch-1 step 8.97 ms
+// non-temporal, 3.47 ms kept).
+template <bool kStream>
+inline void prefetch_weights(const void* p) {
+  if (kStream && stream_nontemporal())
+    simd::prefetch<true>(p);
+  else
+    simd::prefetch<false>(p);
+}
+
 }  // namespace llmserve

@@ -150,7 +150,7 @@ inline void int8_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp
     for (int b = 0; b < NB; ++b) {
       // one line ahead in each block's stream (past a block's end: the next block's start,
       // which a one-block tile reads next)
-      simd::prefetch<kStream>(w + (nb0 + b) * block_bytes + k4 * 64 + kInt8PrefetchBytes);
+      prefetch_weights<kStream>(w + (nb0 + b) * block_bytes + k4 * 64 + kInt8PrefetchBytes);
       wv[b] = simd::load_bytes(w + (nb0 + b) * block_bytes + k4 * 64);
     }
     for (int m = 0; m < MT; ++m)
@@ -194,7 +194,7 @@ struct Int8Tiles {
   const float* bias;
   int64_t N;
   float* y;
-  bool stream;  // one pass over the weights (decode): prefetch them non-temporally
+  bool stream;  // one pass over the weights (decode): see prefetch_weights
   template <int MT, int NB>
   void run(int64_t m, int64_t b) const {
     if (stream)
@@ -273,7 +273,7 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
         const char* next =
             reinterpret_cast<const char*>(w + (nb1 + b) * block_bytes + g1 * kQ4Record);
         for (int line = 0; line < kQ4Record / 64; ++line)
-          simd::prefetch<kStream>(next + 64 * line);
+          prefetch_weights<kStream>(next + 64 * line);
       }
     }
     simd::P32 ihi[MT][NB], ilo[MT][NB];  // 8 steps a group: within dot4_nibbles' bound
@@ -327,7 +327,7 @@ struct Q4Tiles {
   int64_t N;
   const float* bias;
   float* y;
-  bool stream;  // one pass over the weights (decode): prefetch them non-temporally
+  bool stream;  // one pass over the weights (decode): see prefetch_weights
   template <int MT, int NB>
   void run(int64_t m, int64_t b) const {
     if (stream)

@@ -21,19 +21,27 @@ namespace {
 std::atomic<llmserve::ThreadPool*> g_pool{nullptr};
 std::vector<std::unique_ptr<llmserve::ThreadPool>> g_pools;
 std::mutex g_pools_mutex;
+std::atomic<bool> g_stream_nontemporal{true};
 
 }  // namespace
 
 namespace llmserve {
 ThreadPool* current_pool() { return g_pool.load(); }
+bool stream_nontemporal() { return g_stream_nontemporal.load(std::memory_order_relaxed); }
 }  // namespace llmserve
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 15; }
+int32_t llmserve_kernels_abi() { return 16; }
 
 // The instruction-set level the library was built for ("avx2", "avx512+vnni", ...).
 const char* llmserve_kernels_level() { return simd::level_name(); }
+
+// Whether decodes prefetch their weights non-temporally (1, the default) or into the caches
+// (0); see prefetch_weights in common.h.
+void llmserve_set_stream_prefetch(int32_t nontemporal) {
+  g_stream_nontemporal.store(nontemporal != 0);
+}
 
 // Starts a pool of `num_threads` in all (the caller included) for the kernels that follow;
 // idle workers spin for `spin_us` microseconds before they sleep.

@@ -13,7 +13,7 @@ from llmserve.kernels import native
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
-from llmserve.loader.kernel_choice import choose_quantization
+from llmserve.loader.kernel_choice import choose_quantization, choose_stream_prefetch
 from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
 from llmserve.models.packed_float import can_pack, pack_float_model
@@ -88,6 +88,9 @@ def load_model(
         quantization = auto_quantization(weights.quantization, torch.device(device),
                                          weights.config)
     quantize_model(model, quantization)
+    if quantization is not None and device_is_cpu(device):
+        if (prefetch := choose_stream_prefetch(model)) is not None:
+            logger.info("%s", prefetch)
     if quantization is None and can_pack(model, dtype):
         pack_float_model(model)  # the exact path on the native float32 GEMM
     if hasattr(model, "enable_native_layers"):
@@ -98,6 +101,10 @@ def load_model(
     logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
                 quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return LoadedModel(model, tokenizer, weights.config, source, quantization)
+
+
+def device_is_cpu(device: str | torch.device) -> bool:
+    return torch.device(device).type == "cpu"
 
 
 def shard_plan(config: ModelConfig, tp: TensorParallel) -> ShardPlan:

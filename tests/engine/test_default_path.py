@@ -195,3 +195,23 @@ def test_attention_backend_by_name(smollm2_gguf):
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         LLM(str(smollm2_gguf), attention_backend="flash")
     assert TorchBackend.reads_only_written_slots is False
+
+
+def test_decode_prefetch_is_chosen_by_timing_the_models_own_weights(default_llm):
+    from torch import nn
+
+    from llmserve.loader.kernel_choice import choose_stream_prefetch
+
+    said = choose_stream_prefetch(default_llm.engine.loaded.model)
+    assert said.startswith("decode prefetch: ")
+    assert " ms non-temporal, " in said and said.endswith(" ms cached)")
+    # the choice only moves the weights' cache residency: the tokens stay the same
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = default_llm.generate("The ocean is", params, use_tqdm=False)
+    from llmserve.kernels import native  # the library the model's kernels run in
+
+    for nontemporal in (0, 1):
+        native().llmserve_set_stream_prefetch(nontemporal)
+        after = default_llm.generate("The ocean is", params, use_tqdm=False)
+        assert token_ids(after) == token_ids(before)
+    assert choose_stream_prefetch(nn.Linear(4, 4)) is None  # nothing packed to time

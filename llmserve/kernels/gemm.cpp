@@ -20,11 +20,9 @@ namespace {
 #if defined(LLMSERVE_SIMD_AVX512)
 constexpr int kInt8Wide = 4, kQ4Rows = 4, kQ4Wide = 2, kF32Wide = 2;
 #else
-constexpr int kInt8Wide = 1, kQ4Wide = 1, kF32Wide = 1;
-#ifndef LLMSERVE_Q4_ROWS
-#define LLMSERVE_Q4_ROWS 4
-#endif
-constexpr int kQ4Rows = LLMSERVE_Q4_ROWS;
+// int4 at avx2: tiles of 4 rows spill some accumulators but decode each weight block for
+// twice the rows of 2 (measured, 3072x576 at batch 32: 0.61 ms with 4 rows, 0.67 with 2)
+constexpr int kInt8Wide = 1, kQ4Rows = 4, kQ4Wide = 1, kF32Wide = 1;
 #endif
 
 // Runs `tile.template run<MT, NB>(m0, nb0)` over rows [0, M) and channel blocks

@@ -34,6 +34,14 @@ _X86_DARWIN_NAMES = {
 }
 
 
+# The features that decide which kernels run, in the order reports print them. x86: fp32
+# (avx2/avx512f), int8 dot products (VNNI), bf16 (avx512_bf16) and Intel's matrix tiles
+# (AMX); ARM: NEON, int8 dot products and matrix multiplies (dotprod, i8mm), bf16 and SVE.
+KERNEL_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+                "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+                "amx_int8", "neon", "dotprod", "i8mm", "bf16", "sve")
+
+
 def read_text(path: str) -> str | None:
     """A file's text; None where it cannot be read (no /proc on this system)."""
     try:

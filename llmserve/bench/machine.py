@@ -15,12 +15,8 @@ from llmserve import cpu_info
 if TYPE_CHECKING:
     from llmserve.llm import LLM
 
-# The flags that decide which GEMM kernels run. x86: fp32 (avx2/avx512f), int8 dot products
-# (VNNI), bf16 (avx512_bf16) and Intel's matrix tiles (AMX); ARM: NEON, int8 dot products
-# and matrix multiplies (dotprod, i8mm), bf16 and SVE.
-CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16",
-             "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
-             "neon", "dotprod", "i8mm", "bf16", "sve")
+# The flags that decide which kernels run (one list, cpu_info.KERNEL_FLAGS)
+CPU_FLAGS = cpu_info.KERNEL_FLAGS
 
 
 def cpu_flags(cpuinfo: str | None = None) -> list[str]:

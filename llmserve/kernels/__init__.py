@@ -85,12 +85,9 @@ _RESTYPES = {"llmserve_kernels_abi": _I32, "llmserve_int8_embedding": _I32,
 
 
 def cpu_flags() -> list[str]:
-    """The CPU features that matter for kernel choice (x86 and ARM), sorted."""
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl",
-              "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8",
-              "neon", "dotprod", "i8mm", "bf16")
+    """The CPU features that matter for kernel choice (x86 and ARM) this CPU has."""
     present = cpu_info.cpu_features()
-    return [flag for flag in wanted if flag in present]
+    return [flag for flag in cpu_info.KERNEL_FLAGS if flag in present]
 
 
 def missing_features(level: str) -> list[str]:

@@ -53,6 +53,21 @@ inline void load_row(const void* base, int64_t index, int64_t D, int32_t dtype,
   }
 }
 
+// Prefetches key and value rows [base, base + n), `bytes` from kv head `kvh0` on in each row,
+// into the caches: the blocks are scattered, so the hardware prefetcher does not find them.
+// Measured (default model, 32 streams decoding at context 128-430, avx512): the loads of the
+// rows were 60 % of attention's time without it.
+inline void prefetch_rows(const void* k_cache, const void* v_cache, int64_t base, int64_t n,
+                          int64_t Hkv, int64_t kvh0, int64_t bytes, int64_t row_bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t offset = ((base + j) * Hkv + kvh0) * row_bytes;
+    for (int64_t line = 0; line < bytes; line += 64) {
+      simd::prefetch<false>(static_cast<const char*>(k_cache) + offset + line);
+      simd::prefetch<false>(static_cast<const char*>(v_cache) + offset + line);
+    }
+  }
+}
+
 // A cached row as fp32: the row itself for an fp32 cache, else widened into `buffer`.
 inline const float* cached_row(const void* base, int64_t index, int64_t D, int32_t dtype,
                                const float* scales, float* buffer) {
@@ -281,11 +296,14 @@ void llmserve_kv_cache_write(const float* k, const float* v, int64_t kv_stride, 
 // position p sees only keys p - window + 1 .. p (sliding-window layers); with `softcap`
 // > 0 each score s becomes softcap * tanh(s / softcap).
 //
-// Work items are (sequence, kv head, tile of queries): a block of keys and values is read
-// (and widened) once for every query head of the group and every query of the tile. Each
-// query then runs the same arithmetic whatever its tile, chunk or batch: keys in cache
-// blocks from position 0, an online softmax per block. So a query's output depends only on
-// its q and keys, and chunked prefill, prefix-cache hits and batching change no bits.
+// Work items are (sequence, tile of queries, range of kv heads): a block of keys and values
+// is read (and widened) once for every query head of the group and every query of the tile.
+// With enough sequences and tiles to share out, an item takes every kv head, so it reads a
+// cache block's rows (all heads side by side) as one stretch of memory; otherwise one kv head,
+// so a few long sequences still spread over the threads. Each query runs the same arithmetic
+// whatever its item, tile, chunk or batch: keys in cache blocks from position 0, an online
+// softmax per block. So a query's output depends only on its q and keys, and chunked prefill,
+// prefix-cache hits and batching change no bits.
 void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64_t D,
                               const void* k_cache,
                               const void* v_cache, const float* k_scales,
@@ -296,13 +314,19 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
                               float* out) {
   constexpr int64_t kTile = 8;
   const int64_t group = H / Hkv;
+  int64_t total_tiles = 0;
+  for (int64_t b = 0; b < B; ++b)
+    total_tiles += (query_start[b + 1] - query_start[b] + kTile - 1) / kTile;
+  const int64_t head_ranges = total_tiles >= 4 * current_pool()->size() ? 1 : Hkv;
+  const int64_t heads = Hkv / head_ranges;
   std::vector<int64_t> item_start(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
     int64_t tiles = (query_start[b + 1] - query_start[b] + kTile - 1) / kTile;
-    item_start[b + 1] = item_start[b] + tiles * Hkv;
+    item_start[b + 1] = item_start[b] + tiles * head_ranges;
   }
+  const int64_t row_bytes = D * (dtype == kF32 ? 4 : dtype == kBF16 ? 2 : 1);
   parallel_for(0, item_start[B], 1, [&](int64_t ib, int64_t ie) {
-    const int64_t rows = kTile * group;
+    const int64_t rows = kTile * group * heads;
     std::vector<float> keys(block_size * D), values(block_size * D), scores(block_size + 16);
     std::vector<const float*> key_rows(block_size), value_rows(block_size);
     float shifted[16], probs[16];
@@ -311,7 +335,7 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
     for (int64_t item = ib; item < ie; ++item) {
       while (item >= item_start[b + 1]) ++b;
       int64_t local = item - item_start[b];
-      int64_t tile = local / Hkv, kvh = local % Hkv;
+      int64_t tile = local / head_ranges, kvh0 = (local % head_ranges) * heads;
       int64_t q0 = tile * kTile;
       int64_t nq = std::min(kTile, static_cast<int64_t>(query_start[b + 1] - query_start[b]) - q0);
       int64_t context = context_lens[b];
@@ -326,55 +350,65 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
       for (int64_t k0 = first_block * block_size; k0 < last_key; k0 += block_size) {
         int64_t n = std::min(block_size, last_key - k0);
         int64_t base = static_cast<int64_t>(table[k0 / block_size]) * block_size;
-        for (int64_t j = 0; j < n; ++j) {
-          key_rows[j] = cached_row(k_cache, (base + j) * Hkv + kvh, D, dtype, k_scales,
-                                   &keys[j * D]);
-          value_rows[j] = cached_row(v_cache, (base + j) * Hkv + kvh, D, dtype, v_scales,
-                                     &values[j * D]);
-        }
-        for (int64_t i = 0; i < nq; ++i) {
-          int64_t pos = context + q0 + i;
-          // keys [lo, visible) of the block: causal, and inside the window if any
-          int64_t visible = std::min(n, pos + 1 - k0);
-          int64_t lo = window > 0 ? std::max<int64_t>(0, pos + 1 - window - k0) : 0;
-          if (visible <= lo) continue;
-          int64_t token = query_start[b] + q0 + i;
-          for (int64_t g = 0; g < group; ++g) {
-            int64_t h = kvh * group + g, r = i * group + g;
-            const float* qv = q + token * q_stride + h * D;
-            float block_max = -INFINITY;
-            for (int64_t j0 = lo; j0 < visible; j0 += 16)
-              scores_block(qv, &key_rows[j0], std::min<int64_t>(16, visible - j0), D, scale,
-                           &scores[j0]);
-            if (softcap > 0.f)
-              for (int64_t j = lo; j < visible; ++j)
-                scores[j] = softcap * std::tanh(scores[j] / softcap);
-            for (int64_t j = lo; j < visible; ++j) block_max = std::max(block_max, scores[j]);
-            float* a = &acc[r * D];
-            if (block_max > running_max[r]) {
-              float correction;
-              float delta = running_max[r] - block_max;
-              exp_block(&delta, 1, &correction);
-              scale_row(a, correction, D);
-              denom[r] *= correction;
-              running_max[r] = block_max;
-            }
-            for (int64_t j0 = lo; j0 < visible; j0 += 16) {
-              int64_t m = std::min<int64_t>(16, visible - j0);
-              for (int64_t j = 0; j < m; ++j) shifted[j] = scores[j0 + j] - running_max[r];
-              exp_block(shifted, m, probs);
-              for (int64_t j = 0; j < m; ++j) denom[r] += probs[j];
-              accumulate_values(a, probs, &value_rows[j0], m, D);
+        if (k0 + block_size < last_key)  // the scattered blocks defeat hardware prefetch
+          prefetch_rows(k_cache, v_cache, static_cast<int64_t>(table[k0 / block_size + 1]) *
+                                              block_size,
+                        std::min(block_size, last_key - k0 - block_size), Hkv, kvh0,
+                        heads * row_bytes, row_bytes);
+        for (int64_t hh = 0; hh < heads; ++hh) {
+          const int64_t kvh = kvh0 + hh;
+          for (int64_t j = 0; j < n; ++j) {
+            key_rows[j] = cached_row(k_cache, (base + j) * Hkv + kvh, D, dtype, k_scales,
+                                     &keys[j * D]);
+            value_rows[j] = cached_row(v_cache, (base + j) * Hkv + kvh, D, dtype, v_scales,
+                                       &values[j * D]);
+          }
+          for (int64_t i = 0; i < nq; ++i) {
+            int64_t pos = context + q0 + i;
+            // keys [lo, visible) of the block: causal, and inside the window if any
+            int64_t visible = std::min(n, pos + 1 - k0);
+            int64_t lo = window > 0 ? std::max<int64_t>(0, pos + 1 - window - k0) : 0;
+            if (visible <= lo) continue;
+            int64_t token = query_start[b] + q0 + i;
+            for (int64_t g = 0; g < group; ++g) {
+              int64_t h = kvh * group + g, r = (hh * kTile + i) * group + g;
+              const float* qv = q + token * q_stride + h * D;
+              float block_max = -INFINITY;
+              for (int64_t j0 = lo; j0 < visible; j0 += 16)
+                scores_block(qv, &key_rows[j0], std::min<int64_t>(16, visible - j0), D, scale,
+                             &scores[j0]);
+              if (softcap > 0.f)
+                for (int64_t j = lo; j < visible; ++j)
+                  scores[j] = softcap * std::tanh(scores[j] / softcap);
+              for (int64_t j = lo; j < visible; ++j) block_max = std::max(block_max, scores[j]);
+              float* a = &acc[r * D];
+              if (block_max > running_max[r]) {
+                float correction;
+                float delta = running_max[r] - block_max;
+                exp_block(&delta, 1, &correction);
+                scale_row(a, correction, D);
+                denom[r] *= correction;
+                running_max[r] = block_max;
+              }
+              for (int64_t j0 = lo; j0 < visible; j0 += 16) {
+                int64_t m = std::min<int64_t>(16, visible - j0);
+                for (int64_t j = 0; j < m; ++j) shifted[j] = scores[j0 + j] - running_max[r];
+                exp_block(shifted, m, probs);
+                for (int64_t j = 0; j < m; ++j) denom[r] += probs[j];
+                accumulate_values(a, probs, &value_rows[j0], m, D);
+              }
             }
           }
         }
       }
-      for (int64_t i = 0; i < nq; ++i)
-        for (int64_t g = 0; g < group; ++g) {
-          int64_t token = query_start[b] + q0 + i, h = kvh * group + g, r = i * group + g;
-          float* o = out + (token * H + h) * D;
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] / denom[r];
-        }
+      for (int64_t hh = 0; hh < heads; ++hh)
+        for (int64_t i = 0; i < nq; ++i)
+          for (int64_t g = 0; g < group; ++g) {
+            int64_t token = query_start[b] + q0 + i, h = (kvh0 + hh) * group + g;
+            int64_t r = (hh * kTile + i) * group + g;
+            float* o = out + (token * H + h) * D;
+            for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] / denom[r];
+          }
     }
   });
 }

@@ -266,7 +266,7 @@ def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
 
 # "auto" keeps a quantized checkpoint quantized: GGUF Q4_* on the int4 kernels, Q5/Q6/Q8
 # on the int8 kernels.
-QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4")
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "int4-a8")
 KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 ATTENTION_BACKEND_CHOICES = ("auto", "native", "flex", "torch")
 # queued requests a server admits before answering 429 (`--max-num-waiting`)
@@ -380,7 +380,8 @@ class EngineConfig:
     device: str = "auto"
     # None: "auto" with dtype auto (a quantized checkpoint keeps its quantization: int4 or
     # int8 kernels), exact float weights otherwise; "none": always float; "int8": W8A8
-    # linear layers; "int4": 4-bit weight groups of 32, two-part int8 activations
+    # linear layers; "int4": 4-bit weight groups of 32, two-part int8 activations (15 bits);
+    # "int4-a8": the same weights with 8-bit activations (quantization/int4.py)
     quantization: str | None = None
     # auto (CPU, native kernels): int8 on the int8 weight path, bfloat16 on the int4 path;
     # else the compute dtype

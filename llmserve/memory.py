@@ -75,7 +75,8 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
     from llmserve.quantization.int4 import packed_int4_bytes
     from llmserve.quantization.int8 import packed_int8_bytes
 
-    packed = {"int8": packed_int8_bytes, "int4": packed_int4_bytes}[method]
+    packed = {"int8": packed_int8_bytes, "int4": packed_int4_bytes,
+              "int4-a8": packed_int4_bytes}[method]
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     layer = (packed(q + 2 * kv, h) + packed(h, q) + packed(2 * i, h) + packed(h, i)

@@ -505,7 +505,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="auto (default with --dtype auto): a quantized checkpoint keeps "
                             "its quantization (GGUF Q4_*: int4, other GGUF: int8); none: "
                             "float weights; int8: W8A8 linear layers; int4: 4-bit weight "
-                            "groups of 32, two-part int8 activations")
+                            "groups of 32, two-part int8 activations (15 bits); int4-a8: "
+                            "the same with 8-bit activations (faster without an int8 dot "
+                            "product instruction; auto picks it by timing)")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES,
                        help="KV-cache entries: auto (int8 on the int8 weight path, bfloat16 on "
                             "the int4 path, else the "

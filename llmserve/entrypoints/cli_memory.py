@@ -74,7 +74,7 @@ def memory_report(
     if method:
         layout = {"int8": "int8 (packed, with per-channel scales",
                   "int4": "int4 linears (groups of 32 with fp16 scales and offsets; an int8 "
-                          "head"}[method]
+                          "head"}[method.removesuffix("-a8")]
         weights_line = (f"{num_params:,} parameters as {layout}; fp32 norms and rotary "
                         f"tables) = {format_bytes(quantized_weight_bytes(cfg, method))}")
     tokens = batch * seq_len

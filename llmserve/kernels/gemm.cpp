@@ -204,11 +204,16 @@ struct Int8Tiles {
 
 // ---- the int4 group GEMM ------------------------------------------------------------------
 // Weights: 4-bit codes u in [0, 15] per group of 32 k, with an fp16 scale d and offset m per
-// (channel, group): w = d * u + m, a GGUF Q4_1 block exactly. Activations: two int8 parts
-// per group of 32 with one scale, x ~ (hi + lo / 254) * s (about 15 bits, as the int8 path:
-// one 8-bit part per group moved greedy output off the float path on 2x as many prompts).
-// Per row and channel, over the groups in order, with exact integer sums:
-//   y += (d * (s / 254)) * (254 * (u . hi) + u . lo);  y += m * (s * sum(hi + lo / 254))
+// (channel, group): w = d * u + m, a GGUF Q4_1 block exactly. Activations: per group of 32
+// with one scale s, at one of two precisions:
+// * 15 bits: two int8 parts, x ~ (hi + lo / 254) * s (one 8-bit part moved greedy output
+//   off the float path on 2x as many prompts). Per row and channel, over the groups in order,
+//   with exact integer sums:
+//     y += (d * (s / 254)) * (254 * (u . hi) + u . lo);  y += m * (s * sum(hi + lo / 254))
+// * 8 bits: hi alone, x ~ hi * s (llama.cpp's Q8 activations): half the integer work, for
+//   CPUs without a one-instruction int8 dot product, where the second part makes int4 at a
+//   serving batch cost what float32 does (kernel_choice.py chooses by timing):
+//     y += (d * s) * (u . hi);  y += m * (s * sum(hi))
 // The float sum runs over the groups in the same order whatever the batch, so a row's
 // result does not depend on the other rows.
 //
@@ -225,10 +230,11 @@ constexpr int64_t kQ4Record = 256 + 64;
 // blocks, 42-46 GB/s. 4, 8, 12 or 16 groups ahead: within the noise.
 constexpr int64_t kQ4PrefetchGroups = 8;
 
-// A row (K floats, K a multiple of 32) -> two int8 parts hi, lo (K each) and per group
-// s / 254 and the group's dequantized sum s * sum(hi + lo / 254).
-void quantize_row_groups(const float* x, int64_t K, int8_t* hi, int8_t* lo, float* s254,
-                         float* sums) {
+// A row (K floats, K a multiple of 32) -> int8 parts hi, lo (K each; lo only if `fine`)
+// and per group the unit of the integer sums (s / 254, or s) and the group's dequantized sum
+// s * sum(hi + lo / 254) (or s * sum(hi)).
+void quantize_row_groups(const float* x, int64_t K, int8_t* hi, int8_t* lo, float* unit,
+                         float* sums, bool fine) {
   const F16 limit = simd::set1(127.f), c254 = simd::set1(254.f);
   for (int64_t g = 0; g < K / kGroup; ++g) {
     const float* xg = x + g * kGroup;
@@ -239,6 +245,12 @@ void quantize_row_groups(const float* x, int64_t K, int8_t* hi, int8_t* lo, floa
     for (int half = 0; half < 2; ++half) {
       const F16 t = (half ? b : a) * inv;
       const F16 h = simd::round_even(t);
+      if (!fine) {
+        const I16 hi32 = simd::to_int(h);
+        simd::store_s8(hi + g * kGroup + 16 * half, hi32);
+        total = total + hi32;
+        continue;
+      }
       F16 l = simd::round_even((t - h) * c254);
       l = simd::min(simd::max(l, simd::zero() - limit), limit);
       const I16 hi32 = simd::to_int(h), lo32 = simd::to_int(l);
@@ -246,15 +258,15 @@ void quantize_row_groups(const float* x, int64_t K, int8_t* hi, int8_t* lo, floa
       simd::store_s8(lo + g * kGroup + 16 * half, lo32);
       total = total + (simd::shl<8>(hi32) - simd::shl<1>(hi32)) + lo32;  // 254 * hi + lo
     }
-    s254[g] = amax / 127.f / 254.f;
-    sums[g] = s254[g] * static_cast<float>(simd::reduce_add(total));  // |sum| < 2^24: exact
+    unit[g] = fine ? amax / 127.f / 254.f : amax / 127.f;
+    sums[g] = unit[g] * static_cast<float>(simd::reduce_add(total));  // |sum| < 2^24: exact
   }
 }
 
 // MT rows x NB blocks of 16 channels of y = Q4(w) . x [+ bias]; `a` holds each row's hi
-// then lo parts (2K bytes per row).
-template <int MT, int NB, bool kStream = false>
-inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64_t m0,
+// then lo parts (2K bytes per row; lo read only if kFine: 15-bit activations).
+template <int MT, int NB, bool kStream, bool kFine>
+inline void q4_tile(const int8_t* a, const float* unit, const float* sums, int64_t m0,
                     int64_t K, const uint8_t* w, int64_t nb0, int64_t N, const float* bias,
                     float* y) {
   const int64_t G = K / kGroup, block_bytes = G * kQ4Record;
@@ -295,7 +307,8 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
         std::memcpy(&l1, xl + 4, 4);
         for (int b = 0; b < NB; ++b) {
           ihi[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(ihi[m][b], ulo[b], h0), uhi[b], h1);
-          ilo[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(ilo[m][b], ulo[b], l0), uhi[b], l1);
+          if (kFine)
+            ilo[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(ilo[m][b], ulo[b], l0), uhi[b], l1);
         }
       }
     }
@@ -304,10 +317,11 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
       const F16 d = simd::load_half(reinterpret_cast<const uint16_t*>(rec));
       const F16 mo = simd::load_half(reinterpret_cast<const uint16_t*>(rec + 32));
       for (int m = 0; m < MT; ++m) {
-        // 254 * hi + lo: exact in int32 and as a float (|.| < 2^24)
+        // 254 * hi + lo (15 bits): exact in int32 and as a float (|.| < 2^24)
         const I16 h = simd::widen_pairs(ihi[m][b]);
-        const I16 t = simd::shl<8>(h) - simd::shl<1>(h) + simd::widen_pairs(ilo[m][b]);
-        const F16 ds = d * simd::set1(s254[(m0 + m) * G + g]);
+        const I16 t =
+            kFine ? simd::shl<8>(h) - simd::shl<1>(h) + simd::widen_pairs(ilo[m][b]) : h;
+        const F16 ds = d * simd::set1(unit[(m0 + m) * G + g]);
         acc[m][b] = simd::fmadd(simd::to_float(t), ds, acc[m][b]);
         acc[m][b] = simd::fmadd(mo, simd::set1(sums[(m0 + m) * G + g]), acc[m][b]);
       }
@@ -318,7 +332,7 @@ inline void q4_tile(const int8_t* a, const float* s254, const float* sums, int64
 
 struct Q4Tiles {
   const int8_t* a;
-  const float* s254;
+  const float* unit;
   const float* sums;
   int64_t K;
   const uint8_t* w;
@@ -326,12 +340,15 @@ struct Q4Tiles {
   const float* bias;
   float* y;
   bool stream;  // one pass over the weights (decode): see prefetch_weights
+  bool fine;    // 15-bit activations (else 8)
   template <int MT, int NB>
   void run(int64_t m, int64_t b) const {
     if (stream)
-      q4_tile<MT, NB, true>(a, s254, sums, m, K, w, b, N, bias, y);
+      fine ? q4_tile<MT, NB, true, true>(a, unit, sums, m, K, w, b, N, bias, y)
+           : q4_tile<MT, NB, true, false>(a, unit, sums, m, K, w, b, N, bias, y);
     else
-      q4_tile<MT, NB, false>(a, s254, sums, m, K, w, b, N, bias, y);
+      fine ? q4_tile<MT, NB, false, true>(a, unit, sums, m, K, w, b, N, bias, y)
+           : q4_tile<MT, NB, false, false>(a, unit, sums, m, K, w, b, N, bias, y);
   }
 };
 
@@ -468,25 +485,27 @@ void llmserve_pack_q4_weight(const uint8_t* codes, const uint16_t* d, const uint
   }
 }
 
-// y (M, N) = Q4 weight . x (M, K) [+ bias], K a multiple of 32. `workspace` holds
-// 2 * M * K bytes (the rows' two int8 parts) plus 2 * M * K / 32 floats (per group s / 254
-// and the dequantized sum).
+// y (M, N) = Q4 weight . x (M, K) [+ bias], K a multiple of 32, with activations at
+// `activation_bits` 15 or 8 (see above). `workspace` holds 2 * M * K bytes (the rows' int8
+// parts) plus 2 * M * K / 32 floats (per group the unit and the dequantized sum).
 void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
-                        const float* bias, int64_t N, float* y, uint8_t* workspace) {
+                        const float* bias, int64_t N, float* y, uint8_t* workspace,
+                        int32_t activation_bits) {
   const int64_t G = K / kGroup;
+  const bool fine = activation_bits != 8;
   int8_t* a = reinterpret_cast<int8_t*>(workspace);
-  float* s254 = reinterpret_cast<float*>(workspace + 2 * M * K);
-  float* sums = s254 + M * G;
+  float* unit = reinterpret_cast<float*>(workspace + 2 * M * K);
+  float* sums = unit + M * G;
   parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m)
-      quantize_row_groups(x + m * K, K, a + m * 2 * K, a + m * 2 * K + K, s254 + m * G,
-                          sums + m * G);
+      quantize_row_groups(x + m * K, K, a + m * 2 * K, a + m * 2 * K + K, unit + m * G,
+                          sums + m * G, fine);
   });
   const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
   // rows in blocks whose int8 parts stay in L2 while a thread's weight records stream past
   const int64_t row_block =
       std::max<int64_t>(kQ4Rows, (256 * 1024 / (2 * K)) / kQ4Rows * kQ4Rows);
-  const Q4Tiles tile{a, s254, sums, K, w, N, bias, y, /*stream=*/M < 4};
+  const Q4Tiles tile{a, unit, sums, K, w, N, bias, y, /*stream=*/M < 4, fine};
   parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
     if (M < 4)  // decode: one block per tile, so a thread reads one linear stream
       for_tiles<kQ4Rows, 1>(tile, M, nb, ne, row_block);

@@ -24,7 +24,8 @@ void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
 void llmserve_pack_q4_weight(const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                              int64_t N, int64_t K, uint8_t* packed);
 void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
-                        const float* bias, int64_t N, float* y, uint8_t* workspace);
+                        const float* bias, int64_t N, float* y, uint8_t* workspace,
+                        int32_t activation_bits);
 void llmserve_pack_f32_weight(const float* w, int64_t N, int64_t K, float* packed);
 void llmserve_f32_linear_from(const float* x, int64_t M, int64_t K, const float* w,
                               const float* bias, const float* init, int64_t N, float* y);

@@ -8,7 +8,8 @@
 
 namespace {
 
-enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2 };
+// kInt4A8: int4 weights with 8-bit activations (gemm.cpp)
+enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2, kInt4A8 = 3 };
 
 struct PackedWeight {
   int32_t format;
@@ -53,9 +54,9 @@ void linear(const float* x, int64_t M, const PackedWeight& w, float* y, uint8_t*
   if (w.format == kFloat32) {
     llmserve_f32_linear(x, M, w.in_features, static_cast<const float*>(w.packed), nullptr,
                         w.out_features, y);
-  } else if (w.format == kInt4) {
+  } else if (w.format == kInt4 || w.format == kInt4A8) {
     llmserve_q4_linear(x, M, w.in_features, static_cast<const uint8_t*>(w.packed), nullptr,
-                       w.out_features, y, workspace);
+                       w.out_features, y, workspace, w.format == kInt4A8 ? 8 : 15);
   } else {
     llmserve_int8_linear(x, M, w.in_features, static_cast<const int8_t*>(w.packed), w.row_sums,
                          w.scale, nullptr, w.out_features, y, workspace);

@@ -28,8 +28,14 @@ logger = logging.getLogger(__name__)
 
 BATCHES = (1, 32)
 # candidates for a checkpoint stored as int4 / int8, its own format first (None: float32)
-CANDIDATES: dict[str, tuple[str | None, ...]] = {"int4": ("int4", "int8", None),
+CANDIDATES: dict[str, tuple[str | None, ...]] = {"int4": ("int4", "int4-a8", "int8", None),
                                                  "int8": ("int8", None)}
+# int4 keeps its 15-bit activations where they leave it clearly faster than float32 at a
+# serving batch (at least this much). Where they do not, on CPUs without a one-instruction
+# int8 dot product (AVX2 without VNNI: int4 at batch 32 timed 0.97-1.03x float32, where
+# avx512+vnni timed 1.75x), 8-bit activations take their place: "int4-a8", half the integer
+# work, perplexity +0.35 % against float32 where 15 bits give -0.01 % (quantization/int4.py).
+FINE_MARGIN = 1.25
 # How much slower than float32 a format may time here and still not be slower in the
 # engine, per batch size. Batch 1: the timings' noise (~5 %). Batch 32: more, because one
 # matrix timed alone flatters float32 (its weights stay hot in the caches, where the
@@ -90,7 +96,7 @@ def choose_quantization(stored: str | None, config: ModelConfig) -> KernelChoice
     native().llmserve_set_stream_prefetch(0)
     start = time.perf_counter()
     try:
-        ms = {_name(c): {b: step_ms(c, shapes, b) for b in BATCHES} for c in candidates}
+        ms = time_candidates(candidates, shapes)
     finally:
         native().llmserve_set_stream_prefetch(1)
     choice = KernelChoice(pick(candidates, ms), ms, cached=False)
@@ -101,37 +107,57 @@ def choose_quantization(stored: str | None, config: ModelConfig) -> KernelChoice
 
 def pick(candidates: tuple[str | None, ...], ms: dict[str, dict[int, float]]) -> str | None:
     """The first candidate (the checkpoint's own format first) not measurably slower than
-    float32 at any batch (within NOISE); float32 if none."""
+    float32 at any batch (within NOISE), int4 only if FINE_MARGIN faster at the serving
+    batch when int4-a8 is a candidate; float32 if none."""
     floor = ms["float32"]
+    serving = BATCHES[-1]
     for candidate in candidates:
+        if (candidate == "int4" and "int4-a8" in candidates
+                and ms["int4"][serving] * FINE_MARGIN > floor[serving]):
+            continue  # the 15 bits cost int4 its lead at a serving batch here
         if all(ms[_name(candidate)][b] <= floor[b] * (1 + NOISE[b]) for b in BATCHES):
             return candidate
     return None
 
 
-def step_ms(quantization: str | None, shapes: list[tuple[int, int, int]], batch: int) -> float:
-    """Milliseconds for one step's linears in `quantization` at `batch` rows (best of 3)."""
+def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, int, int]]
+                    ) -> dict[str, dict[int, float]]:
+    """Milliseconds for one step's linears per candidate and batch: each shape's weight is
+    made once and packed once per format (the LM head is int8 under every int format:
+    QUANTIZED_HEADS), then timed at every batch. Making and packing the weights cost more
+    than the timing itself (1.3 s of 3.0 when each timing made its own)."""
+    generator = torch.Generator().manual_seed(0)
+    ms = {_name(c): dict.fromkeys(BATCHES, 0.0) for c in candidates}
+    for i, (n, k, count) in enumerate(shapes):
+        w = torch.empty(n, k).uniform_(-0.1, 0.1, generator=generator)
+        rows = {b: torch.empty(b, k).uniform_(-1, 1, generator=generator) for b in BATCHES}
+        head = i == len(shapes) - 1
+        kernels = {}
+        for candidate in candidates:
+            kind = "int8" if head and candidate is not None else candidate
+            if kind not in kernels:
+                kernels[kind] = _kernel(kind, w)
+            for b in BATCHES:
+                fn, x = kernels[kind], rows[b]
+                seconds = best_seconds(lambda fn=fn, x=x: fn(x), _TIME_PER_SHAPE_S)
+                ms[_name(candidate)][b] += seconds * count * 1e3
+    return ms
+
+
+def _kernel(quantization: str | None, w: torch.Tensor):
+    """x -> y for weight `w` packed in `quantization`'s format."""
     from llmserve.models.packed_float import PackedFloatWeight, float_linear
     from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
     from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
 
-    generator = torch.Generator().manual_seed(0)
-    total = 0.0
-    for i, (n, k, count) in enumerate(shapes):
-        w = torch.randn(n, k, generator=generator) * 0.05
-        x = torch.randn(batch, k, generator=generator)
-        head = i == len(shapes) - 1  # the LM head: int8 under int4 too (QUANTIZED_HEADS)
-        if quantization == "int4" and not head:
-            packed = PackedInt4Weight(w)
-            fn = lambda x, p=packed: int4_linear(x, p)  # noqa: E731
-        elif quantization is not None:
-            packed = PackedInt8Weight(w)
-            fn = lambda x, p=packed: int8_linear(x, p)  # noqa: E731
-        else:
-            packed = PackedFloatWeight(w)
-            fn = lambda x, p=packed: float_linear(x, p)  # noqa: E731
-        total += best_seconds(lambda fn=fn, x=x: fn(x), _TIME_PER_SHAPE_S) * count
-    return total * 1e3
+    if quantization in ("int4", "int4-a8"):
+        packed = PackedInt4Weight(w, activation_bits=8 if quantization == "int4-a8" else 15)
+        return lambda x: int4_linear(x, packed)
+    if quantization == "int8":
+        packed = PackedInt8Weight(w)
+        return lambda x: int8_linear(x, packed)
+    packed = PackedFloatWeight(w)
+    return lambda x: float_linear(x, packed)
 
 
 def best_seconds(call, budget_s: float, max_calls: int = 20, repeats: int = 3) -> float:

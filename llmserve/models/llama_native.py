@@ -22,7 +22,7 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-_INT8, _INT4, _FLOAT32 = 0, 1, 2  # the C++ `WeightFormat`
+_INT8, _INT4, _FLOAT32, _INT4_A8 = 0, 1, 2, 3  # the C++ `WeightFormat`
 
 
 class _PackedWeight(ctypes.Structure):
@@ -76,7 +76,8 @@ def _packed_weight(linear: nn.Module) -> _PackedWeight | None:
     if (isinstance(method, Int4LinearMethod) and method.weight.layout == "vnni"
             and method.weight.k_pad == method.weight.in_features):
         w = method.weight
-        return _PackedWeight(_INT4, ptr(w.packed), None, None, w.out_features, w.in_features)
+        return _PackedWeight(_INT4 if w.activation_bits == 15 else _INT4_A8, ptr(w.packed), None,
+                             None, w.out_features, w.in_features)
     if isinstance(method, PackedFloatLinearMethod):
         w = method.weight
         return _PackedWeight(_FLOAT32, ptr(w.packed), None, None, w.out_features,

@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from llmserve.models.layers import Linear, LinearMethod
-from llmserve.quantization.int4 import Int4LinearMethod
+from llmserve.quantization.int4 import Int4A8LinearMethod, Int4LinearMethod
 from llmserve.quantization.int8 import Int8LinearMethod, int8_head
 
 QUANTIZATION_METHODS: dict[str, type[LinearMethod]] = {
     "int8": Int8LinearMethod,
     "int4": Int4LinearMethod,
+    "int4-a8": Int4A8LinearMethod,
 }
 
 
@@ -34,7 +35,7 @@ def linear_method(name: str | None) -> LinearMethod:
 # the LM head (and a tied embedding) stays int8 under int4: its logits feed sampling
 # directly, and GGUF files keep it at 8 bits or more (Q8_0, Q6_K)
 QUANTIZED_HEADS: dict[str, Callable[[torch.Tensor], nn.Module]] = {
-    "int8": int8_head, "int4": int8_head}
+    "int8": int8_head, "int4": int8_head, "int4-a8": int8_head}
 
 
 def quantize_model(model: nn.Module, name: str | None) -> None:

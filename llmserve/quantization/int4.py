@@ -1,4 +1,4 @@
-"""int4: 4-bit weights per group of 32, two-part int8 activations, products in int32.
+"""int4: 4-bit weights per group of 32, int8 activations in one or two parts, products in int32.
 
 A weight group of 32 values is `d * u + m` with codes u in [0, 15] and an fp16 scale d and
 offset m: a GGUF Q4_1 block exactly. Re-quantizing a Q4_1 checkpoint's dequantized weights
@@ -6,10 +6,13 @@ gives back its own blocks (min and max of a block are its m and 15 * d + m), so 
 path computes on the checkpoint's weights as stored, in 5 bits per weight. Other float
 weights get the nearest such blocks (asymmetric min/max, as llama.cpp's Q4_1 quantizer).
 
-Activations are two int8 parts per group of 32 with one fp32 scale, x ~ (hi + lo / 254) * s
-(about 15 bits; one 8-bit part, as llama.cpp's Q8 activations, moved the greedy output of
-the repo's chat prompts off the float path on 2x as many prompts: 50 % agreed on 16 tokens,
-85 % with two parts):
+Activations per group of 32 with one fp32 scale s = amax / 127, in one of two precisions:
+* "int4": two int8 parts, x ~ (hi + lo / 254) * s (about 15 bits);
+* "int4-a8": one, x ~ hi * s (8 bits, llama.cpp's Q8 activations): half the integer work.
+  On the default model against float32 (`llmserve bench quality`): perplexity +0.35 % (15
+  bits: -0.01 %), mean KL 3.3e-3 (1.2e-3), top-1 95.6 % (97.0 %). "auto" takes it only where
+  the 15 bits leave int4 no faster than float32 at a serving batch (`kernel_choice.py`: CPUs
+  without a one-instruction int8 dot product, such as AVX2 without VNNI).
 
     y[t, o] = sum over groups g of (d[o, g] * s[t, g] / 254) * (254 u[o, g] . hi + u . lo)
                                    + m[o, g] * sum of x's dequantized group
@@ -55,14 +58,16 @@ def dequantize_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> 
     return (groups * d.float()[..., None] + m.float()[..., None]).reshape(n, k)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+def quantize_activations(x: torch.Tensor, bits: int = 15) -> torch.Tensor:
     """(M, K) float -> the values the kernel multiplies: per group of 32,
-    (hi + lo / 254) * s with int8 hi, lo and s = amax / 127."""
+    (hi + lo / 254) * s with int8 hi, lo and s = amax / 127 (bits 15), or hi * s (bits 8)."""
     mm, k = x.shape
     groups = x.reshape(mm, k // GROUP, GROUP)
     amax = groups.abs().amax(dim=-1, keepdim=True)
     t = groups * torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     hi = t.round()
+    if bits == 8:
+        return (hi * (amax / 127.0)).reshape(mm, k)
     lo = ((t - hi) * 254.0).round_().clamp_(-127, 127)
     return ((hi + lo / 254.0) * (amax / 127.0)).reshape(mm, k)
 
@@ -72,11 +77,16 @@ class PackedInt4Weight:
 
     `layout` "vnni": records for the native kernel (see `gemm.cpp`); "plain": codes
     (N, K_pad) uint8 with d, m (N, K_pad / 32) fp16, for the torch fallback.
+    `activation_bits`: 15 (two int8 parts) or 8 (one), what the product quantizes x to.
     """
 
-    def __init__(self, weight: torch.Tensor, layout: str | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, layout: str | None = None,
+                 activation_bits: int = 15) -> None:
+        if activation_bits not in (8, 15):
+            raise ValueError(f"activation_bits must be 8 or 15, not {activation_bits}")
         n, k = weight.shape
         self.out_features, self.in_features = n, k
+        self.activation_bits = activation_bits
         self.k_pad = -(-k // GROUP) * GROUP
         padded = torch.nn.functional.pad(weight.float(), (0, self.k_pad - k))
         codes, self.d, self.m = quantize_groups(padded)
@@ -126,20 +136,30 @@ def _int4_linear_native(lib, x: torch.Tensor, w: PackedInt4Weight, bias) -> torc
     y = torch.empty(m, w.out_features)
     workspace = torch.empty(2 * m * k + 8 * m * (k // GROUP), dtype=torch.uint8)
     lib.llmserve_q4_linear(ptr(x), m, k, ptr(w.packed), ptr(bias), w.out_features, ptr(y),
-                           ptr(workspace))
+                           ptr(workspace), w.activation_bits)
     return y
 
 
 def _int4_linear_torch(x: torch.Tensor, w: PackedInt4Weight, bias) -> torch.Tensor:
     """The same quantities in torch ops (any device), on a plain-layout weight."""
-    y = quantize_activations(x) @ dequantize_groups(w.codes, w.d, w.m).t()
+    y = quantize_activations(x, w.activation_bits) @ dequantize_groups(w.codes, w.d, w.m).t()
     if bias is not None:
         y = y + bias
     return y
 
 
 class Int4LinearMethod(PackedLinearMethod):
-    """Loads float weights, then keeps only the packed 4-bit groups."""
+    """Loads float weights, then keeps only the packed 4-bit groups (15-bit activations)."""
 
     pack = PackedInt4Weight
     compute = staticmethod(int4_linear)
+
+
+def _pack_a8(weight: torch.Tensor) -> PackedInt4Weight:
+    return PackedInt4Weight(weight, activation_bits=8)
+
+
+class Int4A8LinearMethod(Int4LinearMethod):
+    """int4 weights with 8-bit activations ("int4-a8")."""
+
+    pack = staticmethod(_pack_a8)

@@ -198,19 +198,20 @@ void check_q4_linear(Lcg& g, Blobs& out) {
   out.put("q4_linear.d", d, {N, G});
   out.put("q4_linear.m", m, {N, G});
   out.put("q4_linear.bias", bias, {N});
-  for (int64_t M : kRowCounts) {
-    const std::string p = "q4_linear." + tag("M", M) + ".";
-    const bool with_bias = M != 1;  // M = 1 without
-    auto x = activations(g, M, K);
-    if (M == 33) std::fill(x.begin() + 7 * K + 32, x.begin() + 7 * K + 64, 0.f);  // a group
-    std::vector<float> y(M * N);
-    std::vector<uint8_t> workspace(2 * M * K + 2 * M * G * sizeof(float));
-    llmserve_q4_linear(x.data(), M, K, packed.data(), with_bias ? bias.data() : nullptr, N,
-                       y.data(), workspace.data());
-    out.put(p + "x", x, {M, K});
-    out.put(p + "with_bias", std::vector<int32_t>{with_bias}, {1});
-    out.put(p + "y", y, {M, N});
-  }
+  for (const int32_t bits : {15, 8})  // activations in two int8 parts, or one
+    for (int64_t M : kRowCounts) {
+      const std::string p = (bits == 15 ? "q4_linear." : "q4_linear_a8.") + tag("M", M) + ".";
+      const bool with_bias = M != 1;  // M = 1 without
+      auto x = activations(g, M, K);
+      if (M == 33) std::fill(x.begin() + 7 * K + 32, x.begin() + 7 * K + 64, 0.f);  // a group
+      std::vector<float> y(M * N);
+      std::vector<uint8_t> workspace(2 * M * K + 2 * M * G * sizeof(float));
+      llmserve_q4_linear(x.data(), M, K, packed.data(), with_bias ? bias.data() : nullptr, N,
+                         y.data(), workspace.data(), bits);
+      out.put(p + "x", x, {M, K});
+      out.put(p + "with_bias", std::vector<int32_t>{with_bias}, {1});
+      out.put(p + "y", y, {M, N});
+    }
 }
 
 // plain (bias on M = 3, 5) and continuing from `init` (M = 3, 33)

@@ -73,7 +73,8 @@ if BASELINE is None:
     pytest.skip(f"no kernel levels for a {HOST} host", allow_module_level=True)
 # the outputs of kernels built on simd::fmadd (the others: rotary, int8 GEMM, argmax,
 # bitmask, KV-cache writes)
-FUSED_OUTPUTS = re.compile(r"(rms_norm|silu|f32_linear|f32_linear_from|q4_linear|attention)\..*"
+FUSED_OUTPUTS = re.compile(r"(rms_norm|silu|f32_linear|f32_linear_from|q4_linear|q4_linear_a8|"
+                           r"attention)\..*"
                            r"\.(out|y)")
 
 
@@ -344,21 +345,25 @@ def check_int8_linear(blobs) -> str:
 
 
 def check_q4_linear(blobs) -> str:
-    """Near the dequantized product: each activation within (amax / 127) / 508 of its group."""
+    """Near the dequantized product: each activation within (amax / 127) / 508 of its group
+    with 15-bit activations, (amax / 127) / 2 with 8-bit ones."""
     codes, bias = blobs["q4_linear.codes"].astype(np.float64), blobs["q4_linear.bias"]
     d, m = (blobs[f"q4_linear.{a}"].view(np.float16).astype(np.float64) for a in ("d", "m"))
     N, K = codes.shape
     w = codes * np.repeat(d, 32, axis=1) + np.repeat(m, 32, axis=1)  # (N, K)
-    worst = 0.0
-    for p in cases(blobs, r"(q4_linear\.M\d+)\.y"):
-        x, y = blobs[f"{p}.x"].astype(np.float64), blobs[f"{p}.y"]
-        b = bias if blobs[f"{p}.with_bias"][0] else np.zeros_like(bias)
-        ref = x @ w.T + b
-        step = np.abs(x).reshape(len(x), K // 32, 32).max(2) / 127 / 508  # (M, G)
-        quantization = step @ np.abs(w).reshape(N, K // 32, 32).sum(2).T
-        rounding = 1e-5 * (np.abs(x) @ np.abs(w).T + np.abs(b))
-        worst = max(worst, within(y, ref, 1.01 * quantization + rounding))
-    return f"q4 {worst:.2f} of the quantization bound"
+    worst = {}
+    for kind, half_step in (("q4_linear", 508), ("q4_linear_a8", 2)):
+        worst[kind] = 0.0
+        for p in cases(blobs, rf"({kind}\.M\d+)\.y"):
+            x, y = blobs[f"{p}.x"].astype(np.float64), blobs[f"{p}.y"]
+            b = bias if blobs[f"{p}.with_bias"][0] else np.zeros_like(bias)
+            ref = x @ w.T + b
+            step = np.abs(x).reshape(len(x), K // 32, 32).max(2) / 127 / half_step  # (M, G)
+            quantization = step @ np.abs(w).reshape(N, K // 32, 32).sum(2).T
+            rounding = 1e-5 * (np.abs(x) @ np.abs(w).T + np.abs(b))
+            worst[kind] = max(worst[kind], within(y, ref, 1.01 * quantization + rounding))
+    return (f"q4 {worst['q4_linear']:.2f} (8-bit activations: {worst['q4_linear_a8']:.2f}) "
+            "of the quantization bound")
 
 
 def check_f32_linear(blobs) -> str:

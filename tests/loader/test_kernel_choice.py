@@ -29,20 +29,33 @@ def test_another_format_or_float32_when_slower_at_a_serving_batch():
     assert pick(("int4", "int8", None), ms) is None
 
 
+def test_8_bit_activations_where_15_bits_cost_int4_its_lead():
+    candidates = ("int4", "int4-a8", "int8", None)
+    ms = {"int4": {1: 4.0, 32: 18.0}, "int4-a8": {1: 4.0, 32: 12.0},
+          "int8": {1: 5.0, 32: 17.0}, "float32": {1: 8.0, 32: 32.0}}
+    assert pick(candidates, ms) == "int4"  # 1.78x float32 at batch 32: the 15 bits stay
+    ms["int4"][32] = 30.0  # AVX2 without VNNI: about float32's time
+    assert pick(candidates, ms) == "int4-a8"
+    ms["int4-a8"][32] = 40.0  # and if 8 bits were no better, int8 next
+    assert pick(candidates, ms) == "int8"
+    # without int4-a8 among the candidates, int4 stays while not slower than float32
+    assert pick(("int4", "int8", None), ms) == "int4"
+
+
 def test_timed_once_then_read_from_the_cache(tmp_path, monkeypatch, kernel_level):
     monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
     first = choose_quantization("int4", TINY)
     assert not first.cached
-    assert set(first.ms) == {"int4", "int8", "float32"}
+    assert set(first.ms) == {"int4", "int4-a8", "int8", "float32"}
     assert all(first.ms[name][b] > 0 for name in first.ms for b in (1, 32))
-    assert first.quantization == pick(("int4", "int8", None), first.ms)
+    assert first.quantization == pick(("int4", "int4-a8", "int8", None), first.ms)
     files = list((tmp_path / "kernels").glob("choice-*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["ms"]
 
     def no_timing(*args):
         raise AssertionError("a warm start times nothing")
 
-    monkeypatch.setattr(kernel_choice, "step_ms", no_timing)
+    monkeypatch.setattr(kernel_choice, "time_candidates", no_timing)
     again = choose_quantization("int4", TINY)
     assert again.cached and again.quantization == first.quantization
     assert again.ms == first.ms

@@ -32,14 +32,33 @@ def test_int4_linear_is_close_to_the_dequantized_weight():
     assert ((dequantized - weight).abs() <= step / 2 + 1e-6).all()
 
 
+def test_8_bit_activations_are_within_half_a_step():
+    """int4-a8: each activation rounded to its group's 8-bit grid (amax / 127), once."""
+    torch.manual_seed(0)
+    weight = torch.randn(300, 256) * 0.05
+    x = torch.randn(16, 256)
+    x[:, 3] *= 40
+    packed = PackedInt4Weight(weight, activation_bits=8)
+    codes, d, m = quantize_groups(weight)
+    w = dequantize_groups(codes, d, m)
+    step = x.reshape(16, 8, 32).abs().amax(-1) / 127  # (rows, groups)
+    bound = (step / 2) @ w.abs().reshape(300, 8, 32).sum(-1).t()
+    error = (int4_linear(x, packed) - F.linear(x, w)).abs()
+    assert (error <= 1.01 * bound + 1e-5).all()
+    fine = (int4_linear(x, PackedInt4Weight(weight)) - F.linear(x, w)).abs()
+    assert fine.max() < error.max() / 20  # 15 bits are finer by ~254x in the activations
+
+
+@pytest.mark.parametrize("bits", [15, 8])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
-def test_int4_kernels_agree(rows, kernel_level):
+def test_int4_kernels_agree(rows, bits, kernel_level):
     """The native kernel (at every level) and the torch ops compute the same quantities (up to float
     summation order), with and without bias, on a partial block of 16 channels."""
     assert native() is not None, "the native kernels must build on the CPU test machines"
     torch.manual_seed(rows)
     weight = torch.randn(90, 192) * 0.1
-    fast, plain = PackedInt4Weight(weight), PackedInt4Weight(weight, layout="plain")
+    fast = PackedInt4Weight(weight, activation_bits=bits)
+    plain = PackedInt4Weight(weight, layout="plain", activation_bits=bits)
     assert fast.layout == "vnni"
     bias = torch.randn(90)
     x = torch.randn(rows, 192)
@@ -48,9 +67,10 @@ def test_int4_kernels_agree(rows, kernel_level):
     assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
 
 
-def test_int4_rows_do_not_depend_on_the_batch(kernel_level):
+@pytest.mark.parametrize("bits", [15, 8])
+def test_int4_rows_do_not_depend_on_the_batch(bits, kernel_level):
     torch.manual_seed(1)
-    weight = PackedInt4Weight(torch.randn(100, 256))
+    weight = PackedInt4Weight(torch.randn(100, 256), activation_bits=bits)
     x = torch.randn(23, 256)  # tiles of 4 rows and a remainder of 3
     together = int4_linear(x, weight)
     for i in range(23):

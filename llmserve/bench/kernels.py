@@ -1,8 +1,8 @@
 """`llmserve bench kernels`: every linear-layer kernel this machine could run a model's
 weights on, timed on that model's own shapes at batch 1 (decode) and at a serving batch.
 
-Candidates: llmserve's native int4, int8 and float32 GEMMs at the instruction-set level in
-use (LLMSERVE_CPU_ISA), torch's `F.linear` in float32 and bfloat16, its weight-only int8 and
+Candidates: llmserve's native int4 (15- and 8-bit activations), int8 and float32 GEMMs at the
+instruction-set level in use (LLMSERVE_CPU_ISA), torch's `F.linear` in float32 and bfloat16, its weight-only int8 and
 int4 kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, which vectorise only
 for some activation dtypes) and oneDNN's `_int_mm` where the CPU has int8 dot products (VNNI
 or AMX: elsewhere it is a reference loop). A time is one model step's linears (every
@@ -41,6 +41,10 @@ def candidates() -> list[Candidate]:
             packed = PackedInt4Weight(w)
             return lambda x: int4_linear(x, packed)
 
+        def native_int4_a8(w):
+            packed = PackedInt4Weight(w, activation_bits=8)
+            return lambda x: int4_linear(x, packed)
+
         def native_int8(w):
             packed = PackedInt8Weight(w)
             return lambda x: int8_linear(x, packed)
@@ -50,6 +54,7 @@ def candidates() -> list[Candidate]:
             return lambda x: float_linear(x, packed)
 
         out += [Candidate("llmserve int4 (W4A15)", "int4", native_int4),
+                Candidate("llmserve int4-a8 (W4A8)", "int4-a8", native_int4_a8),
                 Candidate("llmserve int8 (W8A15)", "int8", native_int8),
                 Candidate("llmserve float32", "float32", native_f32)]
     out += [Candidate("torch F.linear float32", "" if native() else "float32",

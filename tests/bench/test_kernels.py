@@ -9,9 +9,9 @@ def test_bench_kernels_times_every_candidate(tmp_path, monkeypatch, kernel_level
     result = run_kernels(TINY, (1, 4))
     assert result["level"].split("+")[0] == kernel_level
     names = [row["kernel"] for row in result["rows"]]
-    assert names[:4] == ["llmserve int4 (W4A15)", "llmserve int8 (W8A15)",
-                         "llmserve float32", "torch F.linear float32"]
-    for row in result["rows"][:4]:  # ours and torch's float32 run everywhere
+    assert names[:5] == ["llmserve int4 (W4A15)", "llmserve int4-a8 (W4A8)",
+                         "llmserve int8 (W8A15)", "llmserve float32", "torch F.linear float32"]
+    for row in result["rows"][:5]:  # ours and torch's float32 run everywhere
         assert all(isinstance(row["ms"][b], float) and row["ms"][b] > 0 for b in (1, 4))
     table = format_kernels(result)
     assert f"kernel level: {result['level']}" in table

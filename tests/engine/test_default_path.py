@@ -31,6 +31,11 @@ def int8_llm(smollm2_gguf) -> LLM:
     return LLM(str(smollm2_gguf), quantization="int8", kv_cache_memory="64MiB")
 
 
+@pytest.fixture(scope="module")
+def int4_a8_llm(smollm2_gguf) -> LLM:
+    return LLM(str(smollm2_gguf), quantization="int4-a8", kv_cache_memory="64MiB")
+
+
 def test_default_keeps_the_checkpoint_quantized(default_llm, smollm2_llm, smollm2_gguf):
     from llmserve.loader.gguf import gguf_stored_quantization
     from llmserve.loader.model_loader import auto_quantization
@@ -118,12 +123,13 @@ def test_int8_kv_cache_follows_the_float_cache(int8_llm, chat_prompts):
     assert alone == ours[:6]  # batch invariant too
 
 
-@pytest.mark.parametrize("which", ["default", "int8"])
+@pytest.mark.parametrize("which", ["default", "int8", "int4_a8"])
 def test_native_decoder_stack_equals_the_per_op_path(which, request, chat_prompts):
-    """The one-call native stack and the per-op path give the same bits (logits)."""
+    """The one-call native stack and the per-op path give the same bits (logits), and
+    batching changes no tokens."""
     from tests.models.test_llama_reference import full_logits
 
-    default_llm = request.getfixturevalue("default_llm" if which == "default" else "int8_llm")
+    default_llm = request.getfixturevalue(f"{which}_llm")
     model = default_llm.engine.loaded.model
     assert model.native_layers is not None
     ids = chat_prompts[0]["prompt_token_ids"]
@@ -138,6 +144,9 @@ def test_native_decoder_stack_equals_the_per_op_path(which, request, chat_prompt
     assert torch.equal(fused, per_op)
     assert token_ids(default_llm.generate(chat_prompts[:4], GREEDY_16,
                                           use_tqdm=False)) == per_op_tokens
+    alone = [token_ids(default_llm.generate(p, GREEDY_16, use_tqdm=False))[0]
+             for p in chat_prompts[:4]]
+    assert alone == per_op_tokens
 
 
 def test_memory_arithmetic_matches_what_is_allocated(default_llm, smollm2_gguf):

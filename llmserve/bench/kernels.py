@@ -8,7 +8,9 @@ for some activation dtypes) and oneDNN's `_int_mm` where the CPU has int8 dot pr
 or AMX: elsewhere it is a reference loop). A time is one model step's linears (every
 layer's qkv, o, gate_up and down, and the LM head), the best of a few repeats. The table
 says which candidate the engine runs by default and for `--dtype float32`; a default slower
-than float32 at a batch size is flagged (the default path must never be).
+than float32 at a batch size is flagged (the default path must never be). Then the attention
+backends, prefill and decode, for the default path's bfloat16 cache and the exact path's
+float32 one, and which one "auto" runs (`kernel_choice.choose_attention`).
 """
 
 from collections.abc import Callable
@@ -20,7 +22,14 @@ import torch.nn.functional as F
 
 from llmserve.config import ModelConfig
 from llmserve.kernels import cpu_flags, level_of, native
-from llmserve.loader.kernel_choice import best_seconds, linear_shapes
+from llmserve.loader.kernel_choice import (
+    ATTENTION_DECODE,
+    ATTENTION_PREFILL,
+    best_seconds,
+    linear_shapes,
+    pick_attention,
+    time_attention,
+)
 
 
 @dataclass
@@ -127,9 +136,15 @@ def run_kernels(config: ModelConfig, batches: tuple[int, ...]) -> dict[str, Any]
         rows.append({"kernel": candidate.name, "run_as": candidate.run_as, "ms": times})
     default = auto_quantization("int4", torch.device("cpu"), config) or "float32"
     lib = native()
+    attention = None
+    if lib is not None:  # the default path's bfloat16 cache, and the exact path's float32
+        attention = {str(dtype).removeprefix("torch."): {
+            "ms": ms, "engine": pick_attention(ms)}
+            for dtype in (torch.bfloat16, torch.float32)
+            for ms in [time_attention(config, dtype)]}
     return {"machine": machine_info(), "level": level_of(lib) if lib else None,
             "batches": list(batches), "shapes": shapes, "rows": rows,
-            "default": default}
+            "default": default, "attention": attention}
 
 
 def format_kernels(result: dict[str, Any]) -> str:
@@ -163,4 +178,15 @@ def format_kernels(result: dict[str, Any]) -> str:
             lines.append(f"batch {b}: default {d:.2f} ms vs float32 {f:.2f} ms "
                          f"({f / d:.2f}x): {verdict}")
     lines.append("* the fastest at that batch size")
+    if result.get("attention"):
+        lines.append(f"attention, ms over the layers: prefill of {ATTENTION_PREFILL[0]} "
+                     f"prompts x {ATTENTION_PREFILL[1]} tokens, decode of {ATTENTION_DECODE[0]} "
+                     f"sequences at context {ATTENTION_DECODE[1]}")
+        lines.append(f"{'backend':38s}{'KV cache':>14s}{'prefill':>14s}{'decode':>14s}"
+                     "  engine runs")
+        for kv, entry in result["attention"].items():
+            for name, ms in entry["ms"].items():
+                chosen = "yes (auto)" if name == entry["engine"] else ""
+                lines.append(f"{name:38s}{kv:>14s}{ms['prefill']:14.2f}{ms['decode']:14.2f}"
+                             f"  {chosen}")
     return "\n".join(lines)

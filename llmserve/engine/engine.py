@@ -38,7 +38,8 @@ from llmserve.engine.parallel_sampling import ParallelGroup
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.request_state import LogprobsDecoder, RequestState
 from llmserve.errors import LLMServeError
-from llmserve.kernels import set_num_threads
+from llmserve.kernels import native, set_num_threads
+from llmserve.loader.kernel_choice import choose_attention
 from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.memory import parse_size, plan_kv_cache
 from llmserve.models.compile import warm_up
@@ -91,7 +92,8 @@ class Engine:
             config.max_model_len or model_cfg.max_position_embeddings,
             model_cfg.max_position_embeddings,
         )
-        self.attention = attention_backend(self.device, config.attention_backend)
+        self.attention_backend_name = self._attention_backend_name(config)
+        self.attention = attention_backend(self.device, self.attention_backend_name)
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             config.kv_cache_dtype, self.dtype, self.loaded.quantization,
             self.attention.reads_only_written_slots)
@@ -117,7 +119,7 @@ class Engine:
         if self.executor is not None:
             self.executor.allocate_caches(CacheSpec(
                 plan.num_blocks, plan.block_size, self.kv_cache_dtype,
-                config.attention_backend, config.max_num_seqs))
+                self.attention_backend_name, config.max_num_seqs))
         self.kv_manager = KVCacheManager(
             plan.num_blocks, plan.block_size, config.enable_prefix_caching
         )
@@ -577,6 +579,20 @@ class Engine:
         """Stop the other ranks (tensor parallelism); a no-op for a single-process engine."""
         if self.executor is not None:
             self.executor.shutdown()
+
+    def _attention_backend_name(self, config: EngineConfig) -> str:
+        """config's backend; "auto" on the CPU with the native kernels is chosen by timing
+        (`kernel_choice.choose_attention`) where the KV dtype leaves a choice."""
+        name = config.attention_backend
+        if name != "auto" or self.device.type != "cpu" or native() is None:
+            return name
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype,
+                                          self.loaded.quantization, native_attention=True)
+        if kv_dtype == torch.int8:  # only the native kernel reads int8 entries
+            return "native"
+        choice = choose_attention(self.loaded.config, kv_dtype)
+        logger.info("%s", choice.describe())
+        return choice.backend
 
     def _kv_budget(self) -> int:
         budget = self.config.kv_cache_memory

@@ -1,4 +1,5 @@
-"""What `quantization="auto"` runs on this CPU: chosen by timing, not by CPU flags.
+"""What `quantization="auto"` and attention backend "auto" run on this CPU: chosen by
+timing, not by CPU flags.
 
 A quantized checkpoint could run its linears in its own format (int4, int8) on the native
 kernels or as float32. The first start of a model on a machine times each candidate on the
@@ -79,7 +80,8 @@ def choose_quantization(stored: str | None, config: ModelConfig) -> KernelChoice
     if candidates is None:
         return None
     shapes = linear_shapes(config)
-    path = _cache_path(stored, shapes)
+    path = _cache_path("choice", [stored, json.dumps(shapes), json.dumps(CANDIDATES),
+                                  str(BATCHES)])
     try:
         saved = json.loads(path.read_text())
         ms = {name: {int(b): t for b, t in times.items()} for name, times in saved["ms"].items()}
@@ -181,17 +183,117 @@ def _name(quantization: str | None) -> str:
     return quantization or "float32"
 
 
-def _cache_path(stored: str, shapes: list[tuple[int, int, int]]) -> Path:
+# ---- the attention backend ---------------------------------------------------------------
+# One backend serves prefill and decode alike: a query's output must not depend on which
+# phase computed it (prefix-cache hits, chunked prefill, preemption and speculative
+# verification all recompute or skip queries and rely on that). Each phase is timed on the
+# model's head shapes, over every layer: a serving batch's decode (32 sequences at context
+# 256) and prefill (4 prompts of 128 tokens). The native kernel is kept unless torch's SDPA
+# is faster at both (it also lets the decoder stack run as one native call, which the
+# per-phase times leave out).
+ATTENTION_DECODE = (32, 256)  # sequences, context
+ATTENTION_PREFILL = (4, 128)  # prompts, tokens each
+_ATTENTION_TIME_S = 0.03  # per (backend, phase)
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    backend: str
+    ms: dict[str, dict[str, float]]  # backend -> phase ("prefill", "decode") -> ms, all layers
+    cached: bool
+
+    def describe(self) -> str:
+        cells = "; ".join(f"{name} " + " / ".join(f"{t[p]:.1f}" for p in ("prefill", "decode"))
+                          for name, t in self.ms.items())
+        source = "cached" if self.cached else "measured"
+        return (f"attention: {self.backend} ({source}; ms over the layers for prefill "
+                f"{ATTENTION_PREFILL[0]}x{ATTENTION_PREFILL[1]} / decode of "
+                f"{ATTENTION_DECODE[0]} at context {ATTENTION_DECODE[1]}: {cells})")
+
+
+def choose_attention(config: ModelConfig, kv_dtype: torch.dtype) -> AttentionChoice:
+    """The CPU attention backend for `config`'s heads with a `kv_dtype` cache (native
+    kernels present), from the cache or timed now."""
+    parts = [config.architecture, str(config.num_attention_heads),
+             str(config.num_key_value_heads), str(config.head_dim),
+             str(config.num_hidden_layers), str(kv_dtype)]
+    path = _cache_path("attention", parts)
+    try:
+        saved = json.loads(path.read_text())
+        return AttentionChoice(saved["backend"], saved["ms"], cached=True)
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    start = time.perf_counter()
+    ms = time_attention(config, kv_dtype)
+    choice = AttentionChoice(pick_attention(ms), ms, cached=False)
+    logger.info("timed the attention backends in %.1f s", time.perf_counter() - start)
+    _write_atomically(path, {"backend": choice.backend, "ms": ms})
+    return choice
+
+
+def pick_attention(ms: dict[str, dict[str, float]]) -> str:
+    """native, unless torch is faster at both phases."""
+    if "torch" in ms and all(ms["torch"][p] < ms["native"][p] for p in ("prefill", "decode")):
+        return "torch"
+    return "native"
+
+
+def time_attention(config: ModelConfig, kv_dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Milliseconds per backend and phase for one step's attention over every layer (the
+    cache write included); torch only where it reads `kv_dtype` (not int8)."""
+    from llmserve.worker.attention import (
+        AttentionMetadata,
+        KVCache,
+        NativeCPUBackend,
+        TorchBackend,
+    )
+
+    heads, kv_heads, d = (config.num_attention_heads, config.num_key_value_heads,
+                          config.head_dim)
+    block_size = 16
+    phases = {"decode": ([1] * ATTENTION_DECODE[0], [ATTENTION_DECODE[1]] * ATTENTION_DECODE[0]),
+              "prefill": ([ATTENTION_PREFILL[1]] * ATTENTION_PREFILL[0],
+                          [0] * ATTENTION_PREFILL[0])}
+    blocks_each = -(-(max(ATTENTION_DECODE[1] + 1, ATTENTION_PREFILL[1])) // block_size)
+    num_seqs = max(ATTENTION_DECODE[0], ATTENTION_PREFILL[0])
+    cache = KVCache.allocate(1, num_seqs * blocks_each, block_size, kv_heads, d, kv_dtype)
+    layer = cache.layer(0)
+    generator = torch.Generator().manual_seed(0)
+    for t in (layer.key, layer.value):  # written keys: the kernels read every visible slot
+        t.copy_(torch.empty(t.shape).uniform_(-1, 1, generator=generator).to(t.dtype))
+    backends = {"native": NativeCPUBackend()}
+    if kv_dtype != torch.int8:
+        backends["torch"] = TorchBackend()
+    ms: dict[str, dict[str, float]] = {name: {} for name in backends}
+    for phase, (query_lens, context_lens) in phases.items():
+        block_ids = [list(range(i * blocks_each, (i + 1) * blocks_each))
+                     for i in range(len(query_lens))]
+        tokens = sum(query_lens)
+        q = torch.empty(tokens, heads, d).uniform_(-1, 1, generator=generator)
+        k = torch.empty(tokens, kv_heads, d).uniform_(-1, 1, generator=generator)
+        v = torch.empty(tokens, kv_heads, d).uniform_(-1, 1, generator=generator)
+        for name, backend in backends.items():
+            meta = AttentionMetadata.build(query_lens, context_lens, block_ids, block_size,
+                                           backend=backend)
+            seconds = best_seconds(
+                lambda b=backend, m=meta: b.forward(q, k, v, layer, m, d ** -0.5),
+                _ATTENTION_TIME_S)
+            ms[name][phase] = seconds * config.num_hidden_layers * 1e3
+    return ms
+
+
+def _cache_path(kind: str, parts: list[str]) -> Path:
+    """Where a decision of `kind` ("choice", "attention") is cached, keyed by this machine,
+    the kernel build, torch, the threads, `parts` and the sources that time and decide."""
     from llmserve.kernels import _build_dir, _sources, level_of, native
 
     key = hashlib.sha256()
     for part in (cpu_info.cpu_model_name(), " ".join(sorted(cpu_info.cpu_features())),
-                 level_of(native()), torch.__version__, str(torch.get_num_threads()), stored,
-                 json.dumps(shapes), json.dumps(CANDIDATES), str(BATCHES)):
+                 level_of(native()), torch.__version__, str(torch.get_num_threads()), *parts):
         key.update(part.encode() + b"\0")
     for source in (*_sources(), Path(__file__)):  # the kernels, and the rule choosing
         key.update(source.read_bytes())
-    return _build_dir() / f"choice-{key.hexdigest()[:16]}.json"
+    return _build_dir() / f"{kind}-{key.hexdigest()[:16]}.json"
 
 
 def _write_atomically(path: Path, data: dict) -> None:

@@ -73,3 +73,47 @@ def test_a_corrupt_cache_entry_is_timed_again(tmp_path, monkeypatch, kernel_leve
 @pytest.mark.parametrize("stored", [None, "int2"])
 def test_nothing_to_choose(stored):
     assert choose_quantization(stored, TINY) is None
+
+
+def test_attention_native_unless_torch_is_faster_at_both_phases():
+    from llmserve.loader.kernel_choice import pick_attention
+
+    ms = {"native": {"prefill": 30.0, "decode": 15.0}, "torch": {"prefill": 20.0, "decode": 200.0}}
+    assert pick_attention(ms) == "native"  # one backend serves both phases
+    ms["torch"]["decode"] = 10.0
+    assert pick_attention(ms) == "torch"
+    assert pick_attention({"native": ms["native"]}) == "native"  # an int8 cache: native only
+
+
+def test_attention_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    import torch
+
+    from llmserve.loader.kernel_choice import choose_attention, pick_attention
+
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
+    first = choose_attention(TINY, torch.bfloat16)
+    assert not first.cached and set(first.ms) == {"native", "torch"}
+    assert all(first.ms[b][p] > 0 for b in first.ms for p in ("prefill", "decode"))
+    assert first.backend == pick_attention(first.ms)
+    int8 = choose_attention(TINY, torch.int8)  # torch cannot read int8 entries
+    assert set(int8.ms) == {"native"} and int8.backend == "native"
+
+    def no_timing(*args):
+        raise AssertionError("a warm start times nothing")
+
+    monkeypatch.setattr(kernel_choice, "time_attention", no_timing)
+    again = choose_attention(TINY, torch.bfloat16)
+    assert again.cached and again.backend == first.backend and again.ms == first.ms
+    assert f"attention: {first.backend} (cached" in again.describe()
+
+
+def test_the_engine_runs_the_chosen_backend(tmp_path, monkeypatch, smollm2_gguf):
+    from llmserve import LLM, SamplingParams
+
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_choice, "pick_attention", lambda ms: "torch")
+    llm = LLM(str(smollm2_gguf), kv_cache_memory="32MiB")
+    assert llm.engine.attention_backend_name == "torch"
+    assert type(llm.engine.attention).__name__ == "TorchBackend"
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -3,9 +3,10 @@
 //
 // Plain C ABI (called through ctypes with tensor data pointers), no dependency on torch.
 // Built at first use for one instruction-set level (kernels/__init__.py); the kernels are
-// in gemm.cpp (int8, int4 and float32 GEMMs), attention.cpp (paged attention, KV-cache
-// writes), elementwise.cpp (RMSNorm, rotary, SiLU*up, argmax, token bitmask) and
-// llama_layers.cpp (the Llama stack as one call), each written once on simd.h.
+// in gemm_int8.cpp, gemm_q4.cpp and gemm_f32.cpp (the GEMMs, sharing gemm.h), attention.cpp
+// (paged attention, KV-cache writes), elementwise.cpp (RMSNorm, rotary, SiLU*up, argmax,
+// token bitmask) and llama_layers.cpp (the Llama stack as one call), each written once on
+// simd.h.
 
 #include "common.h"
 

@@ -8,7 +8,7 @@
 
 namespace {
 
-// kInt4A8: int4 weights with 8-bit activations (gemm.cpp)
+// kInt4A8: int4 weights with 8-bit activations (gemm_q4.cpp)
 enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2, kInt4A8 = 3 };
 
 struct PackedWeight {

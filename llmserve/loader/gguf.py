@@ -401,7 +401,7 @@ def _dequant_q4_1(raw: torch.Tensor) -> torch.Tensor:
     blocks = _blocks(raw, QT.Q4_1)
     d, m = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
     qs = _nibbles(blocks[:, 4:], 16).reshape(len(blocks), -1).float()
-    return (d * qs + m).reshape(-1)
+    return qs.mul_(d).add_(m).reshape(-1)  # in place: d * qs + m
 
 
 def _q5_values(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """float32 weights packed for the native GEMM: the exact path's linears on the CPU.
 
 No quantization: the weights are the float32 values, laid out per block of 16 output
-channels as (K, 16) so the kernel (`gemm.cpp`, `llmserve_f32_linear`) runs one fused
+channels as (K, 16) so the kernel (`gemm_f32.cpp`, `llmserve_f32_linear`) runs one fused
 multiply-add per k for 16 outputs, on the kernels' own thread pool. Against torch's GEMM
 (oneDNN/MKL under OpenMP) this
 

@@ -18,7 +18,7 @@ Activations per group of 32 with one fp32 scale s = amax / 127, in one of two pr
                                    + m[o, g] * sum of x's dequantized group
 
 Kernels:
-* on the CPU, the native kernel (`gemm.cpp`, at every instruction-set level): quantize, dot
+* on the CPU, the native kernel (`gemm_q4.cpp`, at every instruction-set level): quantize, dot
   products of nibbles and int8 parts, float epilogue per group, in one call; integer sums are
   exact and each row's float sum runs over its groups in order, so a request's outputs
   do not depend on the batch (nor on the level);
@@ -41,15 +41,17 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     (N, K / 32): weight ~ d * codes + m group by group."""
     n, k = weight.shape
     groups = weight.float().reshape(n, k // GROUP, GROUP)
-    lo = groups.amin(dim=-1)
-    hi = groups.amax(dim=-1)
+    lo, hi = torch.aminmax(groups, dim=-1)
     d = ((hi - lo) / 15).half()
     m = lo.half()
     step = d.float()
-    safe = torch.where(step > 0, step, torch.ones_like(step))
-    codes = ((groups - m.float()[..., None]) / safe[..., None]).round_().clamp_(0, 15)
-    codes = torch.where(step[..., None] > 0, codes, torch.zeros_like(codes))
-    return codes.to(torch.uint8).reshape(n, k), d, m
+    # a zero step (a constant group) gives code 0: (x - m) * 0
+    inverse = torch.where(step > 0, 1 / step.where(step > 0, 1.0), 0.0)
+    # in place on one temporary (these passes over every weight were a fifth of a warm
+    # start); x * (1 / step) may round a code differently from x / step at a half: both are
+    # within half a step, and a Q4_1 file's own blocks come back exactly either way
+    codes = torch.sub(groups, m.float()[..., None]).mul_(inverse[..., None])
+    return codes.round_().clamp_(0, 15).to(torch.uint8).reshape(n, k), d, m
 
 
 def dequantize_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -75,7 +77,7 @@ def quantize_activations(x: torch.Tensor, bits: int = 15) -> torch.Tensor:
 class PackedInt4Weight:
     """A float weight `(N, K)` as 4-bit groups; K is padded to a multiple of 32 with zeros.
 
-    `layout` "vnni": records for the native kernel (see `gemm.cpp`); "plain": codes
+    `layout` "vnni": records for the native kernel (see `gemm_q4.cpp`); "plain": codes
     (N, K_pad) uint8 with d, m (N, K_pad / 32) fp16, for the torch fallback.
     `activation_bits`: 15 (two int8 parts) or 8 (one), what the product quantizes x to.
     """

@@ -8,7 +8,7 @@ and each token's scale depends on that token alone, so a request's outputs do no
 what else is in the batch.
 
 Kernels, giving bit-identical results (the same integers, the same float epilogue):
-* on the CPU, the native kernel (`gemm.cpp`, at every instruction-set level: quantize +
+* on the CPU, the native kernel (`gemm_int8.cpp`, at every instruction-set level: quantize +
   int8 dot products + epilogue in one call; weights packed at load, read once per call);
 * elsewhere (CUDA, no compiler): the same arithmetic in torch ops and `torch._int_mm`,
   on plain `(N, K)` weights.
@@ -34,7 +34,7 @@ class PackedInt8Weight:
     """An int8 weight `(N, K)` with its row sums and fp32 per-channel scales.
 
     `layout` "vnni": packed for the native kernel, `(N_pad, K_pad)` bytes in blocks of 16
-    channels x 4 k (see `gemm.cpp`); "plain": `(N, K)` for `torch._int_mm`.
+    channels x 4 k (see `gemm_int8.cpp`); "plain": `(N, K)` for `torch._int_mm`.
     """
 
     def __init__(self, weight: torch.Tensor, layout: str | None = None) -> None:

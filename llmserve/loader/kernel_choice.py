@@ -312,7 +312,8 @@ def choose_stream_prefetch(model: torch.nn.Module) -> str | None:
     the caches, keeps the faster in the kernel library and says what it chose (None: no
     packed weights). Whether ~100 MB of weights a token should stay cached depends on the
     caches' size: non-temporal won on a Zen 5 (32 MiB L3), kept won 2.6x on a Xeon VM with
-    480 MiB. About 0.1 s, so every start measures."""
+    480 MiB. About 0.15 s at a first start; cached like the other choices (keyed by the
+    weights' formats and shapes), so a warm start times nothing."""
     from llmserve.kernels import native
     from llmserve.models.layers import PackedHead, PackedLinearMethod
 
@@ -326,20 +327,34 @@ def choose_stream_prefetch(model: torch.nn.Module) -> str | None:
             linears.append((module._linear, module.weight))
     if lib is None or not linears:
         return None
+    path = _cache_path("prefetch", [
+        json.dumps([(type(w).__name__, getattr(w, "activation_bits", 0), w.out_features,
+                     w.in_features) for _, w in linears])])
+    try:
+        seconds = {int(k): v for k, v in json.loads(path.read_text())["seconds"].items()}
+        source = "cached"
+    except (OSError, ValueError, KeyError, AttributeError):
+        seconds = _time_stream_prefetch(lib, linears)
+        source = "measured"
+        _write_atomically(path, {"seconds": seconds})
+    nontemporal = int(seconds[1] <= seconds[0])
+    lib.llmserve_set_stream_prefetch(nontemporal)
+    return (f"decode prefetch: {'non-temporal' if nontemporal else 'into the caches'} "
+            f"({source}; one pass over the weights {seconds[1] * 1e3:.2f} ms non-temporal, "
+            f"{seconds[0] * 1e3:.2f} ms cached)")
+
+
+def _time_stream_prefetch(lib, linears) -> dict[int, float]:
     rows = {id(w): torch.zeros(1, w.in_features) for _, w in linears}
 
     def one_pass():
         for compute, weight in linears:
             compute(rows[id(weight)], weight)
 
-    seconds = {}
+    seconds: dict[int, float] = {}
     for nontemporal in (1, 0, 1, 0):  # interleaved: drift hits both alike
         lib.llmserve_set_stream_prefetch(nontemporal)
         one_pass()  # the first pass after a switch finds the caches as the other left them
         taken = best_seconds(one_pass, 0.0, max_calls=1, repeats=3)
         seconds[nontemporal] = min(seconds.get(nontemporal, float("inf")), taken)
-    nontemporal = int(seconds[1] <= seconds[0])
-    lib.llmserve_set_stream_prefetch(nontemporal)
-    return (f"decode prefetch: {'non-temporal' if nontemporal else 'into the caches'} "
-            f"(one pass over the weights {seconds[1] * 1e3:.2f} ms non-temporal, "
-            f"{seconds[0] * 1e3:.2f} ms cached)")
+    return seconds

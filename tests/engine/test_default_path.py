@@ -206,14 +206,26 @@ def test_attention_backend_by_name(smollm2_gguf):
     assert TorchBackend.reads_only_written_slots is False
 
 
-def test_decode_prefetch_is_chosen_by_timing_the_models_own_weights(default_llm):
+def test_decode_prefetch_is_chosen_by_timing_the_models_own_weights(default_llm, tmp_path,
+                                                                    monkeypatch):
     from torch import nn
 
+    from llmserve.loader import kernel_choice
     from llmserve.loader.kernel_choice import choose_stream_prefetch
 
-    said = choose_stream_prefetch(default_llm.engine.loaded.model)
-    assert said.startswith("decode prefetch: ")
+    monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
+    model = default_llm.engine.loaded.model
+    said = choose_stream_prefetch(model)
+    assert said.startswith("decode prefetch: ") and "(measured; " in said
     assert " ms non-temporal, " in said and said.endswith(" ms cached)")
+
+    def no_timing(*args):
+        raise AssertionError("a warm start times nothing")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(kernel_choice, "_time_stream_prefetch", no_timing)
+        again = choose_stream_prefetch(model)
+    assert again == said.replace("(measured; ", "(cached; ")
     # the choice only moves the weights' cache residency: the tokens stay the same
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     before = default_llm.generate("The ocean is", params, use_tqdm=False)

@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
-_ABI = 17
+_ABI = 18
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 
@@ -67,6 +67,7 @@ _SIGNATURES = {
     "llmserve_pack_int8_weight": [_P, _I64, _I64, _P],
     "llmserve_int8_embedding": [_P, _I64, _I64, _P, _I64, _I64, _P, _P],
     "llmserve_int8_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P],
+    "llmserve_quantize_q4": [_P, _I64, _I64, _P, _P, _P],
     "llmserve_pack_q4_weight": [_P, _P, _P, _I64, _I64, _P],
     "llmserve_q4_linear": [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I32],
     "llmserve_pack_f32_weight": [_P, _I64, _I64, _P],

@@ -21,6 +21,8 @@ void llmserve_pack_int8_weight(const int8_t* w, int64_t N, int64_t K, int8_t* pa
 void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
                           const int32_t* wsum, const float* wscale, const float* bias,
                           int64_t N, float* y, uint8_t* workspace);
+void llmserve_quantize_q4(const float* w, int64_t N, int64_t K, uint8_t* codes, uint16_t* d,
+                          uint16_t* m);
 void llmserve_pack_q4_weight(const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                              int64_t N, int64_t K, uint8_t* packed);
 void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,

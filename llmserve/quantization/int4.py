@@ -54,6 +54,18 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return codes.round_().clamp_(0, 15).to(torch.uint8).reshape(n, k), d, m
 
 
+def quantize_groups_native(lib, weight: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_groups in the native kernel: the same codes, d and m, bit for bit."""
+    n, k = weight.shape
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    d = torch.empty(n, k // GROUP, dtype=torch.float16)
+    m = torch.empty(n, k // GROUP, dtype=torch.float16)
+    lib.llmserve_quantize_q4(ptr(weight), n, k, ptr(codes), ptr(d.view(torch.int16)),
+                             ptr(m.view(torch.int16)))
+    return codes, d, m
+
+
 def dequantize_groups(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     groups = codes.reshape(n, k // GROUP, GROUP).float()
@@ -91,8 +103,11 @@ class PackedInt4Weight:
         self.activation_bits = activation_bits
         self.k_pad = -(-k // GROUP) * GROUP
         padded = torch.nn.functional.pad(weight.float(), (0, self.k_pad - k))
-        codes, self.d, self.m = quantize_groups(padded)
         lib = native() if weight.device.type == "cpu" else None
+        if lib is not None:  # the same codes in one native pass (gemm_q4.cpp)
+            codes, self.d, self.m = quantize_groups_native(lib, padded.contiguous())
+        else:
+            codes, self.d, self.m = quantize_groups(padded)
         self.layout = layout or ("vnni" if lib is not None else "plain")
         if self.layout == "plain":
             self.codes = codes

@@ -247,6 +247,22 @@ void check_f32_linear(Lcg& g, Blobs& out) {
 // rows: random; a NaN in the vector part; a NaN in the tail; ties across lanes (first
 // index 20); ties between the vector part and the tail (50); the largest only in the tail
 // (97); all -inf (0); -0 before +0 as the largest (30)
+// random groups, a constant one (d = 0), a tiny one (subnormal halves), a large one
+void check_quantize_q4(Lcg& g, Blobs& out) {
+  const int64_t N = 6, K = 128, G = K / 32;
+  auto w = g.floats(N * K);
+  std::fill(w.begin() + 32, w.begin() + 64, 0.25f);
+  for (int64_t i = K; i < K + 32; ++i) w[i] *= 1e-5f;
+  for (int64_t i = 2 * K + 64; i < 2 * K + 96; ++i) w[i] *= 1e4f;
+  std::vector<uint8_t> codes(N * K);
+  std::vector<uint16_t> d(N * G), m(N * G);
+  llmserve_quantize_q4(w.data(), N, K, codes.data(), d.data(), m.data());
+  out.put("quantize_q4.w", w, {N, K});
+  out.put("quantize_q4.codes", codes, {N, K});
+  out.put("quantize_q4.d", d, {N, G});
+  out.put("quantize_q4.m", m, {N, G});
+}
+
 void check_argmax(Lcg& g, Blobs& out) {
   const int64_t N = 100, M = 8;
   auto x = g.floats(M * N);
@@ -399,6 +415,7 @@ int main(int argc, char** argv) {
   check_int8_linear(g, out);
   check_q4_linear(g, out);
   check_f32_linear(g, out);
+  check_quantize_q4(g, out);
   check_argmax(g, out);
   check_bitmask(g, out);
   for (int32_t dtype : {0, 1, 2})

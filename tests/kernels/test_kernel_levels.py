@@ -381,6 +381,23 @@ def check_f32_linear(blobs) -> str:
     return f"f32 linear {worst:.2f} of 1e-5 rel"
 
 
+def check_quantize_q4(blobs) -> str:
+    """int4.py's quantize_groups in numpy's float32 arithmetic: the same bits."""
+    w = blobs["quantize_q4.w"]
+    groups = w.reshape(w.shape[0], -1, 32)
+    lo, hi = groups.min(-1), groups.max(-1)
+    d = ((hi - lo) / np.float32(15)).astype(np.float16)
+    m = lo.astype(np.float16)
+    step = d.astype(np.float32)
+    inverse = np.where(step > 0, np.float32(1) / np.where(step > 0, step, 1), 0).astype(np.float32)
+    t = (groups - m.astype(np.float32)[..., None]) * inverse[..., None]
+    codes = np.clip(np.rint(t), 0, 15).astype(np.uint8).reshape(w.shape)
+    np.testing.assert_array_equal(blobs["quantize_q4.codes"], codes)
+    np.testing.assert_array_equal(blobs["quantize_q4.d"], d.view(np.uint16))
+    np.testing.assert_array_equal(blobs["quantize_q4.m"], m.view(np.uint16))
+    return "q4 quantization exact"
+
+
 def check_argmax(blobs) -> str:
     for p in cases(blobs, r"(argmax\.N\d+)\.out"):
         x = blobs[f"{p}.x"]
@@ -474,5 +491,6 @@ def check_attention(blobs) -> str:
 
 
 REFERENCE_CHECKS = (check_rms_norm, check_rotary, check_silu, check_int8_linear,
-                    check_q4_linear, check_f32_linear, check_argmax, check_bitmask,
+                    check_q4_linear, check_f32_linear, check_quantize_q4, check_argmax,
+                    check_bitmask,
                     check_attention)

@@ -116,3 +116,21 @@ def test_packed_bytes_are_five_bits_per_weight():
     weight = PackedInt4Weight(torch.randn(100, 70))  # 112 x 96 after padding
     assert weight.packed.numel() == packed_int4_bytes(100, 70) == 7 * 3 * 320
     assert packed_int4_bytes(1024, 1024) * 8 / (1024 * 1024) == 5.0
+
+
+def test_native_quantization_equals_torchs(kernel_level):
+    """The loader's one-pass native quantizer gives quantize_groups' codes, d and m exactly:
+    random groups, constant groups (d = 0), tiny ones (subnormal halves) and large ones."""
+    from llmserve.quantization.int4 import quantize_groups_native
+
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256) * 0.05
+    weight[3, :32] = 0.25  # a constant group
+    weight[5, 32:64] *= 1e-5  # halves below 2^-14
+    weight[7, 64:96] *= 1e4  # large values, (max - min) / 15 near 2^9
+    weight[9] = torch.randn(256) * 1e-3 + 0.5  # offsets far from zero
+    ours = quantize_groups_native(native(), weight)
+    theirs = quantize_groups(weight)
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float16 else a,
+                           b.view(torch.uint8) if b.dtype == torch.float16 else b)

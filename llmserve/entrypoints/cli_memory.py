@@ -74,7 +74,9 @@ def memory_report(
     if method:
         layout = {"int8": "int8 (packed, with per-channel scales",
                   "int4": "int4 linears (groups of 32 with fp16 scales and offsets; an int8 "
-                          "head"}[method.removesuffix("-a8")]
+                          "head",
+                  "int4-a8": "int4-a8 linears (int4 groups of 32 with fp16 scales and "
+                             "offsets, 8-bit activations; an int8 head"}[method]
         weights_line = (f"{num_params:,} parameters as {layout}; fp32 norms and rotary "
                         f"tables) = {format_bytes(quantized_weight_bytes(cfg, method))}")
     tokens = batch * seq_len
@@ -129,8 +131,8 @@ def _kv_entry(head_dim: int, elem: int, dtype: torch.dtype) -> str:
 
 def _weight_method(source: ModelSource, dtype: str, quantization: str | None,
                    device: torch.device) -> str | None:
-    """The quantized method the engine would run this model on ("int8", "int4"), or None
-    for float weights: as `load_model` decides."""
+    """The quantized method the engine would run this model on ("int8", "int4", "int4-a8"),
+    or None for float weights: as `load_model` decides."""
     from llmserve.config import EngineConfig
     from llmserve.loader.model_loader import auto_quantization
 

@@ -11,6 +11,10 @@ from tests.engine.test_transparency import TOPICS, chat_ids, token_ids
 from tests.models.test_llama_reference import PROMPTS
 
 GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# the largest log-prob gap the reference may have where a quantized path takes the other
+# token. Measured on the 20 chat prompts: int4 0.05 (avx512+vnni), int4-a8 0.44 (avx2, where
+# "auto" picks it); the int8 path 0.33 on the 4 reference prompts (test_int8.py)
+GAP_BOUND = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +45,10 @@ def test_default_keeps_the_checkpoint_quantized(default_llm, smollm2_llm, smollm
     from llmserve.loader.model_loader import auto_quantization
 
     assert gguf_stored_quantization(smollm2_gguf) == "int4"  # a Q4_1 GGUF
-    # int4 wherever the native kernels run it no slower than float32 (timed: kernel_choice)
+    # int4 (or int4-a8) wherever the native kernels run it no slower than float32 (timed:
+    # kernel_choice)
     expected = auto_quantization("int4", torch.device("cpu"), default_llm.engine.loaded.config)
-    assert expected in ("int4", "int8", None)
+    assert expected in ("int4", "int4-a8", "int8", None)
     assert default_llm.engine.loaded.quantization == expected
     assert smollm2_llm.engine.loaded.quantization is None  # dtype="float32": exact
     plain = EngineConfig(model=str(smollm2_gguf), quantization="none")
@@ -100,13 +105,25 @@ def report_agreement(label: str, ours: list[list[int]], reference: list[list[int
     return full
 
 
-def test_default_path_follows_the_exact_path(default_llm, smollm2_llm, chat_prompts):
+def test_default_path_follows_the_exact_path(default_llm, smollm2_llm, chat_prompts,
+                                             reference_model):
+    from tests.models.test_llama_reference import first_divergence_gap
+
     exact = token_ids(smollm2_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
     fast = token_ids(default_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
-    # measured (int4 weights, bfloat16 KV): 85 % (17 of 20), mean agreeing prefix 14.5;
-    # with an int8 KV cache 55 %, so the int4 path's cache is bfloat16
     assert default_llm.engine.runner.kv_cache.dtype in (torch.bfloat16, torch.int8)
-    assert report_agreement("default vs float32", fast, exact) >= 0.7
+    full = report_agreement("default vs float32", fast, exact)
+    # the exact path equals the reference: where the default leaves it, the reference itself
+    # must nearly hesitate (its log-prob gap between the two tokens)
+    gaps = [first_divergence_gap(reference_model, p["prompt_token_ids"], f, e)[1]
+            for p, f, e in zip(chat_prompts, fast, exact, strict=True)]
+    print(f"worst log-prob gap where the default leaves: {max(gaps):.2f}")
+    assert max(gaps) <= GAP_BOUND
+    if default_llm.engine.loaded.quantization == "int4":
+        # measured (int4 weights, bfloat16 KV): 85 % (17 of 20), mean agreeing prefix 14.5;
+        # with an int8 KV cache 55 %, so the int4 path's cache is bfloat16. int4-a8 (what
+        # "auto" picks at avx2 here) leaves on more prompts, at near-ties only (GAP_BOUND).
+        assert full >= 0.7
 
 
 def test_int8_kv_cache_follows_the_float_cache(int8_llm, chat_prompts):

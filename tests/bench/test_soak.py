@@ -160,6 +160,7 @@ SUMMARY_FIELDS = {"sent", "completed", "disconnected", "errors", "errors_by_mess
                   "ttft_ms", "tpot_ms", "e2el_ms"}
 
 
+@pytest.mark.slow
 def test_a_20_second_soak_of_a_server_it_starts(smollm2_gguf, tmp_path, capsys):
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
     code = main(["bench", "soak", "--model", str(smollm2_gguf), "--duration", "20s",

@@ -4,7 +4,8 @@ tiny random Llama-3 and Qwen2 folders with fewer KV heads than ranks (replicated
 
 The model-level tests run rank 0 in this process and the other ranks as spawned processes
 meeting it over gloo (`distributed/executor.connect`); the engine-level tests go through
-`LLM(..., tensor_parallel_size=N)`, which starts its workers itself.
+`LLM(..., tensor_parallel_size=N)`, which starts its workers itself. TP=2 runs in the
+default suite, TP=3 under `-m slow`.
 """
 
 import multiprocessing
@@ -77,7 +78,7 @@ def chat_ids(smollm2_llm) -> list[int]:
     return smollm2_llm.tokenizer.apply_chat_template(CHAT, tokenize=True)[:64]
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_real_model_logits_equal_tp1(smollm2_gguf, smollm2_llm, chat_ids, size):
     ours = tp_logits(str(smollm2_gguf), size, chat_ids)
     reference = _logits(smollm2_llm.engine.loaded.model, chat_ids)
@@ -99,7 +100,7 @@ def test_quantized_shards_keep_the_checkpoint_groups(smollm2_gguf, chat_ids):
     assert torch.equal(ours.argmax(-1), single.argmax(-1))
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_real_model_greedy_equals_tp1(smollm2_gguf, smollm2_llm, size):
     tokenizer = smollm2_llm.tokenizer
     prompts = [tokenizer.apply_chat_template(p, tokenize=True) for p in PROMPTS]
@@ -156,7 +157,7 @@ def tiny(request, tmp_path_factory):
     return folder, _tiny_folder(folder, request.param)
 
 
-@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_tiny_folders_with_replicated_kv_heads(tiny, size):
     folder, reference = tiny
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -115,13 +115,13 @@ def test_request_timeout_ends_the_request_and_frees_its_blocks(smollm2_gguf, loa
 
 
 def test_a_slow_reader_holds_a_bounded_stream(smollm2_gguf, loaded_model):
-    """A stream nobody reads while its request makes 300 tokens keeps at most
-    MAX_PENDING_OUTPUTS outputs (older ones merged), and reading it later gives exactly
-    what a prompt reader gets."""
+    """A stream nobody reads while its request makes 160 tokens (2.5x MAX_PENDING_OUTPUTS)
+    keeps at most MAX_PENDING_OUTPUTS outputs (older ones merged), and reading it later
+    gives exactly what a prompt reader gets."""
     engine = Engine(_engine_config(smollm2_gguf), loaded=loaded_model)
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True,
+    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
     async def run() -> tuple[list[int], list[int], int, int]:
@@ -144,7 +144,7 @@ def test_a_slow_reader_holds_a_bounded_stream(smollm2_gguf, loaded_model):
     finally:
         asyncio.run(async_engine.shutdown())
     assert pending <= MAX_PENDING_OUTPUTS and merged > 0
-    assert late_read == prompt_read and len(late_read) == 300
+    assert late_read == prompt_read and len(late_read) == 160
 
 
 def test_request_timeout_in_the_engine(smollm2_gguf, loaded_model):

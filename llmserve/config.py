@@ -362,7 +362,7 @@ class SpeculativeConfig:
         return cls(**options)
 
 
-# how the ranks of a tensor-parallel engine are started (distributed/executor.py)
+# how the ranks of a tensor-parallel engine are started (executor/executor.py)
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
 
 
@@ -401,7 +401,7 @@ class EngineConfig:
     # True: never torch.compile the model step (vLLM's flag); see models/compile.py
     enforce_eager: bool = False
     # auto: native kernels on the CPU, flex_attention on CUDA; or native, flex, torch
-    # (worker/attention.py)
+    # (layers/attention/selector.py)
     attention_backend: str = "auto"
     # None: no speculative decoding; a SpeculativeConfig or its dict form (vLLM's keys)
     speculative_config: SpeculativeConfig | dict | None = None

@@ -16,8 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from llmserve.chat_template import ChatTemplateError, compile_chat_template, has_lone_surrogate
 from llmserve.errors import ModelFormatError, ModelNotFoundError
+from llmserve.gguf_meta import open_gguf, read_metadata
 from llmserve.gguf_vocab import gguf_backend
-from llmserve.loader.gguf_meta import open_gguf, read_metadata
 
 __all__ = ["ChatTemplateError", "Tokenizer"]
 

@@ -40,9 +40,9 @@ class Candidate:
 
 
 def candidates() -> list[Candidate]:
-    from llmserve.models.packed_float import PackedFloatWeight, float_linear
     from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
     from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
+    from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
 
     out = []
     if native() is not None:

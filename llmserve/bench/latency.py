@@ -170,7 +170,7 @@ def measure_gemm(kind: str, device: torch.device | str = "cpu") -> float:
 
 def _native_fp32_seconds(a: torch.Tensor, b: torch.Tensor) -> float:
     """Seconds of one product on the native float32 GEMM (inf where it does not run)."""
-    from llmserve.models.packed_float import PackedFloatWeight, can_pack_weights, float_linear
+    from llmserve.quantization.packed_float import PackedFloatWeight, can_pack_weights, float_linear
 
     if not can_pack_weights():
         return float("inf")

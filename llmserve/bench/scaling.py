@@ -22,8 +22,8 @@ from typing import Any
 
 from llmserve.bench.machine import machine_info
 from llmserve.config import EngineConfig
-from llmserve.distributed.executor import free_port
 from llmserve.engine.engine import Engine
+from llmserve.executor.ranks import free_port
 from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Sequence
 
 from llmserve.core.block_pool import Block, BlockPool
-from llmserve.engine.request import Request
+from llmserve.core.request import Request
 
 _ROOT = bytes(32)  # the parent of a sequence's first block
 

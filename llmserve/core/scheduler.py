@@ -37,7 +37,7 @@ from typing import Any
 
 from llmserve.config import SCHEDULING_POLICIES
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.engine.request import Request, RequestStatus
+from llmserve.core.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -1,2 +1,3 @@
-"""Tensor parallelism on `torch.distributed`: groups, how a model is split, and the
-processes that run the other ranks (`executor.py`, `worker.py`)."""
+"""Tensor parallelism on `torch.distributed`: how a model is split across ranks
+(`parallel.py`), and how KV blocks move between engines (`kv_transfer.py`). The processes
+that run the other ranks are `llmserve.executor`."""

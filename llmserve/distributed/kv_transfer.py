@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from llmserve.worker.attention import KVCache
+from llmserve.layers.kv_cache import KVCache
 
 # the cache dtypes a transfer may carry, by their `str(dtype)`
 _KV_DTYPES = {str(t): t for t in (torch.float32, torch.bfloat16, torch.float16, torch.int8)}

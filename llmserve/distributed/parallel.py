@@ -78,7 +78,7 @@ class TensorParallel:
         """
         if self.size == 1:
             return linear(x)
-        from llmserve.models.packed_float import PackedFloatLinearMethod, float_linear
+        from llmserve.quantization.packed_float import PackedFloatLinearMethod, float_linear
 
         if not self.exchange or not isinstance(linear.method, PackedFloatLinearMethod):
             return self.all_reduce(linear(x))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from llmserve.engine.request import Request, RequestStatus, RequestTimings
+from llmserve.core.request import Request, RequestStatus, RequestTimings
 from llmserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from llmserve.sampling_params import SamplingParams
 

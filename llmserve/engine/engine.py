@@ -20,9 +20,9 @@ import torch
 
 from llmserve.config import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from llmserve.cpu_info import memory_bytes
-from llmserve.distributed.executor import CacheSpec, Executor, WorkerSpec, make_executor
 from llmserve.distributed.kv_transfer import (
     KVBlocks,
     KVReceiver,
@@ -35,10 +35,13 @@ from llmserve.distributed.kv_transfer import connect as kv_connect
 from llmserve.engine.beam_search import BeamSearchGroup, BeamSearchRunner
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.parallel_sampling import ParallelGroup
-from llmserve.engine.request import Request, RequestStatus
 from llmserve.engine.request_state import LogprobsDecoder, RequestState
 from llmserve.errors import LLMServeError
+from llmserve.executor.executor import Executor, make_executor
+from llmserve.executor.ranks import CacheSpec, WorkerSpec
 from llmserve.kernels import native, set_num_threads
+from llmserve.layers.attention.selector import attention_backend
+from llmserve.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from llmserve.loader.kernel_choice import choose_attention
 from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.memory import parse_size, plan_kv_cache
@@ -49,7 +52,6 @@ from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
 from llmserve.spec_decode.speculator import Speculator
 from llmserve.structured import StructuredOutputManager
-from llmserve.worker.attention import KVCache, attention_backend
 from llmserve.worker.model_runner import ModelRunner, RunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -622,29 +624,6 @@ def model_bytes(model: torch.nn.Module) -> int:
     """Bytes the model's parameters and buffers hold (quantized weights as stored)."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
-                           quantization: str | None, native_attention: bool) -> torch.dtype:
-    """"auto", with the native kernels: int8 on the int8 weight path (measured: a batch-32
-    decode step 20 % faster than float32, 4x the tokens per byte, +0.05 % perplexity);
-    bfloat16 on the int4 path, whose weights are the checkpoint's own (int8 entries there
-    moved greedy output off the float path on 9 of 20 chat prompts, bfloat16 on 3). Else
-    the compute dtype. An explicit int8 needs the native CPU kernels (`native_attention`:
-    the attention backend is the native one, which alone reads int8 entries)."""
-    from llmserve.worker.attention import KV_CACHE_DTYPES
-
-    if kv_cache_dtype == "int8" and not native_attention:
-        raise LLMServeError(
-            "kv_cache_dtype int8 needs the native CPU attention kernels (a C++ compiler, "
-            "device cpu, attention_backend auto or native); use float32 or bfloat16 here")
-    if kv_cache_dtype != "auto":
-        return KV_CACHE_DTYPES[kv_cache_dtype]
-    if quantization == "int8" and native_attention:
-        return torch.int8
-    if quantization in ("int4", "int4-a8") and native_attention:
-        return torch.bfloat16
-    return dtype
 
 
 def free_memory_bytes(device: torch.device) -> int:

@@ -15,8 +15,8 @@ DELTA outputs slice only the new part (O(new) per step); CUMULATIVE ones copy ev
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from llmserve.core.request import Request
 from llmserve.engine.detokenizer import Decoder, IncrementalDetokenizer
-from llmserve.engine.request import Request
 from llmserve.outputs import (
     CompletionOutput,
     Logprob,

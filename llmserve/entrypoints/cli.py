@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         if _is_torchrun_worker(args):  # ranks > 0 of an engine torchrun started
-            from llmserve.distributed.worker import run_external_worker
+            from llmserve.executor.worker import run_external_worker
 
             run_external_worker(args.device or "cpu")
             return 0

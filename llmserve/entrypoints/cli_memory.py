@@ -10,14 +10,11 @@ import json
 import torch
 
 from llmserve.config import DTYPES, ModelConfig
-from llmserve.engine.engine import (
-    free_memory_bytes,
-    resolve_device,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
-)
+from llmserve.engine.engine import free_memory_bytes, resolve_device, resolve_dtype
 from llmserve.entrypoints.cli import format_bytes
 from llmserve.errors import ModelFormatError
+from llmserve.layers.attention.selector import reads_only_written_slots
+from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.memory import (
     DTYPE_BYTES,
@@ -28,7 +25,6 @@ from llmserve.memory import (
     rank_config,
     weight_bytes,
 )
-from llmserve.worker.attention import reads_only_written_slots
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
              "int8": torch.int8}

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as QT
 
 from llmserve.config import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
-from llmserve.loader.gguf_meta import GGUFTensor, open_gguf, read_metadata
+from llmserve.gguf_meta import GGUFTensor, open_gguf, read_metadata
 from llmserve.loader.weights import (
     LoadedWeights,
     WeightSlices,

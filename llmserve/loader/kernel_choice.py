@@ -148,9 +148,9 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
 
 def _kernel(quantization: str | None, w: torch.Tensor):
     """x -> y for weight `w` packed in `quantization`'s format."""
-    from llmserve.models.packed_float import PackedFloatWeight, float_linear
     from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
     from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
+    from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
 
     if quantization in ("int4", "int4-a8"):
         packed = PackedInt4Weight(w, activation_bits=8 if quantization == "int4-a8" else 15)
@@ -241,12 +241,9 @@ def pick_attention(ms: dict[str, dict[str, float]]) -> str:
 def time_attention(config: ModelConfig, kv_dtype: torch.dtype) -> dict[str, dict[str, float]]:
     """Milliseconds per backend and phase for one step's attention over every layer (the
     cache write included); torch only where it reads `kv_dtype` (not int8)."""
-    from llmserve.worker.attention import (
-        AttentionMetadata,
-        KVCache,
-        NativeCPUBackend,
-        TorchBackend,
-    )
+    from llmserve.layers.attention.backend import AttentionMetadata, TorchBackend
+    from llmserve.layers.attention.native import NativeCPUBackend
+    from llmserve.layers.kv_cache import KVCache
 
     heads, kv_heads, d = (config.num_attention_heads, config.num_key_value_heads,
                           config.head_dim)
@@ -315,7 +312,7 @@ def choose_stream_prefetch(model: torch.nn.Module) -> str | None:
     480 MiB. About 0.15 s at a first start; cached like the other choices (keyed by the
     weights' formats and shapes), so a warm start times nothing."""
     from llmserve.kernels import native
-    from llmserve.models.layers import PackedHead, PackedLinearMethod
+    from llmserve.layers.linear import PackedHead, PackedLinearMethod
 
     lib = native()
     linears = []

@@ -16,9 +16,9 @@ from llmserve.loader.hf import load_hf_folder
 from llmserve.loader.kernel_choice import choose_quantization, choose_stream_prefetch
 from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
-from llmserve.models.packed_float import can_pack, pack_float_model
 from llmserve.models.registry import model_class
 from llmserve.quantization import quantize_model
+from llmserve.quantization.packed_float import can_pack, pack_float_model
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ The token count T, batch size and block-table width are symbolic, so one compile
 artefact serves prefill chunks, decodes and mixed steps alike (no per-shape buckets, no
 recompile at T == 1). Inside the graph the native kernels that dynamo cannot trace
 (ctypes) are torch custom ops (`llmserve::kv_cache_write`, mutating the cache in place, and
-`llmserve::paged_attention`, see `worker/attention.py`); the elementwise work between the
+`llmserve::paged_attention`, see `layers/attention/native.py`); the elementwise work between the
 matmuls (RMSNorm, rotary, SiLU-and-mul, residual adds) is fused by inductor.
 
 Artefacts go to inductor's FX graph and AOTAutograd caches under
@@ -20,7 +20,7 @@ When compile is used:
 * never with `enforce_eager=True` (`--enforce-eager`), nor with `LLMSERVE_ENFORCE_EAGER=1`;
 * never where the step runs native kernels other than attention: the one-call decoder
   stack (`models/llama_native.py`: the int8/int4 default path, and float32 on CPUs with
-  AVX-512, whose linears are packed for the native GEMM, `models/packed_float.py`), and
+  AVX-512, whose linears are packed for the native GEMM, `quantization/packed_float.py`), and
   quantized or packed linears. So compile is for bfloat16, float32 where the native
   GEMM does not run (no AVX-512, `LLMSERVE_NATIVE_KERNELS=0`), and CUDA;
 * never without a compiler (a C++ compiler on the CPU, triton on CUDA): one warning, eager;
@@ -177,7 +177,8 @@ def _runs_torch_ops(model: nn.Module) -> bool:
     """Whether the step is torch ops that inductor can compile: no one-call native stack,
     and every linear and the embedding on torch's own kernels (the packed float32 and
     quantized methods call native kernels, which would break the graph)."""
-    from llmserve.models.layers import Embedding, Linear, LinearMethod
+    from llmserve.layers.embedding import Embedding
+    from llmserve.layers.linear import Linear, LinearMethod
 
     if getattr(model, "native_layers", None) is not None:
         return False
@@ -199,7 +200,7 @@ def warm_up(model: nn.Module, kv_cache: Any, backend: Any) -> None:
     put back afterwards (the step's shapes are symbolic, so this one graph serves all)."""
     if not is_compiled(model):
         return
-    from llmserve.worker.attention import AttentionMetadata
+    from llmserve.layers.attention.backend import AttentionMetadata
 
     start = time.perf_counter()
     device = kv_cache.key[0].device

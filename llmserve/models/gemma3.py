@@ -19,9 +19,13 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.distributed.parallel import ShardPlan
-from llmserve.models.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, RotaryPositions
+from llmserve.layers.attention.backend import AttentionMetadata
+from llmserve.layers.embedding import Embedding
+from llmserve.layers.kv_cache import KVCache, LayerKV
+from llmserve.layers.linear import Linear
+from llmserve.layers.norm import RMSNorm
+from llmserve.layers.rotary import RotaryEmbedding, RotaryPositions
 from llmserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
-from llmserve.worker.attention import AttentionMetadata, KVCache, LayerKV
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -12,18 +12,14 @@ from torch import nn
 
 from llmserve.config import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
-from llmserve.models.layers import (
-    Embedding,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    RotaryPositions,
-    apply_rotary,
-    gelu_tanh_and_mul,
-    silu_and_mul,
-)
+from llmserve.layers.activation import gelu_tanh_and_mul, silu_and_mul
+from llmserve.layers.attention.backend import AttentionMetadata
+from llmserve.layers.embedding import Embedding
+from llmserve.layers.kv_cache import KVCache, LayerKV
+from llmserve.layers.linear import Linear
+from llmserve.layers.norm import RMSNorm
+from llmserve.layers.rotary import RotaryEmbedding, RotaryPositions, apply_rotary
 from llmserve.models.llama_native import NativeLlamaLayers
-from llmserve.worker.attention import AttentionMetadata, KVCache, LayerKV
 
 # Checkpoint (Hugging Face) projection names fused into one matmul: name -> (fused, shard).
 STACKED_PARAMS = {

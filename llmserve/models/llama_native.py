@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 from llmserve.kernels import native, ptr
-from llmserve.worker.attention import KERNEL_KV_DTYPES, AttentionMetadata, KVCache, NativeCPUBackend
+from llmserve.layers.attention.backend import AttentionMetadata
+from llmserve.layers.attention.native import NativeCPUBackend
+from llmserve.layers.kv_cache import KERNEL_KV_DTYPES, KVCache
 
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
@@ -61,9 +63,9 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def _packed_weight(linear: nn.Module) -> _PackedWeight | None:
-    from llmserve.models.packed_float import PackedFloatLinearMethod
     from llmserve.quantization.int4 import Int4LinearMethod
     from llmserve.quantization.int8 import Int8LinearMethod
+    from llmserve.quantization.packed_float import PackedFloatLinearMethod
 
     if linear.bias is not None:
         return None

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from llmserve.models.layers import Linear, LinearMethod
+from llmserve.layers.linear import Linear, LinearMethod
 from llmserve.quantization.int4 import Int4A8LinearMethod, Int4LinearMethod
 from llmserve.quantization.int8 import Int8LinearMethod, int8_head
 

@@ -29,7 +29,7 @@ Kernels:
 import torch
 
 from llmserve.kernels import native, ptr
-from llmserve.models.layers import PackedLinearMethod
+from llmserve.layers.linear import PackedLinearMethod
 
 GROUP = 32
 _N_ALIGN = 16  # the kernel's block of output channels

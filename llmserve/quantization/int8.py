@@ -17,7 +17,7 @@ Kernels, giving bit-identical results (the same integers, the same float epilogu
 import torch
 
 from llmserve.kernels import native, ptr
-from llmserve.models.layers import PackedHead, PackedLinearMethod
+from llmserve.layers.linear import PackedHead, PackedLinearMethod
 
 _EPS = 1e-8
 _K_ALIGN = 64  # packed weights pad K to this (the kernel's vector width in bytes)

@@ -4,12 +4,12 @@
   from earlier in the sequence);
 * `draft_model.py`: a draft model with its own small paged KV cache (also `self_draft`:
   the target's checkpoint on its quantized path, drafting for the exact path);
-* `rejection.py`: the verification rule, batched; every emitted token is distributed as
-  the target model's (greedy rows: the target's argmax, exactly);
 * `speculator.py`: the engine's policy (adaptive k per request, off for large batches)
   and running counts.
 
 The scheduler sends a request's drafts after its last token (`core/scheduler.py`), the
-runner verifies them in the same forward (`worker/model_runner.py`), and the engine takes
-the accepted tokens in order, stop conditions included (`engine/engine.py`).
+runner verifies them in the same forward (`worker/model_runner.py`, by the rule in
+`worker/rejection_sampler.py`: every emitted token is distributed as the target model's,
+greedy rows exactly the target's argmax), and the engine takes the accepted tokens in
+order, stop conditions included (`engine/engine.py`).
 """

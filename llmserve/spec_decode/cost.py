@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.worker.attention import AttentionBackend, AttentionMetadata, KVCache
+from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from llmserve.layers.kv_cache import KVCache
 
 CALIBRATION_BATCHES = (1, 2, 4, 8)
 CALIBRATION_CONTEXT = 64  # tokens already cached per sequence while timing

@@ -9,8 +9,8 @@ drafts it did not feed and the target's own token), then decodes greedily:
     proposed:                                   d1 (from the catch-up)  d2 ... dk
 
 All speculating requests go through each of these forwards together. Drafts are greedy, a
-point mass q, which the rejection rule handles exactly (`rejection.py`), so the output
-keeps the target's distribution whatever the draft.
+point mass q, which the rejection rule handles exactly (`worker/rejection_sampler.py`), so
+the output keeps the target's distribution whatever the draft.
 
 `self_draft` is this with the target's own checkpoint on its fast quantized path: the
 exact float32 target verifies what its int4 self proposes.
@@ -23,15 +23,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from llmserve.engine.request import Request
+from llmserve.core.request import Request
+from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from llmserve.layers.attention.selector import attention_backend
+from llmserve.layers.kv_cache import KVCache
 from llmserve.spec_decode.cost import time_step
 from llmserve.spec_decode.proposer import Proposer
-from llmserve.worker.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    KVCache,
-    attention_backend,
-)
 from llmserve.worker.sampler import argmax
 
 if TYPE_CHECKING:
@@ -69,7 +66,7 @@ class DraftModelProposer(Proposer):
               target_num_tokens: int) -> "DraftModelProposer":
         """Load the draft (`spec.model`, or the target's checkpoint for self_draft) and
         give it a KV cache; refuse a draft whose tokenizer differs from the target's."""
-        from llmserve.engine.engine import resolve_kv_cache_dtype
+        from llmserve.layers.kv_cache import resolve_kv_cache_dtype
         from llmserve.loader.catalog import resolve_model
         from llmserve.loader.model_loader import load_model
         from llmserve.memory import kv_bytes_per_token

@@ -2,7 +2,7 @@
 
 from collections.abc import Sequence
 
-from llmserve.engine.request import Request
+from llmserve.core.request import Request
 from llmserve.spec_decode import ngram
 
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 
 from llmserve.config import SpeculativeConfig
-from llmserve.engine.request import Request
+from llmserve.core.request import Request
 from llmserve.spec_decode.cost import StepCosts
 from llmserve.spec_decode.proposer import NgramProposer, Proposer
 

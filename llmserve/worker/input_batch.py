@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from llmserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.attention import AttentionBackend, AttentionMetadata
 from llmserve.worker.logits_processors import (
     History,
     LogitsProcessing,

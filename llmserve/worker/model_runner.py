@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
-from llmserve.spec_decode.rejection import verify
+from llmserve.layers.attention.backend import AttentionBackend
+from llmserve.layers.attention.selector import attention_backend
+from llmserve.layers.kv_cache import KVCache
 from llmserve.structured import GrammarStep
-from llmserve.worker.attention import AttentionBackend, KVCache, attention_backend
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
+from llmserve.worker.rejection_sampler import verify
 from llmserve.worker.sampler import argmax, sample, target_probs
 
 # prompt positions whose logits are materialised at once for prompt logprobs: (256, V) fp32
@@ -127,7 +129,7 @@ class ModelRunner:
         result: RunnerOutput,
     ) -> None:
         """Sample at each request's last token and at each of its drafts, in one batch,
-        and keep the drafts the rejection rule accepts (`spec_decode/rejection.py`).
+        and keep the drafts the rejection rule accepts (`rejection_sampler.py`).
 
         Logits rows: request i owns 1 + k_i consecutive rows, its positions
         `| last verified token | draft 1 | ... | draft k_i |`; the target distribution at

@@ -3,7 +3,7 @@
 import itertools
 
 from llmserve.core.kv_cache_manager import KVCacheManager, hash_block
-from llmserve.engine.request import Request
+from llmserve.core.request import Request
 from llmserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -11,13 +11,13 @@ import weakref
 import pytest
 
 from llmserve.core.kv_cache_manager import KVCacheManager, hash_block
+from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import (
     ScheduledRequest,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
 )
-from llmserve.engine.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams
 
 EOS = 0

@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
+from llmserve.core.request import RequestStatus
 from llmserve.core.scheduler import SchedulerConfig
 from llmserve.engine.engine import Engine
-from llmserve.engine.request import RequestStatus
 from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
 from tests.core.test_scheduler import make_request, make_scheduler, scheduled, step

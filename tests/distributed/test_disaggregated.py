@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve import SamplingParams
-from llmserve.distributed.executor import free_port
+from llmserve.executor.ranks import free_port
 from tests.router.helpers import wait_for
 
 SERVE = ["--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-model-len", "2048",

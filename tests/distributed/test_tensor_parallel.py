@@ -16,9 +16,11 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmserve import LLM, SamplingParams
-from llmserve.distributed.executor import connect, free_port
+from llmserve.executor.ranks import connect, free_port
+from llmserve.layers.attention.backend import AttentionMetadata
+from llmserve.layers.attention.selector import attention_backend
+from llmserve.layers.kv_cache import KVCache
 from llmserve.loader.model_loader import load_model
-from llmserve.worker.attention import AttentionMetadata, KVCache, attention_backend
 from tests.models.test_compile import NUM_TOKENS, _greedy
 from tests.models.test_llama_reference import PROMPTS, reference_greedy
 

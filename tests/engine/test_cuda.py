@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.worker.flex_attention import FlexAttentionBackend
+from llmserve.layers.attention.flex import FlexAttentionBackend
 from tests.engine.test_transparency import TOPICS, chat_ids
 from tests.models.test_llama_reference import PROMPTS
 

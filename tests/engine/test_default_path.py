@@ -189,8 +189,8 @@ def test_memory_arithmetic_matches_what_is_allocated(default_llm, smollm2_gguf):
 
 
 def test_int8_kv_cache_without_native_kernels_is_refused_at_start():
-    from llmserve.engine.engine import resolve_kv_cache_dtype
     from llmserve.errors import LLMServeError
+    from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 
     # flex (CUDA) and torch backends read no int8 entries
     with pytest.raises(LLMServeError, match="kv_cache_dtype int8 needs the native"):
@@ -204,8 +204,8 @@ def test_attention_backend_by_name(smollm2_gguf):
     uncompiled), and what a backend cannot do is refused at start, naming it."""
     from llmserve import LLM, SamplingParams
     from llmserve.errors import LLMServeError
-    from llmserve.worker.attention import TorchBackend
-    from llmserve.worker.flex_attention import FlexAttentionBackend
+    from llmserve.layers.attention.backend import TorchBackend
+    from llmserve.layers.attention.flex import FlexAttentionBackend
 
     params = SamplingParams(temperature=0, max_tokens=8)
     prompts = ["The capital of France is", "1, 2, 3, 4,"]

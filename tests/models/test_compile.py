@@ -15,16 +15,13 @@ import torch
 import llmserve.loader.model_loader as model_loader
 from llmserve import LLM, SamplingParams
 from llmserve.config import ModelConfig
+from llmserve.layers.attention.backend import AttentionMetadata, TorchBackend
+from llmserve.layers.attention.flex import FlexAttentionBackend
+from llmserve.layers.attention.native import NativeCPUBackend
+from llmserve.layers.kv_cache import KVCache
 from llmserve.models import compile as compile_mod
 from llmserve.models.compile import CompiledForward, compile_model, is_compiled
 from llmserve.models.llama import LlamaForCausalLM
-from llmserve.worker.attention import (
-    AttentionMetadata,
-    KVCache,
-    NativeCPUBackend,
-    TorchBackend,
-)
-from llmserve.worker.flex_attention import FlexAttentionBackend
 from tests.models.test_llama_reference import (
     CHAT,
     LOGIT_TOLERANCE,

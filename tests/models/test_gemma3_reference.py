@@ -254,7 +254,9 @@ def test_tiny_windowed_folders_match_reference(tmp_path, kind):
 
 def chunked_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position, prefilled `chunk` tokens a step through the paged cache."""
-    from llmserve.worker.attention import AttentionMetadata, KVCache, attention_backend
+    from llmserve.layers.attention.backend import AttentionMetadata
+    from llmserve.layers.attention.selector import attention_backend
+    from llmserve.layers.kv_cache import KVCache
 
     cfg = model.config
     n, block = len(token_ids), 16

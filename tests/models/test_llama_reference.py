@@ -5,9 +5,11 @@ import torch
 import transformers
 
 from llmserve import SamplingParams
+from llmserve.layers.attention.backend import AttentionMetadata
+from llmserve.layers.attention.selector import attention_backend
+from llmserve.layers.kv_cache import KVCache
 from llmserve.loader.hf import load_hf_folder
 from llmserve.models.registry import model_class
-from llmserve.worker.attention import AttentionMetadata, KVCache, attention_backend
 
 LOGIT_TOLERANCE = 1e-3
 

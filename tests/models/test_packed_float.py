@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmserve.models.packed_float import PackedFloatWeight, float_linear, packed_float_bytes
+from llmserve.quantization.packed_float import PackedFloatWeight, float_linear, packed_float_bytes
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 70])
@@ -39,8 +39,8 @@ def test_packed_rows_are_the_weight_rows():
 def test_the_exact_path_runs_the_packed_stack(smollm2_llm):
     """dtype="float32" on the CPU: packed float32 linears and head, one native call per
     step (the reference tests in test_llama_reference.py check its logits and tokens)."""
-    from llmserve.models.layers import PackedHead
-    from llmserve.models.packed_float import PackedFloatLinearMethod
+    from llmserve.layers.linear import PackedHead
+    from llmserve.quantization.packed_float import PackedFloatLinearMethod
 
     model = smollm2_llm.engine.loaded.model
     assert model.native_layers is not None

@@ -16,8 +16,8 @@ import torch
 
 from llmserve import LLM
 from llmserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.attention import AttentionMetadata
 from llmserve.worker.logits_processors import History
 from llmserve.worker.sampler import SamplingBatch, target_probs
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from llmserve.spec_decode.rejection import verify
+from llmserve.worker.rejection_sampler import verify
 
 V, K = 6, 3
 DRAWS = 24_000

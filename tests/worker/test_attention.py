@@ -5,13 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.kernels import native
-from llmserve.worker.attention import (
-    AttentionMetadata,
-    KVCache,
-    NativeCPUBackend,
-    TorchBackend,
-)
-from llmserve.worker.flex_attention import FlexAttentionBackend
+from llmserve.layers.attention.backend import AttentionMetadata, TorchBackend
+from llmserve.layers.attention.flex import FlexAttentionBackend
+from llmserve.layers.attention.native import NativeCPUBackend
+from llmserve.layers.kv_cache import KVCache
 
 H, H_KV, D, BLOCK = 6, 2, 32, 4
 # (context already cached, new queries): decodes, a short chunk, long chunks with and

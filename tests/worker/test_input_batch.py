@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import (
     NewRequestData,
     ScheduledRequest,
@@ -17,9 +18,8 @@ from llmserve.core.scheduler import (
     SchedulerConfig,
     SchedulerOutput,
 )
-from llmserve.engine.request import Request, RequestStatus
+from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.attention import AttentionMetadata
 from llmserve.worker.input_batch import InputBatch
 from llmserve.worker.logits_processors import History
 from llmserve.worker.sampler import SamplingBatch, sample

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from llmserve.distributed.executor import (
+from llmserve.executor.ranks import (
     CALIBRATE,
     ROWS,
     STEP,
@@ -46,9 +46,10 @@ def run_external_worker(device: str = "cpu") -> None:
 
 def serve_steps(ranks: Ranks) -> None:
     """Build this rank's model and cache as rank 0 says, then run steps until told to stop."""
+    from llmserve.layers.attention.selector import attention_backend
+    from llmserve.layers.kv_cache import KVCache
     from llmserve.loader.model_loader import load_model
     from llmserve.spec_decode.cost import measure_step_costs
-    from llmserve.worker.attention import KVCache, attention_backend
     from llmserve.worker.model_runner import ModelRunner
 
     spec: WorkerSpec = broadcast_object(ranks.control)

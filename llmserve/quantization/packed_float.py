@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from llmserve.kernels import native, ptr
-from llmserve.models.layers import Linear, LinearMethod, PackedHead, PackedLinearMethod
+from llmserve.layers.linear import Linear, LinearMethod, PackedHead, PackedLinearMethod
 
 _N_ALIGN = 16
 

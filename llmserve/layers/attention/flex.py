@@ -8,7 +8,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from llmserve.worker.attention import AttentionBackend, _python_attention_op
+from llmserve.layers.attention.backend import (
+    PYTHON_ATTENTION,
+    AttentionBackend,
+    python_attention_op,
+)
 
 
 class FlexAttentionBackend(AttentionBackend):
@@ -42,8 +46,8 @@ class FlexAttentionBackend(AttentionBackend):
         if cache.key.dtype == torch.int8:
             raise ValueError("kv_cache_dtype int8 needs the native CPU kernels")
         if torch.compiler.is_compiling():  # one opaque op in the model's graph
-            return _python_attention_op(self.name, q, k, v, cache, meta, scale, window,
-                                        softcap)
+            return python_attention_op(self.name, q, k, v, cache, meta, scale, window,
+                                       softcap)
         return self.attend(q, k, v, cache.key, cache.value, meta.slot_mapping,
                            meta.block_tables, meta.query_start, meta.context_lens,
                            meta.block_size, scale, window, softcap)
@@ -212,3 +216,11 @@ def flex_backend(device: torch.device) -> FlexAttentionBackend:
     if device not in _FLEX_BACKENDS:
         _FLEX_BACKENDS[device] = FlexAttentionBackend(compiled=device.type == "cuda")
     return _FLEX_BACKENDS[device]
+
+
+def _attend_in_op(q, *args) -> torch.Tensor:
+    """The flex backend inside the opaque op of a compiled step (`python_attention_op`)."""
+    return flex_backend(q.device).attend(q, *args)
+
+
+PYTHON_ATTENTION[FlexAttentionBackend.name] = _attend_in_op

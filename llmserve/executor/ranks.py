@@ -1,0 +1,110 @@
+"""How the ranks of a tensor-parallel engine meet and talk: the process groups, the
+messages rank 0 sends its workers, and what the workers are told to build."""
+
+import datetime
+import os
+import pickle
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from llmserve.distributed.parallel import TensorParallel
+
+# collectives wait this long for a peer; an idle server's workers wait for the next step
+# far longer than any step, and a dead peer is seen by its closed connection, not by this
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+CONNECT_TIMEOUT = datetime.timedelta(seconds=300)  # ranks loading models before they meet
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to build its share of the model (sent once by rank 0)."""
+
+    model: str | None
+    dtype: torch.dtype
+    device: str
+    quantization: str | None
+    num_threads: int | None
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The KV cache every rank allocates for its own KV heads (sent after loading)."""
+
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    attention_backend: str
+    max_num_seqs: int
+
+
+@dataclass
+class Ranks:
+    """One rank's groups: `tp` for the model's collectives, `control` (gloo) for messages."""
+
+    tp: TensorParallel
+    control: Any  # a c10d ProcessGroup
+
+
+def connect(rank: int, size: int, host: str, port: int, device: torch.device) -> Ranks:
+    """Meet the other ranks at host:port (rank 0 hosts the store)."""
+    store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
+    control = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    group = control
+    if device.type == "cuda":
+        group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
+    return Ranks(TensorParallel(rank, size, group, exchange=device.type != "cuda"), control)
+
+
+def broadcast_object(control: Any, obj: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (pickled; sent to each worker point to point, its size
+    then its bytes: on gloo a send and receive take a tenth of a broadcast's time)."""
+    if control.rank() != 0:
+        size = torch.zeros(1, dtype=torch.int64)
+        control.recv([size], 0, CONTROL_TAG).wait()
+        buffer = torch.empty(int(size), dtype=torch.uint8)
+        control.recv([buffer], 0, CONTROL_TAG).wait()
+        return pickle.loads(buffer.numpy().tobytes())
+    data = pickle.dumps(obj)
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    works = []
+    for worker in range(1, control.size()):
+        works.append(control.send([size], worker, CONTROL_TAG))
+        works.append(control.send([buffer], worker, CONTROL_TAG))
+    for work in works:
+        work.wait()
+    return obj
+
+
+def all_gather_ints(control: Any, value: int) -> list[int]:
+    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(control.size())]
+    control.allgather([parts], [torch.tensor([value], dtype=torch.int64)]).wait()
+    return [int(p) for p in parts]
+
+
+CONTROL_TAG = 1  # rank 0's messages (the model's exchanges use parallel.EXCHANGE_TAG)
+
+# messages rank 0 broadcasts to the workers
+STEP, ROWS, CALIBRATE, STOP = "step", "rows", "calibrate", "stop"
+
+
+def torchrun_env() -> tuple[int, int, str, int]:
+    """(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) as torchrun sets them. The engine's own
+    store listens on MASTER_PORT + 1 (torchrun's rendezvous holds MASTER_PORT)."""
+    try:
+        return (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    except KeyError as missing:
+        raise RuntimeError(f"external_launcher needs torchrun's environment: {missing} is not "
+                           "set (start every rank with torchrun)") from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

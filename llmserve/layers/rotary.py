@@ -1,0 +1,109 @@
+"""Rotary position embeddings: the cos/sin table, its Llama-3 and linear scalings, and the
+rotation of q and k (in place by the native kernel where it runs, not under
+`torch.compile`)."""
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from llmserve.kernels import native_for, ptr
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama-3.1 frequency-dependent rope scaling: long wavelengths slowed by `factor`."""
+    factor = scaling["factor"]
+    low_freq_factor = scaling.get("low_freq_factor", 1.0)
+    high_freq_factor = scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen = old_ctx / low_freq_factor
+    high_freq_wavelen = old_ctx / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (rotate-half layout) with a precomputed cos/sin table."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (base**exponents)
+        kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+        if kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        if kind == "linear":
+            positions = positions / scaling["factor"]
+        freqs = torch.outer(positions, inv_freq)  # (max_position, head_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (max_position, head_dim)
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryPositions":
+        """The rotation for one step's tokens, shared by all layers."""
+        return RotaryPositions(positions, self.cos_cache, self.sin_cache, dtype)
+
+
+@dataclass
+class RotaryPositions:
+    """Rotary tables at one step's positions (T,); cos/sin looked up once, when first used."""
+
+    positions: torch.Tensor
+    cos_cache: torch.Tensor  # (max_position, head_dim)
+    sin_cache: torch.Tensor
+    dtype: torch.dtype
+
+    _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+
+    @property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each (T, 1, head_dim) in the compute dtype, looked up when first used (the
+        native in-place rotation never needs them). Not a `cached_property`: its lock would
+        break a `torch.compile` graph. Kept as (T, head_dim): a compiled decoder layer that
+        takes them as inputs sees no size-1 dimension to make symbolic."""
+        if self._cos_sin is None:
+            self.look_up()
+        cos, sin = self._cos_sin
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def look_up(self) -> None:
+        cos = self.cos_cache[self.positions].to(self.dtype)
+        sin = self.sin_cache[self.positions].to(self.dtype)
+        self._cos_sin = (cos, sin)
+
+    def rotate_qkv_(self, qkv: torch.Tensor, num_rotated_heads: int, head_dim: int) -> bool:
+        """Rotate the first `num_rotated_heads` heads (q, then k) of fused qkv rows (T, C)
+        in place with the native kernel; False (nothing done) where it cannot run."""
+        lib = None if torch.compiler.is_compiling() else native_for(qkv, self.cos_cache)
+        if lib is None or qkv.dim() != 2 or self.positions.dtype != torch.long:
+            return False
+        lib.llmserve_rotary_inplace(
+            ptr(qkv), qkv.shape[0], qkv.shape[1], num_rotated_heads, head_dim,
+            ptr(self.positions), ptr(self.cos_cache), ptr(self.sin_cache))
+        return True
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, rope: RotaryPositions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: (T, num_heads, head_dim), k: (T, num_kv_heads, head_dim) rotated by position."""
+    cos, sin = rope.cos_sin
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -12,8 +12,8 @@ tokens each, greedy, EOS ignored, 2 threads. transformers runs them as one stati
 default (a quantized GGUF stays on the int8 kernels), `--dtype float32` the exact path.
 Each engine gets one warm-up call first. Run each engine in its own process so neither
 inherits the other's threads. Each engine runs with the OpenMP wait policy its users get:
-llmserve sets OMP_WAIT_POLICY=PASSIVE on import (unless set), transformers leaves OpenMP's
-default; the JSON records which.
+llmserve's CLI sets OMP_WAIT_POLICY=PASSIVE (unless set) before torch loads, and so does
+this script for llmserve; transformers leaves OpenMP's default; the JSON records which.
 """
 
 import argparse
@@ -122,7 +122,9 @@ def main() -> int:
         parser.error("--dtype, --quantization and --enforce-eager apply to --engine llmserve "
                      "only")
     if args.engine == "llmserve":
-        import llmserve  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
+        from llmserve.cpu_info import set_thread_policy
+
+        set_thread_policy()  # OMP_WAIT_POLICY, before torch loads OpenMP
     import torch
 
     wait_policy = os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP default)")

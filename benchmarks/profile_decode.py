@@ -17,12 +17,14 @@ from torch.profiler import ProfilerActivity, profile
 
 from llmserve import LLM
 from llmserve.bench.throughput import synthetic_prompts
+from llmserve.cpu_info import set_thread_policy
 from llmserve.sampling_params import SamplingParams
 
 DEFAULT_GGUF = Path.home() / ".cache/llmserve/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def main() -> int:
+    set_thread_policy()  # as llmserve's CLI does
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--batch", type=int, default=1)
@@ -40,7 +42,7 @@ def main() -> int:
     for _ in range(4):  # prefill, then a few decode steps to warm up
         engine.step()
     runner_time = 0.0
-    execute = engine.runner.execute
+    execute = engine.executor.execute_model
 
     def timed_execute(out, *rest):  # noqa: ANN001, ANN202 - a transparent wrapper
         nonlocal runner_time
@@ -49,7 +51,7 @@ def main() -> int:
         runner_time += time.perf_counter() - start
         return result
 
-    engine.runner.execute = timed_execute
+    engine.executor.execute_model = timed_execute
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(args.steps):

@@ -26,9 +26,10 @@ from monitor import LoadMonitor, warning
 from run_all import DEFAULT_GGUF, DEFAULT_LLAMA_SERVER, MODEL_ID, THREADS, free_port, server
 
 MAX_TOKENS = 128
-# llmserve is never imported here: importing it sets OMP_WAIT_POLICY=PASSIVE in this
-# process's environment, which llama-server would inherit (measured: its batch-1 decode
-# at a third of its speed). The workloads and the machine line come from a child process.
+# llmserve is never imported here, so this process's environment, which llama-server
+# inherits, stays as the user started it (llmserve's OMP_WAIT_POLICY=PASSIVE measured
+# llama-server's batch-1 decode at a third of its speed). The workloads and the machine
+# line come from a child process.
 _CHILD = """
 import json
 from llmserve.bench.machine import format_machine

@@ -1,17 +1,6 @@
 """llmserve: an LLM inference engine and OpenAI-compatible server on PyTorch."""
 
-import os
 from typing import TYPE_CHECKING
-
-# OpenMP worker threads spin while waiting for work by default; on a machine with as few
-# cores as threads, any other busy process (the HTTP server, a tokenizer, a benchmark
-# client) then makes every parallel region wait for a descheduled spinner, and decode slows
-# by 10x (measured: 1.4 vs 15 tok/s at batch 1 with a second process busy). Passive waiting
-# costs little when the machine is quiet. It must be set before torch loads OpenMP.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# numpy's OpenBLAS starts a pool of threads that poll for work; llmserve never uses numpy for
-# compute, and on a small machine those threads take cycles from the kernels.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -6,7 +6,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams

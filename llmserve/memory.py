@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 
 # A bare letter (2G) means the binary unit, as llama.cpp and most users mean it.
 _UNITS = {

@@ -5,7 +5,9 @@ from pathlib import Path
 
 import pytest
 
-import llmserve  # noqa: F401  (sets OpenMP's wait policy before any test imports torch)
+from llmserve.cpu_info import set_thread_policy
+
+set_thread_policy()  # as the CLI does, before any test imports torch (OpenMP)
 
 # Engines in tests run eagerly: a cold torch.compile of a model takes a minute on 2 cores.
 # The compiled step has its own tests (tests/models/test_compile.py), which lift this.

@@ -1,16 +1,17 @@
 """`llmserve bench kernels`: every linear-layer kernel this machine could run a model's
 weights on, timed on that model's own shapes at batch 1 (decode) and at a serving batch.
 
-Candidates: llmserve's native int4 (15- and 8-bit activations), int8 and float32 GEMMs at the
-instruction-set level in use (LLMSERVE_CPU_ISA), torch's `F.linear` in float32 and bfloat16, its weight-only int8 and
-int4 kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`, which vectorise only
-for some activation dtypes) and oneDNN's `_int_mm` where the CPU has int8 dot products (VNNI
-or AMX: elsewhere it is a reference loop). A time is one model step's linears (every
-layer's qkv, o, gate_up and down, and the LM head), the best of a few repeats. The table
-says which candidate the engine runs by default and for `--dtype float32`; a default slower
-than float32 at a batch size is flagged (the default path must never be). Then the attention
-backends, prefill and decode, for the default path's bfloat16 cache and the exact path's
-float32 one, and which one "auto" runs (`kernel_choice.choose_attention`).
+Candidates: llmserve's native int4 (15- and 8-bit activations), int8 and float32 GEMMs at
+the instruction-set level in use (LLMSERVE_CPU_ISA), torch's `F.linear` in float32 and
+bfloat16, its weight-only int8 and int4 kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`, which vectorise only for some activation dtypes) and oneDNN's
+`_int_mm` where the CPU has int8 dot products (VNNI or AMX: elsewhere it is a reference
+loop). A time is one model step's linears (every layer's qkv, o, gate_up and down, and the
+LM head), the best of a few repeats. The table says which candidate the engine runs by
+default and for `--dtype float32`; a default slower than float32 at a batch size is flagged
+(the default path must never be). Then the attention backends, prefill and decode, for the
+default path's bfloat16 cache and the exact path's float32 one, and which one "auto" runs
+(`kernel_choice.choose_attention`).
 """
 
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.kernels import cpu_flags, level_of, native
 from llmserve.loader.kernel_choice import (
     ATTENTION_DECODE,

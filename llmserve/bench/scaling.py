@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from llmserve.bench.machine import machine_info
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.executor.ranks import free_port
 from llmserve.llm import LLM

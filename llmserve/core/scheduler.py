@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.config import SCHEDULING_POLICIES
+from llmserve.config.engine import SCHEDULING_POLICIES
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.sampling_params import SamplingParams

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from llmserve.config import DEFAULT_MAX_NUM_WAITING
+from llmserve.config.engine import DEFAULT_MAX_NUM_WAITING
 from llmserve.engine.engine import Engine
 from llmserve.errors import LLMServeError
 from llmserve.metrics import LOG_INTERVAL_S, EngineMetrics

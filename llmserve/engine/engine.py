@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.config import EngineConfig, SpeculativeConfig
+from llmserve.config.engine import EngineConfig, SpeculativeConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -612,7 +612,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    from llmserve.config import DTYPES
+    from llmserve.config.engine import DTYPES
 
     name = DTYPES[dtype]
     if name == "auto":

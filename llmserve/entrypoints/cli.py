@@ -16,7 +16,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from llmserve.config import (
+from llmserve.config.engine import (
     ATTENTION_BACKEND_CHOICES,
     DEFAULT_MAX_NUM_WAITING,
     DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -132,7 +132,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
-    from llmserve.config import EngineConfig
+    from llmserve.config.engine import EngineConfig
     from llmserve.engine.async_engine import AsyncEngine
     from llmserve.engine.engine import Engine
     from llmserve.entrypoints.cli_run_batch import read_batch_lines, run_batch_file

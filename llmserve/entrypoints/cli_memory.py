@@ -9,7 +9,8 @@ import json
 
 import torch
 
-from llmserve.config import DTYPES, ModelConfig
+from llmserve.config.engine import DTYPES
+from llmserve.config.model import ModelConfig
 from llmserve.engine.engine import free_memory_bytes, resolve_device, resolve_dtype
 from llmserve.entrypoints.cli import format_bytes
 from llmserve.errors import ModelFormatError
@@ -129,7 +130,7 @@ def _weight_method(source: ModelSource, dtype: str, quantization: str | None,
                    device: torch.device) -> str | None:
     """The quantized method the engine would run this model on ("int8", "int4", "int4-a8"),
     or None for float weights: as `load_model` decides."""
-    from llmserve.config import EngineConfig
+    from llmserve.config.engine import EngineConfig
     from llmserve.loader.model_loader import auto_quantization
 
     wanted = EngineConfig(dtype=dtype, quantization=quantization).weight_quantization

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from llmserve.config import DISTRIBUTED_EXECUTOR_BACKENDS
+from llmserve.config.engine import DISTRIBUTED_EXECUTOR_BACKENDS
 from llmserve.distributed.parallel import TensorParallel
 from llmserve.executor.ranks import (
     CALIBRATE,

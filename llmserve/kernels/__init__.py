@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from llmserve import cpu_info
+from llmserve.config.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -149,8 +150,7 @@ def _sources() -> list[Path]:
 
 
 def _build_dir() -> Path:
-    root = os.environ.get("LLMSERVE_CACHE") or Path.home() / ".cache" / "llmserve"
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _library_path(level: str, flags: list[str], compiler: str) -> Path:

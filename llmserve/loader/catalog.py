@@ -22,10 +22,10 @@ from typing import IO, Literal
 
 from tqdm import tqdm
 
+from llmserve.config.paths import CACHE_ENV, cache_root
 from llmserve.errors import FetchError, ModelFormatError, ModelNotFoundError
 
 DEFAULT_MODEL = "smollm2-135m"
-CACHE_ENV = "LLMSERVE_CACHE"
 _CHUNK_SIZE = 1 << 20
 _FETCH_HINT = (
     "check your network or proxy, or download the file yourself and pass its path with --model"
@@ -121,14 +121,6 @@ CATALOG: dict[str, CatalogEntry] = {
         ),
     )
 }
-
-
-def cache_root(cache_dir: Path | None = None) -> Path:
-    """The model cache folder: `cache_dir`, else `$LLMSERVE_CACHE`, else `~/.cache/llmserve`."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llmserve"
 
 
 def catalog_entry(name: str) -> CatalogEntry:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.gguf_meta import GGUFTensor, open_gguf, read_metadata
 from llmserve.loader.weights import (

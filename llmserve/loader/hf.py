@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.loader.weights import (
     LoadedWeights,

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from llmserve import cpu_info
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,8 @@ def time_attention(config: ModelConfig, kv_dtype: torch.dtype) -> dict[str, dict
             meta = AttentionMetadata.build(query_lens, context_lens, block_ids, block_size,
                                            backend=backend)
             seconds = best_seconds(
-                lambda b=backend, m=meta: b.forward(q, k, v, layer, m, d ** -0.5),
+                lambda b=backend, m=meta, q=q, k=k, v=v: b.forward(q, k, v, layer, m,
+                                                                   d ** -0.5),
                 _ATTENTION_TIME_S)
             ms[name][phase] = seconds * config.num_hidden_layers * 1e3
     return ms

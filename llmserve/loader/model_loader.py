@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
 from llmserve.kernels import native
 from llmserve.loader.catalog import ModelSource, resolve_model

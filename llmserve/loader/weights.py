@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, ModelNotFoundError
 
 # (config, canonical tensor name) -> (rows, columns) to read; None: the whole dimension

@@ -61,14 +61,52 @@ from typing import Any
 import torch
 from torch import nn
 
+from llmserve.config.paths import cache_root
+
 logger = logging.getLogger(__name__)
 
 ENFORCE_EAGER_ENV = "LLMSERVE_ENFORCE_EAGER"
 
 
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
 def inductor_cache_dir() -> Path:
-    root = os.environ.get("LLMSERVE_CACHE") or Path.home() / ".cache" / "llmserve"
-    return Path(root) / "inductor"
+    """Where inductor's caches go: `$TORCHINDUCTOR_CACHE_DIR` where the user set it, else
+    under llmserve's cache root. (Importing dynamo sets the variable to torch's default
+    folder, which counts as not set.)"""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    chosen = os.environ.get(INDUCTOR_CACHE_ENV)
+    if chosen and os.path.abspath(chosen) != os.path.abspath(default_cache_dir()):
+        return Path(chosen)
+    return cache_root() / "inductor"
+
+
+@functools.cache
+def _use_inductor_cache_dir() -> None:
+    """Point inductor at `inductor_cache_dir()` while dynamo compiles, and put the variable
+    back as it was after: inductor takes its cache folder from the environment only, and
+    llmserve does not leave the process's environment changed. Installed once per process
+    (dynamo runs these callbacks around the outermost of nested compiles)."""
+    from torch._dynamo.callback import on_compile_end, on_compile_start
+
+    saved: list[str | None] = []  # the variable's value before the compile in progress
+
+    @on_compile_start
+    def _point(_: Any) -> None:
+        saved[:] = [os.environ.get(INDUCTOR_CACHE_ENV)]
+        os.environ[INDUCTOR_CACHE_ENV] = str(inductor_cache_dir())
+
+    @on_compile_end
+    def _restore(_: Any) -> None:
+        if not saved:
+            return
+        value = saved.pop()
+        if value is None:
+            os.environ.pop(INDUCTOR_CACHE_ENV, None)
+        else:
+            os.environ[INDUCTOR_CACHE_ENV] = value
 
 
 class CompiledForward:
@@ -160,7 +198,7 @@ def compile_model(model: nn.Module, device: torch.device | str, quantization: st
     if not layers:
         logger.info("model step: eager (no decoder layers to compile)")
         return False
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+    _use_inductor_cache_dir()
     try:
         shared = CompiledForward(type(layers[0]).forward, device)
     except Exception as exc:  # noqa: BLE001 - no usable compiler: run eagerly
@@ -212,7 +250,7 @@ def warm_up(model: nn.Module, kv_cache: Any, backend: Any) -> None:
         tensor[0].copy_(block)
     if is_compiled(model):
         logger.info("model step compiled in %.1fs (cache: %s)", time.perf_counter() - start,
-                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
+                    inductor_cache_dir())
 
 
 def _cache_tensors(kv_cache: Any) -> list[torch.Tensor]:

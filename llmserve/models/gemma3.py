@@ -17,7 +17,7 @@ What differs from Llama (`llama.py`, whose attention and MLP it shares):
 import torch
 from torch import nn
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.embedding import Embedding

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
 from llmserve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from llmserve.layers.attention.backend import AttentionMetadata

@@ -2,7 +2,7 @@
 
 from torch import nn
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.errors import UnsupportedModelError
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM

@@ -32,7 +32,7 @@ from llmserve.spec_decode.proposer import Proposer
 from llmserve.worker.sampler import argmax
 
 if TYPE_CHECKING:
-    from llmserve.config import EngineConfig, SpeculativeConfig
+    from llmserve.config.engine import EngineConfig, SpeculativeConfig
     from llmserve.loader.model_loader import LoadedModel
 
 logger = logging.getLogger(__name__)

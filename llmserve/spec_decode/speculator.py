@@ -19,7 +19,7 @@ them in the same forward (`worker/model_runner.py`). The policy:
 import time
 from dataclasses import dataclass, field
 
-from llmserve.config import SpeculativeConfig
+from llmserve.config.engine import SpeculativeConfig
 from llmserve.core.request import Request
 from llmserve.spec_decode.cost import StepCosts
 from llmserve.spec_decode.proposer import NgramProposer, Proposer

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from tests.engine.test_transparency import TOPICS, chat_ids, token_ids
 from tests.models.test_llama_reference import PROMPTS

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.outputs import OutputAccumulator, RequestOutput
 from llmserve.sampling_params import RequestOutputKind

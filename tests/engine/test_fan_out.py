@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 
 LONG_PROMPT = "Write one sentence about the sea. " * 8  # several full blocks

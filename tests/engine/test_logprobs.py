@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 
 TOLERANCE = 1e-3

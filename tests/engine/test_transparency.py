@@ -7,7 +7,7 @@ must be identical, not merely close.
 import pytest
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

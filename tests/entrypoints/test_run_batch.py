@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.engine import Engine
 from llmserve.entrypoints.cli import main

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.loader import kernel_choice
 from llmserve.loader.kernel_choice import choose_quantization, pick
 

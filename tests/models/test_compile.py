@@ -14,7 +14,7 @@ import torch
 
 import llmserve.loader.model_loader as model_loader
 from llmserve import LLM, SamplingParams
-from llmserve.config import ModelConfig
+from llmserve.config.model import ModelConfig
 from llmserve.layers.attention.backend import AttentionMetadata, TorchBackend
 from llmserve.layers.attention.flex import FlexAttentionBackend
 from llmserve.layers.attention.native import NativeCPUBackend

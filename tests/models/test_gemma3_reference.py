@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.loader.hf import load_hf_folder
 from llmserve.models.registry import model_class

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve import LLM, SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.kernels import native
 from llmserve.loader.model_loader import load_model

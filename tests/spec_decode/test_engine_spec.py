@@ -17,7 +17,7 @@ from jsonschema import Draft202012Validator
 
 from llmserve import LLM, SamplingParams
 from llmserve.bench.quality import quality_text
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.loader.model_loader import LoadedModel
 from llmserve.memory import kv_bytes_per_token

@@ -3,7 +3,7 @@ batches, running counts; the config's validation."""
 
 import pytest
 
-from llmserve.config import EngineConfig, SpeculativeConfig
+from llmserve.config.engine import EngineConfig, SpeculativeConfig
 from llmserve.core.request import Request
 from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.cost import StepCosts

@@ -3,7 +3,7 @@
 import pytest
 
 from llmserve import LLM
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 
 

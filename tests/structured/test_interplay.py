@@ -8,7 +8,7 @@ import pytest
 from jsonschema import validate
 
 from llmserve import SamplingParams
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.sampling_params import StructuredOutputsParams
 from tests.structured.helpers import chat_prompt

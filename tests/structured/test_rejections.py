@@ -4,7 +4,7 @@
 import pytest
 
 from llmserve import LLM
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine, RequestRejected
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
 

@@ -12,7 +12,7 @@ from collections import Counter
 import uvicorn
 
 from llmserve.bench.soak import SoakConfig, run_soak
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.engine import Engine
 from llmserve.entrypoints.openai.server import ServerSettings, build_app, listening_socket

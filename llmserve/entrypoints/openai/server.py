@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmserve import __version__
+from llmserve.cpu_info import set_thread_policy
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.entrypoints.openai.http_layer import (
     install_error_handlers,
@@ -195,9 +196,10 @@ async def _client_gone(request: Request) -> None:
 
 def run_server(args: Any, engine_options: dict[str, Any]) -> int:
     """Load the model, serve until SIGTERM/SIGINT, shut down gracefully; returns 0."""
+    set_thread_policy()  # the CLI set it before torch loaded; a caller of its own may not
     import uvicorn
 
-    from llmserve.config import EngineConfig
+    from llmserve.config.engine import EngineConfig
     from llmserve.engine.engine import Engine
     from llmserve.loader.catalog import DEFAULT_MODEL
 

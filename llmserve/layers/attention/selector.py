@@ -2,7 +2,7 @@
 
 import torch
 
-from llmserve.config import ATTENTION_BACKEND_CHOICES
+from llmserve.config.engine import ATTENTION_BACKEND_CHOICES
 from llmserve.kernels import native
 from llmserve.layers.attention.backend import AttentionBackend, TorchBackend
 from llmserve.layers.attention.flex import flex_backend

@@ -13,7 +13,7 @@ import openai
 import pytest
 import uvicorn
 
-from llmserve.config import EngineConfig
+from llmserve.config.engine import EngineConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.engine import Engine
 from llmserve.entrypoints.openai.server import ServerSettings, build_app, listening_socket

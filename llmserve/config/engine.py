@@ -1,0 +1,213 @@
+"""How an engine runs (`EngineConfig`, `SpeculativeConfig`), and the choices its options
+take: frozen dataclasses, validated at construction."""
+
+from dataclasses import dataclass
+from typing import Any
+
+# "auto" keeps a quantized checkpoint quantized: GGUF Q4_* on the int4 kernels, Q5/Q6/Q8
+# on the int8 kernels.
+QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "int4-a8")
+KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
+ATTENTION_BACKEND_CHOICES = ("auto", "native", "flex", "torch")
+# queued requests a server admits before answering 429 (`--max-num-waiting`)
+DEFAULT_MAX_NUM_WAITING = 1024
+# fcfs and priority batch continuously; static runs each admitted batch to completion
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
+
+
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft")
+# running requests from which speculation stops paying, per method (benchmarks/notes.md)
+SPEC_CROSSOVER = {"ngram": 2, "draft_model": 8, "self_draft": 8}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, in vLLM's `speculative_config` terms (`spec_decode/`).
+
+    * `ngram`: prompt lookup, drafts copied from earlier in the sequence
+      (`prompt_lookup_min`..`prompt_lookup_max` tokens matched);
+    * `draft_model`: a small model with the same tokenizer (`model`) drafts greedily;
+    * `self_draft`: the target's own checkpoint on its fast quantized path drafts
+      (`draft_quantization`, default the checkpoint's own), the target verifies, so
+      `dtype="float32"` output stays token-identical to the reference at close to
+      quantized speed.
+
+    `num_speculative_tokens` is the most drafts per step; with `adaptive`, each request's
+    k follows its measured acceptance rate and what a draft token costs here. Speculation
+    is off for a step once `disable_by_batch_size` requests run (null: never; "auto": the
+    crossover measured for the method, `SPEC_CROSSOVER`). Measured on the default model
+    (`llmserve bench spec`, distinct grounded and chat prompts): prompt lookup on the
+    default int4 path gained 1.5x at one stream and lost 3-14 % at two to four (verifying
+    drafts turns the int4 step compute-bound); self_draft on the float32 path gained
+    1.5-1.7x at one and two streams, 1.2x at four, and lost 8 % at eight.
+    """
+
+    method: str
+    num_speculative_tokens: int = 4
+    model: str | None = None
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    draft_quantization: str = "auto"
+    disable_by_batch_size: int | str | None = "auto"
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}, not {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config: num_speculative_tokens must be in [1, 16], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                "speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method draft_model needs 'model' (a model "
+                             "with the target's tokenizer)")
+        if self.method != "draft_model" and self.model is not None:
+            raise ValueError(f"speculative_config: 'model' is for method draft_model, not "
+                             f"{self.method}")
+        if self.draft_quantization not in QUANTIZATION_CHOICES:
+            raise ValueError(f"speculative_config: draft_quantization must be one of "
+                             f"{', '.join(QUANTIZATION_CHOICES)}, not "
+                             f"{self.draft_quantization!r}")
+        if self.disable_by_batch_size == "auto":
+            object.__setattr__(self, "disable_by_batch_size", SPEC_CROSSOVER[self.method])
+        elif self.disable_by_batch_size is not None and (
+                isinstance(self.disable_by_batch_size, str) or self.disable_by_batch_size < 1):
+            raise ValueError("speculative_config: disable_by_batch_size must be at least 1 "
+                             f"(or null: never, or \"auto\"), got "
+                             f"{self.disable_by_batch_size!r}")
+
+    @classmethod
+    def from_dict(cls, options: "dict[str, Any] | SpeculativeConfig") -> "SpeculativeConfig":
+        """From `{"method": ..., ...}` (vLLM's keys); an unknown key is refused by name."""
+        if isinstance(options, SpeculativeConfig):
+            return options
+        if not isinstance(options, dict):
+            raise ValueError("speculative_config must be a JSON object, e.g. "
+                             '{"method": "ngram", "num_speculative_tokens": 4}')
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: "
+                             f"{', '.join(sorted(known))})")
+        if "method" not in options:
+            raise ValueError("speculative_config needs 'method' (one of "
+                             f"{', '.join(SPECULATIVE_METHODS)})")
+        return cls(**options)
+
+
+# how the ranks of a tensor-parallel engine are started (executor/executor.py)
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is built from. Defaults serve the default model on this machine.
+
+    `dtype="float32"` is the exact path the reference tests use; "auto" picks float32 on
+    the CPU (bf16 is emulated and slow there) and bfloat16 on CUDA.
+    `kv_cache_memory` is a size ("2GiB", bytes) or a fraction of the free memory (0.3).
+    """
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    # None: "auto" with dtype auto (a quantized checkpoint keeps its quantization: int4 or
+    # int8 kernels), exact float weights otherwise; "none": always float; "int8": W8A8
+    # linear layers; "int4": 4-bit weight groups of 32, two-part int8 activations (15 bits);
+    # "int4-a8": the same weights with 8-bit activations (quantization/int4.py)
+    quantization: str | None = None
+    # auto (CPU, native kernels): int8 on the int8 weight path, bfloat16 on the int4 path;
+    # else the compute dtype
+    kv_cache_dtype: str = "auto"
+    num_threads: int | None = None  # compute threads (torch's intra-op pool); None: all cores
+    block_size: int = 16
+    kv_cache_memory: str | int | float = "2GiB"
+    max_num_seqs: int = 256
+    # tokens per step: 512 (llama.cpp's micro-batch) lets the first prompts of a burst
+    # start decoding while later ones prefill; measured on the default model, 16 streams:
+    # TTFT p50 1364 -> 663 ms, 32 streams 321 -> 372 tok/s against 2048
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    # True: never torch.compile the model step (vLLM's flag); see models/compile.py
+    enforce_eager: bool = False
+    # auto: native kernels on the CPU, flex_attention on CUDA; or native, flex, torch
+    # (layers/attention/selector.py)
+    attention_backend: str = "auto"
+    # None: no speculative decoding; a SpeculativeConfig or its dict form (vLLM's keys)
+    speculative_config: SpeculativeConfig | dict | None = None
+    # ranks the model is split over (distributed/): heads, MLP channels and vocabulary
+    tensor_parallel_size: int = 1
+    # mp: rank 0 spawns the other ranks on this machine; external_launcher: torchrun
+    # started every rank (several machines)
+    distributed_executor_backend: str = "mp"
+    # disaggregated prefill/decode (distributed/kv_transfer.py): "prefill" sends finished
+    # prompts' KV to its decode peer, "decode" continues requests from received KV; both
+    # meet at kv_transfer_address (HOST:PORT, hosted by the decode side)
+    kv_role: str | None = None
+    kv_transfer_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.kv_role is None) != (self.kv_transfer_address is None):
+            raise ValueError("kv_role (--role) and kv_transfer_address (--kv-transfer-address) "
+                             "go together")
+        if self.kv_role is not None and self.kv_role not in ("prefill", "decode"):
+            raise ValueError(f"kv_role must be prefill or decode, not {self.kv_role!r}")
+        if self.kv_role is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_role (disaggregated prefill/decode) with "
+                             "tensor_parallel_size > 1 is not supported")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError("distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, not "
+                             f"{self.distributed_executor_backend!r}")
+        if self.speculative_config is not None:
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
+        if self.quantization not in (None, *QUANTIZATION_CHOICES):
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, "
+                f"not {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                f"not {self.kv_cache_dtype!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.attention_backend not in ATTENTION_BACKEND_CHOICES:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
+                f"not {self.attention_backend!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
+                             f", not {self.scheduling_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        if isinstance(self.kv_cache_memory, float) and not 0 < self.kv_cache_memory <= 1:
+            raise ValueError(
+                f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}"
+            )
+
+    @property
+    def weight_quantization(self) -> str | None:
+        """What the loader is asked for: "auto" only on the fast default (dtype auto)."""
+        if self.quantization is None:
+            return "auto" if self.dtype == "auto" else None
+        return None if self.quantization == "none" else self.quantization

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from llmserve.cpu_info import set_thread_policy
+from tests.engines import llm_on
 
 set_thread_policy()  # as the CLI does, before any test imports torch (OpenMP)
 
@@ -37,12 +38,54 @@ def reference_model(smollm2_gguf):
     return model.eval()
 
 
-@pytest.fixture(scope="session")
-def smollm2_llm(smollm2_gguf):
-    """llmserve's offline engine on the default model, exact fp32 path."""
-    from llmserve import LLM
+# The default model's weights, loaded once per kind for the whole session (a load takes
+# seconds): every engine of a kind shares them through `engine_on`, each with a KV cache,
+# scheduler and options of its own.
 
-    return LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="256MiB")
+
+def _load(gguf: Path, quantization: str | None):
+    import torch
+
+    from llmserve.loader.model_loader import load_model
+
+    return load_model(str(gguf), torch.float32, "cpu", quantization, enforce_eager=True)
+
+
+@pytest.fixture(scope="session")
+def float32_model(smollm2_gguf):
+    """The exact path's weights (`dtype="float32"`)."""
+    return _load(smollm2_gguf, None)
+
+
+@pytest.fixture(scope="session")
+def default_model(smollm2_gguf):
+    """The default path's weights (`dtype="auto"`: the checkpoint's int4, or what the kernel
+    choice times faster on this CPU)."""
+    return _load(smollm2_gguf, "auto")
+
+
+@pytest.fixture(scope="session")
+def int8_model(smollm2_gguf):
+    """`quantization="int8"`: W8A8 linears."""
+    return _load(smollm2_gguf, "int8")
+
+
+@pytest.fixture(scope="session")
+def int4_a8_model(smollm2_gguf):
+    """`quantization="int4-a8"`: int4 weights, 8-bit activations."""
+    return _load(smollm2_gguf, "int4-a8")
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(float32_model):
+    """llmserve's offline engine on the default model, exact fp32 path."""
+    return llm_on(float32_model, kv_cache_memory="256MiB")
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_model):
+    """llmserve's offline engine on the default model, default (fast) path."""
+    return llm_on(default_model, kv_cache_memory="128MiB")
 
 
 @pytest.fixture(params=["generic", "avx2", "avx512", "neon"])

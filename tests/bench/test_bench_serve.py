@@ -8,9 +8,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.bench.serve import ServeBenchConfig, run_serve_bench
 from llmserve.bench.stats import LATENCY_METRICS, PERCENTILES
-from llmserve.engine.engine import Engine
 from llmserve.entrypoints.cli import main
-from tests.entrypoints.openai.conftest import MODEL, _engine_config, run_server
+from tests.entrypoints.openai.conftest import MODEL, run_server
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, CONCURRENCY = 8, 24, 8, 4
 RUN_FIELDS = {"concurrency", "request_rate", "burstiness", "completed", "failed", "duration_s",
@@ -24,9 +23,8 @@ TTFT = "llmserve_time_to_first_token_seconds"
 
 
 @pytest.fixture(scope="module")
-def live_server(smollm2_gguf):
-    loaded = Engine(_engine_config(smollm2_gguf, kv_cache_memory="16MiB")).loaded
-    with run_server(smollm2_gguf, loaded) as running:
+def live_server(smollm2_gguf, float32_model):
+    with run_server(smollm2_gguf, float32_model) as running:
         yield running
 
 

@@ -10,9 +10,7 @@ from typing import Any
 
 import pytest
 
-from llmserve.config.engine import EngineConfig
 from llmserve.engine.async_engine import AsyncEngine
-from llmserve.engine.engine import Engine
 from llmserve.entrypoints.cli import main
 from tests.entrypoints.openai.conftest import run_server
 
@@ -151,7 +149,7 @@ def test_one_result_per_line_in_order_with_errors(first_run):
     assert num_requests == num_ok + num_too_long
 
 
-def test_bodies_equal_the_servers(first_run, smollm2_gguf):
+def test_bodies_equal_the_servers(first_run, smollm2_gguf, float32_model):
     src, out, expected, _ = first_run
     records = _read(out)
     # the first valid lines, and every body the handlers or the engine refuse
@@ -159,9 +157,7 @@ def test_bodies_equal_the_servers(first_run, smollm2_gguf):
               if (want == "ok" and i < 12) or want in ((400, "temperature"),
                                                          (400, "max_tokens"), (400, "prompt"))]
     texts = src.read_text().splitlines()
-    loaded = Engine(EngineConfig(model=str(smollm2_gguf), dtype="float32",
-                                 kv_cache_memory="16MiB", max_model_len=512)).loaded
-    with run_server(smollm2_gguf, loaded) as server, server.http() as http:
+    with run_server(smollm2_gguf, float32_model) as server, server.http() as http:
         for i in chosen:
             line = json.loads(texts[i])
             response = http.post(line["url"], json=line["body"])

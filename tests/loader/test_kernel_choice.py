@@ -107,12 +107,13 @@ def test_attention_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     assert f"attention: {first.backend} (cached" in again.describe()
 
 
-def test_the_engine_runs_the_chosen_backend(tmp_path, monkeypatch, smollm2_gguf):
-    from llmserve import LLM, SamplingParams
+def test_the_engine_runs_the_chosen_backend(tmp_path, monkeypatch, default_model):
+    from llmserve import SamplingParams
+    from tests.engines import llm_on
 
     monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path))
     monkeypatch.setattr(kernel_choice, "pick_attention", lambda ms: "torch")
-    llm = LLM(str(smollm2_gguf), kv_cache_memory="32MiB")
+    llm = llm_on(default_model, kv_cache_memory="32MiB")
     assert llm.engine.attention_backend_name == "torch"
     assert type(llm.engine.attention).__name__ == "TorchBackend"
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))

@@ -1,6 +1,11 @@
 """Gemma 3 against `transformers` on the same weights: the catalog GGUF (gemma3-270m) and
 tiny random Hugging Face folders; the SentencePiece vocabulary against transformers' own
-conversion; sliding windows (Gemma's local layers, Mistral, Qwen2) against the reference."""
+conversion; sliding windows (Gemma's local layers, Mistral, Qwen2) against the reference.
+
+The default tier checks the catalog model's logits and greedy tokens (decodes crossing the
+local window) against `transformers` and its batching/chunking/prefix-cache invariance; the
+slow tier adds the vocabulary against transformers' own conversion (20 s of building it),
+logits over 672 positions against float64, the default quantized path, and the server."""
 
 import pytest
 import torch
@@ -67,6 +72,7 @@ def long_prompt(llm: LLM, length: int) -> list[int]:
     return ids[:length]
 
 
+@pytest.mark.slow
 def test_gguf_vocabulary_matches_transformers(gemma_gguf):
     ours = Tokenizer.from_gguf(gemma_gguf)
     ref = transformers.AutoTokenizer.from_pretrained(gemma_gguf.parent,
@@ -110,6 +116,7 @@ def float64_logits(model, ids: list[int]) -> torch.Tensor:
             t.data = t.data.float()
 
 
+@pytest.mark.slow
 def test_logits_match_reference_across_the_window(gemma_llm, gemma_reference):
     """672 positions, the last 160 past the local layers' window. On this repetitive text
     Gemma's logits (up to |37|) move by a few 1e-3 with any float32 rounding change, and how
@@ -167,6 +174,7 @@ def test_batching_chunking_and_prefix_cache_change_nothing(gemma_llm):
     assert tokens(chunked, prompts) == alone
 
 
+@pytest.mark.slow
 def test_default_path_runs_the_checkpoint_quantized(gemma_gguf, gemma_llm):
     """The default (int8 weights for a Q4_K_M mix) generates, batch-invariantly, and
     follows the exact path on the first tokens of most chat prompts."""
@@ -275,6 +283,7 @@ def chunked_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+@pytest.mark.slow
 def test_serve_gemma3_with_the_openai_client(gemma_gguf):
     """`llmserve serve --model gemma3-270m` as a user starts it (the catalog name, the
     default fast path), over a real socket, with the official client: a chat answer

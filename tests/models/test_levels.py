@@ -1,6 +1,11 @@
 """The real model at every instruction-set level this CPU runs (the machine's own level is
 what the other model tests run): the exact path equals `transformers`, and the default
-path (int4, or int4-a8 where the timing picks it) follows the exact one."""
+path (int4, or int4-a8 where the timing picks it) follows the exact one.
+
+Slow tier: each level builds its kernels and loads the model again. The default tier keeps
+what these imply: every kernel gives the same bits at every level (tests/kernels/), and at
+the machine's own level the exact path equals the reference and int4 and int4-a8 follow it
+(tests/models/test_llama_reference.py, tests/engine/test_default_path.py)."""
 
 import pytest
 
@@ -9,6 +14,8 @@ from llmserve.kernels import level_of, native
 from llmserve.loader.kernel_choice import choose_quantization
 from tests.engine.test_default_path import agreement
 from tests.models.test_llama_reference import PROMPTS, first_divergence_gap, reference_greedy
+
+pytestmark = pytest.mark.slow
 
 GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 

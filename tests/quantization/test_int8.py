@@ -5,15 +5,13 @@ import torch
 import torch.nn.functional as F
 
 from llmserve import LLM, SamplingParams
-from llmserve.config.engine import EngineConfig
-from llmserve.engine.engine import Engine
 from llmserve.kernels import native
-from llmserve.loader.model_loader import load_model
 from llmserve.quantization.int8 import (
     PackedInt8Weight,
     _int8_linear_torch,
     int8_linear,
 )
+from tests.engines import llm_on
 from tests.models.test_llama_reference import (
     CHAT,
     PROMPTS,
@@ -70,10 +68,8 @@ def test_int8_embedding_refuses_an_id_outside_the_table():
 
 
 @pytest.fixture(scope="module")
-def int8_llm(smollm2_gguf) -> LLM:
-    loaded = load_model(str(smollm2_gguf), torch.float32, "cpu", quantization="int8")
-    config = EngineConfig(dtype="float32", kv_cache_memory="128MiB", quantization="int8")
-    return LLM.from_engine(Engine(config, loaded=loaded))
+def int8_llm(int8_model) -> LLM:
+    return llm_on(int8_model, kv_cache_memory="128MiB")
 
 
 def test_int8_logits_are_close_to_reference(int8_llm, reference_model):

@@ -10,6 +10,7 @@ import sys
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router.helpers import prompt_for, wait_for, wait_gone
@@ -33,6 +34,9 @@ def router_counts(url: str) -> dict[str, dict[str, float]]:
     return counts
 
 
+# slow tier: two replica processes load the model; the router's routing, spill-over,
+# metrics and failure handling run against fake backends in the default tier
+@pytest.mark.slow
 def test_data_parallel_serve_end_to_end(smollm2_gguf, tmp_path):
     assert len(SHARED) > 600
     out, err = (tmp_path / "stdout.txt").open("w+"), (tmp_path / "stderr.txt").open("w")

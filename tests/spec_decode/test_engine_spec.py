@@ -257,9 +257,9 @@ def test_greedy_output_is_the_non_speculative_one(speculating, mixed_batch, meth
     check_speculating(speculating(method), mixed_batch)
 
 
-def test_default_path_greedy_chat_is_the_non_speculative_one(smollm2_gguf):
+def test_default_path_greedy_chat_is_the_non_speculative_one(smollm2_gguf, default_llm):
     """dtype auto (the checkpoint's quantized kernels), conversations through `LLM.chat`."""
-    default = LLM(str(smollm2_gguf), kv_cache_memory="256MiB")
+    default = default_llm
     llm = build(smollm2_gguf, default.engine.loaded, spec_config("ngram", smollm2_gguf),
                 dtype="auto")
     text = paragraphs()
@@ -278,7 +278,9 @@ def test_default_path_greedy_chat_is_the_non_speculative_one(smollm2_gguf):
 
 # ---- 2. chunked prefill, preemption, prefix caching ----------------------------------------
 
-SCENARIO_METHODS = ["ngram", "draft_model"]
+# the draft model's runs of these are slow-tier: its greedy equality is checked above, and
+# the scheduling paths below are the same for every proposer
+SCENARIO_METHODS = ["ngram", pytest.param("draft_model", marks=pytest.mark.slow)]
 
 
 CHUNK = 32
@@ -379,7 +381,7 @@ def quote(plain) -> tuple[dict, RequestOutput]:
     return prompt, out
 
 
-STOP_METHODS = ["ngram", "draft_model"]
+STOP_METHODS = SCENARIO_METHODS
 
 
 @pytest.fixture(scope="module")

@@ -3,18 +3,16 @@
 import pytest
 
 from llmserve import LLM
-from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
+from tests.engines import engine_on
 
 
 @pytest.fixture(scope="session")
-def structured_engine(smollm2_gguf) -> Engine:
+def structured_engine(default_model) -> Engine:
     # no prefix caching: a batch run twice (final outputs, then deltas) computes the same
     # shapes both times, so its seeded samples are the same to the token; 512 MiB holds
     # the whole schema batch (~120 requests) at once
-    config = EngineConfig(model=str(smollm2_gguf), kv_cache_memory="512MiB",
-                          enable_prefix_caching=False)
-    return Engine(config)
+    return engine_on(default_model, kv_cache_memory="512MiB", enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="session")

@@ -37,8 +37,16 @@ class Run:
                               structured_outputs=constraint)
 
 
-RUNS = [Run(case, seed) for case in SCHEMAS for seed in SEEDS] + [
-    Run(case, SEEDS[0], whitespace_flexible=True) for case in SCHEMAS if case.name in FLEXIBLE]
+
+
+def runs_with(seeds: tuple[int, ...]) -> list[Run]:
+    return [Run(case, seed) for case in SCHEMAS for seed in seeds] + [
+        Run(case, seeds[0], whitespace_flexible=True) for case in SCHEMAS
+        if case.name in FLEXIBLE]
+
+
+# two seeds by default (enough to see sampling vary), all three in the slow tier
+TIERS = {"2 seeds": runs_with(SEEDS[:2]), "3 seeds": runs_with(SEEDS)}
 REQUIRED_KEYWORDS = {
     "properties", "required", "additionalProperties", "patternProperties", "minProperties",
     "maxProperties", "items", "prefixItems", "minItems", "maxItems", "enum", "const",
@@ -46,33 +54,39 @@ REQUIRED_KEYWORDS = {
     "exclusiveMaximum", "multipleOf", "anyOf", "oneOf", "allOf", "$ref", "$defs"}
 
 
+@pytest.fixture(scope="module", params=["2 seeds", pytest.param("3 seeds",
+                                                                 marks=pytest.mark.slow)])
+def runs(request) -> list[Run]:
+    return TIERS[request.param]
+
+
 @pytest.fixture(scope="module")
-def prompts(structured_llm) -> list[dict]:
+def prompts(structured_llm, runs) -> list[dict]:
     return [chat_prompt(structured_llm.tokenizer, f"{run.case.request} Answer in JSON.")
-            for run in RUNS]
+            for run in runs]
 
 
 @pytest.fixture(scope="module")
-def final(structured_llm, prompts) -> list[CompletionOutput]:
-    outputs = structured_llm.generate(prompts, [run.params() for run in RUNS], use_tqdm=False)
+def final(structured_llm, runs, prompts) -> list[CompletionOutput]:
+    outputs = structured_llm.generate(prompts, [run.params() for run in runs], use_tqdm=False)
     return [output.outputs[0] for output in outputs]
 
 
 @pytest.fixture(scope="module")
-def streamed(structured_engine, prompts, final) -> list[Streamed]:
+def streamed(structured_engine, runs, prompts, final) -> list[Streamed]:
     # after `final`: the same batch, in the same order, on the same engine
-    return stream(structured_engine, prompts, [run.params() for run in RUNS])
+    return stream(structured_engine, prompts, [run.params() for run in runs])
 
 
-def problems(case: SchemaCase, outputs: list[tuple[str, str | None]]) -> list[str]:
+def problems(case: SchemaCase, runs: list[Run],
+             outputs: list[tuple[str, str | None]]) -> list[str]:
     """What is wrong with a case's (text, finish_reason) outputs, in `runs_of` order: a
     complete output the schema rejects, or a bounded schema's compact output cut by
     max_tokens. (With flexible whitespace no schema bounds the length: any run of
     whitespace may sit between two JSON tokens.)"""
     check = validator(case.schema)
     found = []
-    runs = [run for run in RUNS if run.case is case]
-    for run, (text, finish_reason) in zip(runs, outputs, strict=True):
+    for run, (text, finish_reason) in zip(runs_of(case, runs, runs), outputs, strict=True):
         if finish_reason == "stop":
             violation = json_violation(check, text)
             if violation:
@@ -82,8 +96,8 @@ def problems(case: SchemaCase, outputs: list[tuple[str, str | None]]) -> list[st
     return found
 
 
-def runs_of(case: SchemaCase, outputs: list) -> list:
-    return [out for run, out in zip(RUNS, outputs, strict=True) if run.case is case]
+def runs_of(case: SchemaCase, runs: list[Run], outputs: list) -> list:
+    return [out for run, out in zip(runs, outputs, strict=True) if run.case is case]
 
 
 def keywords(schema: object) -> set[str]:
@@ -113,33 +127,33 @@ def _values_of(schema: object, key: str) -> list:
 
 
 @pytest.mark.parametrize("case", SCHEMAS, ids=lambda case: case.name)
-def test_final_outputs_match_the_schema(case, final):
-    outputs = [(out.text, out.finish_reason) for out in runs_of(case, final)]
-    assert not problems(case, outputs)
+def test_final_outputs_match_the_schema(case, runs, final):
+    outputs = [(out.text, out.finish_reason) for out in runs_of(case, runs, final)]
+    assert not problems(case, runs, outputs)
 
 
 @pytest.mark.parametrize("case", SCHEMAS, ids=lambda case: case.name)
-def test_streamed_outputs_match_the_schema_and_the_final_text(case, final, streamed):
-    joined = runs_of(case, streamed)
-    assert not problems(case, [(s.text, s.finish_reason) for s in joined])
-    for whole, deltas in zip(runs_of(case, final), joined, strict=True):
+def test_streamed_outputs_match_the_schema_and_the_final_text(case, runs, final, streamed):
+    joined = runs_of(case, runs, streamed)
+    assert not problems(case, runs, [(s.text, s.finish_reason) for s in joined])
+    for whole, deltas in zip(runs_of(case, runs, final), joined, strict=True):
         assert (deltas.text, deltas.token_ids) == (whole.text, whole.token_ids)
         assert deltas.finish_reason == whole.finish_reason
         assert deltas.num_deltas == len(whole.token_ids)  # one delta per sampled token
 
 
-def test_sampling_is_on(final):
+def test_sampling_is_on(runs, final):
     """The seeds give different objects for most schemas: the constraint, not a greedy
     argmax, is what keeps them valid."""
     varied = [case.name for case in SCHEMAS
-              if len({out.text for out in runs_of(case, final)}) > 1]
+              if len({out.text for out in runs_of(case, runs, final)}) > 1]
     assert len(varied) >= len(SCHEMAS) * 2 // 3, varied
 
 
-def test_compact_and_flexible_whitespace(final):
+def test_compact_and_flexible_whitespace(runs, final):
     """Compact outputs are laid out as `json.dumps` writes them (", " and ": ", nothing
     else between tokens); flexible ones (newlines and indents seen) are only validated."""
-    for run, out in zip(RUNS, final, strict=True):
+    for run, out in zip(runs, final, strict=True):
         if run.whitespace_flexible or out.finish_reason != "stop":
             continue
         value = json.loads(out.text)
@@ -155,16 +169,16 @@ def _without_strings(text: str) -> str:
     return re.sub(r"-?[0-9][0-9.eE+-]*", "0", text)
 
 
-def test_summary(final, streamed):
+def test_summary(runs, final, streamed):
     """The acceptance count: every complete output, final and streamed, is valid."""
-    outputs = [(run, out.text, out.finish_reason) for run, out in zip(RUNS, final, strict=True)]
-    outputs += [(run, s.text, s.finish_reason) for run, s in zip(RUNS, streamed, strict=True)]
+    outputs = [(run, out.text, out.finish_reason) for run, out in zip(runs, final, strict=True)]
+    outputs += [(run, s.text, s.finish_reason) for run, s in zip(runs, streamed, strict=True)]
     complete = [(run.case, text) for run, text, reason in outputs if reason == "stop"]
     valid = sum(json_violation(validator(case.schema), text) is None
                 for case, text in complete)
     by_length = [run.case.name for run, _, reason in outputs if reason == "length"]
     print(f"\nstructured outputs: {len(SCHEMAS)} schemas, {len(outputs)} outputs "
-          f"({len(RUNS)} final + {len(RUNS)} streamed), {len(complete)} complete, "
+          f"({len(runs)} final + {len(runs)} streamed), {len(complete)} complete, "
           f"{valid} valid ({100 * valid / max(len(complete), 1):.1f} %), "
           f"{len(by_length)} ended by length {sorted(set(by_length))}")
     assert valid == len(complete)

@@ -46,10 +46,9 @@ class RunningServer:
 
 
 @pytest.fixture(scope="session")
-def loaded_model(smollm2_gguf):
-    """The default model, loaded once; every server's engine shares its weights."""
-    engine = Engine(_engine_config(smollm2_gguf, kv_cache_memory="16MiB"))
-    return engine.loaded
+def loaded_model(float32_model):
+    """The default model's float32 weights, loaded once; every server's engine shares them."""
+    return float32_model
 
 
 def _engine_config(gguf: Any, **options: Any) -> EngineConfig:
@@ -82,6 +81,12 @@ def run_server(gguf: Any, loaded: Any, max_num_waiting: int | None = None,
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def wait_engine_idle(server: RunningServer, timeout_s: float = 60) -> None:
+    """Until the engine thread holds no request and has published its state after the last
+    one (metrics, KV usage); `timeout_s` only guards against a hang."""
+    assert server.engine.wait_idle(timeout_s), f"the engine was still busy after {timeout_s} s"
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
 """The server driven by the official `openai` client: completions, chat, streaming, usage."""
 
+import uuid
+
 import openai
 import pytest
 
@@ -36,7 +38,6 @@ def test_completion_usage_and_finish_reason(client, tokenizer):
     assert resp.usage.prompt_tokens == len(tokenizer.encode(PROMPT))
     assert resp.usage.completion_tokens == 6
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 6
-    assert resp.usage.prompt_tokens_details.cached_tokens >= 0
     assert resp.model == MODEL and resp.object == "text_completion"
 
 
@@ -49,6 +50,22 @@ def test_completion_stream_equals_whole_for_the_same_seed(client):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices]
     assert finals[-1] == whole.choices[0].finish_reason and set(finals[:-1]) == {None}
     assert chunks[-1].choices == [] and _counts(chunks[-1].usage) == _counts(whole.usage)
+
+
+def test_cached_tokens_are_the_prefix_cache_hit(client, server):
+    """A prompt seen for the first time hits nothing; sent again, every full block but the
+    one holding its last token (which must be computed to sample from) is a hit."""
+    prompt = (f"{uuid.uuid4().hex} is an id no other test sends, so nothing of this prompt "
+              "is cached before it arrives; here begins the long story of that id")
+    first, again = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                              temperature=0) for _ in range(2))
+    block_size = server.engine.engine.kv_manager.block_size
+    num_prompt = first.usage.prompt_tokens
+    assert num_prompt > 2 * block_size
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == \
+        (num_prompt - 1) // block_size * block_size
+    assert again.choices[0].text == first.choices[0].text
 
 
 def _counts(usage):
@@ -81,7 +98,6 @@ def test_chat_whole_and_streamed(client, tokenizer):
     with_choices = [c for c in chunks if c.choices]
     assert with_choices[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and _counts(chunks[-1].usage) == _counts(whole.usage)
-    assert whole.usage.prompt_tokens_details.cached_tokens >= 0
 
 
 def test_chat_content_parts_and_max_tokens(client):

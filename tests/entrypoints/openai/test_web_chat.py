@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import MODEL, run_server
+from tests.entrypoints.openai.conftest import MODEL, run_server, wait_engine_idle
 from tests.entrypoints.openai.test_metrics import scrape, value
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -185,14 +185,13 @@ def test_stop_ends_the_answer_and_aborts_the_request_on_the_server(server, page)
     stats = _wait_answered(page, timeout_s=5)
     stopped_at = len(answer.inner_text())
 
-    gone = time.monotonic()
-    while server.engine.engine.has_unfinished_requests():
-        assert time.monotonic() - gone < 2.0, "the server still runs the request 2 s after Stop"
-        time.sleep(0.02)
+    # Stop aborted the request on the server: it ends as an abort, long before its 400
+    # tokens (a request left running would end as "length")
+    page.wait_for_load_state("networkidle")  # nothing more arrives for the answer
+    wait_engine_idle(server)
     families = scrape(server)
     assert value(families, "num_requests_running") == 0
     assert _abort_count(server) == aborted_before + 1
-    time.sleep(0.5)
     assert len(answer.inner_text()) == stopped_at, "the answer grew after Stop"
     match = re.fullmatch(STATS.pattern + " · stopped", stats)
     assert match and int(match[3]) < 400, stats
@@ -225,7 +224,7 @@ def test_model_output_is_shown_as_text_never_as_html(server, page):
         status=200, content_type="text/event-stream", body=_sse_body(HOSTILE_ANSWER)))
     _send(page, "Say something nasty.", max_tokens=64)
     _wait_answered(page)
-    time.sleep(0.3)  # time for an onerror / onload to fire, had any element been made
+    page.wait_for_load_state("networkidle")  # an <img>'s error, had one been made, has fired
 
     body = page.locator(".message.assistant .body")
     tags = set(body.evaluate("b => [...b.querySelectorAll('*')].map(e => e.tagName)"))

@@ -169,8 +169,8 @@ def test_native_decoder_stack_equals_the_per_op_path(which, request, chat_prompt
 def test_memory_arithmetic_matches_what_is_allocated(default_llm, smollm2_gguf):
     """`llmserve memory` and the start-up log agree with the tensors the engine holds."""
     from llmserve.engine.engine import model_bytes
-    from llmserve.entrypoints.cli import format_bytes
-    from llmserve.entrypoints.cli_memory import memory_report
+    from llmserve.entrypoints.cli.memory_report import memory_report
+    from llmserve.entrypoints.cli.output import format_bytes
     from llmserve.memory import kv_bytes_per_token, quantized_weight_bytes
 
     engine = default_llm.engine

@@ -12,7 +12,7 @@ import torch
 from llmserve.config.engine import DTYPES
 from llmserve.config.model import ModelConfig
 from llmserve.engine.engine import free_memory_bytes, resolve_device, resolve_dtype
-from llmserve.entrypoints.cli import format_bytes
+from llmserve.entrypoints.cli.output import format_bytes
 from llmserve.errors import ModelFormatError
 from llmserve.layers.attention.selector import reads_only_written_slots
 from llmserve.layers.kv_cache import resolve_kv_cache_dtype

@@ -1,0 +1,65 @@
+"""`llmserve serve`: the OpenAI-compatible server, one engine or data-parallel replicas
+behind a router, optionally one side of disaggregated prefill/decode."""
+
+import argparse
+
+from llmserve.config.engine import DEFAULT_MAX_NUM_WAITING
+from llmserve.entrypoints.cli.args import (
+    ENGINE_FLAGS,
+    add_engine_flags,
+    add_model_flag,
+    add_network_flags,
+    add_route_prefix_flag,
+    given,
+)
+from llmserve.entrypoints.cli.command import Command
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.data_parallel_size > 1:
+        from llmserve.router.launcher import run_data_parallel
+
+        return run_data_parallel(args, args.argv)
+    from llmserve.entrypoints.openai.server import run_server
+
+    return run_server(args, given(args, (*ENGINE_FLAGS, "kv_role", "kv_transfer_address")))
+
+
+def _arguments(serve: argparse.ArgumentParser) -> None:
+    add_model_flag(serve)
+    net = serve.add_argument_group("server")
+    add_network_flags(net)
+    net.add_argument("--served-model-name", help="model id clients use (default: --model)")
+    net.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
+                     help="queued requests at most; beyond it answer 429 (default: "
+                          f"{DEFAULT_MAX_NUM_WAITING}; -1: no cap)")
+    net.add_argument("--request-timeout", type=float, metavar="SECONDS",
+                     help="end a request that runs longer than this from its arrival, with "
+                          "an error (its KV blocks are freed at once; default: no limit)")
+    add_engine_flags(serve)
+    dp = serve.add_argument_group("data parallelism")
+    dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                    help="N engine processes behind one endpoint, requests routed by prompt "
+                         "prefix and load; --threads is then per replica (default: cores / N)")
+    add_route_prefix_flag(dp)
+    pd = serve.add_argument_group("disaggregated prefill/decode (see docs/scaling.md)")
+    pd.add_argument("--role", dest="kv_role", choices=("prefill", "decode"),
+                    help="prefill: send each finished prompt's KV blocks to the decode server; "
+                         "decode: continue requests from the KV blocks received (put "
+                         "'llmserve router --prefill URL --decode URL' in front)")
+    pd.add_argument("--kv-transfer-address", metavar="HOST:PORT",
+                    help="where the prefill and decode servers meet (the decode server "
+                         "listens there)")
+
+
+def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if (args.kv_role is None) != (args.kv_transfer_address is None):
+        parser.error("--role and --kv-transfer-address go together")
+    if args.kv_role is not None and args.data_parallel_size > 1:
+        parser.error("--role does not combine with --data-parallel-size")
+
+
+COMMAND = Command("serve", help="run the OpenAI-compatible server", add_arguments=_arguments,
+                  run=cmd_serve, check=_check_serve_args)

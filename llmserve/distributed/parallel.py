@@ -47,10 +47,6 @@ class TensorParallel:
     comm_seconds: float = 0.0  # time inside collectives since the last `reset_timing`
     comm_calls: int = 0
 
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
-
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks (the partial sums of a row-parallel linear); every rank
         gets the same bits."""

@@ -45,10 +45,6 @@ class Route:
     affinity: str
 
 
-class NoReplicaAvailable(Exception):
-    """Every replica is down."""
-
-
 class ReplicaPolicy(ABC):
     """Picks the replica for one request."""
 

@@ -9,7 +9,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from llmserve.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from llmserve.loader.gguf import DEQUANTIZERS, hf_name, load_gguf
+from llmserve.loader.gguf import hf_name, load_gguf
+from llmserve.loader.gguf_dequant import DEQUANTIZERS
 from llmserve.loader.weights import LoadedWeights
 
 REFERENCE_CONFIG_FIELDS = (

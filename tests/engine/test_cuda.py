@@ -2,7 +2,7 @@
 default path (bfloat16, compiled step, flex_attention) against the exact one.
 
 These need a GPU, so CI (CPU only) skips them; the flex backend's algorithm is tested on
-the CPU in tests/worker/test_attention.py and tests/engine/test_default_path.py.
+the CPU in tests/layers/test_attention.py and tests/engine/test_default_path.py.
 """
 
 import pytest

@@ -47,12 +47,17 @@ class RunningServer:
 
 @pytest.fixture(scope="session")
 def loaded_model(float32_model):
-    """The default model's float32 weights, loaded once; every server's engine shares them."""
+    """The servers' weights, loaded once; every server's engine shares them. The exact
+    float32 path: its sampled outputs are the same bits on every CPU, where the default
+    path's depend on the format "auto" timed fastest there."""
     return float32_model
 
 
-def _engine_config(gguf: Any, **options: Any) -> EngineConfig:
-    options = {"dtype": "float32", "kv_cache_memory": "96MiB", "max_model_len": MAX_MODEL_LEN,
+def _engine_config(gguf: Any, loaded: Any, **options: Any) -> EngineConfig:
+    # the dtype follows the weights; an engine that loads its own (tensor parallelism) is
+    # the exact float32 path
+    dtype = "auto" if loaded is not None and loaded.quantization else "float32"
+    options = {"dtype": dtype, "kv_cache_memory": "96MiB", "max_model_len": MAX_MODEL_LEN,
                **options}
     return EngineConfig(model=str(gguf), **options)
 
@@ -62,7 +67,7 @@ def run_server(gguf: Any, loaded: Any, max_num_waiting: int | None = None,
                engine_options: dict | None = None, request_timeout: float | None = None,
                **settings: Any) -> Iterator[RunningServer]:
     """A real server on a free port; stopped (gracefully) on exit."""
-    engine = Engine(_engine_config(gguf, **(engine_options or {})), loaded=loaded)
+    engine = Engine(_engine_config(gguf, loaded, **(engine_options or {})), loaded=loaded)
     async_engine = AsyncEngine(engine, max_num_waiting, request_timeout=request_timeout)
     app = build_app(async_engine, ServerSettings(model_name=MODEL, **settings))
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,

@@ -138,7 +138,8 @@ def test_output_lens_random_but_seeded():
 
 
 def test_memory_shows_kv_bytes_per_token(capsys):
-    proc = run_cli_here(capsys, "memory", *MODEL, "--dtype", "float32", "--batch", "4", "--seq-len", "1024")
+    proc = run_cli_here(capsys, "memory", *MODEL, "--dtype", "float32", "--batch", "4",
+                        "--seq-len", "1024")
     assert proc.returncode == 0, proc.stderr
     # SmolLM2-135M: 2 x 30 layers x 3 KV heads x 64 head_dim x 4 bytes = 46,080 bytes
     assert "2 x 30 layers x 3 kv_heads x 64 head_dim x 4 bytes (float32) = 46,080 bytes" in (
@@ -194,13 +195,15 @@ def test_bad_sampling_flag_is_a_one_line_error(capsys):
 def test_malformed_jsonl_line_names_the_line(tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text('{"prompt": "fine"}\n{"prompt": \n')
-    proc = run_cli_here(capsys, "generate", *MODEL, "--input", str(src), "--output", str(tmp_path / "o"))
+    proc = run_cli_here(capsys, "generate", *MODEL, "--input", str(src), "--output",
+                        str(tmp_path / "o"))
     assert_one_line_error(proc, "line 2", "not valid JSON")
 
 
 def test_bad_jsonl_sampling_override_names_the_line(tmp_path, capsys):
     src = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b", "top_p": 2}])
-    proc = run_cli_here(capsys, "generate", *MODEL, "--input", str(src), "--output", str(tmp_path / "o"))
+    proc = run_cli_here(capsys, "generate", *MODEL, "--input", str(src), "--output",
+                        str(tmp_path / "o"))
     assert_one_line_error(proc, "line 2", "top_p")
 
 

@@ -33,12 +33,9 @@ def loaded(smollm2_gguf: Path) -> LoadedWeights:
 
 
 @pytest.fixture(scope="session")
-def reference(smollm2_gguf: Path) -> torch.nn.Module:
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
+def reference(reference_model) -> torch.nn.Module:
+    """`transformers` on the same GGUF (the suite's one load of it)."""
+    return reference_model
 
 
 def test_tensors_equal_transformers(loaded: LoadedWeights, reference: torch.nn.Module) -> None:

@@ -76,6 +76,21 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """`generate` with beam search (`use_beam_search` set on copies of the params): each
+        output holds the n best of `beam_width` hypotheses. The search runs above the
+        engine's requests (`engine/beam_search.py`), one step of beams at a time."""
+        if isinstance(prompts, str | dict) or _is_token_ids(prompts):
+            prompts = [prompts]
+        params = [replace(sp, use_beam_search=True)
+                  for sp in _per_prompt(sampling_params, len(prompts))]
+        return self.generate(prompts, params, use_tqdm)
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from llmserve.bench.machine import format_machine, machine_info, path_info
-from llmserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from llmserve.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from llmserve.errors import LLMServeError
 from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
@@ -48,7 +48,7 @@ def full_logits(llm: LLM, token_ids: Sequence[int]) -> torch.Tensor:
     would) and gives them back.
     """
     engine = llm.engine
-    runner = engine.runner
+    runner = engine.executor.runner
     pool = engine.kv_manager.pool
     n = len(token_ids)
     max_len = getattr(engine, "max_model_len", None)
@@ -70,10 +70,10 @@ def full_logits(llm: LLM, token_ids: Sequence[int]) -> torch.Tensor:
     captured: list[torch.Tensor] = []
     hook = runner.model.register_forward_hook(lambda _m, _args, out: captured.append(out))
     try:
-        runner.execute(step)
+        runner.execute_model(step)
     finally:
         hook.remove()
-        runner.execute(SchedulerOutput(finished_request_ids={request_id}))  # drop its row
+        runner.execute_model(SchedulerOutput(finished_request_ids={request_id}))  # drop its row
         pool.free_blocks(blocks)
     with torch.inference_mode():
         return runner.model.compute_logits(captured[0]).float().cpu()

@@ -130,13 +130,13 @@ def run_disaggregated(model: str | None, dtype: str, prompt_lens: list[int],
         while prefill.has_unfinished_requests():
             prefill.step()
         prefill_seconds = time.perf_counter() - start
-        received = decoder.kv_receiver.wait(transfer_id, 120)
+        received = decoder.kv_connector.wait_for(transfer_id, 120)
         computed_before = decoder.num_prefill_computed_tokens
         decoder.add_request(prompt, SamplingParams(temperature=0, max_tokens=8),
                             kv_transfer=received)
         while decoder.has_unfinished_requests():
             decoder.step()
-        result = TransferResult(length, -(-length // block_size), received.blocks.num_bytes,
+        result = TransferResult(length, -(-length // block_size), received.num_bytes,
                                 received.seconds, prefill_seconds,
                                 decoder.num_prefill_computed_tokens - computed_before)
         results.append(result)

@@ -5,7 +5,8 @@ For one request the token ranges are
     | computed (KV in cache) | new (computed this step) | not yet scheduled |
     0                 num_computed_tokens          + num_new_tokens        num_tokens
 
-and its block table covers at least `computed + new` tokens.
+and its block table (`Request.blocks`) covers at least `computed + new` tokens. The
+manager keeps no per-request table of its own: what it knows of a request lives on it.
 """
 
 import hashlib
@@ -43,10 +44,6 @@ class KVCacheManager:
         # caching off, only siblings of one request (n > 1, best_of) share their prompt.
         self.pool = BlockPool(num_blocks, enable_caching=True)
         self.enable_caching = enable_caching
-        self.req_blocks: dict[str, list[Block]] = {}
-        # leading full blocks of each request already offered to the prefix cache, so a
-        # step only looks at the blocks that became full since the last one
-        self.num_offered: dict[str, int] = {}
         self.num_queries = 0  # prompt tokens looked up in the prefix cache, at admission
         self.num_hits = 0  # of which found
 
@@ -62,12 +59,10 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+    @staticmethod
+    def block_ids(request: Request, start: int = 0) -> list[int]:
         """The request's block ids from its `start`-th block on."""
-        return [b.block_id for b in self.req_blocks.get(request_id, ())[start:]]
-
-    def num_blocks(self, request_id: str) -> int:
-        return len(self.req_blocks.get(request_id, ()))
+        return [b.block_id for b in request.blocks[start:]]
 
     def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
         """Longest cached prefix of full blocks; leaves at least one token to compute.
@@ -91,7 +86,7 @@ class KVCacheManager:
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
     ) -> bool:
         """Make room for `num_new_tokens` after the computed ones; False if blocks run out."""
-        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks = request.blocks
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_fresh = num_needed - len(blocks) - len(computed_blocks)
@@ -105,41 +100,14 @@ class KVCacheManager:
         self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
 
-    def fork(self, parent: Request, child: Request) -> None:
-        """Give `child` a reference to every block of `parent` (beam search continuations)."""
-        blocks = list(self.req_blocks.get(parent.request_id, ()))
-        self.pool.touch(blocks)
-        self.req_blocks[child.request_id] = blocks
-        child.block_hashes = list(parent.block_hashes)
-        self.num_offered[child.request_id] = self.num_offered.get(parent.request_id, 0)
-
-    def make_last_block_private(self, request: Request) -> tuple[int, int] | None:
-        """Copy-on-write: if the block the next token lands in is shared, swap in a copy.
-
-        Returns (source, destination) block ids for the runner to copy, or None if nothing
-        needs copying. Raises ValueError when no free block is left.
-        """
-        blocks = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens
-        if num_computed % self.block_size == 0 or not blocks:
-            return None  # the next token starts a fresh block
-        index = num_computed // self.block_size
-        shared = blocks[index]
-        if shared.ref_cnt == 1:
-            return None
-        (copy,) = self.pool.get_new_blocks(1)
-        blocks[index] = copy
-        self.pool.free_blocks([shared])
-        return shared.block_id, copy.block_id
-
     def free(self, request: Request) -> None:
         """Release a request's blocks; tail blocks are freed first so they are evicted first.
 
         Blocks past `num_computed_tokens` hold no KV (a chunk taken back by preemption after
         `allocate_slots` cached them), so they also leave the prefix cache.
         """
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.num_offered.pop(request.request_id, None)
+        blocks, request.blocks = request.blocks, []
+        request.num_offered_blocks = 0
         self.pool.uncache_blocks(blocks[request.num_computed_tokens // self.block_size :])
         self.pool.free_blocks(reversed(blocks))
 
@@ -167,7 +135,8 @@ class KVCacheManager:
             return
         self._update_block_hashes(request)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
-        start = self.num_offered.get(request.request_id, 0)  # blocks before it are done
+        # leading full blocks already offered: a step looks only at those that became full
+        start = request.num_offered_blocks
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_offered[request.request_id] = max(start, num_full)
+        request.num_offered_blocks = max(start, num_full)

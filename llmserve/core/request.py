@@ -1,4 +1,10 @@
-"""A request as the engine and scheduler track it (pure Python, no tensors)."""
+"""A request as the scheduler and the KV cache manager track it (pure Python, no tensors).
+
+One `Request` per engine request holds all the core's per-request state: its tokens, its
+KV blocks and what the runner has been sent of them, its drafts and its grammar matcher.
+The frontend's state (detokenizer, logprobs, output deltas) is the output processor's
+`RequestState`.
+"""
 
 import enum
 import time
@@ -74,11 +80,20 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
-    # disaggregated prefill/decode (distributed/kv_transfer.py): on a prefill engine, the
-    # transfer id its prompt's KV goes out under when it finishes; on a decode engine, the
-    # prompt's KV and first token that came in (a TransferredKV), until it is admitted
+    draft_acceptance: float | None = None  # the speculator's running acceptance estimate
+    # disaggregated prefill/decode (engine/kv_connector.py): on a prefill engine, the
+    # transfer id its prompt's KV goes out under once its first token is sampled; on a
+    # decode engine, the header of the transfer it continues from (a TransferredKV: first
+    # token, block hashes; the blocks stay with the connector), until it is admitted
     remote_decode: str | None = None
     remote_kv: Any = None
+    grammar: Any = None  # structured output: its structured.backend.GrammarMatcher
+    # KV: its blocks (core.block_pool.Block) in position order; how many leading full ones
+    # were offered to the prefix cache; how many block ids the runner holds (None: the
+    # runner holds no row for it, so the next step sends its data)
+    blocks: list = field(default_factory=list)
+    num_offered_blocks: int = 0
+    num_blocks_sent: int | None = None
     timings: RequestTimings = field(init=False)
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ Members are admitted in chunks as the budget allows and a preempted member resum
 its batch; a request arriving meanwhile waits for the next batch.
 
 Speculative decoding: a decoding request with draft tokens (`Request.spec_token_ids`, set
-by the engine's proposer) is scheduled with them after its last token,
+by the proposer stage) is scheduled with them after its last token,
 
     | computed | last token | drafts (unverified) |
     0    num_computed      num_tokens       num_tokens + k
@@ -24,23 +24,36 @@ and slots for all of them; `update` then keeps the accepted drafts and rolls
 Block hashes come only from verified tokens, so no unverified token reaches the prefix
 cache.
 
-The scheduler touches no tensors: `SchedulerOutput` is its only contract with the runner.
-The runner keeps one row per request it holds, so a request's data goes to it once
-(`NewRequestData`, again after a preemption); later steps carry only its tokens, start
-position and new block ids, and finished or preempted ids tell it which rows to drop.
+The scheduler touches no tensors: `SchedulerOutput` is its only contract with the runner
+(`core/outputs.py`). The runner keeps one row per request it holds, so a request's data
+goes to it once (`NewRequestData`, again after a preemption); later steps carry only its
+tokens, start position and new block ids, and finished or preempted ids tell it which rows
+to drop. Features attach as `StepStage`s (`core/stage.py`), called at the step's edges.
 """
 
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from llmserve.config.engine import SCHEDULING_POLICIES
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.outputs import (
+    KVLoad,
+    KVSave,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestUpdate,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from llmserve.core.request import Request, RequestStatus
-from llmserve.sampling_params import SamplingParams
+from llmserve.core.stage import StepStage
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["NewRequestData", "ScheduledRequest", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput"]
 
 
 @dataclass(frozen=True)
@@ -63,74 +76,21 @@ class SchedulerConfig:
                              f", not {self.policy!r}")
 
 
-@dataclass
-class NewRequestData:
-    """What the runner keeps of a request, sent the first step it is scheduled (and again
-    the first step after a preemption, which drops the runner's row)."""
-
-    request_id: str
-    prompt_token_ids: list[int]  # read-only view; never changes
-    sampling_params: SamplingParams
-    block_ids: list[int]  # the whole block table at this step
-    output_token_ids: list[int] = field(default_factory=list)  # a copy; resumed or forked
-    eos_token_ids: frozenset[int] = frozenset()
-    bad_words_token_ids: list[list[int]] = field(default_factory=list)
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute `token_ids` at positions from `start_position`.
-
-    A request the runner already holds brings only the block ids appended to its table
-    since it was last scheduled (a held table only grows); one it does not hold brings
-    `new`, and its tokens past `new.output_token_ids` are the outputs the runner learns.
-    """
-
-    request_id: str
-    token_ids: list[int]
-    start_position: int  # == num_computed_tokens before this step
-    new_block_ids: list[int]
-    sample: bool  # the chunk reaches the end of the known tokens: sample the next one
-    new: NewRequestData | None = None
-    # draft tokens computed after token_ids and verified by sampling at each of them
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids) + len(self.spec_token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
-    finished_request_ids: set[str] = field(default_factory=set)  # runner drops their state
-    # rows the runner drops (a resumed request is sent as new); its seeded generator stays
-    preempted_request_ids: set[str] = field(default_factory=set)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), first
-    num_preempted: int = 0
-    # disaggregated decode: (block ids, KVBlocks) the runner writes into its cache first,
-    # and the first token of each such request (sampled by the prefill engine)
-    kv_loads: list[tuple[list[int], Any]] = field(default_factory=list)
-    remote_first_tokens: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 stages: Sequence[StepStage] = ()) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.stages = list(stages)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._finished_ids: set[str] = set()
-        self._blocks_to_copy: list[tuple[int, int]] = []
         self._preempted_ids: set[str] = set()
-        # requests the runner holds a row for -> how many of their block ids it has
-        self._num_blocks_sent: dict[str, int] = {}
+        self.last_scheduled_ids: list[str] = []  # the latest step's requests
         self.num_preemptions = 0
+        # prompt tokens computed here (not prefix-cache hits, not transferred KV)
+        self.num_prefill_computed_tokens = 0
         # static policy: the unfinished members of the batch being run (empty: none runs)
         self.batch: set[Request] = set()
 
@@ -154,41 +114,6 @@ class Scheduler:
         self._free(request, status)
         return request
 
-    def fork(self, parents: list[Request], children: list[tuple[Request, Request]]) -> None:
-        """Replace `parents` by `(child, parent)` continuations sharing the parents' blocks.
-
-        A child whose parent holds no blocks (it was preempted) is recomputed from scratch.
-        Blocks a child will write into are made private (copy-on-write) before the parents'
-        references are dropped; the copies run before the next forward pass.
-        """
-        for child, parent in children:
-            self.requests[child.request_id] = child
-            if parent in self.batch:
-                self.batch.add(child)
-            if parent in self.running:
-                self.kv.fork(parent, child)
-                child.num_computed_tokens = parent.num_computed_tokens
-                child.status = RequestStatus.RUNNING
-                self.running.append(child)
-            else:
-                child.num_computed_tokens = 0
-                child.status = RequestStatus.PREEMPTED
-                self.waiting.insert(0, child)
-        for parent in parents:
-            self.finish_request(parent.request_id, RequestStatus.FINISHED_ABORTED)
-        for child, _ in children:
-            if child.status == RequestStatus.RUNNING:
-                self._make_private(child)
-
-    def _make_private(self, request: Request) -> None:
-        try:
-            copy = self.kv.make_last_block_private(request)
-        except ValueError:  # no block for the copy: recompute this beam later instead
-            self._preempt(request)
-            return
-        if copy is not None:
-            self._blocks_to_copy.append(copy)
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -203,10 +128,10 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(
-            finished_request_ids=self._finished_ids, blocks_to_copy=self._blocks_to_copy
-        )
-        self._finished_ids, self._blocks_to_copy = set(), []
+        for stage in self.stages:
+            stage.before_schedule(self.running, self._finished_ids)
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
         budget = self.config.max_num_batched_tokens
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
@@ -221,6 +146,9 @@ class Scheduler:
         if out.num_preempted == 0:
             self._schedule_waiting(budget, out)
         out.preempted_request_ids, self._preempted_ids = self._preempted_ids, set()
+        self._finish_output(out)
+        for stage in self.stages:
+            stage.after_schedule(out, self.requests)
         return out
 
     def _schedule_running(self, request: Request, budget: int, out: SchedulerOutput) -> int:
@@ -233,7 +161,7 @@ class Scheduler:
         num_left = request.num_tokens - request.num_computed_tokens
         num_new = min(num_left, budget)
         if num_new == 0:
-            return 0  # a beam waiting for its siblings' results
+            return 0  # nothing to compute until its last step's token comes back
         spec = request.spec_token_ids[: budget - num_new] if num_new == num_left else []
         request.spec_token_ids = []
         num_returned = 0
@@ -309,8 +237,8 @@ class Scheduler:
             logger.warning("%s: the prefill server's block hashes differ from this "
                            "server's; its blocks are cached under this server's",
                            request.request_id)
-        out.kv_loads.append((self.kv.block_ids(request.request_id), transfer.blocks))
-        out.remote_first_tokens[request.request_id] = transfer.first_token
+        out.kv_loads.append(KVLoad(request.request_id, transfer.transfer_id,
+                                   self.kv.block_ids(request), transfer.first_token))
         return True
 
     def _emit(self, request: Request, num_new: int, out: SchedulerOutput,
@@ -320,75 +248,94 @@ class Scheduler:
         block ids it has not seen."""
         start = request.num_computed_tokens
         end = start + num_new
-        request_id = request.request_id
-        num_blocks = self.kv.num_blocks(request_id)
-        num_sent = self._num_blocks_sent.get(request_id)
+        num_blocks = len(request.blocks)
+        num_sent = request.num_blocks_sent
         new = None
         if num_sent is None:
             new = NewRequestData(
-                request_id=request_id,
+                request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
                 sampling_params=request.sampling_params,
-                block_ids=self.kv.block_ids(request_id),
+                block_ids=self.kv.block_ids(request),
                 output_token_ids=list(request.output_token_ids),
                 eos_token_ids=request.eos_token_ids,
                 bad_words_token_ids=request.bad_words_token_ids,
             )
             num_sent = num_blocks
-        self._num_blocks_sent[request_id] = num_blocks
-        out.scheduled.append(
-            ScheduledRequest(
-                request_id=request_id,
-                token_ids=request.all_token_ids[start:end],
-                start_position=start,
-                new_block_ids=self.kv.block_ids(request_id, num_sent),
-                sample=end == request.num_tokens,
-                new=new,
-                spec_token_ids=spec or [],
-            )
-        )
+        request.num_blocks_sent = num_blocks
+        out.scheduled.append(ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_position=start,
+            new_block_ids=self.kv.block_ids(request, num_sent),
+            sample=end == request.num_tokens,
+            new=new,
+            spec_token_ids=spec or [],
+        ))
         request.num_computed_tokens = end + len(spec or ())
+
+    def _finish_output(self, out: SchedulerOutput) -> None:
+        """What the step's final batch implies: prompt tokens computed, prompts whose KV
+        goes to a decode engine once their first token is sampled."""
+        self.last_scheduled_ids = [s.request_id for s in out.scheduled]
+        for s in out.scheduled:
+            request = self.requests[s.request_id]
+            end = min(s.start_position + len(s.token_ids), request.num_prompt_tokens)
+            self.num_prefill_computed_tokens += max(0, end - s.start_position)
+            if s.sample and request.remote_decode is not None and \
+                    request.num_output_tokens == 0:
+                num_blocks = -(-request.num_prompt_tokens // self.kv.block_size)
+                out.kv_saves.append(KVSave(
+                    request.request_id, request.remote_decode,
+                    self.kv.block_ids(request)[:num_blocks],
+                    list(request.block_hashes[:num_blocks])))
 
     # ---- after the forward pass --------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
         """Append each request's new tokens (its accepted drafts, then one sampled token),
-        stopping at the first that ends it; return the requests that got tokens (finished
-        ones freed)."""
+        stopping at the first that ends it (finished ones are freed); returns what changed
+        for each request that got tokens or prompt logprobs, in batch order."""
         now = time.time()
-        updated = []
-        for request_id, token in out.remote_first_tokens.items():
-            request = self.requests.get(request_id)
+        updates = []
+        scheduled: list[Request | None] = []  # each row's request (None: aborted since)
+        for load in out.kv_loads:
+            request = self.requests.get(load.request_id)
             if request is None:
                 continue  # aborted in between
-            request.append_output_token(token)
-            status = request.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish_request(request_id, status)
-            request.timings.first_token = request.timings.last_token = now
-            updated.append(request)
-        for s in out.scheduled:
-            tokens = sampled.get(s.request_id)
+            self._append(request, [load.first_token], now)
+            updates.append(RequestUpdate(request, new_tokens=True))
+        for i, s in enumerate(out.scheduled):
             request = self.requests.get(s.request_id)
-            if not tokens or request is None:
+            scheduled.append(request)
+            if request is None:
                 continue
-            if s.spec_token_ids:
+            tokens = result.sampled_token_ids[i]
+            if s.spec_token_ids and tokens:
                 num_accepted = len(tokens) - 1
                 request.num_draft_tokens += len(s.spec_token_ids)
                 request.num_accepted_tokens += num_accepted
                 # the rejected drafts' KV is garbage: compute from the first of them again
                 request.num_computed_tokens -= len(s.spec_token_ids) - num_accepted
-            for token in tokens:
-                request.append_output_token(token)
-                status = request.check_stop(self.config.max_model_len)
-                if status is not None:
-                    self.finish_request(request.request_id, status)
-                    break
-            if request.timings.first_token is None:
-                request.timings.first_token = now
-            request.timings.last_token = now
-            updated.append(request)
-        return updated
+            if tokens:
+                self._append(request, tokens, now)
+            if tokens or result.prompt_logprobs[i] is not None:
+                updates.append(RequestUpdate(request, bool(tokens), result.logprobs[i],
+                                             result.prompt_logprobs[i]))
+        for stage in self.stages:
+            stage.after_update(out, result, scheduled)
+        return updates
+
+    def _append(self, request: Request, tokens: list[int], now: float) -> None:
+        for token in tokens:
+            request.append_output_token(token)
+            status = request.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+                break
+        if request.timings.first_token is None:
+            request.timings.first_token = now
+        request.timings.last_token = now
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -407,7 +354,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
-        self._num_blocks_sent.pop(request.request_id, None)
+        request.num_blocks_sent = None
         self._preempted_ids.add(request.request_id)
         request.num_preempted_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0
@@ -423,7 +370,7 @@ class Scheduler:
         self.batch.discard(request)
         request.timings.finished = time.time()
         self.kv.free(request)
-        self._num_blocks_sent.pop(request.request_id, None)
+        request.num_blocks_sent = None
         self._finished_ids.add(request.request_id)
 
     def _priority_key(self, request: Request) -> tuple:

@@ -8,16 +8,18 @@ store, the prefill server connects): a process group of two, prefill rank 0, dec
 `max_tokens: 1` and `kv_transfer_params: {"do_remote_decode": true, "transfer_id": id}`,
 then to the decode server with `kv_transfer_params: {"transfer_id": id}`.
 
-* Prefill side: when such a request finishes, the engine copies its prompt's blocks out of
-  the cache (one tensor for all layers, K and V) and `KVSender` sends them on its thread,
-  with a header: the transfer id, the prompt's token ids, the first token the prefill
-  sampled, the prompt's block hashes (prefix caching), the layout.
+The engine sees this through `engine/kv_connector.py` (a `KVConnector`: `GlooKVConnector`):
+
+* Prefill side: when such a request samples its first token, the runner copies its
+  prompt's blocks out of the cache (one tensor for all layers, K and V) and `KVSender`
+  sends them on its thread, with a header: the transfer id, the prompt's token ids, the
+  first token the prefill sampled, the prompt's block hashes (prefix caching), the layout.
 * Decode side: `KVReceiver` takes transfers on its thread and keeps them until the request
-  with that id arrives (`wait`); the scheduler then gives the request fresh blocks, the
-  runner writes the received blocks into them before the step's forward pass, and the
-  first token is taken as if sampled: the next step decodes from it. Full blocks enter the
-  decode engine's prefix cache (their hashes are recomputed there and checked against the
-  ones that travelled).
+  with that id arrives (`wait`: its header) and is admitted (`take`: its blocks); the
+  scheduler then gives the request fresh blocks, the runner writes the received blocks
+  into them before the step's forward pass, and the first token is taken as if sampled:
+  the next step decodes from it. Full blocks enter the decode engine's prefix cache (their
+  hashes are recomputed there and checked against the ones that travelled).
 """
 
 import datetime
@@ -25,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -99,8 +101,9 @@ class TransferredKV:
     prompt_token_ids: list[int]
     first_token: int
     block_hashes: list[bytes]
-    blocks: KVBlocks
+    blocks: KVBlocks | None  # None in a header (`KVReceiver.wait`)
     seconds: float = 0.0  # on the wire
+    num_bytes: int = 0  # of the blocks, as received
     received_at: float = field(default_factory=time.monotonic)
 
 
@@ -205,19 +208,22 @@ class KVSender:
 
 
 class KVReceiver:
-    """Decode side: receives transfers on its own thread; `wait` hands one over."""
+    """Decode side: receives transfers on its own thread; `wait` hands one's header over,
+    `take` its blocks."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.stats = TransferStats()
         self._arrived: dict[str, TransferredKV] = {}
+        self._claimed: set[str] = set()  # asked for by a request: never dropped unclaimed
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True, name="llmserve-kv-recv")
         self._thread.start()
 
     def wait(self, transfer_id: str, timeout: float) -> TransferredKV:
-        """The transfer `transfer_id`, once it has arrived (TimeoutError after `timeout` s,
-        ConnectionError if the prefill server went away)."""
+        """The header of transfer `transfer_id` (no blocks: they stay here until `take`),
+        once it has arrived (TimeoutError after `timeout` s, ConnectionError if the
+        prefill server went away)."""
         deadline = time.monotonic() + timeout
         with self._changed:
             while transfer_id not in self._arrived:
@@ -228,7 +234,19 @@ class KVReceiver:
                     raise TimeoutError(f"no KV arrived for transfer {transfer_id!r} within "
                                        f"{timeout:.0f} s")
                 self._changed.wait(min(left, 1.0))
-            return self._arrived.pop(transfer_id)
+            self._claimed.add(transfer_id)
+            return replace(self._arrived[transfer_id], blocks=None)
+
+    def take(self, transfer_id: str, missing_ok: bool = False) -> KVBlocks | None:
+        """The blocks of a transfer `wait` handed over, which leaves here."""
+        with self._changed:
+            self._claimed.discard(transfer_id)
+            transfer = self._arrived.pop(transfer_id, None)
+        if transfer is None:
+            if missing_ok:
+                return None
+            raise KeyError(f"KV transfer {transfer_id!r} is not here (taken already?)")
+        return transfer.blocks
 
     def _run(self) -> None:
         while True:
@@ -267,7 +285,8 @@ class KVReceiver:
         return TransferredKV(header["transfer_id"], header["prompt_token_ids"],
                              header["first_token"],
                              [bytes.fromhex(h) for h in header["block_hashes"]],
-                             KVBlocks(data, scales), time.perf_counter() - start)
+                             KVBlocks(data, scales), time.perf_counter() - start,
+                             KVBlocks(data, scales).num_bytes)
 
     def _get(self, tensor: torch.Tensor) -> torch.Tensor:
         self.group.recv([tensor], PREFILL_RANK, TRANSFER_TAG).wait()
@@ -275,8 +294,8 @@ class KVReceiver:
 
     def _drop_unclaimed(self) -> None:
         now = time.monotonic()
-        for transfer_id in [t for t, kv in self._arrived.items()
-                            if now - kv.received_at > UNCLAIMED_TTL_S]:
+        for transfer_id in [t for t, kv in self._arrived.items() if t not in self._claimed
+                            and now - kv.received_at > UNCLAIMED_TTL_S]:
             logger.warning("KV transfer %s was never asked for; dropped", transfer_id)
             del self._arrived[transfer_id]
 

@@ -16,8 +16,8 @@ Faults and overload:
   503) and calls `on_fatal` (the server then exits non-zero, for a supervisor to restart);
 * `max_num_waiting` caps queued requests (`QueueFull`: 429); `request_timeout` ends a
   request that outlives it (`RequestTimeout`), freeing its KV blocks;
-* a stream whose reader falls behind keeps at most `MAX_PENDING_OUTPUTS` outputs: older
-  ones are merged into one, so a slow reader holds its own request's output, no more.
+* a stream whose reader falls behind keeps a bounded number of outputs (`request_stream.py`):
+  older ones are merged into one, so a slow reader holds its own request's output, no more.
 
 The engine always reports deltas (`RequestOutputKind.DELTA`): the engine thread does no
 per-step copying, the metrics see each step's new tokens, and a stream whose caller asked
@@ -31,21 +31,25 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from llmserve.config.engine import DEFAULT_MAX_NUM_WAITING
 from llmserve.engine.engine import Engine
+from llmserve.engine.request_stream import (
+    RequestStream,
+    call_soon,
+    put_all,
+    set_exception,
+    set_result,
+)
 from llmserve.errors import LLMServeError
 from llmserve.metrics import LOG_INTERVAL_S, EngineMetrics
-from llmserve.outputs import OutputAccumulator, RequestOutput
+from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-MAX_PENDING_OUTPUTS = 64  # unread outputs a stream keeps before merging them
-
 
 class QueueFull(LLMServeError):
     """Too many requests are waiting; retry after `retry_after` seconds."""
@@ -84,68 +88,6 @@ class _Add:
     kv_transfer: Any = None
 
 
-@dataclass
-class RequestStream:
-    """The outputs of one request, delivered on the event loop that submitted it.
-
-    Iterate it with `async for`; leaving the loop early (or cancelling the task) must be
-    followed by `abort()` — `AsyncEngine.generate()` does this for you. The outputs are of
-    the request's `output_kind`: deltas as they come, snapshots, or only the final one.
-    """
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    engine: "AsyncEngine"
-    output_kind: RequestOutputKind = RequestOutputKind.DELTA
-    deadline: float | None = None  # time.monotonic() past which it is timed out
-    admitted: asyncio.Future = field(init=False)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False
-    num_merged: int = 0  # outputs merged because the reader fell behind
-    _accumulated: OutputAccumulator = field(default_factory=OutputAccumulator)
-
-    def __post_init__(self) -> None:
-        self.admitted = self.loop.create_future()
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self.finished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            if item.finished:
-                self.finished = True
-            if self.output_kind is RequestOutputKind.DELTA:
-                return item
-            self._accumulated.add(item)
-            if self.output_kind is RequestOutputKind.CUMULATIVE or item.finished:
-                return self._accumulated.build()
-        raise StopAsyncIteration
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-
-    def put(self, item: Any) -> None:
-        """Queue an output (or the error that ends the stream); on the stream's loop.
-
-        Past `MAX_PENDING_OUTPUTS` unread deltas, they are merged with the new one into a
-        single delta (the same tokens, text and logprobs), so a reader that falls behind
-        costs its request's own output at most, never an unbounded queue."""
-        if isinstance(item, RequestOutput) and self.queue.qsize() >= MAX_PENDING_OUTPUTS:
-            merged = OutputAccumulator()
-            while not self.queue.empty():
-                merged.add(self.queue.get_nowait())  # only outputs: an error ends the stream
-            merged.add(item)
-            item = merged.build()
-            self.num_merged += 1
-        self.queue.put_nowait(item)
-
-
 class AsyncEngine:
     """Runs `engine` in a background thread; `generate()` streams a request's outputs.
 
@@ -179,6 +121,9 @@ class AsyncEngine:
         self._stop = False
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._wakeup = threading.Event()
+        # set by the engine thread when it holds no request, has no command pending and has
+        # published its state (metrics, KV usage) after the last one; cleared by any command
+        self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="llmserve-tokenize")
         self._next_id = 0
@@ -228,6 +173,7 @@ class AsyncEngine:
             stream = RequestStream(request_id, loop, self, params.output_kind, deadline)
             self._adds.append(_Add(request_id, prompt, deltas, arrival_time or time.time(),
                                    priority, cache_salt, stream, kv_transfer))
+            self._idle.clear()
         self._wakeup.set()
         try:
             await stream.admitted
@@ -250,7 +196,14 @@ class AsyncEngine:
         """Abort a request (thread-safe); its KV blocks are freed at the engine's next turn."""
         with self._lock:
             self._aborts.append(request_id)
+            self._idle.clear()
         self._wakeup.set()
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until the engine thread holds no request, has applied every add and abort
+        sent before, and has published its state after the last one; False on timeout.
+        (Tests and drains wait on this rather than sleep.)"""
+        return self._idle.wait(timeout)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop admitting, let in-flight requests finish for up to `timeout` s, abort the rest."""
@@ -296,6 +249,9 @@ class AsyncEngine:
                 self._expire()
             if not engine.has_unfinished_requests():
                 self._update_state()
+                with self._lock:
+                    if not (self._adds or self._aborts):
+                        self._idle.set()
                 self._wakeup.wait(timeout=LOG_INTERVAL_S)
                 continue
             try:
@@ -358,12 +314,12 @@ class AsyncEngine:
             self.engine.add_request(add.prompt, add.params, add.request_id, add.priority,
                                     add.arrival_time, add.cache_salt, add.kv_transfer)
         except Exception as e:
-            add.stream.loop.call_soon_threadsafe(_set_exception, add.stream.admitted, e)
+            add.stream.loop.call_soon_threadsafe(set_exception, add.stream.admitted, e)
             return
         self._streams[add.request_id] = add.stream
         with self._lock:
             self._num_waiting += 1
-        add.stream.loop.call_soon_threadsafe(_set_result, add.stream.admitted, None)
+        add.stream.loop.call_soon_threadsafe(set_result, add.stream.admitted, None)
 
     def _deliver(self, outputs: list[Any]) -> None:
         """Hand outputs to their streams: one thread-safe call per event loop per step.
@@ -380,7 +336,7 @@ class AsyncEngine:
                 del self._streams[output.request_id]
             by_loop[stream.loop].append((stream, output))
         for loop, items in by_loop.items():
-            _call_soon(loop, _put_all, items)
+            call_soon(loop, put_all, items)
 
     def _fail_all(self, error: Exception) -> None:
         self._fail(set(self._streams), error)
@@ -394,7 +350,7 @@ class AsyncEngine:
                 self.metrics.observe([final] if final is not None else [])
             except Exception:
                 logger.exception("aborting %s failed", request_id)
-            _call_soon(stream.loop, _put_all, [(stream, error)])
+            call_soon(stream.loop, put_all, [(stream, error)])
 
     def _update_state(self) -> None:
         scheduler, kv = self.engine.scheduler, self.engine.kv_manager
@@ -406,25 +362,3 @@ class AsyncEngine:
                                   speculator.stats if speculator is not None else None)
         self.metrics.update_prefill(self.engine.num_prefill_computed_tokens,
                                     self.engine.kv_transfer_stats)
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # that event loop is closed: nobody is listening any more
-        pass
-
-
-def _put_all(items: list[tuple[RequestStream, Any]]) -> None:
-    for stream, item in items:
-        stream.put(item)
-
-
-def _set_result(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
-
-
-def _set_exception(future: asyncio.Future, error: BaseException) -> None:
-    if not future.done():
-        future.set_exception(error)

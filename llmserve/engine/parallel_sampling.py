@@ -47,8 +47,13 @@ class ParallelGroup:
         return replace(self.params, n=1, best_of=None, seed=seed, logprobs=logprobs,
                        output_kind=self.output_kind)
 
-    def add(self, index: int, output: RequestOutput) -> None:
-        """Take sibling `index`'s output of this step (its completion's index is `index`)."""
+    def live_child_ids(self) -> list[str]:
+        """The siblings' engine request ids (those that finished are no longer known)."""
+        return [self.child_id(i) for i in range(self.best_of)]
+
+    def add(self, index: int, output: RequestOutput, logprobs: list | None = None) -> None:
+        """Take sibling `index`'s output of this step (its completion's index is `index`;
+        the raw `logprobs` are a beam search's business, not a group's)."""
         completion = output.outputs[0]
         self.completions[index] = completion
         if completion.finished:
@@ -87,6 +92,10 @@ class ParallelGroup:
             self.request_id, last.prompt, last.prompt_token_ids, completions, finished,
             self._metrics(), last.num_cached_tokens, prompt_logprobs=prompt_logprobs,
         )
+
+    def abort_output(self) -> RequestOutput | None:
+        """The output after an abort (its siblings' aborted outputs were added)."""
+        return self.output()
 
     def _metrics(self) -> RequestMetrics | None:
         """The request's metrics: its siblings' merged (those that have run so far)."""

@@ -1,6 +1,6 @@
 """What the engine keeps per scheduled sequence, and how it turns that into outputs.
 
-The token ids live on the `Request` (shared with the scheduler); everything else the engine
+The token ids live on the `Request` (shared with the scheduler); everything else the frontend
 needs about a sequence is one `RequestState`: its prompt text, detokenizer, logprobs, its
 place in a parallel group, and how much of its output has been handed out. An output is
 built as the request's `output_kind` asks:
@@ -28,8 +28,8 @@ from llmserve.sampling_params import RequestOutputKind
 from llmserve.worker.logprobs import PositionLogprobs
 
 if TYPE_CHECKING:
+    from llmserve.engine.beam_search import BeamSearch
     from llmserve.engine.parallel_sampling import ParallelGroup
-    from llmserve.structured.backend import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -37,7 +37,8 @@ class RequestState:
     request: Request
     prompt: str | None
     detokenizer: IncrementalDetokenizer
-    parent: "ParallelGroup | None" = None  # the group of an n > 1 / best_of sibling
+    # the parent of an n > 1 / best_of sibling or of a beam
+    parent: "ParallelGroup | BeamSearch | None" = None
     index: int = 0  # the sibling's choice index in its group
     logprobs: list[dict[int, Logprob]] | None = field(init=False, default=None)
     cumulative_logprob: float | None = field(init=False, default=None)
@@ -45,7 +46,6 @@ class RequestState:
     num_sent_tokens: int = field(init=False, default=0)  # output tokens in earlier deltas
     num_processed_tokens: int = field(init=False, default=0)  # detokenized so far
     prompt_logprobs_sent: bool = field(init=False, default=False)
-    grammar: "GrammarMatcher | None" = field(init=False, default=None)  # structured output
 
     def __post_init__(self) -> None:
         params = self.request.sampling_params

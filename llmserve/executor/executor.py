@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from llmserve.config.engine import DISTRIBUTED_EXECUTOR_BACKENDS
+from llmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmserve.distributed.parallel import TensorParallel
+from llmserve.executor.abstract import Executor
 from llmserve.executor.ranks import (
     CALIBRATE,
     ROWS,
@@ -46,18 +48,26 @@ from llmserve.executor.ranks import (
     torchrun_env,
 )
 from llmserve.executor.worker import run_worker
+from llmserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
-class Executor:
-    """Rank 0's handle on the workers: `send_step` before each model step."""
+class TensorParallelExecutor(Executor):
+    """Rank 0's handle on the workers and its own runner (`bind_runner`, once the model is
+    loaded): each step goes to the workers, then runs on rank 0's runner."""
 
     def __init__(self, ranks: Ranks) -> None:
         self.ranks = ranks
         self.failure: str | None = None  # why the group is broken, once it is
         self._stopped = False
+        # (request, drafts sent, drafts accepted) verified since the workers last heard
+        self._accepted_drafts: list[tuple[str, int, list[int]]] = []
         atexit.register(self.shutdown)  # the workers stop with this process
+
+    def bind_runner(self, runner: ModelRunner) -> "TensorParallelExecutor":
+        self.runner = runner
+        return self
 
     @property
     def tp(self) -> TensorParallel:
@@ -69,10 +79,17 @@ class Executor:
     def allocate_caches(self, spec: CacheSpec) -> None:
         self._send(spec)
 
-    def send_step(self, out: Any, accepted_drafts: list[tuple[str, int, list[int]]]) -> None:
-        """The step, and the drafts rank 0 accepted since the last one (the workers'
-        persistent batches learn them before the step)."""
-        self._send((STEP, (accepted_drafts, out)))
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Send the step, with the drafts rank 0 accepted since the last one (the workers'
+        persistent batches learn them before the step), then run it here; the ranks meet
+        in its collectives."""
+        self._send((STEP, (self._accepted_drafts, out.for_workers())))
+        self._accepted_drafts = []
+        result = self.runner.execute_model(out)
+        for s, tokens in zip(out.scheduled, result.sampled_token_ids, strict=True):
+            if s.spec_token_ids and tokens:
+                self._accepted_drafts.append((s.request_id, len(s.spec_token_ids), tokens[:-1]))
+        return result
 
     def calibrate(self, num_drafts: int) -> None:
         """The workers join the speculative decoding cost calibration rank 0 runs next
@@ -117,7 +134,7 @@ class Executor:
                 pass
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(TensorParallelExecutor):
     """Workers spawned on this machine; see the module docstring."""
 
     def __init__(self, size: int, device: torch.device, num_threads: int | None) -> None:
@@ -198,7 +215,7 @@ class MultiprocExecutor(Executor):
                 process.kill()
 
 
-class ExternalExecutor(Executor):
+class ExternalExecutor(TensorParallelExecutor):
     """Rank 0 of ranks started by torchrun (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
 
     def __init__(self, size: int, device: torch.device) -> None:
@@ -213,7 +230,7 @@ class ExternalExecutor(Executor):
 
 
 def make_executor(backend: str, size: int, device: torch.device,
-                  num_threads: int | None) -> Executor:
+                  num_threads: int | None) -> TensorParallelExecutor:
     if backend == "mp":
         return MultiprocExecutor(size, device, num_threads)
     if backend == "external_launcher":

@@ -71,7 +71,7 @@ def serve_steps(ranks: Ranks) -> None:
         len(model.plan.attention.kv_heads), cfg.head_dim, cache.dtype, device,
         zeroed=not attention.reads_only_written_slots)
     runner = ModelRunner(model, kv_cache, device, max_num_seqs=cache.max_num_seqs,
-                         attention=attention, driver=False)
+                         attention=attention, samples=False)
     logger.info("tensor-parallel rank %d of %d ready", ranks.tp.rank, ranks.tp.size)
     while True:
         try:
@@ -84,7 +84,7 @@ def serve_steps(ranks: Ranks) -> None:
             accepted_drafts, out = payload
             for request_id, num_drafts, accepted in accepted_drafts:
                 runner.input_batch.accept_drafts(request_id, num_drafts, accepted)
-            runner.execute(out)
+            runner.execute_model(out)
         elif kind == CALIBRATE:
             measure_step_costs(model, kv_cache, attention, payload)
         elif kind == ROWS:

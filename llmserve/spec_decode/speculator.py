@@ -7,8 +7,9 @@ them in the same forward (`worker/model_runner.py`). The policy:
 * off for the whole step once `disable_by_batch_size` requests run: a large batch is
   compute-bound, so every draft token costs about what a decoded token costs, and the
   rejected ones are lost;
-* adaptive k: each request keeps a moving estimate a of its acceptance rate; with
-  independent acceptances a round of k drafts emits E(k) = (1 - a^(k+1)) / (1 - a)
+* adaptive k: each request keeps a moving estimate a of its acceptance rate (on the
+  request: `Request.draft_acceptance`); with independent acceptances a round of k
+  drafts emits E(k) = (1 - a^(k+1)) / (1 - a)
   tokens at a cost of 1 + c k plain steps (c: one draft token's share of a step at the
   current batch size, measured at start-up, `cost.py`), and k is the one that maximises
   E(k) / (1 + c k). A request whose rate falls too low stops drafting; its estimate
@@ -56,7 +57,6 @@ class Speculator:
         self.proposer = proposer
         self.costs = costs or StepCosts({1: 0.0})
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
-        self._acceptance: dict[str, float] = {}
         self.draft_seconds = 0.0  # time spent proposing (a draft model's forwards)
 
     @classmethod
@@ -78,8 +78,7 @@ class Speculator:
             return 0
         if not self.config.adaptive:
             return k_max
-        a = self._acceptance.get(request.request_id, PRIOR_ACCEPTANCE)
-        return best_num_drafts(a, k_max, self.costs.draft_token_cost(batch_size))
+        return best_num_drafts(_acceptance(request), k_max, self.costs.draft_token_cost(batch_size))
 
     def propose(self, requests: list[Request], rooms: list[int],
                 batch_size: int = 1) -> list[list[int]]:
@@ -97,12 +96,12 @@ class Speculator:
             drafts = {r.request_id: d for (r, _), d in zip(asked, proposed, strict=True)}
         for r in requests:
             if not drafts.get(r.request_id):  # no round: drift back towards trying again
-                a = self._acceptance.get(r.request_id, PRIOR_ACCEPTANCE)
-                self._acceptance[r.request_id] = a + PRIOR_DRIFT * (PRIOR_ACCEPTANCE - a)
+                a = _acceptance(r)
+                r.draft_acceptance = a + PRIOR_DRIFT * (PRIOR_ACCEPTANCE - a)
         return [drafts.get(r.request_id, []) for r in requests]
 
-    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
-        """One verification round's outcome."""
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """One verification round's outcome (the estimate lives on the request)."""
         if num_drafts == 0:
             return
         stats = self.stats
@@ -115,12 +114,17 @@ class Speculator:
         # for the rate (a^n (1 - a) is the chance of n acceptances then a rejection)
         observed = num_accepted / num_drafts if num_accepted == num_drafts else \
             num_accepted / (num_accepted + 1)
-        a = self._acceptance.get(request_id, PRIOR_ACCEPTANCE)
-        self._acceptance[request_id] = (1 - EMA_WEIGHT) * a + EMA_WEIGHT * observed
+        a = _acceptance(request)
+        request.draft_acceptance = (1 - EMA_WEIGHT) * a + EMA_WEIGHT * observed
 
     def remove(self, request_id: str) -> None:
-        self._acceptance.pop(request_id, None)
+        """Forget a finished request (a draft model's cache of it)."""
         self.proposer.remove(request_id)
+
+
+def _acceptance(request: Request) -> float:
+    a = request.draft_acceptance
+    return PRIOR_ACCEPTANCE if a is None else a
 
 
 def best_num_drafts(acceptance: float, k_max: int, cost: float) -> int:

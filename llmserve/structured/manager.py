@@ -2,11 +2,15 @@
 
 import logging
 import os
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from llmserve.core.outputs import SchedulerOutput
+from llmserve.core.request import Request
+from llmserve.core.stage import StepStage
 from llmserve.kernels import native_for, ptr
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.structured.backend import GrammarBackend, GrammarMatcher
@@ -129,3 +133,20 @@ class StructuredOutputManager:
         done: Future = Future()
         done.set_result(None)
         return GrammarStep(keys, bitmask, done)
+
+
+class GrammarStage(StepStage):
+    """Structured output attached at the scheduler's edge (`StepStage`): once a step is
+    scheduled, the bitmask rows of its constrained requests that sample (at each of their
+    drafts too) start computing, and travel in `SchedulerOutput.grammar` to the runner."""
+
+    def __init__(self, manager: StructuredOutputManager) -> None:
+        self.manager = manager
+
+    def after_schedule(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+        matchers = {s.request_id: request.grammar for s in out.scheduled
+                    if s.sample and (request := requests.get(s.request_id)) is not None
+                    and request.grammar is not None}
+        out.grammar = self.manager.start_step(
+            matchers, {s.request_id: s.spec_token_ids for s in out.scheduled
+                       if s.spec_token_ids})

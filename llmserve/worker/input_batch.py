@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from llmserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from llmserve.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.logits_processors import (
@@ -46,6 +46,7 @@ class RequestRow:
     bad_words_token_ids: list[list[int]]
     generator: torch.Generator | None  # seeded requests only; survives a preemption
     num_counted: int | None = None  # output tokens in the penalty counts; None: not set up
+    row: int | None = None  # its row; None: preempted, kept only for its generator
 
     @property
     def num_tokens(self) -> int:
@@ -90,16 +91,22 @@ class InputBatch:
         self.device = torch.device(device)
         self.capacity = max_num_rows
         self.rows: list[RequestRow | None] = [None] * max_num_rows
-        self.row_of: dict[str, int] = {}
+        # every request held: those with a row, and preempted seeded ones (row None) whose
+        # generator waits for them to resume
+        self.requests: dict[str, RequestRow] = {}
         self.num_rows = 0  # after `update`, rows [0, num_rows) are all held
         self._holes: list[int] = []  # heap of free rows below num_rows
-        self._parked: dict[str, torch.Generator] = {}  # generators of preempted requests
         for name, dtype, empty in _ROW_BUFFERS:
             shape = (max_num_rows, max_blocks_per_row) if name == "block_table" else max_num_rows
             setattr(self, name, np.full(shape, empty, dtype=dtype))
         # (capacity, V) on the device, allocated when the first penalised row samples
         self.output_counts: torch.Tensor | None = None  # float: each output token's count
         self.prompt_seen: torch.Tensor | None = None  # bool: in the prompt
+
+    @property
+    def row_of(self) -> dict[str, int]:
+        """Each request with a row -> its row (a view, built on each call)."""
+        return {rid: r.row for rid, r in self.requests.items() if r.row is not None}
 
     # ---- deltas from the scheduler ---------------------------------------------------
 
@@ -110,14 +117,14 @@ class InputBatch:
             self._remove(request_id, park_generator=True)
         for request_id in out.finished_request_ids:
             self._remove(request_id)
-            self._parked.pop(request_id, None)
+            self.requests.pop(request_id, None)
         for s in out.scheduled:
             if s.new is not None:
                 self._remove(s.request_id)  # a row it still holds is stale
                 self._add(s.new, s.start_position)
         self._condense()
         for s in out.scheduled:
-            row = self.row_of[s.request_id]
+            row = self.requests[s.request_id].row
             if s.start_position != self.num_computed_tokens[row]:
                 raise RuntimeError(
                     f"{s.request_id}: scheduled from position {s.start_position}, but the "
@@ -136,15 +143,16 @@ class InputBatch:
             row = self.num_rows
             self.num_rows += 1
         p = new.sampling_params
-        generator = self._parked.pop(new.request_id, None)
+        parked = self.requests.pop(new.request_id, None)
+        generator = parked.generator if parked is not None else None
         if generator is None and p.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(p.seed)
         self.rows[row] = RequestRow(
             new.request_id, new.prompt_token_ids, list(new.output_token_ids), p,
-            new.eos_token_ids, new.bad_words_token_ids, generator,
+            new.eos_token_ids, new.bad_words_token_ids, generator, row=row,
         )
-        self.row_of[new.request_id] = row
+        self.requests[new.request_id] = self.rows[row]
         self.num_blocks[row] = 0
         self._append_blocks(row, new.block_ids)
         self.num_computed_tokens[row] = start_position
@@ -164,12 +172,13 @@ class InputBatch:
             or new.bad_words_token_ids or p.min_tokens > 0)
 
     def _remove(self, request_id: str, park_generator: bool = False) -> None:
-        row = self.row_of.pop(request_id, None)
-        if row is None:
-            return
-        request = self.rows[row]
-        if park_generator and request.generator is not None:
-            self._parked[request_id] = request.generator
+        """Free the request's row; keep its generator if it is preempted (parked)."""
+        request = self.requests.get(request_id)
+        if request is None or request.row is None:
+            return  # not held, or parked already
+        row, request.row = request.row, None
+        if not (park_generator and request.generator is not None):
+            del self.requests[request_id]
         self.rows[row] = None
         self.block_table[row, : self.num_blocks[row]] = 0
         self.num_blocks[row] = 0
@@ -192,7 +201,7 @@ class InputBatch:
     def _move(self, src: int, dst: int) -> None:
         request = self.rows[src]
         self.rows[dst], self.rows[src] = request, None
-        self.row_of[request.request_id] = dst
+        request.row = dst
         for name, _, _ in _ROW_BUFFERS:
             buffer = getattr(self, name)
             buffer[dst] = buffer[src]
@@ -215,7 +224,7 @@ class InputBatch:
     def accept_drafts(self, request_id: str, num_drafts: int, accepted: list[int]) -> None:
         """After verification: the accepted drafts are outputs now, and the rejected
         drafts' slots are no longer computed."""
-        row = self.row_of[request_id]
+        row = self.requests[request_id].row
         self.rows[row].output_token_ids.extend(accepted)
         self.num_computed_tokens[row] -= num_drafts - len(accepted)
 
@@ -249,7 +258,7 @@ class InputBatch:
                 backend: AttentionBackend | None = None) -> StepInputs:
         """Flat token ids, positions and attention metadata of the scheduled requests."""
         n = len(batch)
-        rows = np.fromiter((self.row_of[s.request_id] for s in batch), np.int64, n)
+        rows = np.fromiter((self.requests[s.request_id].row for s in batch), np.int64, n)
         query_lens = [s.num_tokens for s in batch]
         context_lens = [s.start_position for s in batch]
         token_ids = list(itertools.chain.from_iterable(

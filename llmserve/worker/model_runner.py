@@ -2,21 +2,28 @@
 
 The runner holds the model, the KV cache and a persistent batch of the requests it runs
 (`InputBatch`: block tables, sampling parameters, seeded generators, penalty counts),
-updated by each step's deltas; it never decides which requests run.
+updated by each step's deltas; it never decides which requests run, and it knows nothing
+of other ranks (an executor drives one runner per rank, `executor/`).
+
+    execute_model(out) -> ModelRunnerOutput   row i for out.scheduled[i]
+        rows dropped / added, new block ids  (InputBatch.update)
+        KV loads written                     (kv_connector.load_kv, disaggregated decode)
+        forward over the flat batch
+        prompt logprobs of prefill chunks
+        logits at the sample positions (at each draft too) -> grammar masks -> sample
+        KV saves sent                        (kv_connector.save_kv, disaggregated prefill)
 """
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from llmserve.core.scheduler import ScheduledRequest, SchedulerOutput
+from llmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
-from llmserve.structured import GrammarStep
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
 from llmserve.worker.rejection_sampler import verify
@@ -26,38 +33,18 @@ from llmserve.worker.sampler import argmax, sample, target_probs
 PROMPT_LOGPROBS_SLICE = 256
 
 
-@dataclass
-class RunnerOutput:
-    """What one step produced, keyed by request id.
-
-    `sampled[id]` is the request's new tokens: its accepted drafts (speculative decoding),
-    then one sampled token. `logprobs[id]` has the (raw) logprobs of each of them, for
-    requests asking for logprobs.
-    `prompt_logprobs[id] = (first, positions)`: positions[i] scores prompt token
-    `first + i` (first >= 1); a chunked prompt arrives over several steps.
-    """
-
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, tuple[int, list[PositionLogprobs]]] = field(
-        default_factory=dict
-    )
-
-
 class ModelRunner:
-    """Runs steps on one rank. Under tensor parallelism rank 0's runner (`driver`) first
-    sends each step to the workers (`executor`), and the workers' runners (`driver=False`)
-    run the same forward and logits (the ranks meet in their collectives) but sample
-    nothing."""
+    """Runs steps on one model (one rank's share of it). `samples=False`: compute the
+    logits but sample nothing (a tensor-parallel worker rank, whose logits all-gather
+    meets the sampling rank's). `kv_connector`: an `engine.kv_connector.KVConnector`
+    for disaggregated prefill/decode, else None."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str,
                  max_num_seqs: int = 256, attention: AttentionBackend | None = None,
-                 executor: Any = None, driver: bool = True) -> None:
+                 samples: bool = True, kv_connector: Any = None) -> None:
         self.model = model
-        self.executor = executor
-        self.driver = driver
-        # (request, drafts sent, drafts accepted) verified since the workers last heard
-        self.accepted_drafts: list[tuple[str, int, list[int]]] = []
+        self.samples = samples
+        self.kv_connector = kv_connector
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.block_size
@@ -65,20 +52,15 @@ class ModelRunner:
         self.input_batch = InputBatch(max_num_seqs, self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, grammar: GrammarStep | None = None) -> RunnerOutput:
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step: sample for every request whose chunk ends its tokens (within its
-        grammar's mask, for structured output), and gather the logprobs and prompt logprobs
-        asked for."""
-        if self.executor is not None:
-            self.executor.send_step(out, self.accepted_drafts)
-            self.accepted_drafts = []
+        grammar's mask, `out.grammar`, for structured output), and gather the logprobs
+        and prompt logprobs asked for."""
         batch = self.input_batch
         batch.update(out)
-        if out.blocks_to_copy:
-            self.kv_cache.copy_blocks(out.blocks_to_copy)
-        for block_ids, blocks in out.kv_loads:  # prompts a prefill engine computed
-            self._load_blocks(block_ids, blocks)
-        result = RunnerOutput()
+        for load in out.kv_loads:  # prompts a prefill engine computed
+            self.kv_connector.load_kv(self.kv_cache, load)
+        result = ModelRunnerOutput.empty([s.request_id for s in out.scheduled])
         if not out.scheduled:
             return result
         step = batch.prepare(out.scheduled, self.attention)
@@ -86,47 +68,46 @@ class ModelRunner:
         for i in np.flatnonzero(batch.prompt_logprobs[step.rows]).tolist():
             s, end = out.scheduled[i], int(step.last_token[i])
             start = end + 1 - s.num_tokens  # the chunk's first token
-            self._prompt_logprobs(s, batch.rows[step.rows[i]],
+            self._prompt_logprobs(i, s, batch.rows[step.rows[i]],
                                   hidden[start : start + len(s.token_ids)], result)
-        to_sample = [i for i, s in enumerate(out.scheduled) if s.sample]
-        if not to_sample:
+        to_sample = np.array([i for i, s in enumerate(out.scheduled) if s.sample], np.int64)
+        if len(to_sample) == 0:
             return result
         drafts = [out.scheduled[i].spec_token_ids for i in to_sample]
-        request_ids = [out.scheduled[i].request_id for i in to_sample]
-        rows = step.rows[to_sample]
         if any(drafts):
-            self._verify(request_ids, rows, step.last_token[to_sample], drafts, hidden,
-                         grammar, result)
-            return result
+            self._verify(out, to_sample, step.rows[to_sample], step.last_token[to_sample],
+                         drafts, hidden, result)
+        else:
+            self._sample(out, to_sample, step, hidden, result)
+        self._save_kv(out, result)
+        return result
+
+    def _sample(self, out: SchedulerOutput, to_sample: np.ndarray, step: Any,
+                hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """One token for each row of `to_sample` (indices into the batch), at its last."""
+        batch = self.input_batch
+        rows = step.rows[to_sample]
         if len(to_sample) == hidden.shape[0]:  # every token is a sample position (decodes)
             last_hidden = hidden
         else:
             last_hidden = hidden[torch.from_numpy(step.last_token[to_sample]).to(self.device)]
         logits = self.model.compute_logits(last_hidden)  # (N, V)
-        if not self.driver:
-            return result
+        if not self.samples:
+            return
         sampling = batch.sampling_batch(rows, logits.shape[-1])
         raw_needed = bool((batch.logprobs[rows] >= 0).any())  # logprobs are of raw logits
-        allowed = logits if grammar is None else grammar.apply(
-            logits, [(rid, 0) for rid in request_ids], copy=raw_needed)
+        allowed = logits if out.grammar is None else out.grammar.apply(
+            logits, [(out.scheduled[i].request_id, 0) for i in to_sample.tolist()],
+            copy=raw_needed)
         tokens = argmax(allowed) if sampling is None else sample(allowed, sampling)  # (N,)
-        result.sampled = {rid: [t] for rid, t in zip(request_ids, tokens.tolist(), strict=True)}
-        self._sample_logprobs(request_ids, rows, logits, np.arange(len(rows)), tokens, result)
-        return result
-
-    def _load_blocks(self, block_ids: list[int], blocks: Any) -> None:
-        """Write transferred KV blocks (all KV heads) into this rank's cache (its heads)."""
-        plan = getattr(self.model, "plan", None)
-        if plan is not None:
-            heads = slice(plan.attention.kv_heads.start, plan.attention.kv_heads.stop)
-            blocks = type(blocks)(blocks.data[..., heads, :], None if blocks.scales is None
-                                  else blocks.scales[..., heads])
-        blocks.scatter(self.kv_cache, block_ids)
+        for i, token in zip(to_sample.tolist(), tokens.tolist(), strict=True):
+            result.sampled_token_ids[i] = [token]
+        self._sample_logprobs(to_sample, rows, logits, np.arange(len(rows)), tokens, result)
 
     def _verify(
-        self, request_ids: list[str], rows: np.ndarray, last_token: np.ndarray,
-        drafts: list[list[int]], hidden: torch.Tensor, grammar: GrammarStep | None,
-        result: RunnerOutput,
+        self, out: SchedulerOutput, to_sample: np.ndarray, rows: np.ndarray,
+        last_token: np.ndarray, drafts: list[list[int]], hidden: torch.Tensor,
+        result: ModelRunnerOutput,
     ) -> None:
         """Sample at each request's last token and at each of its drafts, in one batch,
         and keep the drafts the rejection rule accepts (`rejection_sampler.py`).
@@ -144,14 +125,15 @@ class ModelRunner:
         offset = np.arange(int(counts.sum())) - first[owner]  # (L,) j of each row
         index = last_token[owner] - num_drafts[owner] + offset  # (L,) into the T tokens
         logits = self.model.compute_logits(hidden[torch.from_numpy(index)])  # (L, V)
-        if not self.driver:
+        if not self.samples:
             return
         preceding = [drafts[i][:j] for i, j in zip(owner.tolist(), offset.tolist(),
                                                    strict=True)]
         expanded = rows[owner]
         sampling = batch.sampling_batch(expanded, logits.shape[-1], preceding)
         raw_needed = bool((batch.logprobs[rows] >= 0).any())
-        allowed = logits if grammar is None else grammar.apply(
+        request_ids = [out.scheduled[i].request_id for i in to_sample.tolist()]
+        allowed = logits if out.grammar is None else out.grammar.apply(
             logits, [(request_ids[i], j) for i, j in zip(owner.tolist(), offset.tolist(),
                                                          strict=True)], copy=raw_needed)
         processed = allowed if sampling is None or sampling.processing is None else \
@@ -172,28 +154,27 @@ class ModelRunner:
             greedy = (batch.temperature[rows] == 0).tolist()
             emitted = verify(padded, draft_tokens.to(self.device), num_drafts.tolist(), greedy,
                              [batch.rows[r].generator for r in rows], target_argmax=argmax_padded)
-        for rid, d, tokens in zip(request_ids, drafts, emitted, strict=True):
-            result.sampled[rid] = tokens
+        for i, rid, d, tokens in zip(to_sample.tolist(), request_ids, drafts, emitted,
+                                     strict=True):
+            result.sampled_token_ids[i] = tokens
             if d:
                 batch.accept_drafts(rid, len(d), tokens[:-1])
-                if self.executor is not None:
-                    self.accepted_drafts.append((rid, len(d), tokens[:-1]))
         # logprobs: emitted token j sits at its request's row first + j
         emitted_rows = np.concatenate([first[i] + np.arange(len(t))
                                        for i, t in enumerate(emitted)])
         emitted_owner = np.repeat(np.arange(len(rows)), [len(t) for t in emitted])
         flat = torch.tensor([t for tokens in emitted for t in tokens], dtype=torch.long,
                             device=self.device)
-        self._sample_logprobs(request_ids, rows, logits, emitted_rows, flat, result,
+        self._sample_logprobs(to_sample, rows, logits, emitted_rows, flat, result,
                               emitted_owner)
 
     def _sample_logprobs(
-        self, request_ids: list[str], rows: np.ndarray, logits: torch.Tensor,
-        logits_rows: np.ndarray, tokens: torch.Tensor, result: RunnerOutput,
+        self, to_sample: np.ndarray, rows: np.ndarray, logits: torch.Tensor,
+        logits_rows: np.ndarray, tokens: torch.Tensor, result: ModelRunnerOutput,
         owner: np.ndarray | None = None,
     ) -> None:
         """Raw logprobs of the sampled tokens: tokens[e] was sampled from
-        logits[logits_rows[e]] by request owner[e] (default: e), in order."""
+        logits[logits_rows[e]] by sampled row owner[e] (default: e), in order."""
         owner = np.arange(len(rows)) if owner is None else owner
         ks = self.input_batch.logprobs[rows][owner]  # (E,) -1: not asked for
         want = np.flatnonzero(ks >= 0)
@@ -204,14 +185,17 @@ class ModelRunner:
                                    tokens[torch.from_numpy(want).to(self.device)],
                                    int(ks[want].max()))
         for e, position in zip(want.tolist(), gathered, strict=True):
-            result.logprobs.setdefault(request_ids[owner[e]], []).append(
-                position.truncated(int(ks[e])))
+            i = int(to_sample[owner[e]])
+            if result.logprobs[i] is None:
+                result.logprobs[i] = []
+            result.logprobs[i].append(position.truncated(int(ks[e])))
 
     def _prompt_logprobs(
-        self, s: ScheduledRequest, request: RequestRow, hidden: torch.Tensor,
-        result: RunnerOutput,
+        self, i: int, s: ScheduledRequest, request: RequestRow, hidden: torch.Tensor,
+        result: ModelRunnerOutput,
     ) -> None:
-        """Raw logprobs of the prompt tokens this chunk predicts (hidden: (n, hidden)).
+        """Raw logprobs of the prompt tokens batch row i's chunk predicts (hidden:
+        (n, hidden)).
 
         Position p's logits score prompt token p + 1; the last prompt position predicts the
         first output token and is not part of the prompt logprobs.
@@ -230,7 +214,18 @@ class ModelRunner:
             hi = min(num, lo + PROMPT_LOGPROBS_SLICE)
             logprobs = self.model.compute_logits(hidden[lo:hi]).log_softmax(dim=-1)
             positions += gather_logprobs(logprobs, targets[lo:hi], k)
-        result.prompt_logprobs[s.request_id] = (s.start_position + 1, positions)
+        result.prompt_logprobs[i] = (s.start_position + 1, positions)
+
+    def _save_kv(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Send the prompts whose first token this step sampled to the decode engine."""
+        if not out.kv_saves or not self.samples:
+            return
+        index = {rid: i for i, rid in enumerate(result.req_ids)}
+        for save in out.kv_saves:
+            tokens = result.sampled_token_ids[index[save.request_id]]
+            row = self.input_batch.rows[self.input_batch.requests[save.request_id].row]
+            self.kv_connector.save_kv(self.kv_cache, save, list(row.prompt_token_ids),
+                                      tokens[0])
 
 
 def _greedy_verify(drafts: list[list[int]], target_argmax: list[int],

@@ -80,25 +80,25 @@ def test_allocate_slots_rounds_up_to_whole_blocks_and_grows_only_when_needed():
     kv = KVCacheManager(8, BLOCK_SIZE)
     request = make_request(list(range(5)))
     assert kv.allocate_slots(request, 5)
-    assert kv.block_ids(request.request_id) == [0, 1]
+    assert kv.block_ids(request) == [0, 1]
     request.num_computed_tokens = 5
     for token in (5, 6):
         request.append_output_token(token)
         assert kv.allocate_slots(request, 1)
         request.num_computed_tokens += 1
-    assert kv.block_ids(request.request_id) == [0, 1]  # 7 tokens still fit in 2 blocks
+    assert kv.block_ids(request) == [0, 1]  # 7 tokens still fit in 2 blocks
     request.append_output_token(7)
     request.num_computed_tokens = 8
     request.append_output_token(8)
     assert kv.allocate_slots(request, 1)
-    assert kv.block_ids(request.request_id) == [0, 1, 2]
+    assert kv.block_ids(request) == [0, 1, 2]
 
 
 def test_allocate_slots_fails_without_side_effects_when_blocks_run_out():
     kv = KVCacheManager(2, BLOCK_SIZE)
     request = make_request(list(range(9)))
     assert not kv.allocate_slots(request, 9)
-    assert kv.block_ids(request.request_id) == []
+    assert kv.block_ids(request) == []
     assert kv.pool.num_free_blocks == 2
 
 
@@ -111,9 +111,9 @@ def test_second_request_with_same_prefix_shares_full_blocks():
     admit(kv, first)
     second = make_request(list(range(8)) + [50, 51, 52])
     assert admit(kv, second) == 8
-    assert kv.block_ids(second.request_id)[:2] == kv.block_ids(first.request_id)[:2]
-    assert kv.block_ids(second.request_id)[2] not in kv.block_ids(first.request_id)
-    assert [b.ref_cnt for b in kv.req_blocks[second.request_id]] == [2, 2, 1]
+    assert kv.block_ids(second)[:2] == kv.block_ids(first)[:2]
+    assert kv.block_ids(second)[2] not in kv.block_ids(first)
+    assert [b.ref_cnt for b in second.blocks] == [2, 2, 1]
 
 
 def test_a_hit_never_covers_the_last_prompt_token():
@@ -139,7 +139,7 @@ def test_equal_blocks_after_different_prefixes_do_not_hit():
     other = make_request([2, 2, 2, 2, 7, 7, 7, 7, 0])
     assert admit(kv, other) == 0
     assert other.block_hashes[1] != first.block_hashes[1]
-    assert kv.req_blocks[other.request_id][1] is not kv.req_blocks[first.request_id][1]
+    assert other.blocks[1] is not first.blocks[1]
 
 
 def test_a_different_cache_salt_does_not_hit():
@@ -151,7 +151,7 @@ def test_a_different_cache_salt_does_not_hit():
     assert admit(kv, anyone) == 0
     assert admit(kv, make_request(prompt, cache_salt="alice")) == 8
     # the tenants' blocks are disjoint
-    blocks = [{b.block_id for b in kv.req_blocks[r.request_id]} for r in (alice, bob, anyone)]
+    blocks = [{b.block_id for b in r.blocks} for r in (alice, bob, anyone)]
     assert not (blocks[0] & blocks[1] or blocks[0] & blocks[2] or blocks[1] & blocks[2])
 
 
@@ -169,7 +169,7 @@ def test_blocks_full_after_this_step_are_cached_at_allocation():
     kv = KVCacheManager(16, BLOCK_SIZE)
     request = make_request(list(range(10)))
     assert kv.allocate_slots(request, 6)  # a chunk: blocks 0 full, 1 half
-    blocks = kv.req_blocks[request.request_id]
+    blocks = request.blocks
     assert blocks[0].block_hash is not None and blocks[1].block_hash is None
 
 
@@ -183,7 +183,7 @@ def test_free_releases_tail_blocks_first():
     assert free_ids(kv) == [3]
     kv.free(request)
     assert free_ids(kv) == [3, 2, 1, 0]
-    assert kv.block_ids(request.request_id) == []
+    assert kv.block_ids(request) == []
 
 
 def test_free_uncaches_blocks_past_the_computed_tokens():
@@ -193,7 +193,7 @@ def test_free_uncaches_blocks_past_the_computed_tokens():
     assert kv.allocate_slots(request, 4)
     request.num_computed_tokens = 4  # the first chunk ran
     assert kv.allocate_slots(request, 12)  # the second is scheduled, then taken back
-    assert all(b.block_hash is not None for b in kv.req_blocks[request.request_id])
+    assert all(b.block_hash is not None for b in request.blocks)
     kv.free(request)
     assert list(kv.pool.cached) == [request.block_hashes[0]]
     assert kv.get_computed_blocks(make_request(list(range(16))))[1] == 4
@@ -203,11 +203,11 @@ def test_freed_cached_blocks_are_reused_by_a_hit_before_eviction():
     kv = KVCacheManager(4, BLOCK_SIZE)
     first = make_request(list(range(13)))
     admit(kv, first)
-    head = kv.block_ids(first.request_id)[:3]
+    head = kv.block_ids(first)[:3]
     kv.free(first)
     second = make_request(list(range(12)) + [99])
     assert admit(kv, second) == 12
-    assert kv.block_ids(second.request_id)[:3] == head
+    assert kv.block_ids(second)[:3] == head
     assert kv.pool.num_evictions == 0
 
 
@@ -222,7 +222,7 @@ def test_fresh_blocks_evict_tails_of_the_least_recently_freed_request_first():
 
     filler = make_request([7] * 9)  # 3 fresh blocks: old's tail block, then its two last full
     admit(kv, filler)
-    assert kv.block_ids(filler.request_id) == [3, 2, 1]
+    assert kv.block_ids(filler) == [3, 2, 1]
     assert kv.pool.num_evictions == 2  # the uncached tail block evicts nothing
 
     assert kv.get_computed_blocks(make_request(list(range(13))))[1] == 4  # old's head survives

@@ -11,13 +11,9 @@ import weakref
 import pytest
 
 from llmserve.core.kv_cache_manager import KVCacheManager, hash_block
+from llmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from llmserve.core.request import Request, RequestStatus
-from llmserve.core.scheduler import (
-    ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from llmserve.core.scheduler import Scheduler, SchedulerConfig
 from llmserve.sampling_params import SamplingParams
 
 EOS = 0
@@ -90,8 +86,13 @@ def step(sched: Scheduler, finish: set[str] = frozenset()) -> SchedulerOutput:
     check_step(sched, out)
     sampled = {s.request_id: [EOS if s.request_id in finish else TOKEN]
                for s in out.scheduled if s.sample}
-    sched.update(out, sampled)
+    update(sched, out, sampled)
     return out
+
+
+def update(sched: Scheduler, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list:
+    """`Scheduler.update` with a fake runner's output: `sampled` tokens by request id."""
+    return sched.update(out, ModelRunnerOutput.from_sampled(out, sampled))
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -110,7 +111,7 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert s.token_ids == request.all_token_ids[s.start_position : end]
         assert end == request.num_computed_tokens
         assert s.sample == (end == request.num_tokens)
-        assert tables[s.request_id] == sched.kv.block_ids(s.request_id), "deltas lost a block"
+        assert tables[s.request_id] == sched.kv.block_ids(request), "deltas lost a block"
         assert len(tables[s.request_id]) * BLOCK_SIZE >= end, "blocks do not cover the tokens"
         if s.new is not None:  # all a new (or resumed) request's tokens so far
             assert s.new.output_token_ids == request.output_token_ids
@@ -220,7 +221,7 @@ def test_long_prompt_is_split_into_budget_sized_chunks():
     assert chunks[0].new is not None and [c.new for c in chunks[1:]] == [None] * 3
     assert [len(chunks[0].new.block_ids)] + [len(c.new_block_ids) for c in chunks[1:]] == [
         4, 4, 4, 1]
-    assert mirror(sched).tables["r"] == sched.kv.block_ids("r")
+    assert mirror(sched).tables["r"] == sched.kv.block_ids(request)
     assert request.output_token_ids == [TOKEN]
 
     decode = step(sched).scheduled[0]
@@ -281,7 +282,7 @@ def test_abort_between_schedule_and_update_drops_the_sampled_token():
     sched.add_request(request)
     out = sched.schedule()
     sched.finish_request("r", RequestStatus.FINISHED_ABORTED)
-    assert sched.update(out, {"r": [TOKEN]}) == []
+    assert update(sched, out, {"r": [TOKEN]}) == []
     assert request.output_token_ids == []
     assert_all_blocks_free(sched)
 
@@ -333,7 +334,7 @@ def test_running_requests_share_cached_prefix_blocks():
     step(sched)
     sched.add_request(make_request("b", prompt[:16] + [5, 5, 5], max_tokens=10))
     step(sched)
-    table_a, table_b = sched.kv.block_ids("a"), sched.kv.block_ids("b")
+    table_a, table_b = (sched.kv.block_ids(sched.requests[r]) for r in "ab")
     assert table_a[:4] == table_b[:4] and set(table_a[4:]).isdisjoint(table_b[4:])
     assert sched.requests["b"].num_cached_tokens == 16
     assert [sched.kv.pool.blocks[i].ref_cnt for i in table_b] == [2, 2, 2, 2, 1]
@@ -408,7 +409,7 @@ def test_fcfs_preempts_the_latest_request_and_recomputes_it_with_its_outputs():
     assert outs[-1].preempted_request_ids == {"second"}  # the runner drops its row
     assert second.status == RequestStatus.PREEMPTED and second.num_preemptions == 1
     assert sched.waiting[0] is second and second.num_computed_tokens == 0
-    assert sched.kv.block_ids("second") == []
+    assert sched.kv.block_ids(second) == []
     # its KV freed: the prompt and 4 outputs (the 5th was yet to be computed)
     assert second.num_preempted_tokens == 12
     tokens_at_preemption = list(second.all_token_ids)
@@ -495,35 +496,10 @@ def test_a_decode_taken_back_by_preemption_leaves_no_unwritten_block_in_the_pref
     probe = make_request("probe", low.all_token_ids + [5])
     assert sched.kv.get_computed_blocks(probe)[1] == 0
 
-    sched.update(out, {"high": [TOKEN]})
+    update(sched, out, {"high": [TOKEN]})
     run_until_done(sched)
     assert low.output_token_ids == [TOKEN] * 8
     assert_all_blocks_free(sched)
-
-def test_forked_children_are_sent_new_with_the_blocks_they_share():
-    sched = make_scheduler()
-    parent = make_request("parent", 6, max_tokens=10)
-    sched.add_request(parent)
-    out = sched.schedule()
-    check_step(sched, out)
-    sched.update(out, {})  # a beam's token goes to its children, not to itself
-    children = []
-    for name, token in (("c1", 7), ("c2", 8)):
-        child = make_request(name, parent.prompt_token_ids, max_tokens=10)
-        child.output_token_ids = parent.output_token_ids + [token]
-        child.all_token_ids = parent.all_token_ids + [token]
-        children.append((child, parent))
-    sched.fork([parent], children)
-    out = step(sched)
-    assert out.finished_request_ids == {"parent"}
-    c1, c2 = out.scheduled
-    assert (c1.token_ids, c2.token_ids) == ([7], [8])
-    assert c1.new.output_token_ids == [7] and c2.new.output_token_ids == [8]
-    # both write into the second block (tokens 4-7): c1 got a copy, c2 keeps the original
-    assert c1.new.block_ids[0] == c2.new.block_ids[0]
-    assert out.blocks_to_copy == [(c2.new.block_ids[1], c1.new.block_ids[1])]
-    step(sched)  # held now: deltas only (check_step)
-
 
 # ---- property test -----------------------------------------------------------------------
 
@@ -594,7 +570,7 @@ def block_chain(request: Request) -> list[int]:
 
 def check_invariants(sched: Scheduler, unfinished: dict[str, Request]) -> None:
     """Request and block bookkeeping; `unfinished` loses the requests that ended."""
-    kv, pool = sched.kv, sched.kv.pool
+    pool = sched.kv.pool
     running = {r.request_id for r in sched.running}
     waiting = {r.request_id for r in sched.waiting}
     assert running.isdisjoint(waiting) and running | waiting == set(sched.requests)
@@ -603,14 +579,14 @@ def check_invariants(sched: Scheduler, unfinished: dict[str, Request]) -> None:
         assert unfinished.pop(request_id).status.finished, f"{request_id} dropped"
     for request in sched.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert request.num_computed_tokens == 0 and not kv.req_blocks.get(request.request_id)
+        assert request.num_computed_tokens == 0 and not request.blocks
     for request in sched.running:
         assert request.status == RequestStatus.RUNNING
-        assert len(kv.req_blocks[request.request_id]) * BLOCK_SIZE >= request.num_computed_tokens
+        assert len(request.blocks) * BLOCK_SIZE >= request.num_computed_tokens
 
     holders: dict[int, list[str]] = {}
-    for request_id, blocks in kv.req_blocks.items():
-        ids = [b.block_id for b in blocks]
+    for request_id, request in sched.requests.items():  # a finished one holds none
+        ids = [b.block_id for b in request.blocks]
         assert len(ids) == len(set(ids)), f"{request_id} holds a block twice"
         assert not ids or request_id in running
         for block_id in ids:
@@ -659,7 +635,7 @@ def test_random_operations_keep_the_invariants(seed, enable_caching, policy):
         fake_kv.execute(sched, out)
         sampled = {s.request_id: [EOS if rng.random() < 0.1 else rng.randint(2, 5)]
                    for s in out.scheduled if s.sample}
-        sched.update(out, sampled)
+        update(sched, out, sampled)
         check_invariants(sched, unfinished)
         fake_kv.check_cached_blocks_hold_their_tokens(sched)
 
@@ -687,13 +663,13 @@ def test_random_operations_keep_the_invariants(seed, enable_caching, policy):
 
     assert sched.num_preemptions > 0, "the pool was too big to exercise preemption"
     assert not enable_caching or sched.kv.num_hits > 0
-    assert sched.kv.req_blocks == {} and sched.kv.num_offered == {}  # no per-request leftovers
+    assert all(not r.blocks and r.num_offered_blocks == 0 and r.num_blocks_sent is None
+               for r in tracked.values())  # no per-request leftovers
     for request in tracked.values():
         assert request.status.finished
         if request.status == RequestStatus.FINISHED_LENGTH:
             assert request.num_output_tokens == request.max_tokens or request.num_tokens == 64
         if request.status == RequestStatus.FINISHED_STOPPED:
             assert request.output_token_ids[-1] == EOS
-    assert sched.kv.req_blocks == {} or all(not b for b in sched.kv.req_blocks.values())
     assert_all_blocks_free(sched)
     assert sorted(sched.kv.pool.free_queue) == list(range(16))

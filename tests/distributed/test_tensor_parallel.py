@@ -114,7 +114,7 @@ def test_real_model_greedy_equals_tp1(smollm2_gguf, smollm2_llm, size):
         # every rank dropped the finished requests' rows at the next step, as rank 0 did
         # (the one-token request's own row goes at the step after it)
         llm.generate("x", SamplingParams(max_tokens=1), use_tqdm=False)
-        held = len(llm.engine.runner.input_batch.row_of)
+        held = len(llm.engine.executor.runner.input_batch.row_of)
         assert held == 1
         assert llm.engine.executor.rows_held() == [held] * (size - 1)
     finally:

@@ -121,7 +121,7 @@ def test_chat_logprobs_match_tp1(tp1, tp2):
 
 def test_disconnect_frees_the_request_on_every_rank(tp2):
     engine = tp2.engine.engine
-    batch = engine.runner.input_batch  # rank 0's persistent batch
+    batch = engine.executor.runner.input_batch  # rank 0's persistent batch
     body = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 400,
             "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=tp2.url, timeout=60) as http:
@@ -172,7 +172,7 @@ def _kill_the_worker_mid_answer(server: RunningServer, client: openai.OpenAI) ->
     with ThreadPoolExecutor(1) as pool:
         whole = pool.submit(client.completions.create, **long)
         deadline = time.monotonic() + 10
-        while len(engine.states) < 2:
+        while len(engine.output_processor.states) < 2:
             assert time.monotonic() < deadline, "the second request was not admitted"
             time.sleep(0.02)
         engine.executor.processes[0].kill()

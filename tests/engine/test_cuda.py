@@ -33,7 +33,7 @@ def prompts(cuda_llm) -> list[dict]:
 def test_exact_path_on_cuda_matches_transformers(cuda_llm, prompts, smollm2_gguf):
     from transformers import AutoModelForCausalLM
 
-    assert isinstance(cuda_llm.engine.runner.attention, FlexAttentionBackend)
+    assert isinstance(cuda_llm.engine.executor.runner.attention, FlexAttentionBackend)
     reference = AutoModelForCausalLM.from_pretrained(
         smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32).cuda().eval()
     outputs = cuda_llm.generate(prompts, GREEDY)  # one continuous batch

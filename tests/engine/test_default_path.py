@@ -111,7 +111,7 @@ def test_default_path_follows_the_exact_path(default_llm, smollm2_llm, chat_prom
 
     exact = token_ids(smollm2_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
     fast = token_ids(default_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
-    assert default_llm.engine.runner.kv_cache.dtype in (torch.bfloat16, torch.int8)
+    assert default_llm.engine.executor.runner.kv_cache.dtype in (torch.bfloat16, torch.int8)
     full = report_agreement("default vs float32", fast, exact)
     # the exact path equals the reference: where the default leaves it, the reference itself
     # must nearly hesitate (its log-prob gap between the two tokens)
@@ -128,7 +128,7 @@ def test_default_path_follows_the_exact_path(default_llm, smollm2_llm, chat_prom
 
 def test_int8_kv_cache_follows_the_float_cache(int8_llm, chat_prompts):
     int8_kv = int8_llm  # the int8 weight path's KV cache is int8
-    assert int8_kv.engine.runner.kv_cache.dtype == torch.int8
+    assert int8_kv.engine.executor.runner.kv_cache.dtype == torch.int8
     config = EngineConfig(kv_cache_memory="64MiB", kv_cache_dtype="float32")
     float_llm = LLM.from_engine(Engine(config, loaded=int8_llm.engine.loaded))
     float_kv = token_ids(float_llm.generate(chat_prompts, GREEDY_16, use_tqdm=False))
@@ -181,7 +181,7 @@ def test_memory_arithmetic_matches_what_is_allocated(default_llm, smollm2_gguf):
     report = memory_report(str(smollm2_gguf), 1, 256, "auto", None, "64MiB", 16)
     assert f"as {method}" in report and f"= {format_bytes(weights)}" in report
     assert f"= {per_token:,} bytes" in report
-    kv = engine.runner.kv_cache
+    kv = engine.executor.runner.kv_cache
     tensors = [*kv.key, *kv.value, *(kv.key_scales or []), *(kv.value_scales or [])]
     allocated = sum(t.numel() * t.element_size() for t in tensors)
     assert allocated == engine.kv_plan.num_tokens * kv_bytes_per_token(
@@ -214,7 +214,7 @@ def test_attention_backend_by_name(smollm2_gguf):
         llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="64MiB",
                   attention_backend=name)
         outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert isinstance(llm.engine.runner.attention, FlexAttentionBackend)
+    assert isinstance(llm.engine.executor.runner.attention, FlexAttentionBackend)
     assert outputs["torch"] == outputs["auto"] == outputs["flex"]
     with pytest.raises(LLMServeError, match="kv_cache_dtype int8 needs the native"):
         LLM(str(smollm2_gguf), kv_cache_dtype="int8", attention_backend="torch")

@@ -27,7 +27,7 @@ def test_n_siblings_share_the_prompt_blocks(smollm2_llm, caching):
     engine = fresh(smollm2_llm, enable_prefix_caching=caching)
     request_id = engine.add_request(LONG_PROMPT, SamplingParams(n=4, seed=7, max_tokens=8))
     engine.step()  # all four siblings admitted in one step
-    tables = [engine.kv_manager.req_blocks[f"{request_id}#{i}"] for i in range(4)]
+    tables = [engine.scheduler.requests[f"{request_id}#{i}"].blocks for i in range(4)]
     num_full = len(engine.tokenizer.encode(LONG_PROMPT)) // engine.kv_manager.block_size
     assert num_full >= 3
     for table in tables[1:]:
@@ -117,18 +117,28 @@ def test_beam_search_returns_n_ranked_hypotheses(smollm2_llm):
     assert [c.index for c in output.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in output.outputs}) == 3
     assert all(c.finish_reason in ("stop", "length") for c in output.outputs)
+    # LLM.beam_search: the same search, use_beam_search set for the caller
+    (again,) = smollm2_llm.beam_search("The best thing about mornings is",
+                                       SamplingParams(beam_width=4, n=3, max_tokens=12),
+                                       use_tqdm=False)
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in output.outputs]
 
 
-def test_beams_copy_their_shared_partial_block(smollm2_llm):
-    """Beams forked from one parent get private copies of the block they write into."""
-    engine = fresh(smollm2_llm)
-    engine.add_request("Once upon a time", SamplingParams(use_beam_search=True, beam_width=4,
-                                                          max_tokens=6))
-    engine.step()  # the prompt; its top-K is reported
-    engine.step()  # forked beams: the copies run first in this step
-    beams = [r for r in engine.scheduler.running]
-    assert len(beams) == 4
-    last_blocks = [engine.kv_manager.req_blocks[b.request_id][-1] for b in beams]
-    assert len({b.block_id for b in last_blocks}) == 4  # private last blocks
-    run(engine)
-    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
+def test_beams_share_their_common_prefix_through_the_prefix_cache(smollm2_llm):
+    """Each step's beams are new one-token requests above the engine core: they find the
+    prompt's full blocks (and their own prefix's) in the cache and compute only the rest."""
+    for caching in (True, False):  # beams of one search share blocks as siblings do
+        engine = fresh(smollm2_llm, enable_prefix_caching=caching)
+        engine.add_request(LONG_PROMPT, SamplingParams(use_beam_search=True, beam_width=4,
+                                                       max_tokens=6))
+        engine.step()  # the prompt; its top-K is reported and the first beams are added
+        beams = list(engine.scheduler.requests.values())
+        assert len(beams) == 4 and all(b.num_output_tokens == 0 for b in beams)
+        num_prompt = len(engine.tokenizer.encode(LONG_PROMPT))
+        block_size = engine.kv_manager.block_size
+        assert {len(b.prompt_token_ids) for b in beams} == {num_prompt + 1}
+        engine.step()  # every beam admitted with the prompt's full blocks found cached
+        assert [b.num_cached_tokens for b in beams] == [num_prompt // block_size * block_size] * 4
+        (output,) = run(engine)
+        assert len(output.outputs[0].token_ids) == 6 or output.outputs[0].finish_reason == "stop"
+        assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks

@@ -1,10 +1,11 @@
-"""The CPU KV budget's free memory: what `cpu_info.memory_bytes` says is available, and a
-message naming the fix where the system does not say (no /proc/meminfo, no psutil)."""
+"""The CPU KV budget's free memory (`engine/loading.py`): what `cpu_info.memory_bytes` says
+is available, and a message naming the fix where the system does not say (no /proc/meminfo,
+no psutil)."""
 
 import pytest
 import torch
 
-from llmserve.engine import engine
+from llmserve.engine import loading as engine
 from llmserve.errors import LLMServeError
 
 

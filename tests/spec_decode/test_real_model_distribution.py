@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmserve import LLM
-from llmserve.core.scheduler import NewRequestData, ScheduledRequest, SchedulerOutput
+from llmserve.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.logits_processors import History
@@ -48,15 +48,15 @@ def prompt(engine):
 def _prefill_shared_block(engine, prompt: list[int]) -> None:
     block = engine.kv_plan.block_size
     new = NewRequestData("shared", prompt, PARAMS, block_ids=[0])
-    engine.runner.execute(SchedulerOutput(scheduled=[ScheduledRequest(
+    engine.executor.runner.execute_model(SchedulerOutput(scheduled=[ScheduledRequest(
         "shared", prompt[:block], 0, [], sample=False, new=new)]))
-    engine.runner.execute(SchedulerOutput(finished_request_ids={"shared"}))
+    engine.executor.runner.execute_model(SchedulerOutput(finished_request_ids={"shared"}))
 
 
 def _target(engine, prompt: list[int]) -> torch.Tensor:
     """The target's processed next-token distribution after the whole prompt (V,)."""
     block = engine.kv_plan.block_size
-    model, runner = engine.loaded.model, engine.runner
+    model, runner = engine.loaded.model, engine.executor.runner
     meta = AttentionMetadata.build([1], [block], [[0, 1]], block, runner.device,
                                    runner.attention)
     with torch.inference_mode():
@@ -76,9 +76,9 @@ def _first_tokens(engine, prompt, drafts, step: int, seeded: bool = False) -> li
         rid, prompt[block:], block, [], sample=True, spec_token_ids=list(drafts),
         new=NewRequestData(rid, prompt, params, block_ids=[0, 1 + i]))
         for i, rid in enumerate(ids)]
-    out = engine.runner.execute(SchedulerOutput(scheduled=scheduled))
-    engine.runner.execute(SchedulerOutput(finished_request_ids=set(ids)))
-    return [out.sampled[rid][0] for rid in ids]
+    out = engine.executor.runner.execute_model(SchedulerOutput(scheduled=scheduled))
+    engine.executor.runner.execute_model(SchedulerOutput(finished_request_ids=set(ids)))
+    return [tokens[0] for tokens in out.sampled_token_ids]
 
 
 @pytest.mark.parametrize("steps", [STEPS, pytest.param(51, marks=pytest.mark.slow)])

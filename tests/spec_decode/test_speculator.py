@@ -54,8 +54,8 @@ def test_k_adapts_to_each_requests_acceptance():
     start = spec.num_drafts(good, 100)
     assert start == best_num_drafts(PRIOR_ACCEPTANCE, 6, 0.1)
     for _ in range(20):
-        spec.record("good", 4, 4)
-        spec.record("bad", 4, 0)
+        spec.record(good, 4, 4)
+        spec.record(bad, 4, 0)
     assert spec.num_drafts(good, 100) == 6
     assert spec.num_drafts(bad, 100) == 0
     assert spec.num_drafts(good, 2) == 2  # never past the request's room

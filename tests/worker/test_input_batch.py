@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from llmserve.core.kv_cache_manager import KVCacheManager
-from llmserve.core.request import Request, RequestStatus
-from llmserve.core.scheduler import (
+from llmserve.core.outputs import (
+    ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
-    Scheduler,
-    SchedulerConfig,
     SchedulerOutput,
 )
+from llmserve.core.request import Request, RequestStatus
+from llmserve.core.scheduler import Scheduler, SchedulerConfig
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.input_batch import InputBatch
@@ -52,7 +52,7 @@ def check_rows(batch: InputBatch, sched: Scheduler, out: SchedulerOutput) -> Non
         held = batch.rows[row]
         assert held.request_id == request_id
         n = int(batch.num_blocks[row])
-        assert batch.block_table[row, :n].tolist() == sched.kv.block_ids(request_id)
+        assert batch.block_table[row, :n].tolist() == sched.kv.block_ids(request)
         assert not batch.block_table[row, n:].any(), "padding past the blocks is not zero"
         assert batch.num_computed_tokens[row] == request.num_computed_tokens
         # the row knows every token scheduled so far (the newest output is learnt when sent)
@@ -70,7 +70,7 @@ def check_metadata(batch: InputBatch, sched: Scheduler, scheduled: list[Schedule
     step = batch.prepare(scheduled)
     ref = AttentionMetadata.build(
         [len(s.token_ids) for s in scheduled], [s.start_position for s in scheduled],
-        [sched.kv.block_ids(s.request_id) for s in scheduled], BLOCK_SIZE)
+        [sched.kv.block_ids(sched.requests[s.request_id]) for s in scheduled], BLOCK_SIZE)
     meta = step.metadata
     assert torch.equal(meta.slot_mapping, ref.slot_mapping)
     assert meta.slot_mapping.dtype == ref.slot_mapping.dtype == torch.long
@@ -117,7 +117,7 @@ def test_random_workload_rows_and_metadata_match_the_scheduler(seed):
                 num_steps += 1
             sampled = {s.request_id: [rng.randint(0, VOCAB - 1)] for s in out.scheduled
                        if s.sample}
-            sched.update(out, sampled)
+            sched.update(out, ModelRunnerOutput.from_sampled(out, sampled))
     assert num_steps > 50 and sched.num_preemptions > 0 and num_compactions > 0
     assert batch.capacity >= 2 and batch.block_table.shape[1] > 1
 
@@ -242,7 +242,7 @@ def test_sampling_equals_the_from_scratch_path_step_by_step():
         batch.update(out)
         to_sample = [s for s in out.scheduled if s.sample]
         if not to_sample:
-            sched.update(out, {})
+            sched.update(out, ModelRunnerOutput.from_sampled(out, {}))
             continue
         logits = torch.randn(len(to_sample), VOCAB, generator=torch.Generator().manual_seed(
             num_sampled)) * 3
@@ -266,8 +266,8 @@ def test_sampling_equals_the_from_scratch_path_step_by_step():
             torch.manual_seed(num_sampled)
             assert torch.equal(sample(logits, new), tokens)
         num_sampled += 1
-        sched.update(out, {s.request_id: [t] for s, t in zip(to_sample, tokens.tolist(),
-                                                             strict=True)})
+        sched.update(out, ModelRunnerOutput.from_sampled(out, {
+            s.request_id: [t] for s, t in zip(to_sample, tokens.tolist(), strict=True)}))
     assert sched.num_preemptions > 0 and num_sampled > 12
     assert batch.output_counts is not None  # the incremental counts were used
 

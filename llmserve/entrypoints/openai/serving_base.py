@@ -15,7 +15,7 @@ from typing import Any
 from starlette.responses import StreamingResponse
 
 from llmserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
-from llmserve.engine.engine import RequestRejected
+from llmserve.engine.input_processor import RequestRejected
 from llmserve.entrypoints.openai.protocol import (
     SAMPLING_FIELDS,
     BadRequest,
@@ -111,9 +111,9 @@ class OpenAIServing:
         if remote_decode:
             raise BadRequest(f"{field}: a decode server does not take do_remote_decode",
                              param=f"{field}.do_remote_decode")
-        receiver = self.engine.engine.kv_receiver
+        connector = self.engine.engine.kv_connector
         try:
-            return await asyncio.to_thread(receiver.wait, transfer_id, KV_WAIT_S)
+            return await asyncio.to_thread(connector.wait_for, transfer_id, KV_WAIT_S)
         except TimeoutError as e:
             raise BadRequest(str(e), param=f"{field}.transfer_id", status=504) from None
         except ConnectionError as e:

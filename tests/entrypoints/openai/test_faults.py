@@ -11,12 +11,9 @@ import openai
 import pytest
 
 from llmserve import SamplingParams
-from llmserve.engine.async_engine import (
-    MAX_PENDING_OUTPUTS,
-    AsyncEngine,
-    RequestTimeout,
-)
+from llmserve.engine.async_engine import AsyncEngine, RequestTimeout
 from llmserve.engine.engine import Engine
+from llmserve.engine.request_stream import MAX_PENDING_OUTPUTS
 from llmserve.sampling_params import RequestOutputKind
 from tests.cli_server import cli_server
 from tests.entrypoints.openai.conftest import MODEL, _engine_config, run_server
@@ -28,7 +25,7 @@ FAIL_AFTER = 24
 def all_blocks_free(engine: Engine) -> bool:
     """No request holds a block (prefix-cached blocks are free: reusable at once)."""
     kv = engine.kv_manager
-    return (not kv.req_blocks and kv.pool.num_free_blocks == kv.pool.num_blocks
+    return (not engine.scheduler.requests and kv.pool.num_free_blocks == kv.pool.num_blocks
             and not engine.has_unfinished_requests())
 
 
@@ -44,7 +41,7 @@ def poisoned(monkeypatch):
     """Make every model step raise that holds a request whose prompt has POISON and which
     has made FAIL_AFTER tokens (so that others can queue behind it first)."""
     def install(engine: Engine) -> None:
-        execute = engine.runner.execute
+        execute = engine.executor.execute_model
 
         def poisoned_request(request_id: str) -> bool:
             request = engine.scheduler.requests.get(request_id)
@@ -56,7 +53,7 @@ def poisoned(monkeypatch):
                 raise RuntimeError("injected fault")
             return execute(out, *args, **kwargs)
 
-        monkeypatch.setattr(engine.runner, "execute", faulty)
+        monkeypatch.setattr(engine.executor, "execute_model", faulty)
     return install
 
 

@@ -1,0 +1,123 @@
+"""What an engine is built from: its device and dtypes, the KV budget, the attention backend,
+the other tensor-parallel ranks, and the speculator (with its measured step costs)."""
+
+import logging
+import os
+
+import torch
+
+from llmserve.config.engine import DTYPES, EngineConfig
+from llmserve.cpu_info import memory_bytes
+from llmserve.errors import LLMServeError
+from llmserve.executor.abstract import Executor
+from llmserve.executor.executor import TensorParallelExecutor, make_executor
+from llmserve.executor.ranks import WorkerSpec
+from llmserve.kernels import native, set_num_threads
+from llmserve.layers.kv_cache import resolve_kv_cache_dtype
+from llmserve.loader.kernel_choice import choose_attention
+from llmserve.loader.model_loader import LoadedModel
+from llmserve.memory import parse_size
+from llmserve.spec_decode.cost import measure_step_costs
+from llmserve.spec_decode.draft_model import DraftModelProposer
+from llmserve.spec_decode.speculator import Speculator
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise LLMServeError("device cuda was asked for but no CUDA GPU is available; use cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    name = DTYPES[dtype]
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" else "float32"
+    return _TORCH_DTYPES[name]
+
+
+def model_bytes(model: torch.nn.Module) -> int:
+    """Bytes the model's parameters and buffers hold (quantized weights as stored)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    available = memory_bytes()[1]
+    if available is None:
+        raise LLMServeError(
+            "this system does not say how much memory is free (no /proc/meminfo, psutil not "
+            "installed): give --kv-cache-memory (kv_cache_memory) as a size such as 4GiB "
+            "rather than a fraction, or pip install psutil")
+    return available
+
+
+def kv_budget(config: EngineConfig, device: torch.device) -> int:
+    budget = config.kv_cache_memory
+    if isinstance(budget, float):
+        return int(budget * free_memory_bytes(device))
+    return parse_size(budget)
+
+
+def attention_backend_name(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                           loaded: LoadedModel) -> str:
+    """config's backend; "auto" on the CPU with the native kernels is chosen by timing
+    (`kernel_choice.choose_attention`) where the KV dtype leaves a choice."""
+    name = config.attention_backend
+    if name != "auto" or device.type != "cpu" or native() is None:
+        return name
+    kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, loaded.quantization,
+                                      native_attention=True)
+    if kv_dtype == torch.int8:  # only the native kernel reads int8 entries
+        return "native"
+    choice = choose_attention(loaded.config, kv_dtype)
+    logger.info("%s", choice.describe())
+    return choice.backend
+
+
+def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.device,
+                dtype: torch.dtype) -> TensorParallelExecutor | None:
+    """Under tensor parallelism: start (or meet) the other ranks and tell them what to
+    load; they load their shares while this rank loads its own."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return None
+    if loaded is not None:
+        raise ValueError("tensor_parallel_size > 1 loads its own shards; it cannot take "
+                         "an already loaded model")
+    # ranks share the machine's cores unless told otherwise
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
+    if config.num_threads is None:
+        set_num_threads(threads)
+    executor = make_executor(config.distributed_executor_backend, size, device, threads)
+    executor.start_workers(WorkerSpec(config.model, dtype, str(device),
+                                      config.weight_quantization, threads, config.seed))
+    logger.info("tensor parallel: %d ranks, %d threads each", size, threads)
+    return executor
+
+
+def build_speculator(config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                     kv_num_tokens: int, executor: Executor) -> Speculator | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    draft = None
+    if spec.method != "ngram":
+        draft = DraftModelProposer.build(spec, config, loaded, device, kv_num_tokens)
+    costs = None
+    if spec.adaptive:
+        executor.calibrate(spec.num_speculative_tokens)
+        runner = executor.runner
+        costs = measure_step_costs(loaded.model, runner.kv_cache, runner.attention,
+                                   spec.num_speculative_tokens,
+                                   draft.time_step if draft is not None else None)
+        logger.info("speculative decoding: a draft token costs %s of a step (by batch "
+                    "size)", {b: round(c, 2) for b, c in costs.by_batch.items()})
+    return Speculator.build(spec, draft, costs)

@@ -1,6 +1,7 @@
 """The server under tensor parallelism (TP=2, one spawned worker) answers as TP=1 does over
 the official `openai` client; a disconnect frees the request on every rank; a dead rank
-fails the requests in flight within seconds and every new one with 503, and /health is 503."""
+fails the requests in flight (the clients' timeouts guard against a hang) and every new one
+with 503, and /health is 503."""
 
 import asyncio
 import json
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.entrypoints.openai.conftest import MODEL, RunningServer, run_server
+from tests.entrypoints.openai.conftest import MODEL, RunningServer, run_server, wait_engine_idle
 
 TP2 = {"tensor_parallel_size": 2}
 CHATS = [[{"role": "user", "content": "Name three colours."}],
@@ -27,8 +28,8 @@ LOGPROB_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def tp1(smollm2_gguf) -> Iterator[RunningServer]:
-    with run_server(smollm2_gguf, None) as running:
+def tp1(smollm2_gguf, float32_model) -> Iterator[RunningServer]:
+    with run_server(smollm2_gguf, float32_model) as running:
         yield running
 
 
@@ -131,13 +132,11 @@ def test_disconnect_frees_the_request_on_every_rank(tp2):
             aborted_id = json.loads(events[0].removeprefix("data: "))["id"]
             assert aborted_id in set(batch.row_of)
             assert engine.kv_manager.usage > 0
-    gone = time.monotonic()
-    while engine.kv_manager.usage != 0 or engine.has_unfinished_requests():
-        assert time.monotonic() - gone < 3.0, "the KV blocks were not freed within 3 s"
-        time.sleep(0.02)
+    wait_engine_idle(tp2)
+    assert engine.kv_manager.usage == 0
     # the runners drop a finished request's row at the next step, which carries its id
     short = tp2.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-    time.sleep(0.2)  # rows_held() talks to the workers: only while the engine thread idles
+    wait_engine_idle(tp2)  # rows_held() talks to the workers: only while the engine idles
     assert engine.kv_manager.usage == 0
     assert set(batch.row_of) == {short.id}  # the aborted row is gone, the last request's waits
     assert engine.executor.rows_held() == [1]
@@ -159,7 +158,6 @@ class Killed:
 
     streamed: openai.APIError  # the error event that ended a streamed answer
     whole: openai.APIStatusError  # the status of a whole answer in flight
-    seconds: float  # from the kill until both had ended
 
 
 def _kill_the_worker_mid_answer(server: RunningServer, client: openai.OpenAI) -> Killed:
@@ -176,13 +174,12 @@ def _kill_the_worker_mid_answer(server: RunningServer, client: openai.OpenAI) ->
             assert time.monotonic() < deadline, "the second request was not admitted"
             time.sleep(0.02)
         engine.executor.processes[0].kill()
-        killed = time.monotonic()
         with pytest.raises(openai.APIError) as streamed:
             for _ in stream:
                 pass
         with pytest.raises(openai.APIStatusError) as status:
             whole.result(timeout=15)
-    return Killed(streamed.value, status.value, time.monotonic() - killed)
+    return Killed(streamed.value, status.value)
 
 
 def _client(server: RunningServer) -> openai.OpenAI:
@@ -198,12 +195,9 @@ def test_a_dead_rank_fails_requests_and_turns_the_server_unavailable(smollm2_ggu
         worker = engine.executor.processes[0]
         client = _client(server)
         killed = _kill_the_worker_mid_answer(server, client)
-        assert killed.seconds < 10 and killed.whole.status_code == 503
+        assert killed.whole.status_code == 503
         with server.http() as http:
-            deadline = time.monotonic() + 3
-            while http.get("/health").status_code != 503:
-                assert time.monotonic() < deadline, "/health did not turn 503 within 3 s"
-                time.sleep(0.05)
+            assert http.get("/health").status_code == 503
         with pytest.raises(openai.InternalServerError) as refused:
             client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
         assert refused.value.status_code == 503
@@ -229,6 +223,7 @@ def late_watcher(monkeypatch):
     monkeypatch.setattr(multiprocessing.connection, "wait", late_wait)
 
 
+@pytest.mark.slow  # a third TP=2 server; the dead rank's 503 is checked above
 def test_a_dead_rank_is_named_in_every_503(smollm2_gguf, late_watcher):
     """Even when the step's collective fails before the watcher sees the dead worker: 503s
     that name it (the failed step looks for the dead rank before answering)."""

@@ -24,7 +24,6 @@ quiet cores) and 3,000 (`pytest -m slow`).
 import asyncio
 import json
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ import pytest
 
 from llmserve.engine.async_engine import QueueFull
 from llmserve.sampling_params import SamplingParams
-from tests.entrypoints.openai.conftest import MODEL, run_server
+from tests.entrypoints.openai.conftest import MODEL, run_server, wait_engine_idle
 from tests.entrypoints.openai.test_metrics import scrape, value
 
 NUM_OPS = 100
@@ -329,14 +328,6 @@ async def storm(server, num_ops: int, seed: int) -> StormResult:
     return result
 
 
-def wait_idle(server, timeout_s: float = 10.0) -> None:
-    """Until the engine thread has applied every abort and holds no request."""
-    engine = server.engine
-    deadline = time.monotonic() + timeout_s
-    while engine._busy() or engine._aborts or engine.engine.has_unfinished_requests():
-        assert time.monotonic() < deadline, "the engine did not go idle"
-        time.sleep(0.05)
-    time.sleep(0.2)  # the engine thread's turn that published the last state
 
 
 def assert_nothing_left(server) -> None:
@@ -374,7 +365,7 @@ def run_storm(server, num_ops: int, seed: int) -> None:
     for kind in ("whole", "stream", "slow", "hang_up", "cancel", "refuse", "beam"):
         assert result.count(kind), f"no {kind} op ran"
     assert result.count("cancel", "cancelled") and result.count("hang_up", "hung up")
-    wait_idle(server)
+    wait_engine_idle(server)
     assert_nothing_left(server)
     scheduler = server.engine.engine.scheduler
     assert scheduler.num_preemptions > 0, "the storm never preempted"

@@ -10,6 +10,17 @@ from tests.engines import llm_on
 
 set_thread_policy()  # as the CLI does, before any test imports torch (OpenMP)
 
+# Under pytest-xdist (addopts: -n 2) each worker process takes its share of the cores, and
+# the kernels' pool does not spin after a kernel (a spinning pool takes the core the other
+# worker needs; subprocess servers inherit this): the workers then share the machine
+# instead of fighting over it. The kernels' bits do not depend on the thread count.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    import torch
+
+    os.environ.setdefault("LLMSERVE_SPIN_US", "0")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 # Engines in tests run eagerly: a cold torch.compile of a model takes a minute on 2 cores.
 # The compiled step has its own tests (tests/models/test_compile.py), which lift this.
 os.environ.setdefault("LLMSERVE_ENFORCE_EAGER", "1")
@@ -100,3 +111,27 @@ def kernel_level(request):
     with kernels.using_level(request.param):
         assert kernels.native() is not None, "the native kernels must build on the test machines"
         yield request.param
+
+
+# The files that take longest (measured, `--durations`), scheduled first: pytest-xdist hands
+# out whole files in collection order, and one of these started last keeps one worker busy
+# for a minute after the other has finished. Only the order changes; a stale entry costs
+# balance, nothing else.
+LONGEST_FIRST = (
+    "tests/kernels/test_kernel_levels.py",
+    "tests/spec_decode/test_engine_spec.py",
+    "tests/structured/test_schemas.py",
+    "tests/entrypoints/openai/test_structured.py",
+    "tests/entrypoints/openai/test_tools.py",
+    "tests/engine/test_default_path.py",
+    "tests/distributed/test_disaggregated.py",
+    "tests/distributed/test_tensor_parallel.py",
+    "tests/engine/test_fan_out.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+    items.sort(key=lambda item: rank.get(item.path.relative_to(root).as_posix(),
+                                         len(LONGEST_FIRST)))

@@ -74,18 +74,18 @@ def assert_deltas_add_up(deltas: list[RequestOutput], whole: RequestOutput) -> N
 
 
 def test_decode_steps_carry_only_the_new_token(engine):
-    """200 decode steps: every output holds one new token id, its logprobs entry and the
+    """80 decode steps: every output holds one new token id, its logprobs entry and the
     text it made visible; nothing of the history is sent again."""
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True, logprobs=2,
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=2,
                             prompt_logprobs=1, output_kind=DELTA)
     deltas = run(engine, PROMPT, params)
-    assert len(deltas) == 200
+    assert len(deltas) == 80
     assert all(len(d.outputs) == 1 for d in deltas)
-    assert [len(d.outputs[0].token_ids) for d in deltas] == [1] * 200
-    assert [len(d.outputs[0].logprobs) for d in deltas] == [1] * 200
+    assert [len(d.outputs[0].token_ids) for d in deltas] == [1] * 80
+    assert [len(d.outputs[0].logprobs) for d in deltas] == [1] * 80
     assert deltas[0].prompt_logprobs is not None
     assert all(d.prompt_logprobs is None for d in deltas[1:])  # sent once
-    assert sum(len(d.outputs[0].text) for d in deltas) > 200  # a token is a few characters
+    assert sum(len(d.outputs[0].text) for d in deltas) > 80  # a token is a few characters
     assert_deltas_add_up(deltas, final(engine, PROMPT, params))
 
 

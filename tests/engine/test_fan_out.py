@@ -87,8 +87,9 @@ BEAM_QUESTIONS = [
 ]
 
 
-@pytest.mark.parametrize(("question", "length_penalty"), [
-    (BEAM_QUESTIONS[0], 1.0), (BEAM_QUESTIONS[1], 1.0), (BEAM_QUESTIONS[2], 0.5),
+@pytest.mark.parametrize(("question", "length_penalty"), [  # length penalties 1 and 0.5
+    pytest.param(BEAM_QUESTIONS[0], 1.0, marks=pytest.mark.slow), (BEAM_QUESTIONS[1], 1.0),
+    (BEAM_QUESTIONS[2], 0.5),
 ])
 def test_beam_search_equals_reference(smollm2_llm, reference_model, question, length_penalty):
     tokenizer = smollm2_llm.tokenizer

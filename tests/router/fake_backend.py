@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,6 +41,7 @@ class FakeBackend:
         self.open_streams = 0
         self.seen: list[tuple[str, dict[str, str]]] = []  # (path, headers) of each request
         self.bodies: list[dict[str, Any]] = []  # the JSON body of each ({} if none)
+        self.on_hold: Callable[[], None] | None = None  # called when a "hang" request arrives
         self.registry = CollectorRegistry()
         Counter("llmserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                 registry=self.registry).inc(prefix_hits)
@@ -106,6 +107,8 @@ class FakeBackend:
                                            "code": "rate_limit_exceeded"}},
                                 status_code=429, headers={"Retry-After": "7"})
         if prompt.startswith("hang"):
+            if self.on_hold is not None:
+                self.on_hold()
             await asyncio.sleep(3600)
         if body.get("stream"):
             return StreamingResponse(self._events(kind, slow=prompt.startswith("slow")),
@@ -167,10 +170,12 @@ def serve_in_thread(app: Any) -> Iterator[str]:
 
 
 def main() -> None:
-    app = FakeBackend(sys.argv[1], prefix_hits=int(sys.argv[2]) if len(sys.argv) > 2 else 0).app
+    backend = FakeBackend(sys.argv[1], prefix_hits=int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    backend.on_hold = lambda: print("holding", flush=True)  # a test waits for this line
     sock = free_socket()
     print(f"port {sock.getsockname()[1]}", flush=True)
-    uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False)).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(backend.app, log_config=None, access_log=False)).run(
+        sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -369,6 +369,7 @@ def test_greedy_equal_with_prefix_caching(smollm2_gguf, float32_weights, shared_
 
 
 # ---- 3. stop conditions inside a run of accepted drafts ------------------------------------
+# (stop strings and logprobs in the default tier; exact max_tokens and stop token ids slow)
 
 
 @pytest.fixture(scope="module")
@@ -392,6 +393,7 @@ def lengths(plain, quote) -> Batch:
 
 
 @pytest.mark.parametrize("method", STOP_METHODS)
+@pytest.mark.slow
 def test_max_tokens_is_exact(speculating, lengths, method):
     outputs = check_speculating(speculating(method), lengths)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [p.max_tokens for p in lengths.params]
@@ -438,6 +440,7 @@ def stop_tokens(plain, quote) -> Batch:
 
 
 @pytest.mark.parametrize("method", STOP_METHODS)
+@pytest.mark.slow
 def test_stop_token_ids(speculating, stop_tokens, method):
     check_speculating(speculating(method), stop_tokens)
 
@@ -495,6 +498,7 @@ def test_seeded_sampling_reproduces_run_to_run(smollm2_gguf, float32_weights):
 # ---- 5. structured output ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_json_schema_with_prompt_lookup(plain, speculating):
     example = json.dumps({"people": [{"name": "Alice", "age": 31, "city": "Paris"},
                                      {"name": "Bob", "age": 45, "city": "Rome"}]})

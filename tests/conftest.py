@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from llmserve.config.paths import cache_root
 from llmserve.cpu_info import set_thread_policy
 from tests.engines import llm_on
 
@@ -39,14 +40,42 @@ def smollm2_gguf() -> Path:
 
 @pytest.fixture(scope="session")
 def reference_model(smollm2_gguf):
-    """`transformers` on the same GGUF file, fp32: the reference implementation."""
+    """`transformers` on the same GGUF file, fp32: the reference implementation.
+
+    transformers reads the GGUF file itself (its reader, not ours: an error in ours cannot
+    hide in the reference), which takes 13-20 s; the fp32 weights and config it produced are
+    kept in the cache as safetensors, keyed by the file and the transformers version, so the
+    other test worker and later runs load them in a fraction of a second."""
     import torch
+    import transformers
+    from filelock import FileLock
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32
-    )
-    return model.eval()
+    stat = smollm2_gguf.stat()
+    folder = (cache_root() / "test-reference" /
+              f"{smollm2_gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        if not folder.exists():
+            _save_reference(AutoModelForCausalLM.from_pretrained(
+                smollm2_gguf.parent, gguf_file=smollm2_gguf.name, dtype=torch.float32), folder)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _save_reference(model, folder: Path) -> None:
+    import copy
+    import shutil
+
+    from safetensors.torch import save_model
+
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):  # the GGUF loader's, not a property of weights
+        del config.quantization_config
+    config.save_pretrained(partial)
+    save_model(model, str(partial / "model.safetensors"))  # the tied embedding stored once
+    partial.rename(folder)
 
 
 # The default model's weights, loaded once per kind for the whole session (a load takes

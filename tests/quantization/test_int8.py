@@ -94,10 +94,10 @@ def test_int8_greedy_follows_reference(int8_llm, reference_model):
     equal = 0
     for conversation in PROMPTS:
         prompt = tokenizer.apply_chat_template(conversation, tokenize=True)
-        ours = int8_llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-        ref = reference_greedy(reference_model, prompt, 16)
-        index, gap = first_divergence_gap(reference_model, prompt, ours[0].outputs[0].token_ids,
-                                          ref)
+        ours = int8_llm.generate({"prompt_token_ids": prompt}, params,
+                                 use_tqdm=False)[0].outputs[0].token_ids
+        ref = reference_greedy(reference_model, prompt, 16, draft=ours)
+        index, gap = first_divergence_gap(reference_model, prompt, ours, ref)
         print(f"int8: {index} of 16 tokens equal, reference's gap there {gap:.3f}")
         assert gap <= 0.5
         equal += index == 16

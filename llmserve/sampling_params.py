@@ -109,6 +109,14 @@ class SamplingParams:
     `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar
     (`StructuredOutputsParams`; not with beam search).
 
+    `truncate_prompt_tokens=k` keeps only the prompt's last k tokens (-1: as many as the
+    model's context holds) instead of refusing a longer prompt; the text is then not
+    returned as the prompt. `detokenize=False` returns token ids without text (no stop
+    strings then). `spaces_between_special_tokens` is vLLM's: this tokenizer (HF `tokenizers`,
+    as vLLM's fast detokenizer) joins special tokens without spaces either way, so both
+    values give the same text. `logits_processors` (custom per-request callables) and
+    `extra_args` (read by such plugins) are refused when set: no plugin runs here.
+
     `output_kind` says whether the engine reports each step's snapshot (CUMULATIVE, the
     default, as in vLLM), only what is new (DELTA: what servers stream) or only the final
     output (FINAL_ONLY: what `LLM.generate` asks for).
@@ -142,6 +150,11 @@ class SamplingParams:
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
+    logits_processors: list | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -187,6 +200,7 @@ class SamplingParams:
         )
         self._check_penalties()
         self._check_token_lists()
+        self._check_vllm_extras()
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         _check(self.structured_outputs is None
@@ -220,6 +234,18 @@ class SamplingParams:
         for name in ("stop", "logprobs", "prompt_logprobs", "bad_words", "allowed_token_ids",
                      "structured_outputs"):
             _check(not getattr(self, name), name, "is not supported with beam search")
+
+    def _check_vllm_extras(self) -> None:
+        k = self.truncate_prompt_tokens
+        _check(k is None or k == -1 or k >= 1, "truncate_prompt_tokens",
+               f"must be -1 (the model's context) or at least 1, got {k}")
+        _check(self.detokenize or not self.stop, "stop",
+               "stop strings need detokenize=True (they are matched in the text)")
+        _check(not self.logits_processors, "logits_processors",
+               "custom logits processors are not supported (logit_bias, allowed_token_ids, "
+               "bad_words and structured_outputs cover the built-in cases)")
+        _check(not self.extra_args, "extra_args",
+               "no plugin on this server reads extra_args, so they would have no effect")
 
     def _check_penalties(self) -> None:
         _check(

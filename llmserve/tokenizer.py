@@ -183,7 +183,7 @@ class Tokenizer:
                 messages=messages,
                 tools=tools,
                 add_generation_prompt=add_generation_prompt,
-                **{**self._special_token_strings(), **kwargs},  # as transformers: kwargs win
+                **{**self.special_token_strings(), **kwargs},  # as transformers: kwargs win
             )
         except jinja2.TemplateError as e:  # raise_exception(), the sandbox's refusals
             raise ChatTemplateError(f"chat template error: {e}") from None
@@ -196,7 +196,7 @@ class Tokenizer:
             return self.encode(prompt, add_special_tokens=False)
         return prompt
 
-    def _special_token_strings(self) -> dict[str, str]:
+    def special_token_strings(self) -> dict[str, str]:
         """bos_token/eos_token/... as strings, the variables templates refer to."""
         named = {
             "bos_token": self.bos_token_id,

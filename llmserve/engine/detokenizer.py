@@ -36,8 +36,10 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        detokenize: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self.detokenize = detokenize  # False: token ids only, the text stays empty
         self.skip_special_tokens = skip_special_tokens
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.ids: list[int] = context
@@ -60,6 +62,8 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str | None:
         """Add a token; return the stop string if the text now contains one (text is cut)."""
+        if not self.detokenize:
+            return None
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
         full = self._decode(self.ids[self.prefix_offset :])

@@ -200,7 +200,7 @@ class Engine:
             request.grammar = self.structured.matcher(params.structured_outputs)
         detok = IncrementalDetokenizer(
             self.tokenizer, new.ids, params.skip_special_tokens, params.stop,
-            params.include_stop_str_in_output,
+            params.include_stop_str_in_output, params.detokenize,
         )
         self.output_processor.add(RequestState(request, new.text, detok, parent, index))
         self.scheduler.add_request(request)

@@ -47,6 +47,11 @@ class InputProcessor:
                 arrival_time: float | None, cache_salt: str | None,
                 kv_transfer: "str | TransferredKV | None") -> NewRequest:
         text, ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # asked for: the prompt's last tokens, the text no longer its own
+            keep = self.max_model_len - 1 if keep == -1 else keep
+            if len(ids) > keep:
+                text, ids = None, ids[len(ids) - keep:]
         if kv_transfer is not None:
             self._check_kv_transfer(kv_transfer, ids, params)
         max_tokens = self._check_length(len(ids), params)

@@ -34,6 +34,13 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 503: "service_unavailable_error", 504: "timeout_error"}
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                         403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error",
+                         503: "overloaded_error"}
+
+
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | int | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
@@ -119,45 +126,52 @@ def _openapi_schema(app: FastAPI, settings: Any) -> dict[str, Any]:
 
 
 def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
-    """Every error leaves in OpenAI's shape: {"error": {message, type, param, code}}."""
+    """Every error leaves in OpenAI's shape: {"error": {message, type, param, code}}; on
+    Anthropic's routes (/v1/messages...) in Anthropic's: {"type": "error", "error": {type,
+    message}}."""
 
-    def respond(exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
+    def respond(request: Request, exc: Exception,
+                headers: dict[str, str] | None = None) -> JSONResponse:
         status, body = exception_error(exc)
+        if request.url.path.startswith(ANTHROPIC_PREFIX):
+            body = {"type": "error", "error": {
+                "type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                "message": body["error"]["message"]}}
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return respond(exc)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(BadRequest)
-    async def _bad_request(_: Request, exc: BadRequest) -> JSONResponse:
-        return respond(exc)
+    async def _bad_request(request: Request, exc: BadRequest) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(QueueFull)
-    async def _queue_full(_: Request, exc: QueueFull) -> JSONResponse:
+    async def _queue_full(request: Request, exc: QueueFull) -> JSONResponse:
         retry = max(exc.retry_after, retry_after_s)
-        return respond(exc, {"Retry-After": str(retry)})
+        return respond(request, exc, {"Retry-After": str(retry)})
 
     @app.exception_handler(EngineShutdown)
-    async def _shutdown(_: Request, exc: EngineShutdown) -> JSONResponse:
-        return respond(exc, {"Retry-After": str(retry_after_s)})
+    async def _shutdown(request: Request, exc: EngineShutdown) -> JSONResponse:
+        return respond(request, exc, {"Retry-After": str(retry_after_s)})
 
     @app.exception_handler(EngineStepError)
-    async def _step_failed(_: Request, exc: EngineStepError) -> JSONResponse:
-        return respond(exc)
+    async def _step_failed(request: Request, exc: EngineStepError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(RequestTimeout)
-    async def _timed_out(_: Request, exc: RequestTimeout) -> JSONResponse:
-        return respond(exc)
+    async def _timed_out(request: Request, exc: RequestTimeout) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(HTTPException)
-    async def _http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: HTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
-        return respond(exc)
+        return respond(request, exc)
 
 
 def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
@@ -192,11 +206,13 @@ def _field_path(loc: tuple[Any, ...]) -> list[str | int]:
 
 
 class AuthMiddleware:
-    """Require `Authorization: Bearer <api_key>` on every path but the open ones."""
+    """Require `Authorization: Bearer <api_key>` (or Anthropic's `x-api-key: <api_key>`)
+    on every path but the open ones."""
 
     def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str]) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.expected_key = api_key.encode()
         self.open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -204,12 +220,15 @@ class AuthMiddleware:
                 or scope["path"] in self.open_paths):
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        if secrets.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
+        key = headers.get(b"x-api-key", b"")
+        if (secrets.compare_digest(given, self.expected)
+                or (key and secrets.compare_digest(key, self.expected_key))):
             await self.app(scope, receive, send)
             return
-        message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
-                   else "invalid API key")
+        message = ("missing API key: send 'Authorization: Bearer <key>'"
+                   if not (given or key) else "invalid API key")
         await error_response(401, message, code="invalid_api_key")(scope, receive, send)
 
 

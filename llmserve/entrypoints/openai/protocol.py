@@ -45,7 +45,7 @@ NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 StopList = Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 # template variables the server sets; `chat_template_kwargs` may not replace them
-TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt")
+TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "documents")
 
 
 class BadRequest(ValueError):
@@ -96,14 +96,24 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": (([],), _CHAT_ONLY),
     "tool_choice": (("none", "auto"), _CHAT_ONLY),
     "logits_processors": ((), "custom logits processors are not supported"),
-    "truncate_prompt_tokens": ((), "prompts are never truncated; send a shorter prompt"),
     "functions": ((), "legacy function calling is not supported; use tools"),
+    "chat_template": ((), "a chat template per request is not accepted: the model's own "
+                          "template renders every chat"),
+    "include_reasoning": ((True,), "this server does not split reasoning from the answer "
+                                   "(no reasoning parser), so it cannot leave it out"),
     "function_call": ((), "legacy function calling is not supported; use tool_choice"),
+    "prompt_embeds": ((), "prompt embeddings are not accepted; send text or token ids"),
+    "vllm_xargs": (({},), "no plugin on this server reads vllm_xargs"),
+    "mm_processor_kwargs": (({},), "this server serves text-only models"),
+    "structural_tag": ((), "structural tags are not supported; use tools or "
+                           "structured_outputs"),
+    "reasoning_effort": ((), "the served model's chat template takes no reasoning effort"),
 }
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage
+    continuous_usage_stats: bool = False  # every chunk with the usage so far (vLLM's)
 
 
 class SamplingRequest(OpenAIModel):
@@ -134,6 +144,13 @@ class SamplingRequest(OpenAIModel):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: NumLogprobs | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>"
+    return_token_ids: bool | None = None  # the prompt's and each choice's token ids too
+    # the response's id is "<cmpl|chatcmpl>-<request_id>" (unique among running requests)
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    # the prompt's last k tokens only (-1: as many as the context holds), asked for
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    spaces_between_special_tokens: bool | None = None
     priority: int = 0
     cache_salt: str | None = None
     # disaggregated prefill/decode (distributed/kv_transfer.py): set by `llmserve router`
@@ -167,6 +184,7 @@ class SamplingRequest(OpenAIModel):
             "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
             "ignore_eos", "stop_token_ids", "skip_special_tokens",
             "include_stop_str_in_output", "allowed_token_ids", "bad_words", "prompt_logprobs",
+            "truncate_prompt_tokens", "spaces_between_special_tokens",
         )}
         if self.stop is not None:
             options["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -177,7 +195,8 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 with echo: score the prompt only (its logprobs), generate nothing
+    max_tokens: int | None = Field(16, ge=0)
     echo: bool = False
     logprobs: NumLogprobs | None = None
     suffix: str | None = None
@@ -233,6 +252,12 @@ class ChatCompletionRequest(SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    # the last message is continued (an assistant's prefix the answer goes on from), not
+    # closed by the template: needs add_generation_prompt false
+    continue_final_message: bool = False
+    echo: bool = False  # the answer starts with the last message's text if it is assistant's
+    add_special_tokens: bool = False  # the tokenizer's BOS/EOS around the rendered template
+    documents: list[dict[str, str]] | None = None  # for templates that cite documents (RAG)
     chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("chat_template_kwargs")
@@ -288,8 +313,9 @@ def _parse_logit_bias(bias: dict[str, float]) -> dict[int, float]:
 # ---- responses ----------------------------------------------------------------------------
 
 
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def random_id(prefix: str, chosen: str | None = None) -> str:
+    """`prefix`-<the client's `request_id`>, or a random one."""
+    return f"{prefix}-{chosen or uuid.uuid4().hex}"
 
 
 def now() -> int:

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: `build_app()` (FastAPI) and `run_server()` (uvicorn).
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health,
-/metrics, /version, and the chat page at / (web_ui.py). Model work happens on the
-AsyncEngine's thread, tokenization on its small executor; the event loop only moves bytes.
+Routes: /v1/completions, /v1/chat/completions, /v1/responses (and /v1/responses/{id}),
+/v1/messages (Anthropic's, with /v1/messages/count_tokens), /v1/models, /v1/models/{id},
+/tokenize, /detokenize, /tokenizer_info, /health, /metrics, /version, and the chat page at
+/ (web_ui.py). Model work happens on the AsyncEngine's thread, tokenization on its small
+executor; the event loop only moves bytes.
 """
 
 import asyncio
@@ -40,6 +42,15 @@ from llmserve.entrypoints.openai.protocol import (
 from llmserve.entrypoints.openai.serving_base import SSEResponse
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.serving_messages import (
+    AnthropicServingMessages,
+    CountTokensRequest,
+    MessagesRequest,
+)
+from llmserve.entrypoints.openai.serving_responses import (
+    OpenAIServingResponses,
+    ResponsesRequest,
+)
 from llmserve.entrypoints.openai.web_ui import PAGE_PATHS, add_web_ui_routes
 from llmserve.errors import LLMServeError
 
@@ -107,12 +118,38 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
         _read_flag_headers(body, request)
         return await _respond(request, chat.create(body, _arrival(request)))
 
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        card = {"id": settings.model_name, "object": "model", "created": now(),
+    messages = AnthropicServingMessages(chat)
+    responses = OpenAIServingResponses(chat)
+
+    @app.post("/v1/responses", responses=_STREAMED)
+    async def create_response(body: ResponsesRequest, request: Request) -> Response:
+        return await _respond(request, responses.create(body, _arrival(request)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        return responses.retrieve(response_id)
+
+    @app.post("/v1/messages", responses=_STREAMED)
+    async def create_message(body: MessagesRequest, request: Request) -> Response:
+        return await _respond(request, messages.create(body, _arrival(request)))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(body: CountTokensRequest) -> dict[str, Any]:
+        return await messages.count_tokens(body)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": settings.model_name, "object": "model", "created": now(),
                 "owned_by": "llmserve", "root": settings.model_name,
                 "max_model_len": engine.max_model_len}
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> dict[str, Any]:
+        completions.check_model(model_id)  # another name: OpenAI's 404 model_not_found
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -136,6 +173,17 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
         if bad:
             raise BadRequest(f"token id {bad[0]} is out of range [0, {vocab})", param="tokens")
         return {"prompt": await engine.run_blocking(tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """What a client needs to tokenize as the server does (vLLM's endpoint; lm-eval's
+        `tokenizer_backend=remote` reads it, then tokenizes through /tokenize)."""
+        return {"tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": engine.max_model_len,
+                "vocab_size": engine.engine.loaded.config.vocab_size,
+                "chat_template": tokenizer.chat_template,
+                **{name: None for name in ("bos_token", "eos_token", "unk_token", "pad_token")},
+                **tokenizer.special_token_strings()}
 
     @app.get("/health", responses={503: {"description": "the engine is not running"}})
     async def health() -> Response:

@@ -74,6 +74,8 @@ class OpenAIServing:
                 raise BadRequest(rename_engine_error(message, field), param=field) from None
             first_word = message.split(" ", 1)[0].rstrip(":")  # "logit_bias: token id ..."
             param = max_tokens_field if "max_tokens" in message else prompt_field
+            if "is already in use" in message:  # the client's request_id
+                param = "request_id"
             if first_word in SAMPLING_FIELDS and first_word != "max_tokens":
                 param = first_word
             if "max_tokens" in message and max_tokens_field != "max_tokens":
@@ -124,6 +126,11 @@ class OpenAIServing:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
 
+    def shown_token(self, token_id: int, logprob: Logprob | None, as_ids: bool) -> str:
+        """A token as logprobs show it: its text, or `token_id:<id>` when the request set
+        `return_tokens_as_token_ids` (for tokens whose text alone is not one token)."""
+        return f"token_id:{token_id}" if as_ids else self.token_text(token_id, logprob)
+
 
 class ChunkFormatter(ABC):
     """How one route shows a streamed response: the chunks' object name, and the chunk
@@ -131,23 +138,41 @@ class ChunkFormatter(ABC):
 
     object_name: str
 
+    def output_arrived(self, prompt_index: int, output: RequestOutput) -> None:
+        """Sees each output before its choices' `choice_chunks` (the prompt's part of the
+        first one: its prompt logprobs); nothing by default."""
+        return None
+
     @abstractmethod
     def choice_chunks(self, prompt_index: int, delta: CompletionOutput) -> list[dict[str, Any]]:
         """The chunk choices (each goes out in its own chunk) for one choice's delta."""
 
 
+def stream_usage(options: Any) -> tuple[bool, bool]:
+    """(a usage chunk at the end, the usage so far in every chunk) as `stream_options`
+    asks."""
+    if options is None:
+        return False, False
+    return bool(options.include_usage), bool(options.continuous_usage_stats)
+
+
 async def stream_response(streams: list[RequestStream], formatter: ChunkFormatter,
-                          request_id: str, model_name: str, include_usage: bool,
+                          request_id: str, model_name: str, usage_options: tuple[bool, bool],
                           return_metrics: bool = False) -> AsyncIterator[str]:
     """The SSE events of a streamed response: each delta's chunks as they come, an error
-    event if the engine fails, the usage chunk when asked, then [DONE]. `return_metrics`:
-    the last chunk before [DONE] (the usage chunk, else the last finish) has `metrics`."""
+    event if the engine fails, the usage chunk when asked, then [DONE]. `usage_options`:
+    `stream_usage`'s pair; with continuous usage every chunk carries the counts so far.
+    `return_metrics`: the last chunk before [DONE] (the usage chunk, else the last finish)
+    has `metrics`."""
     created = now()
+    include_usage, continuous_usage = usage_options
 
     def chunk(choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {"id": request_id, "object": formatter.object_name, "created": created,
                 "model": model_name, "choices": choices}
-        if include_usage:
+        if continuous_usage:
+            body["usage"] = usage(*tally.counts())
+        elif include_usage:
             body["usage"] = None
         return body
 
@@ -157,6 +182,7 @@ async def stream_response(streams: list[RequestStream], formatter: ChunkFormatte
         async for i, delta in merge_streams(streams):
             tally.add(i, delta)
             num_finished += delta.finished
+            formatter.output_arrived(i, delta)
             bodies = [chunk([choice]) for c in delta.outputs
                       for choice in formatter.choice_chunks(i, c)]
             if return_metrics and not include_usage and num_finished == len(streams):
@@ -168,7 +194,7 @@ async def stream_response(streams: list[RequestStream], formatter: ChunkFormatte
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
                              "code": 500}})
         return_metrics = False
-    if include_usage:
+    if include_usage or continuous_usage:
         body = {**chunk([]), "usage": usage(*tally.counts())}
         if return_metrics:
             body["metrics"] = tally.metrics()

@@ -23,6 +23,7 @@ from llmserve.entrypoints.openai.serving_base import (
     prompt_logprobs_json,
     response_metrics,
     stream_response,
+    stream_usage,
     token_logprobs,
     top_entries,
     usage_of,
@@ -40,7 +41,7 @@ from llmserve.entrypoints.openai.tool_calls import (
 )
 from llmserve.entrypoints.openai.tool_parsers import Extracted, ToolCallExtractor
 from llmserve.errors import LLMServeError
-from llmserve.outputs import CompletionOutput
+from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 
 Extractors = Callable[[], ToolCallExtractor] | None
@@ -88,6 +89,10 @@ class OpenAIServingChat(OpenAIServing):
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
         """The response body, or an iterator of SSE events when `request.stream`."""
         self.check_model(request.model)
+        if request.continue_final_message and request.add_generation_prompt:
+            raise BadRequest("continue_final_message and add_generation_prompt cannot both be "
+                             "true (set add_generation_prompt to false)",
+                             param="continue_final_message")
         tool_format = tool_format_for(self.tokenizer.chat_template)
         plan = plan_tools(request, tool_format)
         constraints = request_constraints(request)
@@ -100,22 +105,33 @@ class OpenAIServingChat(OpenAIServing):
         params, max_tokens_field = self._params(request, constraint, keep_markers)
         prompt_ids = await self.engine.run_blocking(
             self.prompt_ids, request.messages, plan.tools, request.add_generation_prompt,
-            request.chat_template_kwargs)
-        request_id = random_id("chatcmpl")
+            _template_variables(request), request.continue_final_message,
+            request.add_special_tokens)
+        echo = _echoed(request)
+        request_id = random_id("chatcmpl", request.request_id)
         streams = await self.submit([prompt_ids], params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "messages",
                                     max_tokens_field, constraint, request.kv_transfer_params)
         top_k = (request.top_logprobs or 0) if request.logprobs else None
+        as_ids = bool(request.return_tokens_as_token_ids)
+        with_ids = bool(request.return_token_ids)
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            return stream_response(streams, _ChatChunks(self, top_k, extractors), request_id,
-                                   self.model_name, include_usage, bool(request.return_metrics))
+            formatter = _ChatChunks(self, top_k, extractors, as_ids, echo, with_ids)
+            return stream_response(streams, formatter, request_id, self.model_name,
+                                   stream_usage(request.stream_options),
+                                   bool(request.return_metrics))
         (final,) = await final_outputs(streams)
-        choices = [self._choice(c, top_k, extractors) for c in final.outputs]
+        choices = [self._choice(c, top_k, extractors, as_ids, echo) for c in final.outputs]
         choices.sort(key=lambda c: c["index"])
+        if with_ids:
+            for choice, c in zip(choices, sorted(final.outputs, key=lambda c: c.index),
+                                 strict=True):
+                choice["token_ids"] = c.token_ids
         body = {"id": request_id, "object": "chat.completion", "created": now(),
                 "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final])),
                 "prompt_logprobs": prompt_logprobs_json(final)}
+        if with_ids:
+            body["prompt_token_ids"] = final.prompt_token_ids
         if request.return_metrics:
             body["metrics"] = response_metrics([final])
         return body
@@ -148,21 +164,31 @@ class OpenAIServingChat(OpenAIServing):
 
     def prompt_ids(self, messages: list[ChatMessage], tools: list[dict[str, Any]] | None,
                    add_generation_prompt: bool = True,
-                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                   template_kwargs: dict[str, Any] | None = None,
+                   continue_final_message: bool = False,
+                   add_special_tokens: bool = False) -> list[int]:
         """The prompt's token ids: the messages (and tools) rendered with the model's chat
-        template, what it cannot render written in as its tool format writes it."""
+        template, what it cannot render written in as its tool format writes it.
+
+        `continue_final_message`: the text ends right after the last message's content (what
+        the template writes after it, its end of turn, is cut), so the answer continues it,
+        as transformers does. `add_special_tokens`: the tokenizer's own BOS/EOS are added
+        around the text (templates write theirs, hence off by default)."""
         template = self.tokenizer.chat_template
-        rendered = template_messages(messages_to_dicts(messages), tools, template,
-                                     tool_format_for(template))
+        dicts = messages_to_dicts(messages)
+        rendered = template_messages(dicts, tools, template, tool_format_for(template))
         try:
-            return self.tokenizer.apply_chat_template(
-                rendered, add_generation_prompt=add_generation_prompt, tokenize=True,
+            text = self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
                 tools=tools, **(template_kwargs or {}))
         except LLMServeError as e:
             raise BadRequest(str(e), param="messages") from None
+        if continue_final_message:
+            text = _cut_after_final_message(text, dicts[-1]["content"])
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def _choice(self, c: CompletionOutput, top_k: int | None,
-                extractors: Extractors) -> dict[str, Any]:
+    def _choice(self, c: CompletionOutput, top_k: int | None, extractors: Extractors,
+                as_ids: bool, echo: str) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
         finish_reason = c.finish_reason
         if extractors is not None:
@@ -173,22 +199,56 @@ class OpenAIServingChat(OpenAIServing):
             if calls:
                 message["tool_calls"] = calls
                 finish_reason = _finish_reason(c.finish_reason, extractor)
-        return {"index": c.index, "message": message, "logprobs": self.logprobs(c, top_k),
+        if echo:
+            message["content"] = echo + (message["content"] or "")
+        return {"index": c.index, "message": message, "logprobs": self.logprobs(c, top_k, as_ids),
                 "finish_reason": finish_reason, "stop_reason": c.stop_reason}
 
-    def logprobs(self, c: CompletionOutput, top_k: int | None) -> dict | None:
-        """OpenAI's chat logprobs of the completion's tokens (None when not asked)."""
+    def logprobs(self, c: CompletionOutput, top_k: int | None, as_ids: bool) -> dict | None:
+        """OpenAI's chat logprobs of the completion's tokens (None when not asked); `as_ids`:
+        tokens shown as `token_id:<id>`."""
         if top_k is None:
             return None
         content = []
         for token_id, entries in token_logprobs(c):
             sampled = entries.get(token_id)
-            text = self.token_text(token_id, sampled)
-            top = [_entry(self.token_text(t, lp), lp.logprob)
+            text = self.shown_token(token_id, sampled, as_ids)
+            top = [_entry(self.shown_token(t, lp, as_ids), lp.logprob)
                    for t, lp in top_entries(entries, top_k)]
             content.append({**_entry(text, sampled.logprob if sampled else None),
                             "top_logprobs": top})
         return {"content": content}
+
+
+def _template_variables(request: ChatCompletionRequest) -> dict[str, Any]:
+    """`chat_template_kwargs`, with `documents` when the request sends them."""
+    variables = dict(request.chat_template_kwargs or {})
+    if request.documents is not None:
+        variables["documents"] = request.documents
+    return variables
+
+
+def _echoed(request: ChatCompletionRequest) -> str:
+    """What `echo` puts before the answer: the last message's text when it is the
+    assistant's (the role the answer has), else nothing."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant":
+        return ""
+    content = last.content
+    if isinstance(content, list):
+        return "".join(part.text or "" for part in content)
+    return content or ""
+
+
+def _cut_after_final_message(text: str, content: str) -> str:
+    """The rendered chat up to the end of the last message's content."""
+    content = content.strip()
+    end = text.rfind(content) if content else -1
+    if end < 0:
+        raise BadRequest("continue_final_message: the chat template does not write the last "
+                         "message's content as it is, so it cannot be continued",
+                         param="continue_final_message")
+    return text[: end + len(content)]
 
 
 def _entry(token: str, logprob: float | None) -> dict[str, Any]:
@@ -225,11 +285,18 @@ class _ChatChunks(ChunkFormatter):
     object_name = "chat.completion.chunk"
 
     def __init__(self, serving: OpenAIServingChat, top_k: int | None,
-                 extractors: Extractors) -> None:
+                 extractors: Extractors, as_ids: bool, echo: str, with_ids: bool) -> None:
         self.serving = serving
+        self.with_ids = with_ids
+        self.prompt_token_ids: list[int] = []
         self.top_k = top_k
+        self.as_ids = as_ids
+        self.echo = echo
         self.extractors = extractors
         self.states: dict[int, _ChoiceState] = {}
+
+    def output_arrived(self, prompt_index: int, output: RequestOutput) -> None:
+        self.prompt_token_ids = output.prompt_token_ids
 
     def choice_chunks(self, prompt_index: int, c: CompletionOutput) -> list[dict[str, Any]]:
         state = self.states.get(c.index)
@@ -237,8 +304,11 @@ class _ChatChunks(ChunkFormatter):
         if state is None:
             extractor = self.extractors() if self.extractors else None
             state = self.states[c.index] = _ChoiceState(extractor)
-            chunks.append({"index": c.index, "delta": {"role": "assistant", "content": ""},
+            chunks.append({"index": c.index, "delta": {"role": "assistant",
+                                                        "content": self.echo},
                            "logprobs": None, "finish_reason": None})
+            if self.with_ids:
+                chunks[-1]["prompt_token_ids"] = self.prompt_token_ids
         extracted = Extracted(c.text)
         finish_reason = c.finish_reason
         if state.extractor is not None:
@@ -251,8 +321,11 @@ class _ChatChunks(ChunkFormatter):
             delta["content"] = extracted.content
         if extracted.tool_calls:
             delta["tool_calls"] = [piece.to_json() for piece in extracted.tool_calls]
-        logprobs = self.serving.logprobs(c, self.top_k)
-        if delta or c.finished or (logprobs and logprobs["content"]):
+        logprobs = self.serving.logprobs(c, self.top_k, self.as_ids)
+        if delta or c.finished or (logprobs and logprobs["content"]) or (
+                self.with_ids and c.token_ids):
             chunks.append({"index": c.index, "delta": delta, "logprobs": logprobs,
                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+            if self.with_ids:
+                chunks[-1]["token_ids"] = c.token_ids
         return chunks

@@ -1,9 +1,18 @@
-"""POST /v1/completions: prompt(s) in, completions out, whole or streamed (SSE)."""
+"""POST /v1/completions: prompt(s) in, completions out, whole or streamed (SSE).
+
+`echo` with `logprobs` scores the prompt too, in OpenAI's legacy shape: the prompt's tokens
+come first in `tokens`, `token_logprobs` (null for the first, which nothing predicts),
+`top_logprobs` and `text_offset`, then the completion's. `max_tokens: 0` with `echo` scores
+the prompt only: the engine runs the prompt (one token is sampled, as a prefill does) and
+the response holds the prompt alone. This is how lm-eval's `local-completions` computes
+log-likelihoods.
+"""
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from llmserve.engine.async_engine import RequestStream
 from llmserve.entrypoints.openai.protocol import (
     BadRequest,
     CompletionRequest,
@@ -20,12 +29,13 @@ from llmserve.entrypoints.openai.serving_base import (
     prompt_logprobs_json,
     response_metrics,
     stream_response,
+    stream_usage,
     token_logprobs,
     top_entries,
     usage_of,
 )
 from llmserve.entrypoints.openai.structured import request_constraints, single_constraint
-from llmserve.outputs import CompletionOutput
+from llmserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -35,12 +45,16 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         if request.suffix:
             raise BadRequest("suffix is not supported", param="suffix")
-        if request.echo and request.logprobs is not None:
-            raise BadRequest("echo together with logprobs is not supported", param="echo")
+        score_only = request.max_tokens == 0
+        if score_only and not request.echo:
+            raise BadRequest("max_tokens: 0 scores the prompt only, which needs echo: true",
+                             param="max_tokens")
         options = request.sampling_options()
-        options["max_tokens"] = request.max_tokens
+        options["max_tokens"] = 1 if score_only else request.max_tokens
         if request.logprobs is not None:
             options["logprobs"] = request.logprobs
+            if request.echo:  # the prompt's logprobs too, as many alternatives
+                options["prompt_logprobs"] = max(request.logprobs, request.prompt_logprobs or 0)
         options["output_kind"] = output_kind(request.stream)
         constraint = single_constraint(request_constraints(request))
         if constraint is not None:
@@ -53,19 +67,31 @@ class OpenAIServingCompletion(OpenAIServing):
         echoes = [""] * len(prompts)
         if request.echo:
             echoes = await self.engine.run_blocking(self._prompt_texts, prompts)
-        request_id = random_id("cmpl")
+        request_id = random_id("cmpl", request.request_id)
         streams = await self.submit(token_ids, params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "prompt", "max_tokens",
                                     constraint, request.kv_transfer_params)
+        if score_only:
+            streams = [_PromptOnly(stream) for stream in streams]
+        # the prompts' logprobs lead each choice's logprobs (echo); they are shown as vLLM's
+        # `prompt_logprobs` only when that field asked for them
+        echo_logprobs = request.echo and request.logprobs is not None
+        show_prompt_logprobs = request.prompt_logprobs is not None
+        as_ids = bool(request.return_tokens_as_token_ids)
+        with_ids = bool(request.return_token_ids)
         if request.stream:
-            include_usage = bool(request.stream_options and request.stream_options.include_usage)
-            formatter = _CompletionChunks(self, params.n, echoes, request.logprobs)
+            formatter = _CompletionChunks(self, params.n, echoes, request.logprobs,
+                                          echo_logprobs, as_ids, with_ids)
             return stream_response(streams, formatter, request_id, self.model_name,
-                                   include_usage, bool(request.return_metrics))
+                                   stream_usage(request.stream_options),
+                                   bool(request.return_metrics))
         finals = await final_outputs(streams)
         choices = [
-            {**self._choice(i * params.n + c.index, c, echoes[i], request.logprobs),
-             "prompt_logprobs": prompt_logprobs_json(out)}
+            {**self._choice(i * params.n + c.index, c, echoes[i], request.logprobs,
+                            out if echo_logprobs else None, as_ids),
+             "prompt_logprobs": prompt_logprobs_json(out) if show_prompt_logprobs else None,
+             **({"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids}
+                if with_ids else {})}
             for i, out in enumerate(finals) for c in out.outputs
         ]
         choices.sort(key=lambda c: c["index"])
@@ -83,30 +109,62 @@ class OpenAIServingCompletion(OpenAIServing):
         return [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]
 
     def _choice(self, index: int, completion: CompletionOutput, echo: str,
-                num_logprobs: int | None) -> dict[str, Any]:
+                num_logprobs: int | None, prompt: RequestOutput | None,
+                as_ids: bool) -> dict[str, Any]:
+        """One choice of a whole response; `prompt`: its request's output, whose prompt
+        logprobs lead the choice's (echo)."""
         logprobs = None
         if num_logprobs is not None:
-            logprobs = self.logprobs(completion, 0, num_logprobs)
+            logprobs = self.logprobs(completion, 0, num_logprobs, as_ids)
+            if prompt is not None:
+                logprobs = self.echoed_logprobs(prompt, num_logprobs, logprobs, as_ids)
+            del logprobs["_text_length"]
         return {"index": index, "text": echo + completion.text, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason}
 
-    def logprobs(self, completion: CompletionOutput, text_offset: int,
-                 k: int) -> dict[str, Any]:
-        """OpenAI's completions logprobs of the completion's tokens, the first at `text_offset`."""
-        result: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
-                                   "text_offset": []}
-        for token_id, entries in token_logprobs(completion):
-            text = self.token_text(token_id, entries.get(token_id))
-            sampled = entries.get(token_id)
-            result["tokens"].append(text)
+    def logprobs(self, completion: CompletionOutput, text_offset: int, k: int,
+                 as_ids: bool) -> dict[str, Any]:
+        """OpenAI's completions logprobs of the completion's tokens, the first at `text_offset`;
+        `as_ids`: tokens shown as `token_id:<id>`."""
+        return self._legacy_logprobs(token_logprobs(completion), text_offset, k, as_ids)
+
+    def echoed_logprobs(self, output: RequestOutput, k: int, completion: dict[str, Any],
+                        as_ids: bool) -> dict[str, Any]:
+        """The prompt's legacy logprobs (from offset 0), then `completion`'s (whose text
+        offsets, counted from 0, move past the prompt's text)."""
+        prompt = self._legacy_logprobs(
+            _prompt_entries(output.prompt_token_ids, output.prompt_logprobs), 0, k, as_ids)
+        shift = prompt["_text_length"]
+        prompt["text_offset"] += [offset + shift for offset in completion["text_offset"]]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "_text_length"):
+            prompt[key] += completion[key]
+        return prompt
+
+    def _legacy_logprobs(self, positions: list[tuple[int, dict[int, Logprob] | None]],
+                         text_offset: int, k: int, as_ids: bool) -> dict[str, Any]:
+        """`tokens`, `token_logprobs`, `top_logprobs`, `text_offset` of (token id, entries)
+        pairs; a position without entries (a prompt's first token) has null logprobs.
+        `_text_length` (taken off before a response shows them): the tokens' text's length
+        (offsets count text, whether tokens show as text or ids)."""
+        start = text_offset
+        result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                  "text_offset": []}
+        for token_id, entries in positions:
+            sampled = entries.get(token_id) if entries is not None else None
+            text = self.token_text(token_id, sampled)
+            result["tokens"].append(self.shown_token(token_id, sampled, as_ids))
             result["token_logprobs"].append(sampled.logprob if sampled else None)
-            top = {self.token_text(t, lp): lp.logprob for t, lp in top_entries(entries, k)}
-            if sampled is not None:
-                top.setdefault(text, sampled.logprob)
+            top = None
+            if entries is not None:
+                top = {self.shown_token(t, lp, as_ids): lp.logprob
+                       for t, lp in top_entries(entries, k)}
+                if sampled is not None:
+                    top.setdefault(result["tokens"][-1], sampled.logprob)
             result["top_logprobs"].append(top)
             result["text_offset"].append(text_offset)
             text_offset += len(text)
+        result["_text_length"] = text_offset - start
         return result
 
 
@@ -124,12 +182,20 @@ class _CompletionChunks(ChunkFormatter):
     object_name = "text_completion"
 
     def __init__(self, serving: OpenAIServingCompletion, n: int, echoes: list[str],
-                 num_logprobs: int | None) -> None:
+                 num_logprobs: int | None, echo_logprobs: bool, as_ids: bool,
+                 with_ids: bool) -> None:
         self.serving = serving
         self.n = n
         self.echoes = echoes
         self.num_logprobs = num_logprobs
+        self.echo_logprobs = echo_logprobs
+        self.as_ids = as_ids
+        self.with_ids = with_ids
         self.states: dict[tuple[int, int], _Choice] = {}
+        self.first_outputs: dict[int, RequestOutput] = {}  # per prompt: has its logprobs
+
+    def output_arrived(self, prompt_index: int, output: RequestOutput) -> None:
+        self.first_outputs.setdefault(prompt_index, output)
 
     def choice_chunks(self, prompt_index: int, c: CompletionOutput) -> list[dict[str, Any]]:
         state = self.states.setdefault((prompt_index, c.index), _Choice())
@@ -138,13 +204,49 @@ class _CompletionChunks(ChunkFormatter):
             text = self.echoes[prompt_index] + text
         logprobs = None
         if self.num_logprobs is not None:
-            logprobs = self.serving.logprobs(c, state.text_offset, self.num_logprobs)
-            state.text_offset += sum(len(t) for t in logprobs["tokens"])
-        if not text and not c.finished and not (logprobs and logprobs["tokens"]):
+            logprobs = self.serving.logprobs(c, state.text_offset, self.num_logprobs,
+                                             self.as_ids)
+            if self.echo_logprobs and not state.started:
+                logprobs = self.serving.echoed_logprobs(self.first_outputs[prompt_index],
+                                                        self.num_logprobs, logprobs,
+                                                        self.as_ids)
+            state.text_offset += logprobs.pop("_text_length")
+        if not (text or c.finished or (logprobs and logprobs["tokens"])
+                or (self.with_ids and c.token_ids)):
             return []
+        choice = {"index": prompt_index * self.n + c.index, "text": text, "logprobs": logprobs,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.with_ids:
+            if not state.started:
+                choice["prompt_token_ids"] = self.first_outputs[prompt_index].prompt_token_ids
+            choice["token_ids"] = c.token_ids
         state.started = True
-        return [{"index": prompt_index * self.n + c.index, "text": text, "logprobs": logprobs,
-                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]
+        return [choice]
+
+
+class _PromptOnly:
+    """A request stream whose outputs hold no generated token (`max_tokens: 0` with echo:
+    the engine samples one token after the prompt, as every prefill does; it is dropped)."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream = stream
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for output in self.stream:
+            yield replace(output, outputs=[
+                replace(c, text="", token_ids=[], cumulative_logprob=None,
+                        logprobs=None if c.logprobs is None else [])
+                for c in output.outputs])
+
+
+def _prompt_entries(prompt_token_ids: list[int], prompt_logprobs: PromptLogprobs | None,
+                    ) -> list[tuple[int, dict[int, Logprob] | None]]:
+    """(token id, its position's entries) of each prompt token; the first has none."""
+    entries = prompt_logprobs or [None] * len(prompt_token_ids)
+    return list(zip(prompt_token_ids, entries, strict=True))
 
 
 def _check_token_ids(prompts: list[str | list[int]], vocab_size: int) -> None:

@@ -28,6 +28,7 @@ from llmserve.entrypoints.openai.structured import Constraint
 from llmserve.entrypoints.openai.tool_parsers import (
     BareJsonCallExtractor,
     CallArrayExtractor,
+    FirstCallOnly,
     NamedCallExtractor,
     TaggedCallExtractor,
     ToolCallExtractor,
@@ -156,7 +157,11 @@ def plan_tools(request: ChatCompletionRequest, fmt: ToolFormat) -> ToolPlan:
     if choice == "none":
         return ToolPlan(None, None, None)
     if choice == "auto":
-        return ToolPlan(definitions, None, fmt.extractor, auto=True)
+        def first_call_only() -> ToolCallExtractor:
+            return FirstCallOnly(fmt.extractor())
+
+        extractor = fmt.extractor if request.parallel_tool_calls else first_call_only
+        return ToolPlan(definitions, None, extractor, auto=True)
     if not tools:
         raise BadRequest("tool_choice other than 'none' or 'auto' needs tools",
                          param="tool_choice")

@@ -92,6 +92,25 @@ class ToolCallExtractor(ABC):
         return body
 
 
+class FirstCallOnly(ToolCallExtractor):
+    """`parallel_tool_calls: false` where the model chooses (auto): its first call is kept,
+    any later one dropped, as vLLM does; content passes unchanged."""
+
+    def __init__(self, inner: ToolCallExtractor) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def feed(self, text: str) -> Extracted:
+        return self._first(self.inner.feed(text))
+
+    def finish(self) -> Extracted:
+        return self._first(self.inner.finish())
+
+    def _first(self, extracted: Extracted) -> Extracted:
+        self.num_calls = min(self.inner.num_calls, 1)
+        return Extracted(extracted.content, [p for p in extracted.tool_calls if p.index == 0])
+
+
 class NamedCallExtractor(ToolCallExtractor):
     """The whole output is the arguments of one call to `name` (tool_choice naming a
     function); they stream as they come."""

@@ -29,6 +29,15 @@ def test_models_lists_the_served_name(client):
     assert [m.id for m in models.data] == [MODEL]
 
 
+def test_a_model_is_retrieved_by_its_id(client):
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "llmserve")
+    with pytest.raises(openai.NotFoundError) as refused:
+        client.models.retrieve("org/no-such-model")
+    assert refused.value.body["code"] == "model_not_found"
+    assert refused.value.body["param"] == "model"
+
+
 def test_completion_usage_and_finish_reason(client, tokenizer):
     resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
                                      extra_body={"ignore_eos": True})

@@ -24,7 +24,12 @@ from llmserve.engine.async_engine import (
     QueueFull,
     RequestTimeout,
 )
-from llmserve.entrypoints.openai.protocol import BadRequest, ErrorResponse, error_body
+from llmserve.entrypoints.openai.protocol import (
+    AnthropicErrorResponse,
+    BadRequest,
+    ErrorResponse,
+    error_body,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +47,22 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   code: str | int | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+                   code: str | int | None = None, headers: dict[str, str] | None = None,
+                   path: str = "") -> JSONResponse:
+    """An error in OpenAI's shape, or Anthropic's for a request to `path` under
+    /v1/messages."""
     type_ = _ERROR_TYPES.get(status, "server_error")
-    return JSONResponse(error_body(message, type_, param, code), status_code=status,
-                        headers=headers)
+    return JSONResponse(shaped(path, error_body(message, type_, param, code), status),
+                        status_code=status, headers=headers)
+
+
+def shaped(path: str, body: dict[str, Any], status: int) -> dict[str, Any]:
+    """An OpenAI error body as the route at `path` answers: unchanged, or in Anthropic's
+    shape on its routes."""
+    if not path.startswith(ANTHROPIC_PREFIX):
+        return body
+    return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
+                                       "message": body["error"]["message"]}}
 
 
 def exception_error(exc: Exception) -> tuple[int, dict[str, Any]]:
@@ -106,19 +122,23 @@ def _openapi_schema(app: FastAPI, settings: Any) -> dict[str, Any]:
     schemas = schema["components"]["schemas"]
     for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body
         schemas.pop(unused, None)
-    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-    schemas.update(error_schema.pop("$defs"), ErrorResponse=error_schema)
-    error = {"content": {"application/json": {
-        "schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for model in (ErrorResponse, AnthropicErrorResponse):
+        error_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(error_schema.pop("$defs"), **{model.__name__: error_schema})
     if settings.api_key:
         schema["components"]["securitySchemes"] = {"apiKey": {"type": "http",
                                                               "scheme": "bearer"}}
     for path, operations in schema["paths"].items():
+        shape = "Anthropic's" if path.startswith(ANTHROPIC_PREFIX) else "OpenAI's"
+        model = "AnthropicErrorResponse" if path.startswith(ANTHROPIC_PREFIX) else \
+            "ErrorResponse"
+        error = {"content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model}"}}}}
         for operation in operations.values():
             responses = operation["responses"]
             responses.pop("422", None)
-            responses["4XX"] = {"description": "Refused: OpenAI's error shape", **error}
-            responses["5XX"] = {"description": "Failed: OpenAI's error shape", **error}
+            responses["4XX"] = {"description": f"Refused: {shape} error shape", **error}
+            responses["5XX"] = {"description": f"Failed: {shape} error shape", **error}
             if settings.api_key:
                 operation["security"] = ([] if path in settings.open_paths
                                          else [{"apiKey": []}])
@@ -133,11 +153,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     def respond(request: Request, exc: Exception,
                 headers: dict[str, str] | None = None) -> JSONResponse:
         status, body = exception_error(exc)
-        if request.url.path.startswith(ANTHROPIC_PREFIX):
-            body = {"type": "error", "error": {
-                "type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
-                "message": body["error"]["message"]}}
-        return JSONResponse(body, status_code=status, headers=headers)
+        return JSONResponse(shaped(request.url.path, body, status), status_code=status,
+                            headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -166,7 +183,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers,
+                              path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
@@ -229,7 +247,8 @@ class AuthMiddleware:
             return
         message = ("missing API key: send 'Authorization: Bearer <key>'"
                    if not (given or key) else "invalid API key")
-        await error_response(401, message, code="invalid_api_key")(scope, receive, send)
+        await error_response(401, message, code="invalid_api_key",
+                             path=scope["path"])(scope, receive, send)
 
 
 class BodyLimitMiddleware:
@@ -269,7 +288,8 @@ class BodyLimitMiddleware:
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(413, f"the request body is larger than the server's limit "
-                                  f"of {self.max_bytes} bytes", code="request_too_large")
+                                  f"of {self.max_bytes} bytes", code="request_too_large",
+                                  path=scope["path"])
         await response(scope, receive, send)
 
 

@@ -380,6 +380,22 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class AnthropicErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error shape, the body of every 4xx and 5xx of /v1/messages..."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["error"]
+    error: AnthropicErrorInfo
+
+
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | int | None = None) -> dict[str, Any]:
     """OpenAI's error shape (`ErrorResponse`)."""

@@ -18,10 +18,11 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
+from llmserve.entrypoints.openai.http_layer import describe_validation_error
 from llmserve.entrypoints.openai.protocol import BadRequest, ChatCompletionRequest, OpenAIModel
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 
@@ -40,7 +41,7 @@ _REFUSED = {"background": ((False,), "background responses are not served"),
 
 class ResponsesRequest(OpenAIModel):
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -78,7 +79,12 @@ class OpenAIServingResponses:
         """The response, or an iterator of its SSE events when `request.stream`."""
         _refuse_unsupported(request)
         messages = self._conversation(request)
-        chat_request = ChatCompletionRequest.model_validate(_chat_body(request, messages))
+        try:
+            chat_request = ChatCompletionRequest.model_validate(_chat_body(request, messages))
+        except ValidationError as e:  # input items that make no chat message
+            message, _ = describe_validation_error(e.errors())
+            raise BadRequest(f"input does not make a conversation: {message}",
+                             param="input") from None
         shell = self._shell(request)
         result = await self.chat.create(chat_request, arrival_time)
         if request.stream:

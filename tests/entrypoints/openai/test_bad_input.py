@@ -63,7 +63,7 @@ CASES = [
     (COMPLETIONS, {"prompt": "hi", "tool_choice": "required"}, 400, "tool_choice"),
     (CHAT, {"messages": USER, "guided_json": {"type": "foo"}}, 400, "guided_json"),
     (CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
-    (COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 4}, 400, "truncate_prompt_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     (CHAT, {"messages": USER, "length_penalty": 0.5}, 400, "length_penalty"),
 ]
 

@@ -1,6 +1,7 @@
 """Contract fuzzing: schemathesis draws requests from the server's own /openapi.json (bodies
 that fit the schema, and bodies that break it) and sends them to a real server. No answer
-may be a 5xx; every 4xx is OpenAI's error shape, naming the field at fault where one is."""
+may be a 5xx; every 4xx is OpenAI's error shape, naming the field at fault where one is
+(Anthropic's shape on /v1/messages, which names no field)."""
 
 import json
 import re
@@ -15,21 +16,27 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
 
 from llmserve.entrypoints.openai.protocol import (
+    AnthropicErrorResponse,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
     TokenizeRequest,
 )
+from llmserve.entrypoints.openai.serving_messages import CountTokensRequest, MessagesRequest
+from llmserve.entrypoints.openai.serving_responses import ResponsesRequest
 from llmserve.sampling_params import MAX_BEST_OF, MAX_LOGPROBS
 from tests.entrypoints.openai.conftest import run_server
 
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+          "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
+          "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
+          "/v1/messages/count_tokens": CountTokensRequest}
 HEADERS = {"X-Return-Metrics"}
 # Generated values are capped so that a case costs milliseconds of model time, not seconds
 # (the limits themselves, n <= 64 and max_tokens <= max_model_len, have their own tests).
-CAPS = {"n": 2, "best_of": 2, "max_tokens": 3, "max_completion_tokens": 3, "min_tokens": 3}
+CAPS = {"n": 2, "best_of": 2, "max_tokens": 3, "max_completion_tokens": 3, "min_tokens": 3,
+        "max_output_tokens": 3}
 MAX_PROMPTS = 2
 
 
@@ -50,6 +57,12 @@ def error_problem(status: int, content: bytes, path: str, body: Any) -> str | No
     (`param`), and that field is one of the request's."""
     if status < 400:
         return None
+    if path.startswith("/v1/messages"):
+        try:
+            anthropic = AnthropicErrorResponse.model_validate_json(content).error
+        except ValueError as e:
+            return f"not Anthropic's error shape: {e}"
+        return None if anthropic.message and anthropic.type else f"empty: {anthropic}"
     try:
         error = ErrorResponse.model_validate_json(content).error
     except ValueError as e:
@@ -84,6 +97,8 @@ def _cheap(body: Any) -> Any:
             body[name] = cap
     if "messages" in body and body.get("max_tokens") is None:
         body["max_tokens"] = CAPS["max_tokens"]
+    if "input" in body and body.get("max_output_tokens") is None:
+        body["max_output_tokens"] = CAPS["max_output_tokens"]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
         body["prompt"] = prompt[:MAX_PROMPTS]
@@ -145,11 +160,12 @@ def test_the_schema_describes_every_route_and_its_errors(fuzzed_server):
     posts = {path for path, ops in spec["paths"].items() if "post" in ops}
     assert posts == set(BODIES)  # a new route with a body is fuzzed once it is listed here
     assert {"/v1/models", "/health", "/metrics", "/version"} <= set(spec["paths"])
-    for ops in spec["paths"].values():
+    for path, ops in spec["paths"].items():
+        shape = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
         for op in ops.values():
             assert "422" not in op["responses"]
             assert op["responses"]["4XX"]["content"]["application/json"]["schema"] == {
-                "$ref": "#/components/schemas/ErrorResponse"}
+                "$ref": f"#/components/schemas/{shape}"}
     completion = spec["components"]["schemas"]["CompletionRequest"]["properties"]
     assert completion["n"]["maximum"] == MAX_BEST_OF
     assert completion["logprobs"]["anyOf"][0]["maximum"] == MAX_LOGPROBS

@@ -49,7 +49,11 @@ def test_every_route_but_health_metrics_and_the_page_needs_the_key(keyed):
                     assert resp.status_code != 401, (method, path)
                 else:
                     assert resp.status_code == 401, (method, path, resp.status_code)
-                    assert resp.json()["error"]["code"] == "invalid_api_key"
+                    error = resp.json()["error"]
+                    if path.startswith("/v1/messages"):  # Anthropic's shape
+                        assert error["type"] == "authentication_error", error
+                    else:
+                        assert error["code"] == "invalid_api_key"
         spec = http.get("/openapi.json", headers=AUTH)
     assert spec.status_code == 200
     assert spec.json()["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
@@ -63,6 +67,17 @@ def test_near_misses_of_the_key_are_refused(keyed, header):
     with keyed.http() as http:
         assert http.get("/v1/models", headers={"Authorization": header}).status_code == 401
         assert http.get(f"/v1/models?api_key={KEY}").status_code == 401
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(keyed):
+    body = {"model": "x", "max_tokens": 1, "messages": []}
+    with keyed.http() as http:
+        assert http.post("/v1/messages", json=body,
+                         headers={"x-api-key": KEY[:-1]}).status_code == 401
+        # the key passes: the (empty) body is what is refused now
+        assert http.post("/v1/messages", json=body,
+                         headers={"x-api-key": KEY}).status_code == 400
+        assert http.get("/v1/models", headers={"x-api-key": KEY}).status_code == 200
 
 
 def test_the_key_is_compared_in_constant_time(keyed, monkeypatch):

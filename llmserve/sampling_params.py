@@ -37,6 +37,9 @@ class StructuredOutputsParams:
     # JSON only: allow any whitespace between tokens (as llguidance's "flexible" mode);
     # False: compact separators as `json.dumps` writes them
     whitespace_flexible: bool = False
+    # the constraint applies after this text in the output (a reasoning block's end,
+    # "</think>"); before it every token is allowed. None: from the first token
+    starts_after: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar")

@@ -38,7 +38,8 @@ from llmserve.router.replicas import Replica
 
 logger = logging.getLogger(__name__)
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+                "/v1/messages/count_tokens", "/tokenize", "/detokenize")
 
 
 def build_router_app(replicas: list[Replica], settings: RouterSettings,

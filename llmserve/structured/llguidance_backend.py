@@ -123,7 +123,9 @@ class LLGuidanceBackend(GrammarBackend):
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
                       parallel: bool = False) -> None:
-        if not parallel:  # on the calling thread: ~6-20 us a mask on the default model
+        if not parallel or not all(isinstance(m, LLGuidanceMatcher) for m in matchers):
+            # on the calling thread: ~6-20 us a mask on the default model; a deferred
+            # matcher (structured/deferred.py) fills its own rows
             super().fill_bitmasks(matchers, bitmask)
             return
         # llguidance's executor spreads the rows over its threads (a hand-off to them costs

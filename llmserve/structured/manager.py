@@ -80,8 +80,14 @@ class StructuredOutputManager:
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher for a new request; `ValueError` naming the problem if the
-        constraint is invalid or cannot be enforced."""
-        return self.backend.matcher(self.backend.compile(params))
+        constraint is invalid or cannot be enforced. With `starts_after`, the constraint
+        waits for that text in the output (`DeferredMatcher`)."""
+        matcher = self.backend.matcher(self.backend.compile(params))
+        if params.starts_after:
+            from llmserve.structured.deferred import DeferredMatcher
+
+            return DeferredMatcher(matcher, self.tokenizer, params.starts_after)
+        return matcher
 
     def start_step(self, matchers: dict[str, GrammarMatcher],
                    drafts: dict[str, list[int]] | None = None) -> GrammarStep | None:

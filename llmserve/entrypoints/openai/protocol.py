@@ -99,8 +99,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "functions": ((), "legacy function calling is not supported; use tools"),
     "chat_template": ((), "a chat template per request is not accepted: the model's own "
                           "template renders every chat"),
-    "include_reasoning": ((True,), "this server does not split reasoning from the answer "
-                                   "(no reasoning parser), so it cannot leave it out"),
     "function_call": ((), "legacy function calling is not supported; use tool_choice"),
     "prompt_embeds": ((), "prompt embeddings are not accepted; send text or token ids"),
     "vllm_xargs": (({},), "no plugin on this server reads vllm_xargs"),
@@ -257,6 +255,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     echo: bool = False  # the answer starts with the last message's text if it is assistant's
     add_special_tokens: bool = False  # the tokenizer's BOS/EOS around the rendered template
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves the thinking out
     documents: list[dict[str, str]] | None = None  # for templates that cite documents (RAG)
     chat_template_kwargs: dict[str, Any] | None = None
 

@@ -75,6 +75,7 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     retry_after_s: int = 1
     shutdown_timeout_s: float = 30.0
+    reasoning_parser: str | None = None  # reasoning.py's PARSERS
     open_paths: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,7 +106,7 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> None:
     completions = OpenAIServingCompletion(engine, settings.model_name)
-    chat = OpenAIServingChat(engine, settings.model_name)
+    chat = OpenAIServingChat(engine, settings.model_name, settings.reasoning_parser)
     tokenizer = engine.tokenizer
 
     @app.post("/v1/completions", responses=_STREAMED)
@@ -260,6 +261,7 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
         allowed_origins=tuple(o for v in args.allowed_origins or () for o in v.split(",") if o),
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
+        reasoning_parser=args.reasoning_parser,
     )
     sock = listening_socket(args.host, args.port)  # before loading: a busy port fails fast
     max_num_waiting = None if args.max_num_waiting < 0 else args.max_num_waiting

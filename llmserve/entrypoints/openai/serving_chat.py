@@ -3,7 +3,7 @@ as text or tool calls."""
 
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from llmserve.entrypoints.openai.protocol import (
@@ -14,6 +14,14 @@ from llmserve.entrypoints.openai.protocol import (
     now,
     random_id,
     usage,
+)
+from llmserve.entrypoints.openai.reasoning import (
+    END,
+    START,
+    ReasoningStart,
+    ReasoningStream,
+    answer_start,
+    split_reasoning,
 )
 from llmserve.entrypoints.openai.serving_base import (
     ChunkFormatter,
@@ -85,6 +93,11 @@ def _call_dict(call_id: str | None, name: str, arguments: str | dict,
 
 
 class OpenAIServingChat(OpenAIServing):
+    def __init__(self, engine: Any, model_name: str, reasoning_parser: str | None = None,
+                 ) -> None:
+        super().__init__(engine, model_name)
+        self.reasoning_parser = reasoning_parser  # reasoning.py: deepseek_r1, qwen3, None
+
     async def create(self, request: ChatCompletionRequest,
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
         """The response body, or an iterator of SSE events when `request.stream`."""
@@ -102,12 +115,21 @@ class OpenAIServingChat(OpenAIServing):
         # the extractor must see its markers, even where they are special tokens
         keep_markers = bool(plan.auto and extractors and request.skip_special_tokens is None
                             and markers_are_special(tool_format, self.tokenizer))
+        # so must the reasoning parser see <think> and </think>
+        special = set(self.tokenizer.all_special_ids)
+        keep_markers |= bool(self.reasoning_parser and request.skip_special_tokens is None
+                             and any(self.tokenizer.token_to_id(tag) in special
+                                     for tag in (START, END)))
         params, max_tokens_field = self._params(request, constraint, keep_markers)
         prompt_ids = await self.engine.run_blocking(
             self.prompt_ids, request.messages, plan.tools, request.add_generation_prompt,
             _template_variables(request), request.continue_final_message,
             request.add_special_tokens)
         echo = _echoed(request)
+        reasoning = self._reasoning(request, prompt_ids)
+        if reasoning is not None and reasoning.thinking and constraint is not None:
+            # the constraint (a schema, the tool grammar) is for the answer after thinking
+            params.structured_outputs = replace(params.structured_outputs, starts_after=END)
         request_id = random_id("chatcmpl", request.request_id)
         streams = await self.submit([prompt_ids], params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "messages",
@@ -116,12 +138,14 @@ class OpenAIServingChat(OpenAIServing):
         as_ids = bool(request.return_tokens_as_token_ids)
         with_ids = bool(request.return_token_ids)
         if request.stream:
-            formatter = _ChatChunks(self, top_k, extractors, as_ids, echo, with_ids)
+            formatter = _ChatChunks(self, top_k, extractors, as_ids, echo, with_ids,
+                                    reasoning, request.include_reasoning)
             return stream_response(streams, formatter, request_id, self.model_name,
                                    stream_usage(request.stream_options),
                                    bool(request.return_metrics))
         (final,) = await final_outputs(streams)
-        choices = [self._choice(c, top_k, extractors, as_ids, echo) for c in final.outputs]
+        choices = [self._choice(c, top_k, extractors, as_ids, echo, reasoning,
+                                request.include_reasoning) for c in final.outputs]
         choices.sort(key=lambda c: c["index"])
         if with_ids:
             for choice, c in zip(choices, sorted(final.outputs, key=lambda c: c.index),
@@ -187,13 +211,31 @@ class OpenAIServingChat(OpenAIServing):
             text = _cut_after_final_message(text, dicts[-1]["content"])
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
+    def _reasoning(self, request: ChatCompletionRequest,
+                   prompt_ids: list[int]) -> ReasoningStart | None:
+        """How the answer opens, with a reasoning parser; None without one."""
+        if self.reasoning_parser is None:
+            if not request.include_reasoning:
+                raise BadRequest("'include_reasoning' false needs a server started with "
+                                 "--reasoning-parser (reasoning is not split from the answer "
+                                 "without one)", param="include_reasoning")
+            return None
+        tail = self.tokenizer.decode(prompt_ids[-16:])
+        return answer_start(self.reasoning_parser, tail)
+
     def _choice(self, c: CompletionOutput, top_k: int | None, extractors: Extractors,
-                as_ids: bool, echo: str) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                as_ids: bool, echo: str, reasoning: ReasoningStart | None = None,
+                include_reasoning: bool = True) -> dict[str, Any]:
+        text, thought = c.text, None
+        if reasoning is not None:
+            thought, text = split_reasoning(c.text, reasoning)
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if thought is not None and include_reasoning:
+            message["reasoning_content"] = thought
         finish_reason = c.finish_reason
         if extractors is not None:
             extractor = extractors()
-            extracted = extractor.feed(c.text) + extractor.finish()
+            extracted = extractor.feed(text) + extractor.finish()
             calls = _whole_calls(extracted)
             message["content"] = extracted.content if extracted.content or not calls else None
             if calls:
@@ -277,6 +319,7 @@ class _ChoiceState:
     """What a stream has sent of one choice so far."""
 
     extractor: ToolCallExtractor | None  # None: the output is plain text
+    reasoning: ReasoningStream | None = None  # with a reasoning parser: splits the thinking
 
 
 class _ChatChunks(ChunkFormatter):
@@ -285,8 +328,12 @@ class _ChatChunks(ChunkFormatter):
     object_name = "chat.completion.chunk"
 
     def __init__(self, serving: OpenAIServingChat, top_k: int | None,
-                 extractors: Extractors, as_ids: bool, echo: str, with_ids: bool) -> None:
+                 extractors: Extractors, as_ids: bool, echo: str, with_ids: bool,
+                 reasoning: ReasoningStart | None = None,
+                 include_reasoning: bool = True) -> None:
         self.serving = serving
+        self.reasoning = reasoning
+        self.include_reasoning = include_reasoning
         self.with_ids = with_ids
         self.prompt_token_ids: list[int] = []
         self.top_k = top_k
@@ -303,20 +350,29 @@ class _ChatChunks(ChunkFormatter):
         chunks = []
         if state is None:
             extractor = self.extractors() if self.extractors else None
-            state = self.states[c.index] = _ChoiceState(extractor)
+            state = self.states[c.index] = _ChoiceState(
+                extractor, ReasoningStream(self.reasoning) if self.reasoning else None)
             chunks.append({"index": c.index, "delta": {"role": "assistant",
                                                         "content": self.echo},
                            "logprobs": None, "finish_reason": None})
             if self.with_ids:
                 chunks[-1]["prompt_token_ids"] = self.prompt_token_ids
-        extracted = Extracted(c.text)
+        text, thought = c.text, ""
+        if state.reasoning is not None:
+            thought, text = state.reasoning.feed(c.text)
+            if c.finished:
+                more_thought, more_text = state.reasoning.finish()
+                thought, text = thought + more_thought, text + more_text
+        extracted = Extracted(text)
         finish_reason = c.finish_reason
         if state.extractor is not None:
-            extracted = state.extractor.feed(c.text)
+            extracted = state.extractor.feed(text)
             if c.finished:
                 extracted += state.extractor.finish()
                 finish_reason = _finish_reason(c.finish_reason, state.extractor)
         delta: dict[str, Any] = {}
+        if thought and self.include_reasoning:
+            delta["reasoning_content"] = thought
         if extracted.content:
             delta["content"] = extracted.content
         if extracted.tool_calls:

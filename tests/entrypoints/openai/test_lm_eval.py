@@ -13,6 +13,9 @@ import torch
 from tests.entrypoints.openai.conftest import MODEL
 
 lm_eval = pytest.importorskip("lm_eval")
+# lm-eval's import (datasets, pandas) and its task set-up take ~15 s of a 2-core machine; the
+# default tier checks the same scores against transformers in test_scoring.py
+pytestmark = pytest.mark.slow
 
 LOGLIKELIHOOD_TOLERANCE = 2e-3  # a sum of up to ~40 token logprobs, each within 1e-4
 QUESTIONS = [

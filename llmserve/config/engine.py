@@ -189,6 +189,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {', '.join(ATTENTION_BACKEND_CHOICES)}, "
                 f"not {self.attention_backend!r}")
+        if self.kv_cache_dtype == "int8" and self.attention_backend in ("torch", "flex"):
+            # checked here, before any weights load (the engine checks the rest after)
+            raise ValueError("kv_cache_dtype int8 needs the native CPU attention kernels "
+                             f"(attention_backend auto or native), not {self.attention_backend}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}"
                              f", not {self.scheduling_policy!r}")

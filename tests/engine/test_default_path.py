@@ -8,7 +8,7 @@ from llmserve import LLM, SamplingParams
 from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from tests.engine.test_transparency import TOPICS, chat_ids, token_ids
-from tests.engines import engine_on, llm_on
+from tests.engines import llm_on
 from tests.models.test_llama_reference import PROMPTS
 
 GREEDY_16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -206,7 +206,6 @@ def test_attention_backend_by_name(float32_model, default_model):
     """`attention_backend` picks the backend (the flex one runs its algorithm on the CPU,
     uncompiled), and what a backend cannot do is refused at start, naming it."""
     from llmserve import SamplingParams
-    from llmserve.errors import LLMServeError
     from llmserve.layers.attention.backend import TorchBackend
     from llmserve.layers.attention.flex import FlexAttentionBackend
 
@@ -218,8 +217,8 @@ def test_attention_backend_by_name(float32_model, default_model):
         outputs[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert isinstance(llm.engine.executor.runner.attention, FlexAttentionBackend)
     assert outputs["torch"] == outputs["auto"] == outputs["flex"]
-    with pytest.raises(LLMServeError, match="kv_cache_dtype int8 needs the native"):
-        engine_on(default_model, kv_cache_dtype="int8", attention_backend="torch")
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 needs the native"):
+        EngineConfig(kv_cache_dtype="int8", attention_backend="torch")  # before any load
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(attention_backend="flash")
     assert TorchBackend.reads_only_written_slots is False

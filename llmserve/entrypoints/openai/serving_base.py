@@ -257,6 +257,16 @@ def _abort_all(streams: list[RequestStream]) -> None:
         stream.abort()
 
 
+async def chat_events(stream: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
+    """The chunks (and an error event's body) of a stream `stream_response` wrote, as
+    dicts, up to [DONE]: what the Responses and Messages translators read."""
+    async for event in stream:
+        data = event.removeprefix("data: ").strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
 def sse(data: dict[str, Any] | str) -> str:
     """One server-sent event, as OpenAI streams them."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)

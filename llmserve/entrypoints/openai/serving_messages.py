@@ -24,6 +24,7 @@ from llmserve.entrypoints.openai.protocol import (
     OpenAIModel,
     random_id,
 )
+from llmserve.entrypoints.openai.serving_base import chat_events
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 
 logger = logging.getLogger(__name__)
@@ -171,11 +172,18 @@ class AnthropicServingMessages:
         index = -1
         usage: dict[str, Any] = {}
         finish: dict[str, Any] | None = None
-        async for event in chunks:
-            data = event.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+
+        def next_block(kind: str, content_block: dict[str, Any]) -> list[str]:
+            """Close the open block (if any) and open the next, of `kind`."""
+            nonlocal index, block
+            events = [] if block is None else [
+                _sse("content_block_stop", {"type": "content_block_stop", "index": index})]
+            index, block = index + 1, kind
+            return events + [_sse("content_block_start", {
+                "type": "content_block_start", "index": index,
+                "content_block": content_block})]
+
+        async for chunk in chat_events(chunks):
             if "error" in chunk:
                 yield _sse("error", {"type": "error", "error": {
                     "type": "api_error", "message": chunk["error"]["message"]}})
@@ -193,27 +201,18 @@ class AnthropicServingMessages:
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
                     if block != "text":
-                        if block is not None:
-                            yield _sse("content_block_stop", {"type": "content_block_stop",
-                                                              "index": index})
-                        index, block = index + 1, "text"
-                        yield _sse("content_block_start", {
-                            "type": "content_block_start", "index": index,
-                            "content_block": {"type": "text", "text": ""}})
+                        for event in next_block("text", {"type": "text", "text": ""}):
+                            yield event
                     yield _sse("content_block_delta", {
                         "type": "content_block_delta", "index": index,
                         "delta": {"type": "text_delta", "text": delta["content"]}})
                 for piece in delta.get("tool_calls") or []:
                     function = piece.get("function") or {}
                     if piece.get("id"):
-                        if block is not None:
-                            yield _sse("content_block_stop", {"type": "content_block_stop",
-                                                              "index": index})
-                        index, block = index + 1, "tool_use"
-                        yield _sse("content_block_start", {
-                            "type": "content_block_start", "index": index,
-                            "content_block": {"type": "tool_use", "id": piece["id"],
-                                              "name": function.get("name"), "input": {}}})
+                        for event in next_block("tool_use", {
+                                "type": "tool_use", "id": piece["id"],
+                                "name": function.get("name"), "input": {}}):
+                            yield event
                     if function.get("arguments"):
                         yield _sse("content_block_delta", {
                             "type": "content_block_delta", "index": index,

@@ -24,6 +24,7 @@ from pydantic import Field, ValidationError
 
 from llmserve.entrypoints.openai.http_layer import describe_validation_error
 from llmserve.entrypoints.openai.protocol import BadRequest, ChatCompletionRequest, OpenAIModel
+from llmserve.entrypoints.openai.serving_base import chat_events
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 
 STORE_SIZE = 1024
@@ -183,11 +184,7 @@ class _EventStream:
         yield self.event("response.in_progress", response=self.shell)
         usage: dict[str, Any] = {}
         finish_reason = None
-        async for raw in chunks:
-            data = raw.removeprefix("data: ").strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
+        async for chunk in chat_events(chunks):
             if "error" in chunk:
                 yield self.event("error", code="server_error",
                                  message=chunk["error"]["message"], param=None)

@@ -25,7 +25,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.tokenizer import Tokenizer
 
-MAX_TOKENS = 64
+MAX_TOKENS = 40  # about 10 rounds of 4 drafts a request
 NUM_SPECULATIVE_TOKENS = 4
 METHODS = ["ngram", "self_draft", "draft_model"]
 
@@ -345,7 +345,7 @@ def shared_prefix(smollm2_gguf, float32_weights) -> list[Batch]:
     assert len(plain.tokenizer.encode(context)) > 4 * plain.engine.kv_manager.block_size
     prompts = [chat(plain.tokenizer, f"{context}\n\n{q}") for q in PREFIX_QUESTIONS]
     rounds = [Batch(prompts, GREEDY, generate(plain, prompts, GREEDY)) for _ in range(2)]
-    follow_ups = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids[:48]}
+    follow_ups = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids[:32]}
                   for o in rounds[0].expected]
     return rounds + [Batch(follow_ups, GREEDY, generate(plain, follow_ups, GREEDY))]
 

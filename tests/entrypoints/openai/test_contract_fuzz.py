@@ -38,6 +38,7 @@ HEADERS = {"X-Return-Metrics"}
 CAPS = {"n": 2, "best_of": 2, "max_tokens": 3, "max_completion_tokens": 3, "min_tokens": 3,
         "max_output_tokens": 3}
 MAX_PROMPTS = 2
+MAX_PROMPT_LENGTH = 64
 
 
 @pytest.fixture(scope="module")
@@ -88,20 +89,28 @@ def openai_error_shape(ctx: Any, response: Any, case: Any) -> bool | None:
 
 
 def _cheap(body: Any) -> Any:
-    """The body with counts capped (`CAPS`, `MAX_PROMPTS`) and chat's max_tokens set."""
+    """The body with counts capped (`CAPS`, `MAX_PROMPTS`, `MAX_PROMPT_LENGTH`) and
+    max_tokens set."""
     if not isinstance(body, dict):
         return body
     for name, cap in CAPS.items():
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[name] = cap
-    if "messages" in body and body.get("max_tokens") is None:
-        body["max_tokens"] = CAPS["max_tokens"]
+    if ("messages" in body or "prompt" in body) and body.get("max_tokens") is None:
+        body["max_tokens"] = CAPS["max_tokens"]  # not the default 16
     if "input" in body and body.get("max_output_tokens") is None:
         body["max_output_tokens"] = CAPS["max_output_tokens"]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
-        body["prompt"] = prompt[:MAX_PROMPTS]
+        body["prompt"] = prompt = prompt[:MAX_PROMPTS]
+    # prompts of at most 64 tokens or characters: echo with logprobs and prompt_logprobs
+    # score every prompt position over the whole vocabulary
+    if isinstance(prompt, str | list) and prompt:
+        parts = prompt if isinstance(prompt[0], list | str) else [prompt]
+        cut = [part[:MAX_PROMPT_LENGTH] if isinstance(part, list | str) else part
+               for part in parts]
+        body["prompt"] = cut if parts is prompt else cut[0]
     return body
 
 

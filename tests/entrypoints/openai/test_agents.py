@@ -8,12 +8,11 @@ import pytest
 
 from tests.entrypoints.openai.conftest import MODEL
 
-agents = pytest.importorskip("agents")
-
 
 @pytest.fixture
 def configured(server):
     """A client of this test's own: each test runs in its own event loop."""
+    agents = sdk()
     agents.set_default_openai_client(openai.AsyncOpenAI(base_url=server.base_url,
                                                         api_key="none", max_retries=0),
                                      use_for_tracing=False)
@@ -21,7 +20,14 @@ def configured(server):
     agents.set_tracing_disabled(True)
 
 
+def sdk():
+    """openai-agents, imported on first use (not at collection: its import takes 2 s of
+    every test worker)."""
+    return pytest.importorskip("agents")
+
+
 def weather_agent(calls: list[str]):
+    agents = sdk()
     @agents.function_tool
     def get_weather(city: str) -> str:
         """The weather in a city."""
@@ -35,6 +41,7 @@ def weather_agent(calls: list[str]):
 
 
 def test_an_agent_calls_its_tool_and_answers(configured):
+    agents = sdk()
     calls: list[str] = []
     result = asyncio.run(agents.Runner.run(weather_agent(calls), "Weather in Paris?",
                                            max_turns=4))
@@ -47,6 +54,8 @@ def test_an_agent_calls_its_tool_and_answers(configured):
 
 def test_a_streamed_agent_run(configured):
     calls: list[str] = []
+
+    agents = sdk()
 
     async def run() -> tuple[object, list[str]]:
         streamed = agents.Runner.run_streamed(weather_agent(calls), "Weather in Rome?",

@@ -8,8 +8,6 @@ import pytest
 
 from tests.entrypoints.openai.conftest import MODEL
 
-anthropic = pytest.importorskip("anthropic")
-
 GREEDY = {"temperature": 0}  # the SDK no longer sends sampling settings; the API takes them
 QUESTION = [{"role": "user", "content": "Name three fruits."}]
 SYSTEM = "You answer briefly."
@@ -18,9 +16,15 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.",
                             "required": ["city"], "additionalProperties": False}}
 
 
+def sdk():
+    """The `anthropic` SDK, imported on first use (not at collection: its import takes
+    1.5 s of every test worker)."""
+    return pytest.importorskip("anthropic")
+
+
 @pytest.fixture(scope="module")
 def claude(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0,
+    return sdk().Anthropic(base_url=server.url, api_key="none", max_retries=0,
                                timeout=120)
 
 
@@ -111,14 +115,14 @@ def test_an_output_format_shapes_the_answer(claude):
         messages=[{"role": "user", "content": "A city, as JSON."}],
         output_config={"format": {"type": "json_schema", "schema": schema}})
     assert set(json.loads(message.content[0].text)) == {"city"}
-    with pytest.raises(anthropic.BadRequestError) as effort:
+    with pytest.raises(sdk().BadRequestError) as effort:
         claude.messages.create(model=MODEL, max_tokens=4, messages=QUESTION,
                                output_config={"effort": "high"})
     assert "effort" in effort.value.body["error"]["message"]
 
 
 def test_errors_have_anthropic_shape(claude, server):
-    with pytest.raises(anthropic.NotFoundError) as missing:
+    with pytest.raises(sdk().NotFoundError) as missing:
         claude.messages.create(model="no-such-model", max_tokens=4, messages=QUESTION)
     assert missing.value.body["type"] == "error"
     assert missing.value.body["error"]["type"] == "not_found_error"
@@ -126,11 +130,11 @@ def test_errors_have_anthropic_shape(claude, server):
     assert response.status_code == 400
     assert response.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens" in response.json()["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError) as thinking:
+    with pytest.raises(sdk().BadRequestError) as thinking:
         claude.messages.create(model=MODEL, max_tokens=4, messages=QUESTION,
                                thinking={"type": "enabled", "budget_tokens": 1024})
     assert "thinking" in thinking.value.body["error"]["message"]
-    with pytest.raises(anthropic.BadRequestError) as image:
+    with pytest.raises(sdk().BadRequestError) as image:
         claude.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "AAAA"}}]}])

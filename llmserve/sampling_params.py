@@ -16,6 +16,9 @@ MAX_BEAM_WIDTH = 16
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
+MAX_TOP_K = 2**31 - 1  # a 32-bit count; any k at or above the vocabulary keeps every token
+
+
 @dataclass
 class StructuredOutputsParams:
     """A constraint every generated token obeys (vLLM's `StructuredOutputsParams`): exactly
@@ -177,7 +180,8 @@ class SamplingParams:
         _check(self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1], "seed",
                f"must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         _check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "top_k", f"must be -1 (off), 0 (off) or >= 1, got {self.top_k}")
+        _check(0 <= self.top_k <= MAX_TOP_K, "top_k",
+               f"must be -1 (off), 0 (off) or in [1, {MAX_TOP_K}], got {self.top_k}")
         _check(0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
         _check(
             self.max_tokens is None or self.max_tokens >= 1,

@@ -62,11 +62,11 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported model architecture '{self.architecture}' "
+                f"unsupported model architecture {self.architecture!r} "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         if self.hidden_act not in ACTIVATIONS:
-            raise UnsupportedModelError(f"unsupported activation '{self.hidden_act}' "
+            raise UnsupportedModelError(f"unsupported activation {self.hidden_act!r} "
                                         f"(supported: {', '.join(ACTIVATIONS)})")
         self._check_values()
         if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
@@ -145,7 +145,7 @@ class ModelConfig:
                 "llmserve runs text-only Gemma 3 checkpoints (Gemma3ForCausalLM)")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
-                f"unsupported model architecture '{arch}' "
+                f"unsupported model architecture {arch!r} "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
         heads, hidden = _hf_size(cfg, "num_attention_heads"), _hf_size(cfg, "hidden_size")

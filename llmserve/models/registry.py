@@ -21,5 +21,5 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
         return MODEL_CLASSES[config.architecture]
     except KeyError:
         raise UnsupportedModelError(
-            f"unsupported model architecture '{config.architecture}'"
+            f"unsupported model architecture {config.architecture!r}"
         ) from None

@@ -699,7 +699,7 @@ CONFIG_CASES = {  # config.json edit -> (error, message)
     "unknown model_type": ({"model_type": "gpt_neox"}, UnsupportedModelError,
                            "architecture 'gpt_neox'"),
     "model_type a list": ({"model_type": ["llama"]}, UnsupportedModelError,
-                          r"architecture '\['llama'\]'"),
+                          r"architecture \['llama'\]"),
     "string flag": ({"tie_word_embeddings": "false"}, ModelFormatError,
                     "tie_word_embeddings must be true or false, got 'false'"),
     "string epsilon": ({"rms_norm_eps": "1e-5"}, ModelFormatError, "rms_norm_eps must be"),

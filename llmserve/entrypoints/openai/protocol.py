@@ -18,6 +18,7 @@ from llmserve.sampling_params import (
     MAX_BEST_OF,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
+    MAX_TOP_K,
     SEED_RANGE,
     SamplingParams,
 )
@@ -131,7 +132,7 @@ class SamplingRequest(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=MAX_TOP_K)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     min_tokens: int | None = Field(None, ge=0)

@@ -110,6 +110,16 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+def refuse_set_fields(extra: dict[str, Any],
+                      table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+    """A 400 naming the first of `table`'s fields that `extra` sets to a value other than
+    its no-ops (None always is one), with the table's reason."""
+    for name, (no_ops, why) in table.items():
+        value = extra.get(name)
+        if value is not None and value not in no_ops:
+            raise BadRequest(f"'{name}' is not supported: {why}", param=name)
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False  # a last chunk with the usage
     continuous_usage_stats: bool = False  # every chunk with the usage so far (vLLM's)
@@ -168,11 +178,7 @@ class SamplingRequest(OpenAIModel):
 
     def refuse_unsupported(self) -> None:
         """A 400 naming the first field set that llmserve cannot honour (`UNSUPPORTED_FIELDS`)."""
-        extra = self.model_extra or {}
-        for name, (no_ops, why) in UNSUPPORTED_FIELDS.items():
-            value = extra.get(name)
-            if value is not None and value not in no_ops:
-                raise BadRequest(f"'{name}' is not supported: {why}", param=name)
+        refuse_set_fields(self.model_extra or {}, UNSUPPORTED_FIELDS)
 
     def sampling_options(self) -> dict[str, Any]:
         """The SamplingParams keyword arguments this request sets (OpenAI names -> vLLM's);

@@ -115,38 +115,38 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs lead the choice's (echo)."""
         logprobs = None
         if num_logprobs is not None:
-            logprobs = self.logprobs(completion, 0, num_logprobs, as_ids)
+            logprobs, length = self.logprobs(completion, 0, num_logprobs, as_ids)
             if prompt is not None:
-                logprobs = self.echoed_logprobs(prompt, num_logprobs, logprobs, as_ids)
-            del logprobs["_text_length"]
+                logprobs, _ = self.echoed_logprobs(prompt, num_logprobs, logprobs, length,
+                                                   as_ids)
         return {"index": index, "text": echo + completion.text, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason,
                 "stop_reason": completion.stop_reason}
 
     def logprobs(self, completion: CompletionOutput, text_offset: int, k: int,
-                 as_ids: bool) -> dict[str, Any]:
-        """OpenAI's completions logprobs of the completion's tokens, the first at `text_offset`;
-        `as_ids`: tokens shown as `token_id:<id>`."""
+                 as_ids: bool) -> tuple[dict[str, Any], int]:
+        """OpenAI's completions logprobs of the completion's tokens, the first at `text_offset`
+        (`as_ids`: tokens shown as `token_id:<id>`), and the length of their text."""
         return self._legacy_logprobs(token_logprobs(completion), text_offset, k, as_ids)
 
     def echoed_logprobs(self, output: RequestOutput, k: int, completion: dict[str, Any],
-                        as_ids: bool) -> dict[str, Any]:
+                        completion_length: int, as_ids: bool) -> tuple[dict[str, Any], int]:
         """The prompt's legacy logprobs (from offset 0), then `completion`'s (whose text
-        offsets, counted from 0, move past the prompt's text)."""
-        prompt = self._legacy_logprobs(
+        offsets, counted from 0, move past the prompt's text); and their text's length."""
+        prompt, shift = self._legacy_logprobs(
             _prompt_entries(output.prompt_token_ids, output.prompt_logprobs), 0, k, as_ids)
-        shift = prompt["_text_length"]
         prompt["text_offset"] += [offset + shift for offset in completion["text_offset"]]
-        for key in ("tokens", "token_logprobs", "top_logprobs", "_text_length"):
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
             prompt[key] += completion[key]
-        return prompt
+        return prompt, shift + completion_length
 
     def _legacy_logprobs(self, positions: list[tuple[int, dict[int, Logprob] | None]],
-                         text_offset: int, k: int, as_ids: bool) -> dict[str, Any]:
+                         text_offset: int, k: int, as_ids: bool
+                         ) -> tuple[dict[str, Any], int]:
         """`tokens`, `token_logprobs`, `top_logprobs`, `text_offset` of (token id, entries)
-        pairs; a position without entries (a prompt's first token) has null logprobs.
-        `_text_length` (taken off before a response shows them): the tokens' text's length
-        (offsets count text, whether tokens show as text or ids)."""
+        pairs (a position without entries, a prompt's first token, has null logprobs), and
+        the length of the tokens' text (offsets count text, whether tokens show as text or
+        ids)."""
         start = text_offset
         result: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                   "text_offset": []}
@@ -164,8 +164,7 @@ class OpenAIServingCompletion(OpenAIServing):
             result["top_logprobs"].append(top)
             result["text_offset"].append(text_offset)
             text_offset += len(text)
-        result["_text_length"] = text_offset - start
-        return result
+        return result, text_offset - start
 
 
 @dataclass
@@ -204,13 +203,13 @@ class _CompletionChunks(ChunkFormatter):
             text = self.echoes[prompt_index] + text
         logprobs = None
         if self.num_logprobs is not None:
-            logprobs = self.serving.logprobs(c, state.text_offset, self.num_logprobs,
-                                             self.as_ids)
+            logprobs, length = self.serving.logprobs(c, state.text_offset, self.num_logprobs,
+                                                     self.as_ids)
             if self.echo_logprobs and not state.started:
-                logprobs = self.serving.echoed_logprobs(self.first_outputs[prompt_index],
-                                                        self.num_logprobs, logprobs,
-                                                        self.as_ids)
-            state.text_offset += logprobs.pop("_text_length")
+                logprobs, length = self.serving.echoed_logprobs(
+                    self.first_outputs[prompt_index], self.num_logprobs, logprobs, length,
+                    self.as_ids)
+            state.text_offset += length
         if not (text or c.finished or (logprobs and logprobs["tokens"])
                 or (self.with_ids and c.token_ids)):
             return []

@@ -23,6 +23,7 @@ from llmserve.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     OpenAIModel,
     random_id,
+    refuse_set_fields,
 )
 from llmserve.entrypoints.openai.serving_base import chat_events
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -32,13 +33,14 @@ logger = logging.getLogger(__name__)
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "abort": "end_turn"}
 # Anthropic's fields that would change the answer and that this server does not serve
-_REFUSED = {"thinking": "extended thinking is not served (no reasoning parser)",
-            "container": "code-execution containers are not served",
-            "mcp_servers": "MCP servers are not served",
-            "service_tier": "service tiers do not exist on a local server",
-            "speed": "one serving speed exists on a local server",
-            "inference_geo": "a local server runs where it runs",
-            "diagnostics": "no diagnostics are returned"}
+_REFUSED = {"thinking": (({"type": "disabled"},),
+                         "extended thinking is not served (no reasoning parser)"),
+            "container": ((), "code-execution containers are not served"),
+            "mcp_servers": (([],), "MCP servers are not served"),
+            "service_tier": ((), "service tiers do not exist on a local server"),
+            "speed": ((), "one serving speed exists on a local server"),
+            "inference_geo": ((), "a local server runs where it runs"),
+            "diagnostics": ((), "no diagnostics are returned")}
 
 
 class ContentBlock(OpenAIModel):
@@ -109,12 +111,7 @@ class AnthropicServingMessages:
 
     def _chat_request(self, request: CountTokensRequest,
                       max_tokens: int | None = None) -> ChatCompletionRequest:
-        extra = request.model_extra or {}
-        for name, why in _REFUSED.items():
-            value = extra.get(name)
-            if value is not None and not (name == "thinking" and isinstance(value, dict)
-                                          and value.get("type") == "disabled"):
-                raise BadRequest(f"'{name}' is not supported: {why}", param=name)
+        refuse_set_fields(request.model_extra or {}, _REFUSED)
         body: dict[str, Any] = {"model": request.model,
                                 "messages": _chat_messages(request)}
         if request.tools:

@@ -23,7 +23,12 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError
 
 from llmserve.entrypoints.openai.http_layer import describe_validation_error
-from llmserve.entrypoints.openai.protocol import BadRequest, ChatCompletionRequest, OpenAIModel
+from llmserve.entrypoints.openai.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    OpenAIModel,
+    refuse_set_fields,
+)
 from llmserve.entrypoints.openai.serving_base import chat_events
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 
@@ -78,7 +83,7 @@ class OpenAIServingResponses:
     async def create(self, request: ResponsesRequest,
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
         """The response, or an iterator of its SSE events when `request.stream`."""
-        _refuse_unsupported(request)
+        refuse_set_fields(request.model_extra or {}, _REFUSED)
         messages = self._conversation(request)
         try:
             chat_request = ChatCompletionRequest.model_validate(_chat_body(request, messages))
@@ -267,14 +272,6 @@ class _EventStream:
                                      name=item["name"], arguments=item["arguments"]))
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
-
-
-def _refuse_unsupported(request: ResponsesRequest) -> None:
-    extra = request.model_extra or {}
-    for name, (no_ops, why) in _REFUSED.items():
-        value = extra.get(name)
-        if value is not None and value not in no_ops:
-            raise BadRequest(f"'{name}' is not supported: {why}", param=name)
 
 
 def _chat_body(request: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:

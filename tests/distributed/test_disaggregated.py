@@ -169,7 +169,10 @@ def test_decode_without_its_transfer_fails_clearly(servers):
     assert unknown.json()["error"]["param"] == "kv_transfer_params"
 
 
-@pytest.mark.parametrize("victim", ["prefill", pytest.param("decode", marks=pytest.mark.slow)])
+# slow tier: a server pair of its own (two model loads); the default tier's router tests
+# cover a server that goes down (tests/router/test_disaggregated.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["prefill", "decode"])
 def test_a_role_that_dies_turns_its_peer_unavailable(smollm2_gguf, tmp_path, victim):
     """SIGKILL one server: its peer sees the closed connection at once, /health turns 503
     within seconds, and a request that needs the peer gets a 503, not a hang."""

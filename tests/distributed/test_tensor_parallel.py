@@ -46,26 +46,30 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
 
 
 def _rank(rank: int, size: int, port: int, spec: str, ids: list[int],
-          quantization: str | None) -> None:
+          quantizations: list[str | None]) -> None:
     torch.set_num_threads(1)
     ranks = connect(rank, size, "127.0.0.1", port, torch.device("cpu"))
-    _logits(load_model(spec, torch.float32, quantization=quantization, tp=ranks.tp).model, ids)
+    for quantization in quantizations:
+        _logits(load_model(spec, torch.float32, quantization=quantization, tp=ranks.tp).model,
+                ids)
 
 
-def tp_logits(spec: str, size: int, ids: list[int], quantization: str | None = None
-              ) -> torch.Tensor:
-    """Rank 0's logits (all of the vocabulary) with `size` ranks."""
+def tp_logits(spec: str, size: int, ids: list[int],
+              quantizations: list[str | None] = (None,)) -> list[torch.Tensor]:
+    """Rank 0's logits (all of the vocabulary) with `size` ranks, for the checkpoint loaded
+    with each of `quantizations` in turn (one start of the ranks for all of them)."""
     port = free_port()
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_rank, args=(r, size, port, spec, ids, quantization),
-                               daemon=True)
+    workers = [context.Process(target=_rank, daemon=True,
+                               args=(r, size, port, spec, ids, list(quantizations)))
                for r in range(1, size)]
     for w in workers:
         w.start()
     try:
         ranks = connect(0, size, "127.0.0.1", port, torch.device("cpu"))
-        logits = _logits(load_model(spec, torch.float32, quantization=quantization,
-                                    tp=ranks.tp).model, ids)
+        logits = [_logits(load_model(spec, torch.float32, quantization=quantization,
+                                     tp=ranks.tp).model, ids)
+                  for quantization in quantizations]
     finally:
         for w in workers:
             w.join(60)
@@ -80,22 +84,32 @@ def chat_ids(smollm2_llm) -> list[int]:
     return smollm2_llm.tokenizer.apply_chat_template(CHAT, tokenize=True)[:64]
 
 
+@pytest.fixture(scope="module")
+def tp2_logits(smollm2_gguf, chat_ids, default_model) -> dict[str | None, torch.Tensor]:
+    """TP=2 logits of the exact float32 path (None) and of the default path's format, from
+    one start of the ranks. The format "auto" timed for one process (int4, or int4-a8);
+    ranks would time their own (at their share of the threads), so it is named."""
+    formats = [None, default_model.quantization]
+    return dict(zip(formats, tp_logits(str(smollm2_gguf), 2, chat_ids, formats), strict=True))
+
+
 @pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_real_model_logits_equal_tp1(smollm2_gguf, smollm2_llm, chat_ids, size):
-    ours = tp_logits(str(smollm2_gguf), size, chat_ids)
+def test_real_model_logits_equal_tp1(smollm2_gguf, smollm2_llm, chat_ids, size, request):
+    if size == 2:
+        ours = request.getfixturevalue("tp2_logits")[None]
+    else:
+        ours, = tp_logits(str(smollm2_gguf), size, chat_ids)
     reference = _logits(smollm2_llm.engine.loaded.model, chat_ids)
     assert torch.equal(ours, reference), (
         f"TP={size}: max |logit diff| vs TP=1 {(ours - reference).abs().max().item():.2e}")
 
 
-def test_quantized_shards_keep_the_checkpoint_groups(smollm2_gguf, chat_ids, default_model):
+def test_quantized_shards_keep_the_checkpoint_groups(tp2_logits, default_model, chat_ids):
     """The default path (the file's Q4_1 groups on the int4 kernel) at TP=2: each rank packs
     its share of the quantized weights (the MLP split falls on 32-wide groups, so they are
     the checkpoint's own); partial sums are added across ranks (not chained), so logits
     move by float rounding only: same argmax at every position, within 0.05."""
-    # the format "auto" timed for one process (int4, or int4-a8); ranks time their own
-    # (at their share of the threads), so name it
-    ours = tp_logits(str(smollm2_gguf), 2, chat_ids, quantization=default_model.quantization)
+    ours = tp2_logits[default_model.quantization]
     single = _logits(default_model.model, chat_ids)
     diff = (ours - single).abs().max().item()
     print(f"int4 TP=2: max |logit diff| vs TP=1 = {diff:.2e}")
@@ -123,7 +137,7 @@ def test_real_model_greedy_equals_tp1(smollm2_gguf, smollm2_llm, size):
     assert all(not p.is_alive() for p in llm.engine.executor.processes)
 
 
-def _tiny_folder(folder, kind: str) -> transformers.PreTrainedModel:
+def _tiny_folder(folder, kind: str) -> "transformers.PreTrainedModel":
     """4 query heads on 1 KV head (fewer KV heads than ranks), random weights including
     norms and biases, and a byte-level tokenizer so that an engine can load it."""
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -166,7 +180,7 @@ def tiny(request, tmp_path_factory):
 def test_tiny_folders_with_replicated_kv_heads(tiny, size):
     folder, reference = tiny
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours = tp_logits(str(folder), size, ids)
+    ours, = tp_logits(str(folder), size, ids)
     single = _logits(load_model(str(folder), torch.float32).model, ids)
     with torch.inference_mode():
         ref = reference(torch.tensor([ids])).logits[0]

@@ -11,9 +11,9 @@ import openai
 import pytest
 
 from llmserve import SamplingParams
+from llmserve.engine import request_stream
 from llmserve.engine.async_engine import AsyncEngine, RequestTimeout
 from llmserve.engine.engine import Engine
-from llmserve.engine.request_stream import MAX_PENDING_OUTPUTS
 from llmserve.sampling_params import RequestOutputKind
 from tests.cli_server import cli_server
 from tests.entrypoints.openai.conftest import MODEL, _engine_config, run_server, wait_engine_idle
@@ -111,14 +111,17 @@ def test_request_timeout_ends_the_request_and_frees_its_blocks(smollm2_gguf, loa
         assert short.usage.completion_tokens == 2  # quick requests are unaffected
 
 
-def test_a_slow_reader_holds_a_bounded_stream(smollm2_gguf, loaded_model):
-    """A stream nobody reads while its request makes 160 tokens (2.5x MAX_PENDING_OUTPUTS)
-    keeps at most MAX_PENDING_OUTPUTS outputs (older ones merged), and reading it later
-    gives exactly what a prompt reader gets."""
+def test_a_slow_reader_holds_a_bounded_stream(smollm2_gguf, loaded_model, monkeypatch):
+    """A stream nobody reads while its request makes 2.5x the pending cap keeps at most the
+    cap's outputs (older ones merged), and reading it later gives exactly what a prompt
+    reader gets. The cap (MAX_PENDING_OUTPUTS) is lowered to 16 for the test."""
+    cap = 16
+    monkeypatch.setattr(request_stream, "MAX_PENDING_OUTPUTS", cap)
+    num_tokens = cap * 5 // 2
     engine = Engine(_engine_config(smollm2_gguf, loaded_model), loaded=loaded_model)
     async_engine = AsyncEngine(engine)
     async_engine.start()
-    params = SamplingParams(temperature=0, max_tokens=160, ignore_eos=True,
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True,
                             output_kind=RequestOutputKind.DELTA)
 
     async def run() -> tuple[list[int], list[int], int, int]:
@@ -141,8 +144,8 @@ def test_a_slow_reader_holds_a_bounded_stream(smollm2_gguf, loaded_model):
         prompt_read, late_read, pending, merged = asyncio.run(run())
     finally:
         asyncio.run(async_engine.shutdown())
-    assert pending <= MAX_PENDING_OUTPUTS and merged > 0
-    assert late_read == prompt_read and len(late_read) == 160
+    assert pending <= cap and merged > 0
+    assert late_read == prompt_read and len(late_read) == num_tokens
 
 
 def test_request_timeout_in_the_engine(smollm2_gguf, loaded_model):

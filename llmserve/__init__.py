@@ -3,11 +3,22 @@
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
+           "Logprob", "PoolingRequestOutput", "EmbeddingRequestOutput",
+           "ClassificationRequestOutput", "ScoringRequestOutput"]
 
 if TYPE_CHECKING:
     from llmserve.llm import LLM
-    from llmserve.outputs import CompletionOutput, Logprob, RequestOutput
+    from llmserve.outputs import (
+        ClassificationRequestOutput,
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        Logprob,
+        PoolingRequestOutput,
+        RequestOutput,
+        ScoringRequestOutput,
+    )
+    from llmserve.pooling_params import PoolingParams
     from llmserve.sampling_params import SamplingParams
 
 _LAZY = {
@@ -16,6 +27,11 @@ _LAZY = {
     "RequestOutput": "llmserve.outputs",
     "CompletionOutput": "llmserve.outputs",
     "Logprob": "llmserve.outputs",
+    "PoolingParams": "llmserve.pooling_params",
+    "PoolingRequestOutput": "llmserve.outputs",
+    "EmbeddingRequestOutput": "llmserve.outputs",
+    "ClassificationRequestOutput": "llmserve.outputs",
+    "ScoringRequestOutput": "llmserve.outputs",
 }
 
 

@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(...)`, vLLM-shaped."""
+"""The offline API: `LLM(model).generate(prompts, params)` and `LLM.chat(...)`, vLLM-shaped;
+with `runner="pooling"`, `LLM.embed`, `LLM.classify` and `LLM.score`."""
 
 from collections.abc import Sequence
 from dataclasses import replace
@@ -8,8 +9,17 @@ from tqdm.auto import tqdm
 
 from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
+from llmserve.scoring import classifier_score, cosine, cross_encoder_prompt, pair_up
 
 Prompt = str | dict[str, Any] | list[int]
 
@@ -20,7 +30,8 @@ class LLM:
     `LLM(model=None, dtype="auto", **engine_options)`; options are `EngineConfig` fields
     (block_size, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, scheduling_policy, seed, device, enforce_eager,
-    attention_backend, speculative_config).
+    attention_backend, speculative_config, tensor_parallel_size, runner, convert,
+    pooler_config).
 
     The engine is asked for final outputs only (`RequestOutputKind.FINAL_ONLY`, whatever
     the params say), so a request costs no per-step output work and each full
@@ -91,8 +102,74 @@ class LLM:
                   for sp in _per_prompt(sampling_params, len(prompts))]
         return self.generate(prompts, params, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    # ---- the pooling runner (runner="pooling"): embeddings, classes, scores ------------
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One pooled output per prompt (each prompt prefilled once, batched)."""
+        if isinstance(prompts, str | dict) or _is_token_ids(prompts):
+            prompts = [prompts]
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} pooling params for {len(prompts)} "
+                                 f"prompts; give one or {len(prompts)}")
+        ids = []
+        for i, (prompt, pp) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                ids.append(self.engine.add_request(prompt, pp))
+            except ValueError as e:
+                for request_id in ids:
+                    self.engine.abort_request(request_id)
+                raise type(e)(f"prompt {i}: {e}") from None
+        return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None) -> list[EmbeddingRequestOutput]:
+        """Embeddings (`outputs.embedding`), normalised as the pooler config says."""
+        params = replace(pooling_params or PoolingParams(), task="embed")
+        return [EmbeddingRequestOutput.from_base(o)
+                for o in self.encode(prompts, params, use_tqdm)]
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = True,
+                 pooling_params: PoolingParams | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Class probabilities (`outputs.probs`) from the classifier (`convert="classify"`)."""
+        params = replace(pooling_params or PoolingParams(), task="classify")
+        return [ClassificationRequestOutput.from_base(o)
+                for o in self.encode(prompts, params, use_tqdm)]
+
+    def score(self, text_1: str | Sequence[str], text_2: str | Sequence[str],
+              use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """Scores of text pairs (`llmserve/scoring.py`): a cross-encoder's for a classifier,
+        the embeddings' cosine similarity for an embedding model."""
+        pairs = pair_up(text_1, text_2)
+        if self.engine.config.convert == "classify":
+            prompts = [cross_encoder_prompt(self.tokenizer, a, b) for a, b in pairs]
+            outputs = self.encode(prompts, PoolingParams(task="classify"), use_tqdm)
+            return [ScoringRequestOutput(o.request_id,
+                                         ScoringOutput(classifier_score(o.outputs.data)),
+                                         o.prompt_token_ids) for o in outputs]
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        embedded = dict(zip(texts, self.encode(texts, PoolingParams(task="embed"), use_tqdm),
+                            strict=True))
+        results = []
+        for a, b in pairs:
+            first, second = embedded[a], embedded[b]
+            results.append(ScoringRequestOutput(
+                f"{first.request_id}-{second.request_id}",
+                ScoringOutput(cosine(first.outputs.data, second.outputs.data)),
+                first.prompt_token_ids + second.prompt_token_ids))
+        return results
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm,
                    unit="req", dynamic_ncols=True)
         num_tokens = 0
@@ -101,7 +178,8 @@ class LLM:
                 for output in self.engine.step():
                     if output.finished:
                         finished[output.request_id] = output
-                        num_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        if isinstance(output, RequestOutput):
+                            num_tokens += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
                 elapsed = max(bar.format_dict["elapsed"], 1e-9)
                 bar.set_postfix_str(f"output {num_tokens / elapsed:.1f} tok/s", refresh=False)

@@ -9,7 +9,7 @@ with each step's outputs, `update_state()` after every loop turn.
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -133,6 +133,9 @@ class EngineMetrics:
         engine): their token ids are the ones generated since the request's last output.
         """
         for output in outputs:
+            if not isinstance(output.outputs, list):  # a pooling request's one output
+                self._observe_pooled(output)
+                continue
             state = self._requests.setdefault(output.request_id, _RequestState())
             m = output.metrics
             num_new = sum(len(c.token_ids) for c in output.outputs)
@@ -151,6 +154,19 @@ class EngineMetrics:
             if output.finished:
                 self._finish(output, state)
                 del self._requests[output.request_id]
+
+    def _observe_pooled(self, output: Any) -> None:
+        """A pooling request (`PoolingRequestOutput`): its prompt, and its latency."""
+        self._requests.pop(output.request_id, None)
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self._log.prompt_tokens += len(output.prompt_token_ids)
+        self.request_success.labels(finished_reason="stop").inc()
+        self.prompt_len.observe(len(output.prompt_token_ids))
+        m = output.metrics
+        if m is not None and m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+        if m is not None and m.queue_time is not None:
+            self.queue_time.observe(m.queue_time)
 
     def _finish(self, output: RequestOutput, state: _RequestState) -> None:
         reason = output.outputs[0].finish_reason if output.outputs else "abort"

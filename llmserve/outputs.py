@@ -1,4 +1,5 @@
-"""What generation returns: vLLM-shaped `RequestOutput` and `CompletionOutput`.
+"""What generation returns: vLLM-shaped `RequestOutput` and `CompletionOutput`; what
+pooling returns: `PoolingRequestOutput` and its embedding, classification and scoring views.
 
 A running request's outputs are snapshots, deltas or only the final one, as its
 `SamplingParams.output_kind` asks (`RequestOutputKind`). A delta has the same shape as a
@@ -7,6 +8,7 @@ completion keyed by its `index`; `OutputAccumulator` sums deltas back into full 
 """
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -190,3 +192,80 @@ class OutputAccumulator:
             last.metrics, last.num_cached_tokens, dict(last.extra),
             prompt_logprobs=self._prompt_logprobs,
         )
+
+
+# ---- pooling: embeddings, class scores, similarity scores (vLLM's names) -----------------
+
+
+@dataclass
+class PoolingOutput:
+    data: Any  # a float32 tensor: the embedding, or the class probabilities (or logits)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one (final) output."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label (the logits if the request turned activation off)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

@@ -109,6 +109,12 @@ class Tokenizer:
         their ids, as in transformers and llama.cpp's server."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Token ids of a text pair as one input (a cross-encoder's query and document),
+        joined as the tokenizer's post-processor joins pairs (transformers'
+        `tokenizer(first, second)`)."""
+        return self.backend.encode(first, second, add_special_tokens=True).ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; bytes of an incomplete UTF-8 character decode to U+FFFD."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # packages that hold no code of their own, only their layers
 NAMESPACES = {"llmserve.entrypoints"}
 # `import llmserve` offers the public API lazily (`llmserve.LLM`, ...)
-PUBLIC_API = {"llmserve.llm", "llmserve.outputs", "llmserve.sampling_params"}
+PUBLIC_API = {"llmserve.llm", "llmserve.outputs", "llmserve.sampling_params",
+              "llmserve.pooling_params"}
 
 
 def _graph() -> grimp.ImportGraph:

@@ -4,6 +4,8 @@ take: frozen dataclasses, validated at construction."""
 from dataclasses import dataclass
 from typing import Any
 
+from llmserve.config.pooler import CONVERTS, RUNNERS, PoolerConfig
+
 # "auto" keeps a quantized checkpoint quantized: GGUF Q4_* on the int4 kernels, Q5/Q6/Q8
 # on the int8 kernels.
 QUANTIZATION_CHOICES = ("auto", "none", "int8", "int4", "int4-a8")
@@ -155,8 +157,28 @@ class EngineConfig:
     # meet at kv_transfer_address (HOST:PORT, hosted by the decode side)
     kv_role: str | None = None
     kv_transfer_address: str | None = None
+    # "pooling": embeddings, classification and scores only (config/pooler.py); `convert`
+    # (embed, classify) says which, `pooler_config` how (a PoolerConfig or its dict/JSON)
+    runner: str = "generate"
+    convert: str | None = None
+    pooler_config: PoolerConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, not {self.runner!r}")
+        if self.convert is not None and self.convert not in CONVERTS:
+            raise ValueError(f"convert must be one of {', '.join(CONVERTS)}, not "
+                             f"{self.convert!r}")
+        if self.convert is not None and self.runner != "pooling":
+            raise ValueError("convert (--convert) is for the pooling runner (--runner pooling)")
+        object.__setattr__(self, "pooler_config", PoolerConfig.from_value(self.pooler_config))
+        if self.runner == "pooling":
+            for name, value in (("speculative_config", self.speculative_config),
+                                ("kv_role", self.kv_role),
+                                ("tensor_parallel_size > 1",
+                                 self.tensor_parallel_size > 1 or None)):
+                if value is not None:
+                    raise ValueError(f"the pooling runner does not support {name}")
         if (self.kv_role is None) != (self.kv_transfer_address is None):
             raise ValueError("kv_role (--role) and kv_transfer_address (--kv-transfer-address) "
                              "go together")

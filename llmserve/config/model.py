@@ -200,6 +200,9 @@ class ModelConfig:
             attention_scale=None if scalar is None else float(scalar) ** -0.5,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+            # a classifier's label names (the pooling runner's /classify)
+            extra={"id2label": cfg["id2label"]} if isinstance(cfg.get("id2label"), dict)
+            else {},
         )
 
 

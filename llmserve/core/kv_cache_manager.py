@@ -68,9 +68,10 @@ class KVCacheManager:
         """Longest cached prefix of full blocks; leaves at least one token to compute.
 
         Does not take references: pass the blocks to `allocate_slots` in the same step.
-        A request asking for prompt logprobs gets no hits (its prompt must be computed).
+        A request asking for prompt logprobs, or pooling every position, gets no hits (its
+        prompt must be computed).
         """
-        if not self.shares_blocks(request) or request.sampling_params.prompt_logprobs is not None:
+        if not self.shares_blocks(request) or request.computes_whole_prompt:
             return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -31,6 +31,8 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)  # a copy, for a resumed one
     eos_token_ids: frozenset[int] = frozenset()
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # a pooling request: its PoolingParams (the runner pools its prompt, samples nothing)
+    pooling_params: Any = None
 
 
 @dataclass
@@ -112,17 +114,20 @@ class ModelRunnerOutput:
     (worker.logprobs.PositionLogprobs) of each of them, for rows asking for logprobs, else
     None. `prompt_logprobs[i] = (first, positions)`: positions[j] scores prompt token
     `first + j` (first >= 1; a chunked prompt arrives over several steps), else None.
+    `pooler_output[i]`: a pooling request's output (a float32 CPU tensor: its embedding or
+    class scores) at the step its prompt's last chunk ran, else None.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[Any] | None] = field(default_factory=list)
     prompt_logprobs: list[tuple[int, list[Any]] | None] = field(default_factory=list)
+    pooler_output: list[Any] = field(default_factory=list)
 
     @classmethod
     def empty(cls, req_ids: list[str]) -> "ModelRunnerOutput":
         n = len(req_ids)
-        return cls(list(req_ids), [[] for _ in range(n)], [None] * n, [None] * n)
+        return cls(list(req_ids), [[] for _ in range(n)], [None] * n, [None] * n, [None] * n)
 
     @classmethod
     def from_sampled(cls, out: SchedulerOutput,
@@ -138,9 +143,10 @@ class ModelRunnerOutput:
 class RequestUpdate:
     """What a step did to one request, for the output processor: it got new tokens
     (appended to `request.output_token_ids`) and/or prompt logprobs, with their raw
-    logprobs from the runner."""
+    logprobs from the runner; or, a pooling request, its output (`pooled`)."""
 
     request: Request
     new_tokens: bool
     logprobs: list[Any] | None = None
     prompt_logprobs: tuple[int, list[Any]] | None = None
+    pooled: Any = None

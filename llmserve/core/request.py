@@ -88,6 +88,11 @@ class Request:
     remote_decode: str | None = None
     remote_kv: Any = None
     grammar: Any = None  # structured output: its structured.backend.GrammarMatcher
+    # a pooling request (an embedding or class scores from its prompt, nothing sampled):
+    # its pooling_params.PoolingParams; `pools_every_position`: its pooling (MEAN, CLS)
+    # reads hidden states a prefix-cache hit would skip
+    pooling_params: Any = None
+    pools_every_position: bool = False
     # KV: its blocks (core.block_pool.Block) in position order; how many leading full ones
     # were offered to the prefix cache; how many block ids the runner holds (None: the
     # runner holds no row for it, so the next step sends its data)
@@ -121,6 +126,11 @@ class Request:
         the one that ended the request)."""
         del self.output_token_ids[num_output_tokens:]
         del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """Its output needs every prompt position computed: no prefix-cache hits."""
+        return self.sampling_params.prompt_logprobs is not None or self.pools_every_position
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop on token ids and lengths (stop strings are checked on text, by the engine)."""

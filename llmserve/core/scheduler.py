@@ -260,6 +260,7 @@ class Scheduler:
                 output_token_ids=list(request.output_token_ids),
                 eos_token_ids=request.eos_token_ids,
                 bad_words_token_ids=request.bad_words_token_ids,
+                pooling_params=request.pooling_params,
             )
             num_sent = num_blocks
         request.num_blocks_sent = num_blocks
@@ -309,6 +310,11 @@ class Scheduler:
             request = self.requests.get(s.request_id)
             scheduled.append(request)
             if request is None:
+                continue
+            if result.pooler_output[i] is not None:  # a pooling request's prompt is done
+                request.timings.first_token = request.timings.last_token = now
+                self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                updates.append(RequestUpdate(request, False, pooled=result.pooler_output[i]))
                 continue
             tokens = result.sampled_token_ids[i]
             if s.spec_token_ids and tokens:

@@ -45,7 +45,8 @@ from llmserve.engine.request_stream import (
 )
 from llmserve.errors import LLMServeError
 from llmserve.metrics import LOG_INTERVAL_S, EngineMetrics
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import PoolingRequestOutput, RequestOutput
+from llmserve.pooling_params import PoolingParams
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -153,9 +154,11 @@ class AsyncEngine:
         Raises `QueueFull`, `EngineShutdown`, or the engine's `RequestRejected`/`ValueError`.
         """
         loop = asyncio.get_running_loop()
-        deltas = params
-        if params.output_kind is not RequestOutputKind.DELTA:
-            deltas = replace(params, output_kind=RequestOutputKind.DELTA)
+        deltas, kind = params, RequestOutputKind.DELTA  # a pooling request: one output
+        if isinstance(params, SamplingParams):
+            kind = params.output_kind
+            if kind is not RequestOutputKind.DELTA:
+                deltas = replace(params, output_kind=RequestOutputKind.DELTA)
         with self._lock:
             if self.engine.failure is not None:
                 raise EngineUnavailable(f"the engine is unavailable: {self.engine.failure}")
@@ -170,7 +173,7 @@ class AsyncEngine:
             deadline = None
             if self.request_timeout is not None:
                 deadline = time.monotonic() + self.request_timeout
-            stream = RequestStream(request_id, loop, self, params.output_kind, deadline)
+            stream = RequestStream(request_id, loop, self, kind, deadline)
             self._adds.append(_Add(request_id, prompt, deltas, arrival_time or time.time(),
                                    priority, cache_salt, stream, kv_transfer))
             self._idle.clear()
@@ -191,6 +194,15 @@ class AsyncEngine:
                 yield output
         finally:
             stream.abort()
+
+    async def encode(self, prompt: Any, params: PoolingParams,
+                     **options: Any) -> PoolingRequestOutput:
+        """A pooling request's output (the pooling runner); cancelling aborts it."""
+        async for output in self.generate(prompt, params, **options):
+            if isinstance(output, PoolingRequestOutput):
+                return output
+            break  # aborted (a request timeout, a shutdown): a generation-shaped output
+        raise EngineShutdown("the pooling request ended without its output")
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its KV blocks are freed at the engine's next turn."""

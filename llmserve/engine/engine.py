@@ -29,6 +29,7 @@ from llmserve.engine.input_processor import InputProcessor, NewRequest, RequestR
 from llmserve.engine.kv_connector import KVConnector, make_kv_connector
 from llmserve.engine.loading import (
     attention_backend_name,
+    build_pooler,
     build_speculator,
     free_memory_bytes,
     kv_budget,
@@ -48,8 +49,9 @@ from llmserve.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.memory import plan_kv_cache
 from llmserve.models.compile import warm_up
-from llmserve.outputs import RequestOutput
-from llmserve.sampling_params import SamplingParams
+from llmserve.outputs import PoolingRequestOutput, RequestOutput
+from llmserve.pooling_params import PoolingParams
+from llmserve.sampling_params import RequestOutputKind, SamplingParams
 from llmserve.spec_decode.proposer_stage import ProposerStage
 from llmserve.structured import GrammarStage, StructuredOutputManager
 from llmserve.worker.model_runner import ModelRunner
@@ -110,9 +112,10 @@ class Engine:
                 self.attention_backend_name, config.max_num_seqs))
         self.kv_connector: KVConnector | None = make_kv_connector(
             config.kv_role, config.kv_transfer_address)
+        self.pooler = build_pooler(config, self.loaded)
         runner = ModelRunner(self.loaded.model, kv_cache, self.device,
                              max_num_seqs=config.max_num_seqs, attention=self.attention,
-                             kv_connector=self.kv_connector)
+                             kv_connector=self.kv_connector, pooler=self.pooler)
         self.executor: Executor = ranks.bind_runner(runner) if ranks else UniProcExecutor(runner)
         warm_up(self.loaded.model, kv_cache, self.attention)
         self.structured = StructuredOutputManager(self.tokenizer, model_cfg.vocab_size)
@@ -143,7 +146,7 @@ class Engine:
     def add_request(
         self,
         prompt: str | list[int] | dict,
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -157,7 +160,12 @@ class Engine:
         `kv_transfer` (disaggregated prefill/decode): on a prefill engine, the transfer id
         the prompt's KV is sent under; on a decode engine, the `TransferredKV` header
         (`KVConnector.wait_for`) it continues from.
+        `PoolingParams` (the pooling runner): one prefill of the prompt, whose output is a
+        `PoolingRequestOutput` (an embedding, or class scores).
         """
+        if isinstance(params, PoolingParams) or self.pooler is not None:
+            return self._add_pooling(prompt, params, request_id, priority, arrival_time,
+                                     cache_salt)
         params = params or SamplingParams()
         new = self.input_processor.process(prompt, params, priority, arrival_time,
                                            cache_salt, kv_transfer)
@@ -205,6 +213,38 @@ class Engine:
         self.output_processor.add(RequestState(request, new.text, detok, parent, index))
         self.scheduler.add_request(request)
 
+    def _add_pooling(self, prompt: str | list[int] | dict, pooling: PoolingParams | None,
+                     request_id: str | None, priority: int, arrival_time: float | None,
+                     cache_salt: str | None) -> str:
+        """A pooling request: its prompt prefilled through the same scheduler (batched,
+        chunked, prefix-cached when its pooling allows), one sampled-nothing step at its end."""
+        if self.pooler is None:
+            raise RequestRejected("embedding and classification requests need the pooling "
+                                  "runner (--runner pooling)")
+        if not isinstance(pooling, PoolingParams):
+            raise RequestRejected("this engine runs the pooling runner: it embeds and "
+                                  "classifies, it does not generate")
+        if pooling.task == "classify" and self.pooler.num_labels is None:
+            raise RequestRejected("this model has no classifier (serve it with --convert "
+                                  "classify: a score head, or classifier_from_token)")
+        # one "token" of room: the runner pools where a generation would sample
+        params = SamplingParams(max_tokens=1, temperature=0, detokenize=False,
+                                truncate_prompt_tokens=pooling.truncate_prompt_tokens,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        new = self.input_processor.process(prompt, params, priority, arrival_time,
+                                           cache_salt, None)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if self.output_processor.in_use(request_id):
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        request = Request(request_id, new.ids, params, 1, frozenset(), new.priority,
+                          new.cache_salt, arrival_time=new.arrival_time)
+        request.pooling_params = pooling
+        request.pools_every_position = self.pooler.config.needs_every_position
+        detok = IncrementalDetokenizer(self.tokenizer, new.ids, True, [], False, False)
+        self.output_processor.add(RequestState(request, new.text, detok))
+        self.scheduler.add_request(request)
+        return request_id
+
     def _add_beam(self, request_id: str, token_ids: list[int], params: SamplingParams,
                   search: BeamSearch) -> None:
         new = NewRequest(search.prompt, token_ids, 1, search.priority, search.arrival_time,
@@ -224,7 +264,7 @@ class Engine:
 
     # ---- the loop ----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One scheduling + forward step; the outputs (per `output_kind`) of every request
         that got tokens, one per caller's request id."""
         scheduler_output = self.scheduler.schedule()

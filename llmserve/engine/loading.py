@@ -1,5 +1,6 @@
 """What an engine is built from: its device and dtypes, the KV budget, the attention backend,
-the other tensor-parallel ranks, and the speculator (with its measured step costs)."""
+the other tensor-parallel ranks, the speculator (with its measured step costs), and the
+pooling runner's pooler."""
 
 import logging
 import os
@@ -8,18 +9,20 @@ import torch
 
 from llmserve.config.engine import DTYPES, EngineConfig
 from llmserve.cpu_info import memory_bytes
-from llmserve.errors import LLMServeError
+from llmserve.errors import LLMServeError, UnsupportedModelError
 from llmserve.executor.abstract import Executor
 from llmserve.executor.executor import TensorParallelExecutor, make_executor
 from llmserve.executor.ranks import WorkerSpec
 from llmserve.kernels import native, set_num_threads
 from llmserve.layers.kv_cache import resolve_kv_cache_dtype
+from llmserve.layers.pooler import Pooler
 from llmserve.loader.kernel_choice import choose_attention
 from llmserve.loader.model_loader import LoadedModel
 from llmserve.memory import parse_size
 from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
 from llmserve.spec_decode.speculator import Speculator
+from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -121,3 +124,39 @@ def build_speculator(config: EngineConfig, loaded: LoadedModel, device: torch.de
         logger.info("speculative decoding: a draft token costs %s of a step (by batch "
                     "size)", {b: round(c, 2) for b, c in costs.by_batch.items()})
     return Speculator.build(spec, draft, costs)
+
+
+def build_pooler(config: EngineConfig, loaded: LoadedModel) -> Pooler | None:
+    """The pooling runner's pooler (None for the generate runner): for `convert` classify,
+    the checkpoint's `score` head or the LM head's logits at `classifier_from_token`'s
+    tokens. A checkpoint without an LM head runs the pooling runner only."""
+    if config.runner != "pooling":
+        if not loaded.has_lm_head:
+            raise UnsupportedModelError(
+                f"{loaded.source.name} has no LM head (an embedding model or a sequence "
+                "classifier): serve it with the pooling runner (--runner pooling)")
+        return None
+    pooler_config = config.pooler_config
+    tokens = pooler_config.classifier_from_token
+    if config.convert == "classify" and loaded.classifier is None and tokens is None:
+        raise ValueError("convert classify needs a classifier: a score head in the "
+                         "checkpoint (*ForSequenceClassification) or pooler_config "
+                         "classifier_from_token")
+    label_ids = None
+    if tokens is not None:
+        if not loaded.has_lm_head:
+            raise ValueError("pooler_config classifier_from_token reads the LM head, which "
+                             f"{loaded.source.name} does not have")
+        label_ids = [_single_token(loaded.tokenizer, t) for t in tokens]
+    return Pooler(pooler_config, loaded.classifier, label_ids, loaded.model.compute_logits)
+
+
+def _single_token(tokenizer: Tokenizer, text: str) -> int:
+    token_id = tokenizer.token_to_id(text)
+    if token_id is None:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"pooler_config classifier_from_token: {text!r} is "
+                             f"{len(ids)} tokens, not one")
+        token_id = ids[0]
+    return token_id

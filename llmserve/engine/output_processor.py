@@ -15,7 +15,7 @@ from llmserve.core.scheduler import Scheduler
 from llmserve.engine.beam_search import BeamSearch
 from llmserve.engine.parallel_sampling import ParallelGroup
 from llmserve.engine.request_state import LogprobsDecoder, RequestState
-from llmserve.outputs import RequestOutput
+from llmserve.outputs import PoolingRequestOutput, RequestOutput
 from llmserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,8 @@ class OutputProcessor:
         state = self.states.pop(request_id, None)
         return None if state is None else state.output()
 
-    def process(self, updates: list[RequestUpdate]) -> list[RequestOutput]:
+    def process(self, updates: list[RequestUpdate]
+                ) -> list[RequestOutput | PoolingRequestOutput]:
         """The outputs (per `output_kind`) of the step's requests that got tokens, one per
         caller's request id."""
         outputs: list[RequestOutput] = []
@@ -70,6 +71,10 @@ class OutputProcessor:
         for update in updates:
             state = self.states.get(update.request.request_id)
             if state is None:
+                continue
+            if update.pooled is not None:  # a pooling request: its one output
+                del self.states[update.request.request_id]
+                outputs.append(state.pooling_output(update.pooled))
                 continue
             if update.prompt_logprobs is not None and state.prompt_logprobs is not None:
                 first, positions = update.prompt_logprobs

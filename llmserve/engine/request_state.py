@@ -20,6 +20,8 @@ from llmserve.engine.detokenizer import Decoder, IncrementalDetokenizer
 from llmserve.outputs import (
     CompletionOutput,
     Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
     PromptLogprobs,
     RequestMetrics,
     RequestOutput,
@@ -28,6 +30,8 @@ from llmserve.sampling_params import RequestOutputKind
 from llmserve.worker.logprobs import PositionLogprobs
 
 if TYPE_CHECKING:
+    import torch
+
     from llmserve.engine.beam_search import BeamSearch
     from llmserve.engine.parallel_sampling import ParallelGroup
 
@@ -90,6 +94,17 @@ class RequestState:
             request.request_id, self.prompt, request.prompt_token_ids, [completion],
             finished, metrics, request.num_cached_tokens, prompt_logprobs=prompt_logprobs,
         )
+
+    def pooling_output(self, pooled: "torch.Tensor") -> PoolingRequestOutput:
+        """A pooling request's output (its prompt is done; nothing was sampled)."""
+        request = self.request
+        t = request.timings
+        metrics = RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.last_token,
+                                 t.finished, 0, num_preemptions=request.num_preemptions,
+                                 num_preempted_tokens=request.num_preempted_tokens)
+        return PoolingRequestOutput(request.request_id, PoolingOutput(pooled),
+                                    list(request.prompt_token_ids), True,
+                                    request.num_cached_tokens, metrics)
 
     def _delta(self, finished: bool) -> tuple[CompletionOutput, PromptLogprobs | None]:
         """What is new since the last output; the prompt logprobs only the first time."""

@@ -1,6 +1,7 @@
 """Load a Hugging Face model folder: `config.json` plus `*.safetensors` (sharded or not)."""
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,11 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 # safetensors dtypes read as weights (cast to the model's dtype)
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+# a bare decoder's checkpoint (`LlamaModel`, `Qwen3Model`: what embedding models save)
+# names its tensors without the `model.` prefix
+BARE_PREFIXES = ("layers.", "embed_tokens.", "norm.")
+# a sequence classifier's head: (labels, hidden)
+CLASSIFIER = "score.weight"
 
 
 def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
@@ -46,17 +52,39 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         shapes.update(_safetensors_shapes(file))
+    classifier = shapes.pop(CLASSIFIER, None)
+    if classifier is not None and (len(classifier) != 2 or classifier[1] != config.hidden_size):
+        raise ModelFormatError(f"{folder}: tensor {CLASSIFIER} has shape {classifier}, not "
+                               f"(labels, {config.hidden_size})")
+    # a decoder without its LM head (an embedding model, a sequence classifier) runs the
+    # pooling runner only: the model is built with the embedding as its head
+    has_lm_head = "lm_head.weight" in shapes or config.tie_word_embeddings or \
+        _is_causal_lm(hf_config)
+    if not has_lm_head:
+        config = replace(config, tie_word_embeddings=True)
     check_weight_shapes(config, shapes, folder)
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update(_read_safetensors(file, dtype, config, slices))
     drop_tied_head(config, tensors)
-    return LoadedWeights(config=config, tensors=tensors, metadata=hf_config)
+    return LoadedWeights(config=config, tensors=tensors, metadata=hf_config,
+                         classifier=tensors.pop(CLASSIFIER, None), has_lm_head=has_lm_head)
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's canonical (HF Llama) name."""
+    return f"model.{name}" if name.startswith(BARE_PREFIXES) else name
+
+
+def _is_causal_lm(hf_config: dict[str, Any]) -> bool:
+    architectures = hf_config.get("architectures") or []
+    return not isinstance(architectures, list) or not architectures or any(
+        isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures)
 
 
 def _read_tensor(f: Any, name: str, config: ModelConfig, slices: WeightSlices | None
                  ) -> torch.Tensor:
-    rows, cols = slices(config, name) if slices is not None else (None, None)
+    rows, cols = slices(config, canonical_name(name)) if slices is not None else (None, None)
     if rows is None and cols is None:
         return f.get_tensor(name)
     part = f.get_slice(name)
@@ -120,7 +148,8 @@ def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
                     raise UnsupportedModelError(
                         f"{file}: tensor {name!r} has dtype {part.get_dtype()} (weights are "
                         f"read from {', '.join(FLOAT_DTYPES)})")
-            return {name: tuple(part.get_shape()) for name, part in parts.items()}
+            return {canonical_name(name): tuple(part.get_shape())
+                    for name, part in parts.items()}
     except (SafetensorError, OSError) as e:
         raise ModelFormatError(f"cannot read {file}: {e}") from None
 
@@ -130,7 +159,7 @@ def _read_safetensors(file: Path, dtype: torch.dtype, config: ModelConfig,
     try:
         with safe_open(file, framework="pt") as f:
             return {
-                name: _read_tensor(f, name, config, slices).to(dtype)
+                canonical_name(name): _read_tensor(f, name, config, slices).to(dtype)
                 for name in f.keys()
                 if not name.endswith(IGNORED_SUFFIXES)
             }

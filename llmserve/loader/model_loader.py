@@ -31,6 +31,8 @@ class LoadedModel:
     config: ModelConfig
     source: ModelSource
     quantization: str | None = None  # what the linear layers actually run ("int8"; None: float)
+    classifier: torch.Tensor | None = None  # a sequence classifier's (labels, hidden) head
+    has_lm_head: bool = True  # False: a checkpoint without one (pooling runner only)
 
 
 def auto_quantization(stored: str | None, device: torch.device,
@@ -100,7 +102,9 @@ def load_model(
     compile_model(model, device, quantization, enforce_eager or sharded)
     logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
                 quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)
-    return LoadedModel(model, tokenizer, weights.config, source, quantization)
+    classifier = None if weights.classifier is None else weights.classifier.to(device)
+    return LoadedModel(model, tokenizer, weights.config, source, quantization, classifier,
+                       weights.has_lm_head)
 
 
 def device_is_cpu(device: str | torch.device) -> bool:

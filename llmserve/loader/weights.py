@@ -33,6 +33,11 @@ class LoadedWeights:
     # the kernels that keep the file's quantization ("int4" for GGUF Q4_*, "int8" for other
     # quantized files), None for float weights
     quantization: str | None = None
+    # a sequence classifier's head (`score.weight`, (labels, hidden)), kept out of the model
+    classifier: torch.Tensor | None = None
+    # False: the checkpoint has no LM head (a bare decoder or a classifier; the config was
+    # built tied, so the model holds the embedding as its head); it runs pooling only
+    has_lm_head: bool = True
 
 
 def require_path(path: str | Path, *, is_dir: bool) -> Path:

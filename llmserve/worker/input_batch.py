@@ -18,12 +18,14 @@ import heapq
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from llmserve.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from llmserve.layers.pooler import PooledState
 from llmserve.sampling_params import SamplingParams
 from llmserve.worker.logits_processors import (
     History,
@@ -47,6 +49,9 @@ class RequestRow:
     generator: torch.Generator | None  # seeded requests only; survives a preemption
     num_counted: int | None = None  # output tokens in the penalty counts; None: not set up
     row: int | None = None  # its row; None: preempted, kept only for its generator
+    # a pooling request: its PoolingParams and what its chunks left (layers/pooler.py)
+    pooling_params: Any = None
+    pooled: PooledState | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +83,7 @@ _ROW_BUFFERS = (
     ("presence", np.float32, 0.0),
     ("logprobs", np.int64, -1),  # -1: not asked for
     ("prompt_logprobs", np.bool_, False),
+    ("pooling", np.bool_, False),  # a pooling request: pooled, never sampled
     ("needs_sort", np.bool_, False),  # top-k or top-p on a sampled (temperature > 0) row
     ("penalised", np.bool_, False),
     ("processed", np.bool_, False),  # bias, allowed ids, bans or penalties
@@ -151,6 +157,8 @@ class InputBatch:
         self.rows[row] = RequestRow(
             new.request_id, new.prompt_token_ids, list(new.output_token_ids), p,
             new.eos_token_ids, new.bad_words_token_ids, generator, row=row,
+            pooling_params=new.pooling_params,
+            pooled=None if new.pooling_params is None else PooledState(),
         )
         self.requests[new.request_id] = self.rows[row]
         self.num_blocks[row] = 0
@@ -165,6 +173,7 @@ class InputBatch:
         self.presence[row] = p.presence_penalty
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.prompt_logprobs[row] = p.prompt_logprobs is not None
+        self.pooling[row] = new.pooling_params is not None
         self.needs_sort[row] = (p.top_k > 0 or p.top_p < 1) and p.temperature > 0
         self.penalised[row] = has_penalty(p)
         self.processed[row] = bool(

@@ -10,6 +10,7 @@ of other ranks (an executor drives one runner per rank, `executor/`).
         KV loads written                     (kv_connector.load_kv, disaggregated decode)
         forward over the flat batch
         prompt logprobs of prefill chunks
+        pooling requests' chunks pooled; their outputs once their prompt is done
         logits at the sample positions (at each draft too) -> grammar masks -> sample
         KV saves sent                        (kv_connector.save_kv, disaggregated prefill)
 """
@@ -24,6 +25,7 @@ from llmserve.core.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
+from llmserve.layers.pooler import Pooler
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
 from llmserve.worker.rejection_sampler import verify
@@ -37,12 +39,15 @@ class ModelRunner:
     """Runs steps on one model (one rank's share of it). `samples=False`: compute the
     logits but sample nothing (a tensor-parallel worker rank, whose logits all-gather
     meets the sampling rank's). `kv_connector`: an `engine.kv_connector.KVConnector`
-    for disaggregated prefill/decode, else None."""
+    for disaggregated prefill/decode, else None. `pooler`: the pooling runner's
+    (`layers/pooler.py`), for pooling requests."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str,
                  max_num_seqs: int = 256, attention: AttentionBackend | None = None,
-                 samples: bool = True, kv_connector: Any = None) -> None:
+                 samples: bool = True, kv_connector: Any = None,
+                 pooler: Pooler | None = None) -> None:
         self.model = model
+        self.pooler = pooler
         self.samples = samples
         self.kv_connector = kv_connector
         self.kv_cache = kv_cache
@@ -70,7 +75,11 @@ class ModelRunner:
             start = end + 1 - s.num_tokens  # the chunk's first token
             self._prompt_logprobs(i, s, batch.rows[step.rows[i]],
                                   hidden[start : start + len(s.token_ids)], result)
-        to_sample = np.array([i for i, s in enumerate(out.scheduled) if s.sample], np.int64)
+        pooling = batch.pooling[step.rows]
+        if pooling.any():
+            self._pool(out, np.flatnonzero(pooling), step, hidden, result)
+        to_sample = np.array([i for i, s in enumerate(out.scheduled)
+                              if s.sample and not pooling[i]], np.int64)
         if len(to_sample) == 0:
             return result
         drafts = [out.scheduled[i].spec_token_ids for i in to_sample]
@@ -215,6 +224,27 @@ class ModelRunner:
             logprobs = self.model.compute_logits(hidden[lo:hi]).log_softmax(dim=-1)
             positions += gather_logprobs(logprobs, targets[lo:hi], k)
         result.prompt_logprobs[i] = (s.start_position + 1, positions)
+
+    def _pool(self, out: SchedulerOutput, rows: np.ndarray, step: Any, hidden: torch.Tensor,
+              result: ModelRunnerOutput) -> None:
+        """Pool the chunks of the pooling requests among batch rows `rows`; those whose
+        prompt this chunk ends get their output (embedding or class scores)."""
+        done: list[int] = []
+        for i in rows.tolist():
+            s = out.scheduled[i]
+            request = self.input_batch.rows[step.rows[i]]
+            end = int(step.last_token[i])
+            chunk = hidden[end + 1 - s.num_tokens : end + 1]
+            self.pooler.add_chunk(request.pooled, chunk, s.start_position, s.sample)
+            if s.sample:
+                done.append(i)
+        if not done:
+            return
+        requests = [self.input_batch.rows[step.rows[i]] for i in done]
+        outputs = self.pooler.finish([r.pooled for r in requests],
+                                     [r.pooling_params for r in requests])
+        for i, output in zip(done, outputs, strict=True):
+            result.pooler_output[i] = output
 
     def _save_kv(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """Send the prompts whose first token this step sampled to the decode engine."""

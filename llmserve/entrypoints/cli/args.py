@@ -12,6 +12,7 @@ from llmserve.config.engine import (
     QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
 )
+from llmserve.config.pooler import CONVERTS, RUNNERS
 from llmserve.loader.catalog import DEFAULT_MODEL
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_thread
                 "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
                 "scheduling_policy", "enforce_eager", "attention_backend",
-                "speculative_config", "tensor_parallel_size", "distributed_executor_backend")
+                "speculative_config", "tensor_parallel_size", "distributed_executor_backend",
+                "runner", "convert", "pooler_config")
 
 
 def given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
@@ -128,6 +130,18 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                             "quantized self drafts for the exact path); "
                             "num_speculative_tokens, prompt_lookup_min/max, "
                             "disable_by_batch_size, adaptive")
+    group.add_argument("--runner", choices=RUNNERS,
+                       help="generate (default), or pooling: embeddings, classification and "
+                            "scores (/v1/embeddings, /classify, /v1/score, /rerank); no "
+                            "generation")
+    group.add_argument("--convert", choices=CONVERTS,
+                       help="the pooling runner's output: embed (default; the pooled hidden "
+                            "state) or classify (the checkpoint's score head, or "
+                            "classifier_from_token)")
+    group.add_argument("--pooler-config", type=json_object,
+                       help="the pooling runner's pooler, as JSON: pooling_type LAST "
+                            "(default), MEAN or CLS; normalize (default true); "
+                            "classifier_from_token (e.g. [\"no\", \"yes\"])")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="never torch.compile the model step (float32 steps off the "
                             "native stack compile by default: a slower start, cached after)")
@@ -183,6 +197,17 @@ def speculative_config(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(
             'a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    return value
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object value, checked by the config it goes to."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object, not {text!r}")
     return value
 
 

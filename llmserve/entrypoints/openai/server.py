@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: `build_app()` (FastAPI) and `run_server()` (uvicorn).
 
 Routes: /v1/completions, /v1/chat/completions, /v1/responses (and /v1/responses/{id}),
-/v1/messages (Anthropic's, with /v1/messages/count_tokens), /v1/models, /v1/models/{id},
+/v1/messages (Anthropic's, with /v1/messages/count_tokens), the pooling runner's
+/v1/embeddings, /classify, /v1/score and /rerank (serving_pooling.py), /v1/models, /v1/models/{id},
 /tokenize, /detokenize, /tokenizer_info, /health, /metrics, /version, and the chat page at
 / (web_ui.py). Model work happens on the AsyncEngine's thread, tokenization on its small
 executor; the event loop only moves bytes.
@@ -46,6 +47,13 @@ from llmserve.entrypoints.openai.serving_messages import (
     AnthropicServingMessages,
     CountTokensRequest,
     MessagesRequest,
+)
+from llmserve.entrypoints.openai.serving_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    OpenAIServingPooling,
+    RerankRequest,
+    ScoreRequest,
 )
 from llmserve.entrypoints.openai.serving_responses import (
     OpenAIServingResponses,
@@ -137,6 +145,27 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(body: CountTokensRequest) -> dict[str, Any]:
         return await messages.count_tokens(body)
+
+    pooling = OpenAIServingPooling(engine, settings.model_name)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        return await _respond(request, pooling.embeddings(body, _arrival(request)))
+
+    @app.post("/classify")
+    async def classify(body: ClassificationRequest, request: Request) -> Response:
+        return await _respond(request, pooling.classify(body, _arrival(request)))
+
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await _respond(request, pooling.score(body, _arrival(request)))
+
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await _respond(request, pooling.rerank(body, _arrival(request)))
+
+    for path in ("/v1/score", "/score"):
+        app.post(path)(score)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.post(path)(rerank)
 
     def model_card() -> dict[str, Any]:
         return {"id": settings.model_name, "object": "model", "created": now(),

@@ -1,7 +1,7 @@
 """The server under tensor parallelism (TP=2, one spawned worker) answers as TP=1 does over
 the official `openai` client; a disconnect frees the request on every rank; a dead rank
 fails the requests in flight (the clients' timeouts guard against a hang) and every new one
-with 503, and /health is 503."""
+with 503, and /health is 503 (the dead-rank tests and the streamed one run under -m slow)."""
 
 import asyncio
 import json
@@ -61,6 +61,7 @@ def test_greedy_chat_matches_tp1(tp1, tp2):
                 == [t.bytes for t in want.choices[0].logprobs.content])
 
 
+@pytest.mark.slow  # streaming is the same code at TP=1 (tests/entrypoints/openai/)
 def test_streamed_chat_equals_whole(tp2):
     options = {"model": MODEL, "messages": CHATS[1], **GREEDY}
     client = tp2.client()
@@ -187,6 +188,7 @@ def _client(server: RunningServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=15)
 
 
+@pytest.mark.slow  # a TP=2 server of its own (two model loads)
 def test_a_dead_rank_fails_requests_and_turns_the_server_unavailable(smollm2_gguf):
     """Kill the worker mid-answer: the answers in flight end with an error within seconds,
     /health turns 503, new requests are 503; the server still stops."""
@@ -223,7 +225,7 @@ def late_watcher(monkeypatch):
     monkeypatch.setattr(multiprocessing.connection, "wait", late_wait)
 
 
-@pytest.mark.slow  # a third TP=2 server; the dead rank's 503 is checked above
+@pytest.mark.slow  # a third TP=2 server
 def test_a_dead_rank_is_named_in_every_503(smollm2_gguf, late_watcher):
     """Even when the step's collective fails before the watcher sees the dead worker: 503s
     that name it (the failed step looks for the dead rank before answering)."""

@@ -188,11 +188,16 @@ def build_and_run(level: Level, check_object: Path, work: Path) -> Run:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Run | Exception]:
-    """Every level built and run, two at a time; the check program is built once per
-    architecture, at its baseline instruction set (its code does not depend on the level)."""
+def runs(request, tmp_path_factory) -> dict[str, Run | Exception]:
+    """Every level this session tests (and the baseline) built and run, two at a time; the
+    check program is built once per architecture, at its baseline instruction set (its
+    code does not depend on the level)."""
     root = tmp_path_factory.mktemp("kernel_levels")
-    arches = {"x86_64": "-march=x86-64", "aarch64": "-march=armv8-a"}
+    wanted = session_levels(request)
+    levels = [lv for lv in LEVELS if lv in wanted or lv == BASELINE]
+    arches = {arch: flag for arch, flag in (("x86_64", "-march=x86-64"),
+                                            ("aarch64", "-march=armv8-a"))
+              if any(lv.arch == arch for lv in levels)}
 
     def check_object(arch: str) -> Path | Exception:
         target = root / f"kernel_check-{arch}.o"
@@ -214,7 +219,17 @@ def runs(tmp_path_factory) -> dict[str, Run | Exception]:
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         objects = dict(zip(arches, pool.map(check_object, arches), strict=True))
-        return {lv.id: result for lv, result in zip(LEVELS, pool.map(attempt, LEVELS), strict=True)}
+        return {lv.id: result for lv, result in zip(levels, pool.map(attempt, levels), strict=True)}
+
+
+def session_levels(request) -> set[Level]:
+    """The levels of this module's tests that the session runs (after -m and -k)."""
+    levels = set()
+    for item in request.session.items:
+        callspec = getattr(item, "callspec", None)
+        if item.module is request.module and callspec is not None and "level" in callspec.params:
+            levels.add(callspec.params["level"])
+    return levels
 
 
 def run_of(runs: dict[str, Run | Exception], level: Level) -> Run:
@@ -227,7 +242,14 @@ def run_of(runs: dict[str, Run | Exception], level: Level) -> Run:
     return result
 
 
-@pytest.fixture(params=LEVELS, ids=[lv.id for lv in LEVELS])
+# the slow tier's: x86-64 without FMA (two roundings, compared within bounds) and the two
+# aarch64 levels below neon+dotprod (each a qemu run); the default tier checks the baseline,
+# every x86-64 level this CPU has, and neon+dotprod
+SLOW_LEVELS = {"x86_64-generic", "aarch64-neon", "aarch64-generic"}
+
+
+@pytest.fixture(params=[pytest.param(lv, marks=pytest.mark.slow) if lv.id in SLOW_LEVELS
+                        else lv for lv in LEVELS], ids=[lv.id for lv in LEVELS])
 def level(request) -> Level:
     return request.param
 

@@ -161,15 +161,15 @@ def test_greedy_generation_matches_reference(gemma_llm, gemma_reference):
 
 
 def test_batching_chunking_and_prefix_cache_change_nothing(gemma_llm):
-    """One long prompt (past the window) and the chat prompts: alone, batched, chunked 64
+    """One long prompt (past the window) and two chat prompts: alone, batched, chunked 64
     tokens a step, and again with the long prompt's blocks cached."""
     tokenizer = gemma_llm.tokenizer
     long = long_prompt(gemma_llm, GEMMA_WINDOW + 100)
-    prompts = [long] + [tokenizer.apply_chat_template(p, tokenize=True) for p in PROMPTS]
+    prompts = [long] + [tokenizer.apply_chat_template(p, tokenize=True) for p in PROMPTS[:2]]
     prompts = [{"prompt_token_ids": p} for p in prompts]
 
     def tokens(llm: LLM, batch: list) -> list[list[int]]:
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
 
     alone = [tokens(gemma_llm, [p])[0] for p in prompts]

@@ -25,7 +25,7 @@ from llmserve.outputs import RequestOutput
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.tokenizer import Tokenizer
 
-MAX_TOKENS = 40  # about 10 rounds of 4 drafts a request
+MAX_TOKENS = 32  # about 8 rounds of 4 drafts a request
 NUM_SPECULATIVE_TOKENS = 4
 METHODS = ["ngram", "self_draft", "draft_model"]
 

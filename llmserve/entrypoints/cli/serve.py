@@ -13,7 +13,7 @@ from llmserve.entrypoints.cli.args import (
     given,
 )
 from llmserve.entrypoints.cli.command import Command
-from llmserve.entrypoints.openai.reasoning import PARSERS
+from llmserve.entrypoints.openai.reasoning import CHOICES
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -31,9 +31,12 @@ def _arguments(serve: argparse.ArgumentParser) -> None:
     net = serve.add_argument_group("server")
     add_network_flags(net)
     net.add_argument("--served-model-name", help="model id clients use (default: --model)")
-    net.add_argument("--reasoning-parser", choices=PARSERS,
+    net.add_argument("--reasoning-parser", choices=CHOICES, default="auto",
                      help="split the model's <think>...</think> into reasoning_content "
-                          "(chat); a response_format or tool grammar then applies after it")
+                          "(chat); a response_format or tool grammar then applies after it. "
+                          "auto (default): the family the chat template declares (qwen3 "
+                          "when it has enable_thinking, else deepseek_r1), none without "
+                          "<think>; none: never")
     net.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
                      help="queued requests at most; beyond it answer 429 (default: "
                           f"{DEFAULT_MAX_NUM_WAITING}; -1: no cap)")

@@ -8,6 +8,11 @@ and `</think>` goes to `reasoning_content`, the rest to `content`, whole and str
   (templates that start the thinking); `enable_thinking: false` in `chat_template_kwargs`
   makes the template close the block in the prompt, and the whole output is content.
 
+`auto` (the server's default) picks one from the model's chat template, as llama.cpp's
+`--reasoning-format auto` does: a template that writes `<think>` and knows the
+`enable_thinking` switch is qwen3's family, one that writes `<think>` without it
+deepseek_r1's; a template without `<think>` gets no parser (all output is content).
+
 Where the answer opens in reasoning, a constraint (JSON schema, regex, the tool grammar)
 starts after `</think>` (`StructuredOutputsParams.starts_after`), and tool calls are read
 from the content only.
@@ -17,6 +22,23 @@ from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "qwen3")
+CHOICES = ("auto", "none", *PARSERS)  # --reasoning-parser
+
+
+def resolve_parser(choice: str | None, chat_template: str | None) -> str | None:
+    """The parser a server runs for `--reasoning-parser choice` (None: none)."""
+    if choice is None or choice == "none":
+        return None
+    if choice != "auto":
+        return choice
+    return template_parser(chat_template)
+
+
+def template_parser(chat_template: str | None) -> str | None:
+    """The reasoning family a chat template declares (see the module's docstring)."""
+    if not chat_template or (START not in chat_template and END not in chat_template):
+        return None
+    return "qwen3" if "enable_thinking" in chat_template else "deepseek_r1"
 
 
 @dataclass

@@ -40,6 +40,7 @@ from llmserve.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
+from llmserve.entrypoints.openai.reasoning import resolve_parser
 from llmserve.entrypoints.openai.serving_base import SSEResponse
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -83,7 +84,7 @@ class ServerSettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     retry_after_s: int = 1
     shutdown_timeout_s: float = 30.0
-    reasoning_parser: str | None = None  # reasoning.py's PARSERS
+    reasoning_parser: str | None = None  # reasoning.py's CHOICES ("auto": from the template)
     open_paths: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -114,7 +115,10 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> None:
     completions = OpenAIServingCompletion(engine, settings.model_name)
-    chat = OpenAIServingChat(engine, settings.model_name, settings.reasoning_parser)
+    parser = resolve_parser(settings.reasoning_parser, engine.tokenizer.chat_template)
+    if settings.reasoning_parser == "auto" and parser is not None:
+        logger.info("reasoning parser %s (from the model's chat template)", parser)
+    chat = OpenAIServingChat(engine, settings.model_name, parser)
     tokenizer = engine.tokenizer
 
     @app.post("/v1/completions", responses=_STREAMED)

@@ -24,6 +24,12 @@ from llmserve.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from llmserve.entrypoints.openai.serving_messages import CountTokensRequest, MessagesRequest
+from llmserve.entrypoints.openai.serving_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from llmserve.entrypoints.openai.serving_responses import ResponsesRequest
 from llmserve.sampling_params import MAX_BEST_OF, MAX_LOGPROBS
 from tests.entrypoints.openai.conftest import run_server
@@ -31,7 +37,16 @@ from tests.entrypoints.openai.conftest import run_server
 BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
           "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest,
           "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest,
-          "/v1/messages/count_tokens": CountTokensRequest}
+          "/v1/messages/count_tokens": CountTokensRequest,
+          # the pooling runner's routes, fuzzed against a pooling server (aliases share a
+          # handler: /score, /v1/rerank and /v2/rerank are listed, not fuzzed again)
+          "/v1/embeddings": EmbeddingRequest, "/classify": ClassificationRequest,
+          "/v1/score": ScoreRequest, "/score": ScoreRequest, "/rerank": RerankRequest,
+          "/v1/rerank": RerankRequest, "/v2/rerank": RerankRequest}
+POOLING = ("/v1/embeddings", "/classify", "/v1/score", "/rerank")
+ALIASES = ("/score", "/v1/rerank", "/v2/rerank")
+# the lists of texts a pooling request may carry, capped as prompts are
+POOLING_LISTS = ("input", "text_1", "text_2", "documents")
 HEADERS = {"X-Return-Metrics"}
 # Generated values are capped so that a case costs milliseconds of model time, not seconds
 # (the limits themselves, n <= 64 and max_tokens <= max_model_len, have their own tests).
@@ -50,6 +65,12 @@ def fuzzed_server(smollm2_gguf, loaded_model):
 @pytest.fixture(scope="module")
 def api_schema(fuzzed_server):
     return schemathesis.openapi.from_url(f"{fuzzed_server.url}/openapi.json")
+
+
+@pytest.fixture(scope="module")
+def pooling_schema(smollm2_gguf, loaded_model):
+    with run_server(smollm2_gguf, loaded_model, engine_options={"runner": "pooling"}) as s:
+        yield schemathesis.openapi.from_url(f"{s.url}/openapi.json")
 
 
 def error_problem(status: int, content: bytes, path: str, body: Any) -> str | None:
@@ -101,6 +122,14 @@ def _cheap(body: Any) -> Any:
         body["max_tokens"] = CAPS["max_tokens"]  # not the default 16
     if "input" in body and body.get("max_output_tokens") is None:
         body["max_output_tokens"] = CAPS["max_output_tokens"]
+    for name in POOLING_LISTS:
+        value = body.get(name)
+        if isinstance(value, str):
+            body[name] = value[:MAX_PROMPT_LENGTH]
+        elif isinstance(value, list):
+            body[name] = [v[:MAX_PROMPT_LENGTH] if isinstance(v, str | list) else v
+                          for v in value[:MAX_PROMPTS]] if value and not isinstance(
+                              value[0], int) else value[:MAX_PROMPT_LENGTH]
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
         body["prompt"] = prompt = prompt[:MAX_PROMPTS]
@@ -120,10 +149,10 @@ FAST = hypothesis.settings(max_examples=25, deadline=None, database=None, derand
                            suppress_health_check=list(HealthCheck))
 SLOW = hypothesis.settings(max_examples=400, deadline=None, database=None,
                            suppress_health_check=list(HealthCheck))
-# the Responses and Messages routes translate into the chat route (fuzzed in full): fewer
-# examples of their own
+# the Responses and Messages routes translate into the chat route (fuzzed in full), and
+# the pooling routes share one path (a prefill per input): fewer examples of their own
 TRANSLATED = hypothesis.settings(FAST, max_examples=10)
-FUZZED = [(path, mode) for path in BODIES for mode in GenerationMode]
+FUZZED = [(path, mode) for path in BODIES if path not in ALIASES for mode in GenerationMode]
 
 
 def _fuzz(api_schema: Any, path: str, mode: GenerationMode,
@@ -140,15 +169,17 @@ def _fuzz(api_schema: Any, path: str, mode: GenerationMode,
 
 
 @pytest.mark.parametrize(("path", "mode"), FUZZED, ids=[f"{p}:{m.value}" for p, m in FUZZED])
-def test_fuzzed_requests_get_no_5xx_and_openai_errors(api_schema, path, mode):
-    translated = path.startswith(("/v1/responses", "/v1/messages"))
-    _fuzz(api_schema, path, mode, TRANSLATED if translated else FAST)
+def test_fuzzed_requests_get_no_5xx_and_openai_errors(request, path, mode):
+    translated = path.startswith(("/v1/responses", "/v1/messages")) or path in POOLING
+    schema = request.getfixturevalue("pooling_schema" if path in POOLING else "api_schema")
+    _fuzz(schema, path, mode, TRANSLATED if translated else FAST)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("path", "mode"), FUZZED, ids=[f"{p}:{m.value}" for p, m in FUZZED])
-def test_fuzzed_requests_many_more(api_schema, path, mode):
-    _fuzz(api_schema, path, mode, SLOW)
+def test_fuzzed_requests_many_more(request, path, mode):
+    schema = request.getfixturevalue("pooling_schema" if path in POOLING else "api_schema")
+    _fuzz(schema, path, mode, SLOW)
 
 
 def test_the_error_check_can_fail():

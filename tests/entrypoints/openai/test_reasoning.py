@@ -10,6 +10,7 @@ import torch
 from llmserve.entrypoints.openai.reasoning import (
     ReasoningStream,
     answer_start,
+    resolve_parser,
     split_reasoning,
 )
 from llmserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -134,3 +135,33 @@ def test_the_engine_applies_the_constraint_after_the_marker(smollm2_llm):
     free, constrained = text.split(".", 1)
     assert free and out.outputs[0].finish_reason == "stop", text
     assert set(json.loads(constrained)) == {"n"}
+
+
+# the reasoning parts of real templates (Qwen3's, DeepSeek-R1-Distill's), abridged
+QWEN3_TEMPLATE = ("{%- if enable_thinking is defined and enable_thinking is false %}"
+                  "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+                  "{%- if '</think>' in content %}{%- set content = content.split('</think>')"
+                  "[-1] %}{%- endif %}")
+DEEPSEEK_R1_TEMPLATE = ("{% if add_generation_prompt %}{{'<｜Assistant｜><think>\\n'}}"
+                        "{% endif %}{% set content = content.split('</think>')[-1] %}")
+
+
+@pytest.mark.parametrize(("template", "parser"), [
+    (QWEN3_TEMPLATE, "qwen3"), (DEEPSEEK_R1_TEMPLATE, "deepseek_r1"), (None, None),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}", None)])
+def test_auto_picks_the_family_the_template_declares(template, parser):
+    assert resolve_parser("auto", template) == parser
+    assert resolve_parser("none", QWEN3_TEMPLATE) is None
+    assert resolve_parser("deepseek_r1", None) == "deepseek_r1"
+
+
+def test_auto_on_a_template_without_thinking_runs_no_parser(smollm2_gguf, loaded_model):
+    assert "<think>" not in loaded_model.tokenizer.chat_template
+    with run_server(smollm2_gguf, loaded_model, reasoning_parser="auto") as running:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 4}
+        with running.http() as http:
+            answer = http.post("/v1/chat/completions", json=body).json()
+            refused = http.post("/v1/chat/completions", json=body | {"include_reasoning": False})
+    assert "reasoning_content" not in answer["choices"][0]["message"]
+    assert refused.status_code == 400

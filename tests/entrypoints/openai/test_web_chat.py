@@ -244,6 +244,50 @@ def test_model_output_is_shown_as_text_never_as_html(server, page):
     assert body.locator("pre code").inner_text() == '<img src=x onerror="window.pwned=5">'
 
 
+def test_reasoning_is_shown_collapsed_as_text_and_kept_out_of_the_history(server, page):
+    _open(page, server.url)
+    sent = _chat_requests(page)
+    thinking = "The user greets me. <b>Be</b> brief."
+    chunks = [{"choices": [{"index": 0, "delta": {"reasoning_content": thinking[i:i + 9]}}]}
+              for i in range(0, len(thinking), 9)]
+    chunks += [{"choices": [{"index": 0, "delta": {"content": "Hello **there**!"}}]},
+               {"choices": [], "usage": {"completion_tokens": len(chunks) + 1}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=body))
+    _send(page, "Hi!", max_tokens=16)
+    _wait_answered(page)
+    reasoning = page.locator(".message.assistant details.reasoning")
+    assert reasoning.is_visible() and reasoning.get_attribute("open") is None  # collapsed
+    assert reasoning.locator(".thought").text_content() == thinking  # as text, not HTML
+    assert reasoning.locator(".thought *").count() == 0
+    assert page.locator(".message.assistant .body strong").inner_text() == "there"
+    page.unroute("**/v1/chat/completions")
+    _send(page, "And again?", max_tokens=2)
+    _wait_answered(page)
+    assert sent[1]["messages"][:3] == [  # the answer went back without its reasoning
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello **there**!"},
+        {"role": "user", "content": "And again?"}]
+    # an answer without reasoning shows none
+    assert page.locator(".message.assistant details.reasoning").last.is_hidden()
+
+
+def test_a_reasoning_servers_thinking_streams_into_the_page(smollm2_gguf, loaded_model,
+                                                            page):
+    """deepseek_r1: the answer opens in reasoning, and SmolLM2 never closes it, so its
+    whole greedy output is reasoning, the same text the API gives."""
+    with run_server(smollm2_gguf, loaded_model, reasoning_parser="deepseek_r1") as running:
+        _open(page, running.url)
+        _send(page, "Hi!", max_tokens=12)
+        _wait_answered(page)
+        reply = running.client().chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi!"}], max_tokens=12,
+            temperature=0, top_p=0.95)
+    thought = page.locator(".message.assistant details.reasoning .thought").last
+    assert thought.text_content() == reply.choices[0].message.reasoning_content != ""
+
+
 def test_a_refused_request_shows_the_servers_message(server, page):
     _open(page, server.url)
     sent = _chat_requests(page)

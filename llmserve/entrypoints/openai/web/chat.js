@@ -71,11 +71,21 @@ function addMessage(role, text) {
   body.className = "body";
   const stats = document.createElement("div");
   stats.className = "stats";
-  message.append(body, stats);
+  // the model's reasoning (a server with --reasoning-parser sends it apart from the answer):
+  // collapsed, shown as plain text, never sent back as history
+  const reasoning = document.createElement("details");
+  reasoning.className = "reasoning";
+  reasoning.hidden = true;
+  const summary = document.createElement("summary");
+  summary.textContent = "Reasoning";
+  const thought = document.createElement("div");
+  thought.className = "thought";
+  reasoning.append(summary, thought);
+  message.append(reasoning, body, stats);
   ui.conversation.append(message);
   if (role === "user") body.textContent = text;
   scrollToEnd(true);
-  return { message, body, stats };
+  return { message, body, stats, reasoning, thought };
 }
 
 function scrollToEnd(force) {
@@ -101,6 +111,11 @@ function answerView(view) {
         scheduled = true;
         requestAnimationFrame(render);
       }
+    },
+    appendReasoning(delta) {
+      view.reasoning.hidden = false;
+      view.thought.textContent += delta;
+      scrollToEnd(false);
     },
     flush: render,
   };
@@ -171,14 +186,16 @@ async function streamAnswer(body, signal, answer, timing) {
   for await (const chunk of sseData(response.body)) {
     if (chunk.error) throw new Error(chunk.error.message);
     if (chunk.usage) timing.usageTokens = chunk.usage.completion_tokens;
-    const delta = chunk.choices?.[0]?.delta?.content;
-    if (delta) {
+    const delta = chunk.choices?.[0]?.delta ?? {};
+    const thought = delta.reasoning_content ?? delta.reasoning;
+    if (thought || delta.content) {
       const now = performance.now();
       timing.firstToken ??= now;
       timing.lastToken = now;
       timing.chunks += 1;
-      answer.append(delta);
     }
+    if (thought) answer.appendReasoning(thought);
+    if (delta.content) answer.append(delta.content);
   }
 }
 

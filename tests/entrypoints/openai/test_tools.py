@@ -3,6 +3,7 @@ server through the official client: required and named choices enforced (sampled
 streamed), auto, a call -> result -> answer conversation, and the 400s."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -236,23 +237,28 @@ def _streamed_calls(chunks):
                                                        (NAMED, True)],
                          ids=["required-one", "required-parallel", "named"])
 def test_enforced_tool_calls(long_client, tool_choice, parallel):
+    """Two seeds, each whole and streamed: the four requests at once (the server batches
+    them; a seeded request's tokens do not depend on its batch)."""
     names = ["add"] if tool_choice is NAMED else None
-    for seed in (1, 2):
-        resp = long_client.chat.completions.create(
+
+    def ask(seed: int, stream: bool):
+        reply = long_client.chat.completions.create(
             model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-            parallel_tool_calls=parallel, temperature=1.0, seed=seed, max_tokens=200)
-        choice = resp.choices[0]
+            parallel_tool_calls=parallel, temperature=1.0, seed=seed, max_tokens=200,
+            stream=stream)
+        return list(reply) if stream else reply
+
+    with ThreadPoolExecutor(4) as pool:
+        asked = {(seed, stream): pool.submit(ask, seed, stream)
+                 for seed in (1, 2) for stream in (False, True)}
+    for seed in (1, 2):
+        choice = asked[seed, False].result().choices[0]
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.content is None and choice.message.role == "assistant"
         calls = _check_calls(choice.message.tool_calls, names)
         if not parallel:
             assert len(calls) == 1
-
-        chunks = list(long_client.chat.completions.create(
-            model=MODEL, messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice,
-            parallel_tool_calls=parallel, temperature=1.0, seed=seed, max_tokens=200,
-            stream=True))
-        streamed, finish = _streamed_calls(chunks)
+        streamed, finish = _streamed_calls(asked[seed, True].result())
         assert finish == "tool_calls"
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
 
@@ -285,10 +291,14 @@ def test_named_choice_streams_arguments_in_pieces(long_client):
 
 
 def test_auto_answers_text_or_calls(long_client):
-    for seed in range(3):
-        choice = long_client.chat.completions.create(
+    def ask(seed: int):
+        return long_client.chat.completions.create(
             model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=1.0, seed=seed,
             max_tokens=60).choices[0]
+
+    with ThreadPoolExecutor(3) as pool:  # batched by the server
+        choices = list(pool.map(ask, range(3)))
+    for choice in choices:
         if choice.message.tool_calls:
             _check_calls(choice.message.tool_calls)
         else:
@@ -298,8 +308,11 @@ def test_auto_answers_text_or_calls(long_client):
 def test_auto_stream_and_whole_agree(long_client):
     options = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "auto",
                "temperature": 1.0, "seed": 8, "max_tokens": 40, "n": 2}
-    whole = long_client.chat.completions.create(**options)
-    chunks = list(long_client.chat.completions.create(stream=True, **options))
+    with ThreadPoolExecutor(2) as pool:  # batched by the server
+        asked = pool.submit(long_client.chat.completions.create, **options)
+        streamed = pool.submit(lambda: list(long_client.chat.completions.create(
+            stream=True, **options)))
+    whole, chunks = asked.result(), streamed.result()
     for choice in whole.choices:
         mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
         assert "".join(c.delta.content or "" for c in mine) == (choice.message.content or "")

@@ -78,8 +78,8 @@ class ModelRunner:
         pooling = batch.pooling[step.rows]
         if pooling.any():
             self._pool(out, np.flatnonzero(pooling), step, hidden, result)
-        to_sample = np.array([i for i, s in enumerate(out.scheduled)
-                              if s.sample and not pooling[i]], np.int64)
+        sample = np.fromiter((s.sample for s in out.scheduled), bool, len(out.scheduled))
+        to_sample = np.flatnonzero(sample & ~pooling)
         if len(to_sample) == 0:
             return result
         drafts = [out.scheduled[i].spec_token_ids for i in to_sample]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from llmserve.bench.quality import quality_text
+from llmserve.errors import LLMServeError
 
 ST_POOLING = {"LAST": "lasttoken", "MEAN": "mean", "CLS": "cls"}
 
@@ -67,7 +68,11 @@ def run_llmserve(llm: Any, texts: list[str], batch: int, repeat: int
 
 
 def sentence_transformer(model: str, pooling_type: str, normalize: bool) -> Any:
-    from sentence_transformers import SentenceTransformer
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        raise LLMServeError("bench embed compares with sentence-transformers, which is not "
+                            "installed: pip install -e '.[bench]'") from None
     from sentence_transformers.sentence_transformer.modules import (
         Normalize,
         Pooling,

@@ -68,11 +68,12 @@ def _target(engine, prompt: list[int]) -> torch.Tensor:
         return target_probs(sampling.processing.apply(logits), sampling)[0]
 
 
-def _first_tokens(engine, prompt, drafts, step: int, seeded: bool = False) -> list[int]:
+def _first_tokens(engine, prompt, drafts, step: int, seeded: bool = False,
+                  rows: int = ROWS) -> list[int]:
     block = engine.kv_plan.block_size
     params = PARAMS if not seeded else SamplingParams(
         temperature=0.8, min_p=0.001, presence_penalty=0.5, max_tokens=8, seed=7)
-    ids = [f"s{step}-{i}" for i in range(ROWS)]
+    ids = [f"s{step}-{i}" for i in range(rows)]
     scheduled = [ScheduledRequest(
         rid, prompt[block:], block, [], sample=True, spec_token_ids=list(drafts),
         new=NewRequestData(rid, prompt, params, block_ids=[0, 1 + i]))
@@ -113,6 +114,6 @@ def test_seeded_rows_reproduce(engine, prompt):
     _prefill_shared_block(engine, prompt)
     p = _target(engine, prompt)
     top = p.topk(2).indices.tolist()
-    first = _first_tokens(engine, prompt, [top[1]], 1000, seeded=True)
-    again = _first_tokens(engine, prompt, [top[1]], 1001, seeded=True)
+    first = _first_tokens(engine, prompt, [top[1]], 1000, seeded=True, rows=32)
+    again = _first_tokens(engine, prompt, [top[1]], 1001, seeded=True, rows=32)
     assert first == again and len(set(first)) == 1  # every row: seed 7's draw

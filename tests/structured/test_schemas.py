@@ -101,7 +101,7 @@ def problems(case: SchemaCase, runs: list[Run],
     """What is wrong with a case's (text, finish_reason) outputs, in `runs_of` order: a
     complete output the schema rejects, or a bounded schema's compact output cut by
     max_tokens. (With flexible whitespace no schema bounds the length: any run of
-    whitespace may sit between two JSON tokens.)"""
+    whitespace may sit between two JSON tokens; nor do JSON numbers: any number of digits.)"""
     check = validator(case.schema)
     found = []
     for run, (text, finish_reason) in zip(runs_of(case, runs, runs), outputs, strict=True):
@@ -109,7 +109,7 @@ def problems(case: SchemaCase, runs: list[Run],
             violation = json_violation(check, text)
             if violation:
                 found.append(f"{violation}: {text!r}")
-        elif finish_reason != "length" or (case.bounded and not run.whitespace_flexible):
+        elif finish_reason != "length" or (case.length_bounded and not run.whitespace_flexible):
             found.append(f"finish_reason {finish_reason}: {text!r}")
     return found
 
@@ -203,5 +203,5 @@ def test_summary(runs, final, streamed):
           f"{valid} valid ({100 * valid / max(len(complete), 1):.1f} %), "
           f"{len(by_length)} ended by length {sorted(set(by_length))}")
     assert valid == len(complete)
-    assert all(not run.case.bounded or run.whitespace_flexible
+    assert all(not run.case.length_bounded or run.whitespace_flexible
                for run, _, reason in outputs if reason == "length")

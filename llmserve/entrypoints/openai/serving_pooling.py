@@ -18,54 +18,69 @@ from pydantic import Field
 
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.input_processor import RequestRejected
-from llmserve.entrypoints.openai.protocol import BadRequest, OpenAIModel, now
+from llmserve.entrypoints.openai.protocol import (
+    BadRequest,
+    OpenAIModel,
+    now,
+    refuse_set_fields,
+)
 from llmserve.entrypoints.openai.serving_base import OpenAIServing
 from llmserve.outputs import PoolingRequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.scoring import classifier_score, cosine, cross_encoder_prompt, pair_up
 
 MAX_INPUTS = 2048  # inputs (texts, token lists, documents) in one request
+# vLLM's pooling request fields that would change the answer and are not served here:
+# a 400 naming them, never dropped (fields no API defines are logged and ignored)
+_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "embed_dtype": (("float32",), "embeddings are float32"),
+    "endianness": (("native", "little"), "base64 embeddings are little-endian float32"),
+    "mm_processor_kwargs": (({},), "this server serves text-only models"),
+    "softmax": ((True,), "use use_activation"),
+    "activation": ((True,), "use use_activation"),
+    "chat_template": ((), "a chat template per request is not accepted"),
+    "messages": ((), "pooling inputs are texts or token ids, not chat messages"),
+}
 
 
-class EmbeddingRequest(OpenAIModel):
+class PoolingRequest(OpenAIModel):
+    """Fields every pooling route shares (vLLM's)."""
+
     model: str | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    priority: int = 0
+    cache_salt: str | None = None  # as on the generation routes: its own prefix-cache blocks
+    user: str | None = None  # OpenAI's end-user id: changes nothing
+
+
+class EmbeddingRequest(PoolingRequest):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
-    user: str | None = None
-    # vLLM's extras
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     normalize: bool | None = None
-    priority: int = 0
+    add_special_tokens: bool = True
 
 
-class ClassificationRequest(OpenAIModel):
-    model: str | None = None
+class ClassificationRequest(PoolingRequest):
     input: str | list[str] | list[int] | list[list[int]]
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    priority: int = 0
+    use_activation: bool = True  # False: the raw logits
+    add_special_tokens: bool = True
 
 
-class ScoreRequest(OpenAIModel):
-    model: str | None = None
+class ScoreRequest(PoolingRequest):
     text_1: str | list[str]
     text_2: str | list[str]
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    priority: int = 0
 
 
 class RerankDocument(OpenAIModel):
     text: str
 
 
-class RerankRequest(OpenAIModel):
-    model: str | None = None
+class RerankRequest(PoolingRequest):
     query: str
     documents: list[str | RerankDocument]
     top_n: int | None = Field(None, ge=0)
     return_documents: bool = True
-    truncate_prompt_tokens: int | None = Field(None, ge=-1)
-    priority: int = 0
 
 
 class OpenAIServingPooling(OpenAIServing):
@@ -77,8 +92,9 @@ class OpenAIServingPooling(OpenAIServing):
         self.convert = engine.engine.config.convert or "embed"
         self.labels: dict[str, str] = engine.engine.loaded.config.extra.get("id2label") or {}
 
-    def _check(self, model: str | None, task: str) -> None:
-        self.check_model(model)
+    def _check(self, body: PoolingRequest, task: str) -> None:
+        self.check_model(body.model)
+        refuse_set_fields(body.model_extra or {}, _REFUSED)
         if self.pooler is None:
             raise BadRequest("this server generates text; embeddings, classification and "
                              "scores need a server started with --runner pooling",
@@ -88,11 +104,11 @@ class OpenAIServingPooling(OpenAIServing):
                              "--convert classify)", param="model")
 
     async def embeddings(self, body: EmbeddingRequest, arrival_time: float) -> dict[str, Any]:
-        self._check(body.model, "embed")
+        self._check(body, "embed")
         params = _params("embed", body.truncate_prompt_tokens, dimensions=body.dimensions,
                          normalize=body.normalize)
-        outputs = await self._run(_inputs(body.input, "input"), params, "input", arrival_time,
-                                  body.priority)
+        outputs = await self._run(await self._inputs(body), params, "input", body,
+                                  arrival_time)
         data = []
         for i, output in enumerate(outputs):
             vector = output.outputs.data
@@ -109,10 +125,11 @@ class OpenAIServingPooling(OpenAIServing):
 
     async def classify(self, body: ClassificationRequest, arrival_time: float
                        ) -> dict[str, Any]:
-        self._check(body.model, "classify")
-        params = _params("classify", body.truncate_prompt_tokens)
-        outputs = await self._run(_inputs(body.input, "input"), params, "input", arrival_time,
-                                  body.priority)
+        self._check(body, "classify")
+        params = _params("classify", body.truncate_prompt_tokens,
+                         use_activation=body.use_activation)
+        outputs = await self._run(await self._inputs(body), params, "input", body,
+                                  arrival_time)
         data = []
         for i, output in enumerate(outputs):
             probs = output.outputs.data.tolist()
@@ -123,27 +140,25 @@ class OpenAIServingPooling(OpenAIServing):
                 "model": self.model_name, "data": data, "usage": _usage(outputs)}
 
     async def score(self, body: ScoreRequest, arrival_time: float) -> dict[str, Any]:
-        self._check(body.model, "score")
+        self._check(body, "score")
         try:
             pairs = pair_up(body.text_1, body.text_2)
         except ValueError as e:
             raise BadRequest(str(e), param="text_2") from None
-        scores, outputs = await self._scores(pairs, body.truncate_prompt_tokens, "text_2",
-                                             arrival_time, body.priority)
+        scores, outputs = await self._scores(pairs, "text_2", body, arrival_time)
         data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
         return {"id": _id("score"), "object": "list", "created": now(),
                 "model": self.model_name, "data": data, "usage": _usage(outputs)}
 
     async def rerank(self, body: RerankRequest, arrival_time: float) -> dict[str, Any]:
-        self._check(body.model, "score")
+        self._check(body, "score")
         texts = [d if isinstance(d, str) else d.text for d in body.documents]
         if not texts:
             raise BadRequest("documents is empty", param="documents")
         if len(texts) > MAX_INPUTS:
             raise BadRequest(f"at most {MAX_INPUTS} documents a request", param="documents")
-        scores, outputs = await self._scores([(body.query, t) for t in texts],
-                                             body.truncate_prompt_tokens, "documents",
-                                             arrival_time, body.priority)
+        scores, outputs = await self._scores([(body.query, t) for t in texts], "documents",
+                                             body, arrival_time)
         ranked = sorted(range(len(texts)), key=lambda i: -scores[i])
         if body.top_n is not None:
             ranked = ranked[: body.top_n]
@@ -153,28 +168,37 @@ class OpenAIServingPooling(OpenAIServing):
         return {"id": _id("rerank"), "model": self.model_name, "results": results,
                 "usage": {"total_tokens": _usage(outputs)["total_tokens"]}}
 
-    async def _scores(self, pairs: list[tuple[str, str]], truncate: int | None, field: str,
-                      arrival_time: float, priority: int
-                      ) -> tuple[list[float], list[PoolingRequestOutput]]:
+    async def _scores(self, pairs: list[tuple[str, str]], field: str, body: PoolingRequest,
+                      arrival_time: float) -> tuple[list[float], list[PoolingRequestOutput]]:
         """Each pair's score: a cross-encoder's (convert classify) or the cosine of the
         two texts' embeddings (each distinct text embedded once)."""
         if self.convert == "classify":
             prompts = await self.engine.run_blocking(
                 lambda: [cross_encoder_prompt(self.tokenizer, a, b) for a, b in pairs])
-            outputs = await self._run(prompts, _params("classify", truncate), field,
-                                      arrival_time, priority)
+            outputs = await self._run(prompts, _params("classify", body.truncate_prompt_tokens),
+                                      field, body, arrival_time)
             try:
                 return [classifier_score(o.outputs.data) for o in outputs], outputs
             except ValueError as e:
                 raise BadRequest(str(e), param="model") from None
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        outputs = await self._run(texts, _params("embed", truncate), field, arrival_time,
-                                  priority)
+        outputs = await self._run(texts, _params("embed", body.truncate_prompt_tokens), field,
+                                  body, arrival_time)
         vectors = {t: o.outputs.data for t, o in zip(texts, outputs, strict=True)}
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], outputs
 
+    async def _inputs(self, body: EmbeddingRequest | ClassificationRequest) -> list[Any]:
+        """The request's inputs as engine prompts (strings tokenized here when special
+        tokens are to be left out)."""
+        prompts = _inputs(body.input, "input")
+        if body.add_special_tokens:
+            return prompts
+        return await self.engine.run_blocking(lambda: [
+            {"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)}
+            if isinstance(p, str) else p for p in prompts])
+
     async def _run(self, prompts: list[Any], params: PoolingParams, field: str,
-                   arrival_time: float, priority: int) -> list[PoolingRequestOutput]:
+                   body: PoolingRequest, arrival_time: float) -> list[PoolingRequestOutput]:
         """Admit every input, then wait for all; a refused one aborts the others."""
         if len(prompts) > MAX_INPUTS:
             raise BadRequest(f"at most {MAX_INPUTS} inputs a request", param=field)
@@ -183,7 +207,8 @@ class OpenAIServingPooling(OpenAIServing):
         try:
             for i, prompt in enumerate(prompts):
                 streams.append(await self.engine.add_request(
-                    prompt, params, f"{request_id}-{i}", arrival_time, priority))
+                    prompt, params, f"{request_id}-{i}", arrival_time, body.priority,
+                    body.cache_salt))
         except RequestRejected as e:
             for stream in streams:
                 stream.abort()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from llmserve import LLM
+from llmserve import LLM, PoolingParams
 from tests.engines import llm_on
 from tests.entrypoints.openai.conftest import MODEL, run_server
 
@@ -74,6 +74,17 @@ def test_openai_sdk_embeddings_equal_the_offline_ones(embed_server, offline):
                                     encoding_format="float").data[0].embedding == expected[1]
     many = client.embeddings.create(model=MODEL, input=[ids, ids], encoding_format="float")
     assert [d.embedding for d in many.data] == [expected[1], expected[1]]
+
+
+def test_special_tokens_and_salt(embed_server, offline):
+    """add_special_tokens: false tokenizes without them (what the offline API gets as ids);
+    a cache_salt keeps the request's blocks its own (the same vector either way)."""
+    ids = offline.tokenizer.encode(TEXTS[0], add_special_tokens=False)
+    expected = vectors(offline.embed({"prompt_token_ids": ids}, use_tqdm=False))[0]
+    with embed_server.http() as http:
+        body = {"input": TEXTS[0], "add_special_tokens": False, "cache_salt": "tenant-a"}
+        reply = http.post("/v1/embeddings", json=body).json()
+    assert reply["data"][0]["embedding"] == expected
 
 
 def test_dimensions_cut_then_normalise(embed_server, offline):
@@ -139,6 +150,7 @@ def test_cross_encoder_rerank_and_classify(reranker_folder):
         rerank = http.post("/v2/rerank", json={"query": "What is a fox?",
                                                "documents": documents}).json()
         classify = http.post("/classify", json={"input": documents[:2]}).json()
+        raw = http.post("/classify", json={"input": documents[0], "use_activation": False})
         embedded = http.post("/v1/embeddings", json={"input": "x"})
     assert sorted(r["relevance_score"] for r in rerank["results"]) == sorted(expected)
     for r in rerank["results"]:
@@ -146,6 +158,9 @@ def test_cross_encoder_rerank_and_classify(reranker_folder):
     probs = [c.outputs.probs for c in offline.classify(documents[:2], use_tqdm=False)]
     assert [d["probs"] for d in classify["data"]] == probs
     assert classify["data"][0]["num_classes"] == 1
+    logits = offline.classify(documents[0], use_tqdm=False,
+                              pooling_params=PoolingParams(use_activation=False))
+    assert raw.json()["data"][0]["probs"] == logits[0].outputs.probs
     # a classifier server embeds too (the pooled state), on request
     assert embedded.status_code == 200
 
@@ -159,6 +174,9 @@ def test_cross_encoder_rerank_and_classify(reranker_folder):
     ("/rerank", {"query": "a", "documents": []}, "documents"),
     ("/classify", {"input": "x"}, "model"),
     ("/v1/embeddings", {"model": "other", "input": "x"}, "model"),
+    ("/v1/embeddings", {"input": "x", "embed_dtype": "float16"}, "embed_dtype"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "mm_processor_kwargs": {"a": 1}},
+     "mm_processor_kwargs"),
 ])
 def test_bad_pooling_requests_get_a_400_naming_the_field(embed_server, path, body, param):
     with embed_server.http() as http:

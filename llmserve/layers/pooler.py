@@ -2,19 +2,25 @@
 
 A pooling request's prompt is prefilled like any other (chunked, batched, prefix-cached);
 the runner hands each chunk's hidden rows to `Pooler.add_chunk`, which keeps what the
-pooling type needs (LAST: the last row; MEAN: a float32 running sum; CLS: the first
-position's row), and `Pooler.finish` turns a batch of pooled states into the requests'
-outputs:
+pooling type needs (LAST: the last row; MEAN: every row, summed once the prompt is done;
+CLS: the first position's row), and `Pooler.finish` turns a batch of pooled states into
+the requests' outputs:
 
     embed     first `dimensions` values, L2-normalised unless asked not to
     classify  logits = the head on the pooled state: a `score` matrix (labels, hidden)
               from the checkpoint, or the LM head's logits at `classifier_from_token`'s
               tokens; softmax probabilities (one label: sigmoid) unless use_activation is
               False
+
+Every output is a function of its own prompt's rows only, summed in one fixed order:
+batching, chunked prefill and the thread count change no bit (MEAN sums the whole
+(prompt, hidden) matrix at the end, not per chunk; a `score` classifier is a per-row product
+and sum, and the LM head runs on one row at a time: a GEMM's blocking depends on the
+batch's row count).
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +33,8 @@ from llmserve.pooling_params import PoolingParams
 class PooledState:
     """What a request's chunks have left so far: the LAST/CLS row or the MEAN sum."""
 
-    value: torch.Tensor | None = None  # (hidden,) float32
+    value: torch.Tensor | None = None  # (hidden,) float32: LAST and CLS
+    rows: list[torch.Tensor] = field(default_factory=list)  # MEAN: each chunk's rows
     num_tokens: int = 0
     dtype: torch.dtype = torch.float32  # the model's hidden states' (its LM head's input)
 
@@ -57,8 +64,7 @@ class Pooler:
         kind = self.config.pooling_type
         state.dtype = hidden.dtype
         if kind == "MEAN":
-            chunk = hidden.float().sum(dim=0)
-            state.value = chunk if state.value is None else state.value + chunk
+            state.rows.append(hidden.float())
         elif kind == "CLS":
             if start_position == 0:
                 state.value = hidden[0].float()
@@ -90,19 +96,21 @@ class Pooler:
                         ) -> torch.Tensor:
         """(N, hidden) -> (N, labels) float32 logits of the classifier (`dtype`: the
         model's hidden states', which its LM head takes)."""
-        if self.head is not None:
-            return F.linear(pooled.to(self.head.dtype), self.head).float()
+        if self.head is not None:  # (N, 1, hidden) * (labels, hidden), summed per row
+            return (pooled.to(self.head.dtype)[:, None, :] * self.head).sum(dim=-1).float()
         if self.label_token_ids is None or self.compute_logits is None:
             raise ValueError("this model has no classifier (a score head, or "
                              "pooler_config classifier_from_token)")
-        logits = self.compute_logits(pooled.to(dtype))
-        return logits[:, self.label_token_ids].float()
+        # one row at a time: the LM head's GEMM always sees the same shape (batch-invariant)
+        rows = [self.compute_logits(row[None].to(dtype))[0, self.label_token_ids]
+                for row in pooled]
+        return torch.stack(rows).float()
 
     def _pooled(self, state: PooledState) -> torch.Tensor:
+        if self.config.pooling_type == "MEAN" and state.rows:
+            return torch.cat(state.rows).sum(dim=0) / state.num_tokens
         if state.value is None:
             raise RuntimeError("a pooling request finished without its pooled hidden state")
-        if self.config.pooling_type == "MEAN":
-            return state.value / state.num_tokens
         return state.value
 
 

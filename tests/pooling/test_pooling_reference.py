@@ -126,15 +126,19 @@ def test_embeddings_equal_transformers_pooled_hidden_states(llama, kind):
     assert_close(torch.tensor(cut.outputs.embedding), F.normalize(expected, dim=0))
 
 
-def test_batching_chunking_and_prefix_hits_change_no_embedding(llama):
+@pytest.mark.parametrize("kind", ["LAST", "MEAN"])
+def test_batching_chunking_and_prefix_hits_change_no_embedding(llama, kind):
     folder, _ = llama
     long = PROMPTS[2]
-    alone = [pooling_llm(folder).embed(p, use_tqdm=False)[0].outputs.embedding
-             for p in PROMPTS]
+    pooler = {"pooling_type": kind}
+    alone = [pooling_llm(folder, pooler_config=pooler).embed(p, use_tqdm=False)[0]
+             .outputs.embedding for p in PROMPTS]
     for options in ({}, {"max_num_batched_tokens": 32}, {"max_num_seqs": 2}):
-        llm = pooling_llm(folder, **options)
+        llm = pooling_llm(folder, pooler_config=pooler, **options)
         batched = [o.outputs.embedding for o in llm.embed(PROMPTS, use_tqdm=False)]
         assert batched == alone, options
+    if kind == "MEAN":
+        return
     llm = pooling_llm(folder)
     llm.embed(long, use_tqdm=False)
     again = llm.encode(long, use_tqdm=False)[0]
@@ -174,6 +178,8 @@ def test_sequence_classifier_equals_transformers(classifier):
     folder, reference = classifier
     llm = pooling_llm(folder, convert="classify")
     outputs = llm.classify(PROMPTS, use_tqdm=False)
+    alone = [llm.classify(p, use_tqdm=False)[0].outputs.probs for p in PROMPTS]
+    assert [o.outputs.probs for o in outputs] == alone  # batching changes no bit
     for text, out in zip(PROMPTS, outputs, strict=True):
         with torch.no_grad():
             logits = reference(torch.tensor([ids_of(folder, text)])).logits[0]
@@ -209,6 +215,8 @@ def test_yes_no_tokens_of_the_lm_head_as_a_classifier(llama):
                       pooler_config={"classifier_from_token": ["n", "y"]})
     no, yes = ids_of(folder, "n")[0], ids_of(folder, "y")[0]
     outputs = llm.classify(PROMPTS, use_tqdm=False)
+    assert [o.outputs.probs for o in outputs] == [
+        llm.classify(p, use_tqdm=False)[0].outputs.probs for p in PROMPTS]
     for text, out in zip(PROMPTS, outputs, strict=True):
         with torch.no_grad():
             logits = reference(torch.tensor([ids_of(folder, text)])).logits[0, -1]

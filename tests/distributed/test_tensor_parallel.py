@@ -13,7 +13,6 @@ import multiprocessing
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmserve import LLM, SamplingParams
 from llmserve.executor.ranks import connect, free_port
@@ -23,6 +22,7 @@ from llmserve.layers.kv_cache import KVCache
 from llmserve.loader.model_loader import load_model
 from tests.models.test_compile import NUM_TOKENS, _greedy
 from tests.models.test_llama_reference import PROMPTS, reference_greedy
+from tests.tiny_models import save_tiny
 
 # The row-parallel layers (o_proj, down_proj) chain the ranks' multiply-adds in k order on
 # the float32 path, as TP=1 runs them, and every column-parallel layer, attention head and
@@ -155,17 +155,7 @@ def _tiny_folder(folder, kind: str) -> "transformers.PreTrainedModel":
             layer_types=["sliding_attention", "full_attention"]))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5 if p.dim() == 1 else 0.08)
-    model.save_pretrained(folder)
-    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text("{}")
-    return model.eval()
+    return save_tiny(model, folder)
 
 
 # the other architectures at TP=2 are slow-tier (each spawns its ranks and loads twice)

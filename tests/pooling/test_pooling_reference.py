@@ -20,9 +20,10 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from llmserve import LLM, PoolingParams
+from tests.tiny_models import save_tiny
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "Hello!",
            "Embeddings map text to vectors; similar texts land close together. " * 3,
@@ -32,34 +33,12 @@ COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               max_position_embeddings=512)
 
 
-def _byte_tokenizer(folder) -> None:
-    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text("{}")
-
-
-def _randomise(model) -> None:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5 if p.dim() == 1 else 0.08)
-
-
-def _save(model, folder):
-    _randomise(model)
-    model.save_pretrained(folder)
-    _byte_tokenizer(folder)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     import transformers
 
     folder = tmp_path_factory.mktemp("pool-llama")
-    return folder, _save(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
+    return folder, save_tiny(transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON)),
                          folder)
 
 
@@ -68,7 +47,7 @@ def bare_qwen3(tmp_path_factory):
     import transformers
 
     folder = tmp_path_factory.mktemp("pool-qwen3")
-    model = _save(transformers.Qwen3Model(transformers.Qwen3Config(**COMMON, head_dim=16)),
+    model = save_tiny(transformers.Qwen3Model(transformers.Qwen3Config(**COMMON, head_dim=16)),
                   folder)
     names = json.loads((folder / "config.json").read_text())["architectures"]
     assert names == ["Qwen3Model"]
@@ -81,7 +60,7 @@ def classifier(request, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp(f"pool-cls-{request.param}")
     config = transformers.Qwen3Config(**COMMON, head_dim=16, num_labels=request.param)
-    return folder, _save(transformers.Qwen3ForSequenceClassification(config), folder)
+    return folder, save_tiny(transformers.Qwen3ForSequenceClassification(config), folder)
 
 
 def ids_of(folder, text: str) -> list[int]:

@@ -190,24 +190,18 @@ def kv_cache_memory(text: str) -> str | float:
 
 def speculative_config(text: str) -> dict:
     """`--speculative-config`: a JSON object in vLLM's keys, checked when the engine starts."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(
-            'a JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
-    return value
+    return json_object(text, 'e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
 
 
-def json_object(text: str) -> dict:
+def json_object(text: str, example: str = "") -> dict:
     """A flag's JSON object value, checked by the config it goes to."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
         raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"a JSON object, not {text!r}")
+        raise argparse.ArgumentTypeError(f"a JSON object, not {text!r}"
+                                         + (f" ({example})" if example else ""))
     return value
 
 

@@ -9,11 +9,11 @@ import struct
 import httpx
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from llmserve import LLM, PoolingParams
 from tests.engines import llm_on
 from tests.entrypoints.openai.conftest import MODEL, run_server
+from tests.tiny_models import save_tiny
 
 TEXTS = ["The cat sat on the mat.", "A dog barked at the mailman.",
          "Stock prices rose sharply today."]
@@ -40,17 +40,7 @@ def reranker_folder(tmp_path_factory):
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, head_dim=16, vocab_size=256,
                                       max_position_embeddings=512, num_labels=1)
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForSequenceClassification(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5 if p.dim() == 1 else 0.08)
-    model.save_pretrained(folder)
-    vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text("{}")
+    save_tiny(transformers.Qwen3ForSequenceClassification(config), folder)
     return folder
 
 

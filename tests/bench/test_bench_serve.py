@@ -81,9 +81,12 @@ def test_client_ttft_agrees_with_server_histogram(bench):
     assert server_count == len(records)
     client_mean = sum(r["ttft_s"] for r in records) / len(records)
     server_mean = server_sum / server_count
-    # the client's clock starts before the request is sent and stops when the chunk arrives
+    # the client's clock starts before the request is sent and stops when the chunk arrives:
+    # never earlier than the server's; later by the socket and the client's turn at the GIL,
+    # which a loaded 2-core machine stretches (17 ms seen in CI), so the bound is loose: it
+    # catches a wrong clock or unit (seconds vs milliseconds, arrival vs first schedule)
     assert client_mean >= server_mean - 0.002
-    assert client_mean - server_mean < 0.015, (client_mean, server_mean)
+    assert client_mean - server_mean < 0.05 + 0.5 * server_mean, (client_mean, server_mean)
 
 
 def test_request_rate_chat_endpoint_and_sweep(live_server):

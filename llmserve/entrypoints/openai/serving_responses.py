@@ -92,7 +92,10 @@ class OpenAIServingResponses:
             raise BadRequest(f"input does not make a conversation: {message}",
                              param="input") from None
         shell = self._shell(request)
-        result = await self.chat.create(chat_request, arrival_time)
+        try:
+            result = await self.chat.create(chat_request, arrival_time)
+        except BadRequest as e:  # name the Responses field, not the chat one it became
+            raise _in_responses_terms(e) from None
         if request.stream:
             return self._events(result, shell, request, messages)
         body = self._finish(shell, _output_of(result), result["usage"],
@@ -272,6 +275,19 @@ class _EventStream:
                                      name=item["name"], arguments=item["arguments"]))
         events.append(self.event("response.output_item.done", output_index=index, item=item))
         return events
+
+
+# chat fields the translation fills from Responses fields: errors name the latter
+_RENAMED = {"max_tokens": "max_output_tokens", "messages": "input"}
+
+
+def _in_responses_terms(error: BadRequest) -> BadRequest:
+    root = (error.param or "").split(".")[0].split("[")[0]
+    if root not in _RENAMED:
+        return error
+    name = _RENAMED[root]
+    return BadRequest(str(error).replace(root, name), param=error.param.replace(root, name, 1),
+                      status=error.status, code=error.code)
 
 
 def _chat_body(request: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:

@@ -112,3 +112,15 @@ def test_what_is_not_served_is_refused_by_name(client):
     with pytest.raises(openai.BadRequestError) as web:
         client.responses.create(model=MODEL, input="Hi", tools=[{"type": "web_search"}])
     assert web.value.body["param"] == "tools[0].type"
+
+
+def test_errors_name_the_responses_fields(server):
+    """A chat-side refusal names the Responses field that became the chat one (the slow
+    fuzzer's find: a huge max_output_tokens was a 400 naming max_tokens)."""
+    with server.http() as http:
+        reply = http.post("/v1/responses", json={"model": MODEL, "input": "Hi",
+                                                 "max_output_tokens": 10**9})
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "max_output_tokens"
+    assert "max_output_tokens" in error["message"] and "max_tokens " not in error["message"]

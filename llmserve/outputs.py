@@ -8,7 +8,7 @@ completion keyed by its `index`; `OutputAccumulator` sums deltas back into full 
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass
@@ -224,19 +224,6 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(output.request_id, EmbeddingOutput(output.outputs.data.tolist()),
-                   output.prompt_token_ids, output.finished)
-
-
-@dataclass
 class ClassificationOutput:
     probs: list[float]  # per label (the logits if the request turned activation off)
 
@@ -246,26 +233,33 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    request_id: str
-    outputs: ClassificationOutput
-    prompt_token_ids: list[int]
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(output.request_id, ClassificationOutput(output.outputs.data.tolist()),
-                   output.prompt_token_ids, output.finished)
-
-
-@dataclass
 class ScoringOutput:
     score: float
 
 
 @dataclass
-class ScoringRequestOutput:
+class _PoolingView:
+    """A `PoolingRequestOutput` as a task's result (vLLM's `*RequestOutput` shapes)."""
+
     request_id: str
-    outputs: ScoringOutput
+    outputs: Any  # the task's output: EmbeddingOutput, ClassificationOutput, ScoringOutput
     prompt_token_ids: list[int]
     finished: bool = True
+    output_type: ClassVar[type] = EmbeddingOutput
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "_PoolingView":
+        return cls(output.request_id, cls.output_type(output.outputs.data.tolist()),
+                   output.prompt_token_ids, output.finished)
+
+
+class EmbeddingRequestOutput(_PoolingView):
+    output_type = EmbeddingOutput
+
+
+class ClassificationRequestOutput(_PoolingView):
+    output_type = ClassificationOutput
+
+
+class ScoringRequestOutput(_PoolingView):
+    output_type = ScoringOutput

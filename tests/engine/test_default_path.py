@@ -139,8 +139,8 @@ def test_int8_kv_cache_follows_the_float_cache(int8_llm, chat_prompts):
     # measured: 75 % (15 of 20), mean agreeing prefix 13.9
     assert report_agreement("int8 KV vs float32 KV", ours, float_kv) >= 0.6
     alone = [token_ids(int8_kv.generate(p, GREEDY_16, use_tqdm=False))[0]
-             for p in chat_prompts[:6]]
-    assert alone == ours[:6]  # batch invariant too
+             for p in chat_prompts[:3]]
+    assert alone == ours[:3]  # batch invariant too
 
 
 @pytest.mark.parametrize("which", ["default", "int8", "int4_a8"])

@@ -1,6 +1,6 @@
 """On the real default model: the first token of a speculative round, verified by the
 runner's batched step, is distributed as the target's own next-token distribution
-(temperature, min-p and a presence penalty applied), chi-square over 1,600 draws (20,400
+(temperature, min-p and a presence penalty applied), chi-square over 1,200 draws (20,400
 under `-m slow`; the rejection rule itself is checked on many distributions in
 tests/worker/test_rejection_sampler.py); seeded rows reproduce.
 
@@ -23,7 +23,7 @@ from llmserve.worker.sampler import SamplingBatch, target_probs
 from tests.engines import engine_on
 
 ROWS = 400  # rows per verification step
-STEPS = 4  # 1,600 draws; 51 (20,400) in the slow tier
+STEPS = 3  # 1,200 draws; 51 (20,400) in the slow tier
 PARAMS = SamplingParams(temperature=0.8, min_p=0.001, presence_penalty=0.5, max_tokens=8)
 
 

@@ -43,15 +43,37 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_kv_heads: int |
     return 2 * cfg.num_hidden_layers * heads * per_head
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of the model's weights at `dtype` (the unquantized compute copy)."""
+def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active): the model's parameters, and those one token reads (a mixture of
+    experts' token runs its top_k experts of all; a dense model's active are its total)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     attn = h * d * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
     if cfg.attention_bias:
         attn += d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    layer = attn + 3 * h * i + 2 * h + (2 * d if cfg.qk_norm else 0)
+    norms = 2 * h + (_qk_norm_size(cfg) if cfg.qk_norm else 0)
+    total = active = cfg.num_hidden_layers * (attn + norms)
+    moe = cfg.moe
+    for layer in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(layer):
+            total, active = total + 3 * h * i, active + 3 * h * i
+            continue
+        shared = 3 * h * moe.shared_intermediate_size + h if moe.shared_intermediate_size else 0
+        expert = 3 * h * moe.intermediate_size
+        total += moe.num_experts * h + moe.num_experts * expert + shared
+        active += moe.num_experts * h + moe.top_k * expert + shared
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return (cfg.num_hidden_layers * layer + embed + h) * DTYPE_BYTES[dtype]
+    return total + embed + h, active + embed + h
+
+
+def _qk_norm_size(cfg: ModelConfig) -> int:
+    if cfg.qk_norm_across_heads:
+        return (cfg.num_attention_heads + cfg.num_key_value_heads) * cfg.head_dim
+    return 2 * cfg.head_dim
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the model's weights at `dtype` (the unquantized compute copy)."""
+    return parameter_counts(cfg)[0] * DTYPE_BYTES[dtype]
 
 
 def rank_config(cfg: ModelConfig, tensor_parallel_size: int, rank: int) -> ModelConfig:
@@ -60,12 +82,16 @@ def rank_config(cfg: ModelConfig, tensor_parallel_size: int, rank: int) -> Model
     `quantized_weight_bytes` and `kv_bytes_per_token` of it are that rank's."""
     from llmserve.distributed.parallel import ShardPlan, TensorParallel
 
+    experts = cfg.moe.num_experts if cfg.moe else 0
     plan = ShardPlan.build(TensorParallel(rank, tensor_parallel_size), cfg.num_attention_heads,
-                           cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size)
+                           cfg.num_key_value_heads, cfg.intermediate_size, cfg.vocab_size,
+                           experts)
+    moe = dataclasses.replace(cfg.moe, num_experts=len(plan.experts),
+                              top_k=min(cfg.moe.top_k, len(plan.experts))) if experts else None
     return dataclasses.replace(
         cfg, num_attention_heads=len(plan.attention.q_heads),
         num_key_value_heads=len(plan.attention.kv_heads), intermediate_size=len(plan.mlp),
-        vocab_size=len(plan.vocab))
+        vocab_size=len(plan.vocab), moe=moe)
 
 
 def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
@@ -79,16 +105,26 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
               "int4-a8": packed_int4_bytes}[method]
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    layer = (packed(q + 2 * kv, h) + packed(h, q) + packed(2 * i, h) + packed(h, i)
-             + 4 * 2 * h)
+    layer = packed(q + 2 * kv, h) + packed(h, q) + 4 * 2 * h
     if cfg.attention_bias:
         layer += 4 * (q + 2 * kv)
     if cfg.qk_norm:
-        layer += 4 * 2 * d
+        layer += 4 * _qk_norm_size(cfg)
+    total = cfg.num_hidden_layers * layer
+    moe = cfg.moe
+    for index in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(index):
+            total += packed(2 * i, h) + packed(h, i)
+            continue
+        # the experts' linears packed, the router (and the shared expert's gate) fp32
+        width, shared = moe.intermediate_size, moe.shared_intermediate_size
+        total += moe.num_experts * (packed(2 * width, h) + packed(h, width) + 4 * h)
+        if shared:
+            total += packed(2 * shared, h) + packed(h, shared) + 4 * h
     head = packed_int8_bytes(cfg.vocab_size, h)
     embed = 0 if cfg.tie_word_embeddings else 4 * cfg.vocab_size * h
     rotary = 2 * 4 * cfg.max_position_embeddings * d
-    return cfg.num_hidden_layers * layer + head + embed + 4 * h + rotary
+    return total + head + embed + 4 * h + rotary
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,12 @@ from typing import Any
 
 from llmserve.errors import UnsupportedModelError
 
-# Hugging Face `model_type` values llmserve runs: the Llama family (`models/llama.py`) and
-# Gemma 3 (`models/gemma3.py`, text-only checkpoints).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
+# Hugging Face `model_type` values llmserve runs: the Llama family (`models/llama.py`), its
+# mixtures of experts (`models/moe.py`) and Gemma 3 (`models/gemma3.py`, text-only
+# checkpoints).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3",
+                           "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # Hugging Face `model_type` spellings of a supported architecture.
 ARCHITECTURE_ALIASES = {"gemma3_text": "gemma3"}
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -57,6 +60,10 @@ class ModelConfig:
     attention_scale: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # OLMoE: q and k RMS-normed over all heads at once (not per head), values clipped
+    qk_norm_across_heads: bool = False
+    clip_qkv: float | None = None
+    moe: "MoEConfig | None" = None  # a mixture of experts (`models/moe.py`)
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,10 +134,18 @@ class ModelConfig:
             raise ValueError(f"sliding windows must be integers >= 0, got {self.sliding_windows}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
             raise ValueError(f"rope_scaling must be an object, got {self.rope_scaling!r}")
+        if self.clip_qkv is not None and not _is_positive(self.clip_qkv):
+            raise ValueError(f"clip_qkv must be a positive number, got {self.clip_qkv!r}")
+        if self.moe is not None:
+            self.moe.check(self.num_hidden_layers)
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window (0: unwindowed)."""
         return self.sliding_windows[layer] if self.sliding_windows else 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is the mixture of experts (else the dense MLP)."""
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -192,18 +207,81 @@ class ModelConfig:
             rope_theta=rope_theta if rope_theta is not None else 10000.0,
             rope_scaling=rope_scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
-            qk_norm=arch in ("qwen3", "gemma3"),
+            attention_bias=cfg.get("attention_bias", cfg.get("qkv_bias", arch in (
+                "qwen2", "qwen2_moe"))),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
             hidden_act=hidden_act,
             sliding_windows=hf_sliding_windows(cfg, arch),
             rope_local_theta=rope_local_theta if gemma else None,
             attention_scale=None if scalar is None else float(scalar) ** -0.5,
             attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
             final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+            qk_norm_across_heads=arch == "olmoe",
+            clip_qkv=cfg.get("clip_qkv") if arch == "olmoe" else None,
+            moe=MoEConfig.from_hf_config(cfg, arch) if arch in MOE_ARCHITECTURES else None,
             # a classifier's label names (the pooling runner's /classify)
             extra={"id2label": cfg["id2label"]} if isinstance(cfg.get("id2label"), dict)
             else {},
         )
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts: each token's MLP is the weighted sum of `top_k` of
+    `num_experts` gated MLPs of width `intermediate_size`, chosen by a linear router's
+    softmax (renormalised over the chosen ones when `norm_topk_prob`: Mixtral, Qwen3-MoE;
+    not: OLMoE, Qwen2-MoE), plus a shared expert of width `shared_intermediate_size` behind
+    a sigmoid gate where the family has one (Qwen2-MoE). Layers in `dense_layers`, and
+    those off every `sparse_step`-th, keep the dense MLP (`intermediate_size` of the
+    model)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    def check(self, num_layers: int) -> None:
+        for name in ("num_experts", "top_k", "intermediate_size", "sparse_step"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} of the experts must be a positive integer, "
+                                 f"got {value!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} exceeds num_experts "
+                             f"{self.num_experts}")
+        if not _is_int(self.shared_intermediate_size) or self.shared_intermediate_size < 0:
+            raise ValueError(f"shared_expert_intermediate_size must be an integer >= 0, "
+                             f"got {self.shared_intermediate_size!r}")
+        if not all(_is_int(i) and 0 <= i < num_layers for i in self.dense_layers):
+            raise ValueError(f"mlp_only_layers must be layer numbers below {num_layers}, "
+                             f"got {list(self.dense_layers)}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob must be true or false, got "
+                             f"{self.norm_topk_prob!r}")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], arch: str) -> "MoEConfig":
+        experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+        # Mixtral's experts are as wide as its config's intermediate_size and always
+        # renormalised; the others name their experts' width
+        width = cfg.get("moe_intermediate_size") if arch in ("qwen2_moe", "qwen3_moe") \
+            else cfg.get("intermediate_size")
+        dense = cfg.get("mlp_only_layers") or []
+        if not isinstance(dense, list):
+            raise ValueError(f"mlp_only_layers must be a list, got {dense!r}")
+        return cls(
+            num_experts=experts, top_k=cfg.get("num_experts_per_tok"), intermediate_size=width,
+            norm_topk_prob=True if arch == "mixtral" else cfg.get("norm_topk_prob", False),
+            shared_intermediate_size=cfg.get("shared_expert_intermediate_size", 0)
+            if arch == "qwen2_moe" else 0,
+            sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
+            dense_layers=tuple(dense))
 
 
 def _is_int(value: Any) -> bool:

@@ -194,23 +194,33 @@ class ShardPlan:
     mlp: range  # intermediate channels
     vocab: range  # embedding / LM head rows
     vocab_sizes: tuple[int, ...]  # every rank's vocabulary share, for the all-gather
+    experts: range = range(0)  # a mixture's experts, whole (expert parallelism)
 
     @classmethod
     def build(cls, tp: TensorParallel, num_heads: int, num_kv_heads: int,
-              intermediate_size: int, vocab_size: int) -> "ShardPlan":
+              intermediate_size: int, vocab_size: int, num_experts: int = 0) -> "ShardPlan":
         if tp.size > num_heads:
             raise ValueError(f"tensor_parallel_size {tp.size} exceeds the model's "
                              f"{num_heads} attention heads")
+        if num_experts and tp.size > num_experts:
+            raise ValueError(f"tensor_parallel_size {tp.size} exceeds the model's "
+                             f"{num_experts} experts")
         vocab = split_evenly(vocab_size, tp.size)
+        experts = split_evenly(num_experts, tp.size)[tp.rank] if num_experts else range(0)
         return cls(tp, attention_shard(num_heads, num_kv_heads, tp.rank, tp.size),
                    split_evenly(intermediate_size, tp.size, MLP_SPLIT_UNIT)[tp.rank],
-                   vocab[tp.rank], tuple(len(r) for r in vocab))
+                   vocab[tp.rank], tuple(len(r) for r in vocab), experts)
 
     def weight_slices(self, name: str, head_dim: int) -> tuple[slice | None, slice | None]:
         """(rows, columns) of checkpoint tensor `name` (Hugging Face Llama names) that this
         rank holds; None: all of that dimension."""
         q = self.attention.q_heads
         kv = self.attention.kv_heads
+        if ".mlp.experts." in name:  # whole experts, this rank's only (nothing of others)
+            expert = int(name.split(".mlp.experts.", 1)[1].split(".", 1)[0])
+            return (None, None) if expert in self.experts else (slice(0, 0), None)
+        if ".mlp.shared_expert." in name:
+            return None, None  # every rank holds the shared expert whole
         if ".q_proj." in name:
             return slice(q.start * head_dim, q.stop * head_dim), None
         if ".k_proj." in name or ".v_proj." in name:

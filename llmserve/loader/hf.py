@@ -71,9 +71,18 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
                          classifier=tensors.pop(CLASSIFIER, None), has_lm_head=has_lm_head)
 
 
+# Mixtral's names for its mixture -> the canonical (Qwen-MoE) ones
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
+                 (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
 def canonical_name(name: str) -> str:
-    """A checkpoint tensor's canonical (HF Llama) name."""
-    return f"model.{name}" if name.startswith(BARE_PREFIXES) else name
+    """A checkpoint tensor's canonical (HF Llama; Qwen-MoE for experts) name."""
+    name = f"model.{name}" if name.startswith(BARE_PREFIXES) else name
+    if ".block_sparse_moe." in name:
+        for old, new in MIXTRAL_NAMES:
+            name = name.replace(old, new)
+    return name
 
 
 def _is_causal_lm(hf_config: dict[str, Any]) -> bool:

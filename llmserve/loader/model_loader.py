@@ -114,7 +114,8 @@ def device_is_cpu(device: str | torch.device) -> bool:
 def shard_plan(config: ModelConfig, tp: TensorParallel) -> ShardPlan:
     """What rank `tp.rank` of a tensor-parallel group holds of a model with `config`."""
     return ShardPlan.build(tp, config.num_attention_heads, config.num_key_value_heads,
-                           config.intermediate_size, config.vocab_size)
+                           config.intermediate_size, config.vocab_size,
+                           config.moe.num_experts if config.moe else 0)
 
 
 def _rank_slices(tp: TensorParallel) -> WeightSlices:

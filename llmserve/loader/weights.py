@@ -56,9 +56,20 @@ def drop_tied_head(config: ModelConfig, tensors: dict[str, torch.Tensor]) -> Non
         tensors.pop("lm_head.weight", None)
 
 
-def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each weight of one decoder layer (names after `model.layers.{i}.`)."""
-    hidden, head_dim, inter = config.hidden_size, config.head_dim, config.intermediate_size
+def mlp_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    """A gated MLP's weights (`prefix` + gate_proj / up_proj / down_proj)."""
+    return {f"{prefix}gate_proj.weight": (inter, hidden),
+            f"{prefix}up_proj.weight": (inter, hidden),
+            f"{prefix}down_proj.weight": (hidden, inter)}
+
+
+def layer_shapes(config: ModelConfig, layer_index: int = 0, dense: bool = False
+                 ) -> dict[str, tuple[int, ...]]:
+    """The shape of each weight of decoder layer `layer_index` (names after
+    `model.layers.{i}.`); a mixture-of-experts layer has a router (`mlp.gate`), its experts
+    (`mlp.experts.{e}.*`) and, in some families, a shared expert behind a gate. `dense`:
+    the layer as if its MLP were the dense one."""
+    hidden, head_dim = config.hidden_size, config.head_dim
     q_size = config.num_attention_heads * head_dim
     kv_size = config.num_key_value_heads * head_dim
     layer = {
@@ -68,14 +79,23 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         "self_attn.k_proj.weight": (kv_size, hidden),
         "self_attn.v_proj.weight": (kv_size, hidden),
         "self_attn.o_proj.weight": (hidden, q_size),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
     }
+    moe = config.moe
+    if moe is not None and not dense and moe.is_sparse(layer_index):
+        layer["mlp.gate.weight"] = (moe.num_experts, hidden)
+        for e in range(moe.num_experts):
+            layer |= mlp_shapes(f"mlp.experts.{e}.", hidden, moe.intermediate_size)
+        if moe.shared_intermediate_size:
+            layer |= mlp_shapes("mlp.shared_expert.", hidden, moe.shared_intermediate_size)
+            layer["mlp.shared_expert_gate.weight"] = (1, hidden)
+    else:
+        layer |= mlp_shapes("mlp.", hidden, config.intermediate_size)
     if config.attention_bias:
         layer |= {"self_attn.q_proj.bias": (q_size,), "self_attn.k_proj.bias": (kv_size,),
                   "self_attn.v_proj.bias": (kv_size,)}
-    if config.qk_norm:
+    if config.qk_norm_across_heads:
+        layer |= {"self_attn.q_norm.weight": (q_size,), "self_attn.k_norm.weight": (kv_size,)}
+    elif config.qk_norm:
         layer |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
     if config.architecture == "gemma3":
         layer |= {"pre_feedforward_layernorm.weight": (hidden,),
@@ -89,17 +109,23 @@ def check_weight_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
     its config before any weight is read: every tensor has its place and the shape the
     config implies, and none is missing. So the model built from the config holds no more
     weights than the file, and a corrupt file is named here, not deep in the model."""
-    layer = layer_shapes(config)
-    if config.num_hidden_layers * len(layer) > len(shapes):  # before listing every layer
+    # counted before any layer is listed (a hostile config's layers or experts are many)
+    dense = len(layer_shapes(config, dense=True))
+    moe = config.moe
+    sparse = 0 if moe is None else sum(moe.is_sparse(i) for i in range(config.num_hidden_layers))
+    needed = config.num_hidden_layers * dense + (0 if moe is None else sparse * (
+        1 + 3 * moe.num_experts - 3 + (4 if moe.shared_intermediate_size else 0)))
+    if needed > len(shapes):
         raise ModelFormatError(f"{source} holds {len(shapes)} tensors, too few for "
-                               f"{config.num_hidden_layers} layers of {len(layer)}")
+                               f"{config.num_hidden_layers} layers ({needed})")
     expected = {
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
         "model.norm.weight": (config.hidden_size,),
         "lm_head.weight": (config.vocab_size, config.hidden_size),  # a tied file may have it
     }
     for i in range(config.num_hidden_layers):
-        expected |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+        expected |= {f"model.layers.{i}.{name}": shape
+                     for name, shape in layer_shapes(config, i).items()}
     for name, shape in shapes.items():
         if name not in expected:
             raise ModelFormatError(f"{source}: tensor {name!r} has no place in a "

@@ -23,6 +23,7 @@ When compile is used:
   AVX-512, whose linears are packed for the native GEMM, `quantization/packed_float.py`), and
   quantized or packed linears. So compile is for bfloat16, float32 where the native
   GEMM does not run (no AVX-512, `LLMSERVE_NATIVE_KERNELS=0`), and CUDA;
+* never for a mixture of experts (`models/moe.py`: which experts run depends on the data);
 * never without a compiler (a C++ compiler on the CPU, triton on CUDA): one warning, eager;
 * if compiling fails, one warning and the step runs eagerly from then on.
 
@@ -193,6 +194,10 @@ def compile_model(model: nn.Module, device: torch.device | str, quantization: st
     reason = missing_compiler(device)
     if reason is not None:
         logger.warning("torch.compile unavailable (%s): the model step runs eagerly", reason)
+        return False
+    if getattr(getattr(model, "config", None), "moe", None) is not None:
+        # each step's tokens pick their experts: a data-dependent loop dynamo cannot trace
+        logger.info("model step: eager (a mixture of experts routes each step's tokens)")
         return False
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not layers:

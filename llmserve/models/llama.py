@@ -12,7 +12,6 @@ from torch import nn
 
 from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
-from llmserve.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.embedding import Embedding
 from llmserve.layers.kv_cache import KVCache, LayerKV
@@ -20,6 +19,8 @@ from llmserve.layers.linear import Linear
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, RotaryPositions, apply_rotary
 from llmserve.models.llama_native import NativeLlamaLayers
+from llmserve.models.mlp import LlamaMLP
+from llmserve.models.moe import SparseMoeBlock
 
 # Checkpoint (Hugging Face) projection names fused into one matmul: name -> (fused, shard).
 STACKED_PARAMS = {
@@ -29,9 +30,6 @@ STACKED_PARAMS = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
 class LlamaAttention(nn.Module):
@@ -52,8 +50,16 @@ class LlamaAttention(nn.Module):
         self.softcap = cfg.attn_logit_softcapping or 0.0
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # OLMoE normalises q and k over all heads at once, then clips q, k and v
+        self.across_heads = cfg.qk_norm_across_heads
+        self.clip = cfg.clip_qkv
+        if self.across_heads and self.tp.size > 1:
+            raise ValueError(f"{cfg.architecture}: q/k normalised across heads needs every "
+                             f"head on one rank (tensor_parallel_size 1)")
+        norm_q, norm_k = (self.q_size, self.kv_size) if self.across_heads else (
+            self.head_dim, self.head_dim)
+        self.q_norm = RMSNorm(norm_q, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(norm_k, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def shard_rows(self, shard: str) -> slice:
         """Rows of the fused qkv weight holding projection `shard` ('q', 'k' or 'v')."""
@@ -70,6 +76,8 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
+        if self.across_heads:
+            qkv = self._norm_and_clip_across_heads(qkv)
         # rotated in place when it can be (no q/k norm between projection and rotation)
         rotated = self.q_norm is None and rope.rotate_qkv_(
             qkv, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -77,7 +85,7 @@ class LlamaAttention(nn.Module):
         # case on T == 1 (which would make torch.compile specialize the graph on it)
         heads = qkv.view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.across_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = apply_rotary(q, k, rope)
@@ -86,27 +94,18 @@ class LlamaAttention(nn.Module):
         return self.tp.row_parallel(self.o_proj, out.reshape(t, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    """Gated MLP (SiLU, or tanh-GELU for Gemma) over this rank's intermediate channels;
-    down_proj's partial sums are all-reduced over the ranks."""
-
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
-        super().__init__()
-        self.tp = plan.tp if plan is not None else TensorParallel()
-        self.intermediate_size = len(plan.mlp) if plan else cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size)
-        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size)
-        self.act_and_mul = ACTIVATIONS[cfg.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.row_parallel(self.down_proj, self.act_and_mul(self.gate_up_proj(x)))
+    def _norm_and_clip_across_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """OLMoE's [q | k | v] rows: q and k RMS-normed whole, then all three clipped."""
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        qkv = torch.cat([self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v], dim=1)
+        return qkv if self.clip is None else qkv.clamp_(-self.clip, self.clip)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None, layer: int = 0) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, plan, layer)
-        self.mlp = LlamaMLP(cfg, plan)
+        self.mlp = SparseMoeBlock(cfg, plan) if cfg.is_moe_layer(layer) else LlamaMLP(cfg, plan)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -202,6 +201,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in tensors.items():
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes store a copy of the embedding
+            name = self._held_name(name)
+            if name is None:
+                continue  # another rank's expert
             target, rows = self._target(name)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name} has no place in the model")
@@ -213,17 +215,29 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(f"{target}/{rows}")
         self._check_all_loaded(params, loaded)
 
+    def _held_name(self, name: str) -> str | None:
+        """Expert `e` of a mixture is this rank's expert `e - held.start` (all of them
+        without tensor parallelism); None: another rank holds it."""
+        if ".mlp.experts." not in name:
+            return name
+        head, rest = name.split(".mlp.experts.", 1)
+        expert, tail = rest.split(".", 1)
+        held = self.get_submodule(f"{head}.mlp").held
+        if int(expert) not in held:
+            return None
+        return f"{head}.mlp.experts.{int(expert) - held.start}.{tail}"
+
     def _target(self, name: str) -> tuple[str, slice | None]:
         """Map a checkpoint name to (parameter name, rows of it) honouring STACKED_PARAMS."""
         for ckpt, (fused, shard) in STACKED_PARAMS.items():
             if f".{ckpt}." not in name:
                 continue
-            target = name.replace(ckpt, fused)
-            layer = self.model.layers[int(name.split(".")[2])]
+            target = name.replace(f".{ckpt}.", f".{fused}.")
+            owner = self.get_submodule(target.rsplit(".", 2)[0])  # attention or an MLP
             if fused == "qkv_proj":
-                rows = layer.self_attn.shard_rows(shard)
+                rows = owner.shard_rows(shard)
             else:
-                size = layer.mlp.intermediate_size
+                size = owner.intermediate_size
                 rows = slice(shard * size, (shard + 1) * size)
             return target, rows
         return name, None

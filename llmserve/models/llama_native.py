@@ -111,7 +111,7 @@ class NativeLlamaLayers:
         lib = native()
         cfg = model.config
         if (lib is None or cfg.qk_norm or cfg.attn_logit_softcapping
-                or cfg.hidden_act != "silu"):
+                or cfg.hidden_act != "silu" or cfg.moe is not None):
             return None
         if next(model.parameters()).device.type != "cpu":
             return None

@@ -13,6 +13,11 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "gemma3": Gemma3ForCausalLM,
+    # mixtures of experts: the Llama layers with `models/moe.py`'s MLP
+    "mixtral": LlamaForCausalLM,
+    "qwen2_moe": LlamaForCausalLM,
+    "qwen3_moe": LlamaForCausalLM,
+    "olmoe": LlamaForCausalLM,
 }
 
 

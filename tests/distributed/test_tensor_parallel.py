@@ -1,6 +1,7 @@
 """Tensor parallelism on the exact float32 path: TP=2 and TP=3 give TP=1's logits bit for bit
 and its greedy tokens, on the real model (9 query / 3 KV heads: uneven splits) and on
-tiny random Llama-3 and Qwen2 folders with fewer KV heads than ranks (replicated KV heads).
+tiny random Llama-3, Qwen2, Gemma 3 and mixture-of-experts folders with fewer KV heads
+than ranks (replicated KV heads; the experts split between the ranks).
 
 The model-level tests run rank 0 in this process and the other ranks as spawned processes
 meeting it over gloo (`distributed/executor.connect`); the engine-level tests go through
@@ -153,14 +154,22 @@ def _tiny_folder(folder, kind: str) -> "transformers.PreTrainedModel":
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
             **common, head_dim=32, sliding_window=16,
             layer_types=["sliding_attention", "full_attention"]))
+    elif kind.endswith("moe") or kind == "mixtral":  # experts split between the ranks
+        from tests.models.test_moe_reference import tiny_moe
+
+        model = tiny_moe(kind, num_key_value_heads=1)
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     return save_tiny(model, folder)
 
 
-# the other architectures at TP=2 are slow-tier (each spawns its ranks and loads twice)
-@pytest.fixture(scope="module", params=["llama3", pytest.param("qwen2", marks=pytest.mark.slow),
-                                        pytest.param("gemma3", marks=pytest.mark.slow)])
+# the other architectures at TP=2 are slow-tier (each spawns its ranks and loads twice);
+# the mixture of experts by default: Qwen2-MoE's (a dense layer, a shared expert, biases)
+@pytest.fixture(scope="module", params=["llama3", "qwen2_moe",
+                                        pytest.param("qwen2", marks=pytest.mark.slow),
+                                        pytest.param("gemma3", marks=pytest.mark.slow),
+                                        pytest.param("qwen3_moe", marks=pytest.mark.slow),
+                                        pytest.param("mixtral", marks=pytest.mark.slow)])
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
     return folder, _tiny_folder(folder, request.param)

@@ -20,6 +20,7 @@ from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.memory import (
     DTYPE_BYTES,
     kv_bytes_per_token,
+    parameter_counts,
     parse_size,
     plan_kv_cache,
     quantized_weight_bytes,
@@ -95,6 +96,16 @@ def memory_report(
         f"fits          {'yes' if tokens <= plan.num_tokens else 'no'}: the budget holds "
         f"{fits:,} sequence(s) of {seq_len} tokens; batch {batch} needs {tokens:,} tokens",
     ]
+    if cfg.moe is not None:
+        total, active = parameter_counts(cfg)
+        moe = cfg.moe
+        sparse = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        shared = (f" + a shared expert of {moe.shared_intermediate_size}"
+                  if moe.shared_intermediate_size else "")
+        lines.insert(2, f"experts       {sparse} of {cfg.num_hidden_layers} layers: "
+                        f"{moe.top_k} of {moe.num_experts} experts of intermediate "
+                        f"{moe.intermediate_size} a token{shared}; {active:,} of {total:,} "
+                        f"parameters active a token ({100 * active / total:.1f} %)")
     if tensor_parallel_size > 1:
         lines += _rank_lines(cfg, tensor_parallel_size, weight_dtype, method, kv_torch_dtype,
                              budget, block_size)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from llmserve.config.model import ModelConfig
+from llmserve.config.model import ModelConfig, MoEConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.gguf_meta import GGUFTensor, open_gguf, read_metadata
 from llmserve.loader.gguf_dequant import DEQUANTIZERS
@@ -27,8 +27,22 @@ from llmserve.loader.weights import (
     require_path,
 )
 
-# GGUF `general.architecture` -> Hugging Face `model_type`.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3"}
+# GGUF `general.architecture` -> Hugging Face `model_type` (a "llama" file with experts is
+# Mixtral's: `MIXTRAL`).
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+MIXTRAL = "mixtral"
+# llama.cpp's mixtures renormalise the chosen experts' weights as each family does, fixed
+# per architecture (its `build_moe_ffn(..., norm_w)`), unless `{arch}.expert_weights_norm`
+# says otherwise
+EXPERT_WEIGHTS_NORM = {"llama": True, "qwen3moe": True, "qwen2moe": False, "olmoe": False}
+# a mixture's experts: one 3-D tensor (experts, rows, columns) per projection ->
+# `model.layers.{i}.mlp.experts.{e}.<projection>`
+EXPERT_TENSORS = {"ffn_gate_exps.weight": "gate_proj.weight",
+                  "ffn_up_exps.weight": "up_proj.weight",
+                  "ffn_down_exps.weight": "down_proj.weight"}
+ROUTER = "ffn_gate_inp.weight"
+SHARED_EXPERT_GATE = "ffn_gate_inp_shexp.weight"  # (hidden,) in GGUF, (1, hidden) in HF
 
 FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16})
 # 4-bit types whose blocks are (or refine to) groups of 32 with a scale and an offset: the
@@ -60,6 +74,11 @@ GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    ROUTER: "mlp.gate.weight",
+    SHARED_EXPERT_GATE: "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 # Gemma 3 norms around both halves of a layer: its `ffn_norm` is the pre-MLP norm.
 GEMMA3_LAYER_NAMES = {
@@ -106,6 +125,10 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     by_name.pop(ROPE_FREQS_TENSOR, None)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in by_name.items():
+        if _is_experts(name):
+            for canonical, weight in _experts_to_torch(name, tensor, config, slices):
+                tensors[canonical] = weight.to(dtype)
+            continue
         canonical = hf_name(name, arch)
         rows, cols = slices(config, canonical) if slices is not None else (None, None)
         weight = _to_torch(tensor, rows, cols)
@@ -113,6 +136,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
             weight = _unpermute_qk(name, weight, config)
         if arch in NORM_SHIFTED_ARCHITECTURES and name.endswith("norm.weight"):
             weight = weight.float() - 1.0
+        if name.endswith(SHARED_EXPERT_GATE):
+            weight = weight.reshape(1, -1)
         tensors[canonical] = weight.to(dtype)
     drop_tied_head(config, tensors)
     return LoadedWeights(config=config, tensors=tensors, metadata=metadata,
@@ -140,9 +165,47 @@ def _checked_config(path: Path, metadata: dict[str, Any], arch: str,
         config = _build_config(metadata, arch, tensors, rope_freqs)
     except ValueError as e:  # ModelConfig's checks of the values
         raise ModelFormatError(f"{path}: {e}") from None
-    shapes = {hf_name(name, arch): tuple(reversed(t.shape)) for name, t in tensors.items()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, t in tensors.items():
+        shape = tuple(int(d) for d in reversed(t.shape))
+        if _is_experts(name):
+            if len(shape) != 3:
+                raise ModelFormatError(f"{path}: tensor {name} has shape {shape}, not "
+                                       f"(experts, rows, columns)")
+            shapes |= {canonical: shape[1:] for canonical in _expert_names(name, shape[0])}
+        else:
+            shapes[hf_name(name, arch)] = (1, *shape) if name.endswith(SHARED_EXPERT_GATE) \
+                else shape
     check_weight_shapes(config, shapes, path)
     return config
+
+
+def _is_experts(gguf_name: str) -> bool:
+    return gguf_name.startswith("blk.") and gguf_name.split(".", 2)[-1] in EXPERT_TENSORS
+
+
+def _expert_names(gguf_name: str, num_experts: int) -> list[str]:
+    """The canonical names of a 3-D expert tensor's experts, in order."""
+    _, layer, key = gguf_name.split(".", 2)
+    return [f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_TENSORS[key]}"
+            for e in range(num_experts)]
+
+
+def _experts_to_torch(name: str, tensor: GGUFTensor, config: ModelConfig,
+                      slices: WeightSlices | None) -> list[tuple[str, torch.Tensor]]:
+    """Each expert of a 3-D tensor dequantized (experts are its outermost dimension, so each
+    is a contiguous run of whole rows); under tensor parallelism only this rank's experts
+    are read."""
+    num_experts, rows, cols = (int(d) for d in reversed(tensor.shape))
+    per_expert = tensor.data.view(np.uint8).reshape(num_experts, -1)
+    out = []
+    for e, canonical in enumerate(_expert_names(name, num_experts)):
+        held, _ = slices(config, canonical) if slices is not None else (None, None)
+        if held is not None:  # another rank's expert: nothing to read
+            continue
+        raw = torch.from_numpy(np.array(per_expert[e]))  # a copy out of the memmap
+        out.append((canonical, DEQUANTIZERS[tensor.tensor_type](raw).reshape(rows, cols)))
+    return out
 
 
 def stored_quantization(tensors) -> str | None:
@@ -152,7 +215,9 @@ def stored_quantization(tensors) -> str | None:
     tensors = list(tensors)
     if all(t.tensor_type in FLOAT_TYPES for t in tensors):
         return None
-    linears = [t for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2]
+    # the layers' linears (a mixture's 3-D experts among them; its router is not one)
+    linears = [t for t in tensors if t.name.startswith("blk.") and len(t.shape) in (2, 3)
+               and not t.name.endswith((ROUTER, SHARED_EXPERT_GATE))]
     if linears and all(t.tensor_type in FOUR_BIT_TYPES for t in linears):
         return "int4"
     return "int8"
@@ -228,8 +293,9 @@ def _build_config(
                         for i in range(num_layers))
     elif window:  # Mistral-style: every layer windowed
         windows = (window,) * num_layers
+    moe = _moe_config(metadata, arch, tensors, num_layers)
     return ModelConfig(
-        architecture=GGUF_ARCHITECTURES[arch],
+        architecture=MIXTRAL if arch == "llama" and moe else GGUF_ARCHITECTURES[arch],
         # The embedding's row count, which can exceed the tokenizer's token list (padding).
         vocab_size=int(embedding.shape[1]),
         hidden_size=hidden,
@@ -252,7 +318,34 @@ def _build_config(
         attention_scale=(hidden / heads) ** -0.5 if gemma and num_layers == 62 else None,
         attn_logit_softcapping=number("attn_logit_softcapping", 0.0) or None,
         final_logit_softcapping=number("final_logit_softcapping", 0.0) or None,
+        qk_norm_across_heads=arch == "olmoe",
+        moe=moe,
     )
+
+
+def _moe_config(metadata: dict[str, Any], arch: str, tensors: dict[str, GGUFTensor],
+                num_layers: int) -> MoEConfig | None:
+    """A mixture's shape from `{arch}.expert_*` metadata (None without experts); its sparse
+    layers are those with a router tensor, as llama.cpp reads them."""
+    experts = _metadata_int(metadata, f"{arch}.expert_count", 0, minimum=0)
+    if not experts:
+        return None
+    ffn = _metadata_int(metadata, f"{arch}.feed_forward_length")
+    width = _metadata_int(metadata, f"{arch}.expert_feed_forward_length", 0, minimum=0) or ffn
+    sparse = [i for i in range(num_layers) if f"blk.{i}.{ROUTER}" in tensors]
+    shared = 0
+    if sparse and f"blk.{sparse[0]}.ffn_gate_shexp.weight" in tensors:
+        shared = _metadata_int(metadata, f"{arch}.expert_shared_feed_forward_length", 0,
+                               minimum=0) or ffn
+    norm = metadata.get(f"{arch}.expert_weights_norm", EXPERT_WEIGHTS_NORM.get(arch, False))
+    if not isinstance(norm, bool):
+        raise ValueError(f"GGUF metadata '{arch}.expert_weights_norm' must be true or false, "
+                         f"got {norm!r}")
+    return MoEConfig(num_experts=experts,
+                     top_k=_metadata_int(metadata, f"{arch}.expert_used_count"),
+                     intermediate_size=width, norm_topk_prob=norm,
+                     shared_intermediate_size=shared,
+                     dense_layers=tuple(i for i in range(num_layers) if i not in sparse))
 
 
 def _metadata_int(metadata: dict[str, Any], key: str, default: int | None = None,

@@ -64,13 +64,22 @@ class KernelChoice:
 
 
 def linear_shapes(config: ModelConfig) -> list[tuple[int, int, int]]:
-    """(out_features, in_features, count) of one step's linears, the LM head last."""
+    """(out_features, in_features, count) of one step's linears, the LM head last. A
+    mixture's sparse layers count the experts a token runs (top_k), and its shared expert."""
     hidden, d = config.hidden_size, config.head_dim
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     layers = config.num_hidden_layers
-    return [((heads + 2 * kv) * d, hidden, layers), (hidden, heads * d, layers),
-            (2 * config.intermediate_size, hidden, layers),
-            (hidden, config.intermediate_size, layers), (config.vocab_size, hidden, 1)]
+    moe = config.moe
+    sparse = sum(config.is_moe_layer(i) for i in range(layers))
+    mlps = [(config.intermediate_size, layers - sparse)]
+    if moe is not None:
+        mlps += [(moe.intermediate_size, sparse * moe.top_k),
+                 (moe.shared_intermediate_size, sparse if moe.shared_intermediate_size else 0)]
+    shapes = [((heads + 2 * kv) * d, hidden, layers), (hidden, heads * d, layers)]
+    for width, count in mlps:
+        if count:
+            shapes += [(2 * width, hidden, count), (hidden, width, count)]
+    return shapes + [(config.vocab_size, hidden, 1)]
 
 
 def choose_quantization(stored: str | None, config: ModelConfig) -> KernelChoice | None:

@@ -1,0 +1,158 @@
+"""Write a Hugging Face decoder (Llama, Qwen2/3 and their mixtures of experts, Mixtral,
+OLMoE) as a GGUF file laid out as llama.cpp's converter lays it out: its tensor names, Q/K
+rows permuted for the "llama" architecture, each layer's experts stacked into one 3-D
+tensor per projection, the metadata keys llama.cpp reads. The GGUF reference tests write
+tiny random checkpoints with it; `llmserve bench moe --write-example` writes its example
+model with the same layout (and llama.cpp runs those files)."""
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+# Hugging Face `model_type` -> GGUF `general.architecture`
+GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+}
+EXPERTS = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+           "down_proj": "ffn_down_exps.weight"}
+MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
+           ".w2.": ".down_proj."}
+
+
+def write_gguf(model: torch.nn.Module, path: Path, qtype: QT = QT.F32,
+               metadata: dict[str, Any] | None = None) -> Path:
+    """`model` (a transformers CausalLM) as a GGUF file at `path`: 2-D and 3-D linear
+    weights in `qtype` (F32, F16, Q8_0, Q4_0, ...), norms, biases and the router in F32;
+    `metadata`: more key/values (a tokenizer's `tokenizer.ggml.*`)."""
+    config = model.config
+    model_type = config.model_type
+    arch = GGUF_ARCH[model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    _write_hparams(writer, arch, config)
+    for key, value in (metadata or {}).items():
+        _add_metadata(writer, key, value)
+    state = {_canonical(name): t.detach().float() for name, t in model.state_dict().items()}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    stacked: dict[tuple[int, str], torch.Tensor] = {}  # (layer, projection) -> (E, rows, cols)
+    for name, tensor in state.items():
+        if name == "model.embed_tokens.weight":
+            _add(writer, "token_embd.weight", tensor, qtype)
+        elif name == "model.norm.weight":
+            _add(writer, "output_norm.weight", tensor, QT.F32)
+        elif name == "lm_head.weight":
+            if not config.tie_word_embeddings:
+                _add(writer, "output.weight", tensor, qtype)
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # transformers' fused 3-D experts
+            layer, half = int(name.split(".")[2]), tensor.shape[1] // 2
+            stacked[(layer, "gate_proj")] = tensor[:, :half]
+            stacked[(layer, "up_proj")] = tensor[:, half:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            stacked[(int(name.split(".")[2]), "down_proj")] = tensor
+        elif ".mlp.experts." in name:  # one expert's projection, stacked below
+            layer = int(name.split(".")[2])
+            expert, projection = name.split(".mlp.experts.")[1].split(".")[:2]
+            experts.setdefault((layer, projection), {})[int(expert)] = tensor
+        else:
+            layer = int(name.split(".")[2])
+            key = LAYER[name.split(".", 3)[3]]
+            if arch == "llama" and key in ("attn_q.weight", "attn_k.weight"):
+                heads = config.num_attention_heads if key == "attn_q.weight" else \
+                    config.num_key_value_heads
+                tensor = _permute(tensor, heads)
+            if key == "ffn_gate_inp_shexp.weight":
+                tensor = tensor.reshape(-1)
+            quantized = tensor.dim() == 2 and key != "ffn_gate_inp.weight" and \
+                key != "ffn_gate_inp_shexp.weight"
+            _add(writer, f"blk.{layer}.{key}", tensor, qtype if quantized else QT.F32)
+    for (layer, projection), by_expert in experts.items():
+        stacked[(layer, projection)] = torch.stack([by_expert[e] for e in sorted(by_expert)])
+    for (layer, projection), tensor in sorted(stacked.items()):
+        _add(writer, f"blk.{layer}.{EXPERTS[projection]}", tensor.contiguous(), qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _canonical(name: str) -> str:
+    for old, new in MIXTRAL.items():
+        name = name.replace(old, new)
+    return name
+
+
+def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's Q/K row order for the "llama" architecture."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _add(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, qtype: QT) -> None:
+    array = tensor.numpy().astype(np.float32)
+    if qtype == QT.F32:
+        writer.add_tensor(name, array)
+    elif qtype == QT.F16:
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = getattr(config, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta",
+                                                                    10000.0))))
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        if getattr(config, "moe_intermediate_size", None):
+            writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        if getattr(config, "shared_expert_intermediate_size", None):
+            writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
+
+
+def _add_metadata(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value) if value >= 0 else writer.add_int32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
+    else:
+        raise TypeError(f"GGUF metadata {key}: {type(value).__name__}")

@@ -230,6 +230,18 @@ def weight_bytes_and_params(llm: LLM) -> tuple[int, int]:
     return sum(t.numel() * t.element_size() for t in unique), sum(t.numel() for t in unique)
 
 
+def expert_weights(llm: LLM) -> tuple[int, int, float]:
+    """A mixture of experts' expert weights: (bytes, parameters, share a token runs:
+    top_k / num_experts); (0, 0, 1.0) for a dense model."""
+    from llmserve.models.moe import SparseMoeBlock
+
+    blocks = [m for m in llm.engine.loaded.model.modules() if isinstance(m, SparseMoeBlock)]
+    tensors = {id(t): t for block in blocks for t in _module_tensors(block.experts)}
+    share = blocks[0].top_k / blocks[0].num_experts if blocks else 1.0
+    return (sum(t.numel() * t.element_size() for t in tensors.values()),
+            sum(t.numel() for t in tensors.values()), share)
+
+
 def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [*module.parameters(), *module.buffers()]
 
@@ -269,6 +281,12 @@ def run_latency(llm: LLM, batch: int, input_len: int, output_len: int,
             bandwidths.append(bandwidth())
     tpot_s = statistics.median(runs)
     weights, num_params = weight_bytes_and_params(llm)
+    # a mixture's step reads the experts its tokens chose (uniform routing: each expert is
+    # missed by all `batch` tokens with probability (1 - share) ** batch) and a token
+    # computes `share` of the experts' parameters
+    expert_bytes, expert_params, share = expert_weights(llm)
+    weights -= expert_bytes * (1 - share) ** batch
+    num_params -= round(expert_params * (1 - share))
     mean_context = input_len + output_len / 2
     return LatencyResult(
         batch=batch, input_len=input_len, output_len=output_len, prefill_s=prefill_s,

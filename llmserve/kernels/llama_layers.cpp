@@ -4,21 +4,9 @@
 // give the same bits; it only removes the Python and dispatch between them (~0.3 ms per
 // layer at batch 1, measured: most of a decode step).
 
-#include "kernels.h"
+#include "packed_weight.h"
 
 namespace {
-
-// kInt4A8: int4 weights with 8-bit activations (gemm_q4.cpp)
-enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2, kInt4A8 = 3 };
-
-struct PackedWeight {
-  int32_t format;
-  const void* packed;  // int8: (N_pad, K_pad) VNNI blocks; int4: group records; float32:
-                       // (N_pad / 16, K, 16)
-  const int32_t* row_sums;   // int8 only
-  const float* scale;        // int8 only
-  int64_t out_features, in_features;  // int4: in_features a multiple of 32
-};
 
 struct LlamaLayer {
   const float* input_norm;
@@ -49,19 +37,6 @@ struct AttentionStep {
   int64_t block_size;
   int32_t kv_dtype;
 };
-
-void linear(const float* x, int64_t M, const PackedWeight& w, float* y, uint8_t* workspace) {
-  if (w.format == kFloat32) {
-    llmserve_f32_linear(x, M, w.in_features, static_cast<const float*>(w.packed), nullptr,
-                        w.out_features, y);
-  } else if (w.format == kInt4 || w.format == kInt4A8) {
-    llmserve_q4_linear(x, M, w.in_features, static_cast<const uint8_t*>(w.packed), nullptr,
-                       w.out_features, y, workspace, w.format == kInt4A8 ? 8 : 15);
-  } else {
-    llmserve_int8_linear(x, M, w.in_features, static_cast<const int8_t*>(w.packed), w.row_sums,
-                         w.scale, nullptr, w.out_features, y, workspace);
-  }
-}
 
 void add_(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];

@@ -27,15 +27,15 @@ _I64 = ctypes.c_int64
 _INT8, _INT4, _FLOAT32, _INT4_A8 = 0, 1, 2, 3  # the C++ `WeightFormat`
 
 
-class _PackedWeight(ctypes.Structure):
+class NativeWeight(ctypes.Structure):
     _fields_ = [("format", ctypes.c_int32), ("packed", _P), ("row_sums", _P), ("scale", _P),
                 ("out_features", _I64), ("in_features", _I64)]
 
 
 class _LlamaLayer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_attention_norm", _P),
-                ("qkv", _PackedWeight), ("o", _PackedWeight), ("gate_up", _PackedWeight),
-                ("down", _PackedWeight), ("key_cache", _P), ("value_cache", _P),
+                ("qkv", NativeWeight), ("o", NativeWeight), ("gate_up", NativeWeight),
+                ("down", NativeWeight), ("key_cache", _P), ("value_cache", _P),
                 ("key_scales", _P), ("value_scales", _P), ("window", _I64)]
 
 
@@ -62,7 +62,9 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
             layer.mlp.down_proj)
 
 
-def _packed_weight(linear: nn.Module) -> _PackedWeight | None:
+def packed_weight(linear: nn.Module) -> NativeWeight | None:
+    """`linear`'s weight as the native layer kernels read it; None where they cannot (a
+    bias, torch's own float weight, an unpadded int4 layout)."""
     from llmserve.quantization.int4 import Int4LinearMethod
     from llmserve.quantization.int8 import Int8LinearMethod
     from llmserve.quantization.packed_float import PackedFloatLinearMethod
@@ -73,16 +75,16 @@ def _packed_weight(linear: nn.Module) -> _PackedWeight | None:
     # the stack calls the native GEMMs, which read packed weights
     if isinstance(method, Int8LinearMethod) and method.weight.layout == "vnni":
         w = method.weight
-        return _PackedWeight(_INT8, ptr(w.packed), ptr(w.row_sums), ptr(w.scale),
+        return NativeWeight(_INT8, ptr(w.packed), ptr(w.row_sums), ptr(w.scale),
                              w.out_features, w.in_features)
     if (isinstance(method, Int4LinearMethod) and method.weight.layout == "vnni"
             and method.weight.k_pad == method.weight.in_features):
         w = method.weight
-        return _PackedWeight(_INT4 if w.activation_bits == 15 else _INT4_A8, ptr(w.packed), None,
+        return NativeWeight(_INT4 if w.activation_bits == 15 else _INT4_A8, ptr(w.packed), None,
                              None, w.out_features, w.in_features)
     if isinstance(method, PackedFloatLinearMethod):
         w = method.weight
-        return _PackedWeight(_FLOAT32, ptr(w.packed), None, None, w.out_features,
+        return NativeWeight(_FLOAT32, ptr(w.packed), None, None, w.out_features,
                              w.in_features)
     return None
 
@@ -99,7 +101,7 @@ class NativeLlamaLayers:
                                  cfg.rms_norm_eps, cfg.attention_scale or cfg.head_dim**-0.5)
         self.weights = []
         for layer in model.model.layers:
-            self.weights.append([_packed_weight(m) for m in _linears(layer)])
+            self.weights.append([packed_weight(m) for m in _linears(layer)])
         self.k_pad = max(m.method.weight.k_pad for layer in model.model.layers
                          for m in _linears(layer))
         self._cache_ref: weakref.ref | None = None
@@ -116,7 +118,7 @@ class NativeLlamaLayers:
         if next(model.parameters()).device.type != "cpu":
             return None
         for layer in model.model.layers:
-            if any(_packed_weight(m) is None for m in _linears(layer)):
+            if any(packed_weight(m) is None for m in _linears(layer)):
                 return None
         return cls(model, lib)
 

@@ -18,24 +18,37 @@ exact) and each rank adds the slots in the same order as one process does: bit f
 the single-process output.
 """
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
+from llmserve.kernels import native, ptr
+from llmserve.models.llama_native import NativeWeight, packed_weight
 from llmserve.models.mlp import LlamaMLP
+from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
 
 
 class Router(nn.Module):
     """Scores of every expert for each token: `x @ weight.T`, kept in the model's float
-    dtype whatever the linears' quantization (a rounded score could change the experts)."""
+    dtype whatever the linears' quantization (a rounded score could change the experts).
+    On the CPU in float32 it runs the native float32 GEMM, whose rows do not depend on the
+    batch (torch's GEMM gave a row other last bits in a batch of 7 than alone, and the
+    routing weights with them)."""
 
     def __init__(self, num_experts: int, hidden_size: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self._packed: PackedFloatWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu" and native() is not None:
+            if self._packed is None:  # packed on first use: after the weights were loaded
+                self._packed = PackedFloatWeight(self.weight.data)
+            return float_linear(x, self._packed)
         return F.linear(x, self.weight)
 
 
@@ -54,6 +67,9 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(moe.num_experts, cfg.hidden_size)
         self.experts = nn.ModuleList(LlamaMLP(cfg, None, moe.intermediate_size)
                                      for _ in self.held)
+        self.intermediate_size = moe.intermediate_size
+        self._native: tuple | None = None  # (gate_up array, down array, workspace width)
+        self._native_checked = False
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:  # every rank holds all of it: no sum across ranks
             self.shared_expert = LlamaMLP(cfg, None, moe.shared_intermediate_size)
@@ -71,6 +87,13 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t, hidden = x.shape
         experts, weights = self.route(x)
+        native = self._native_experts(x)
+        if native is not None:
+            slots = self._run_native(native, x, experts, weights)
+            slots = self.tp.all_reduce(slots).view(t, self.top_k, hidden)
+            return self._sum(x, [slots[:, slot] for slot in range(self.top_k)])
+        if t == 1 and self.tp.size == 1:
+            return self._one_token(x, experts, weights)
         slots = x.new_zeros(t * self.top_k, hidden)  # (token, slot) rows
         flat = experts.flatten()
         by_expert = flat.argsort(stable=True)
@@ -85,9 +108,57 @@ class SparseMoeBlock(nn.Module):
             out = self.experts[expert - self.held.start](x[rows // self.top_k])
             slots[rows] = out * flat_weights[rows, None]
         slots = self.tp.all_reduce(slots).view(t, self.top_k, hidden)
-        y = slots[:, 0]
-        for slot in range(1, self.top_k):
-            y = y + slots[:, slot]
+        return self._sum(x, [slots[:, slot] for slot in range(self.top_k)])
+
+    def _native_experts(self, x: torch.Tensor) -> tuple | None:
+        """The experts' packed weights as the native kernel reads them (built on first use,
+        after the weights were packed), or None: torch's float weights, another device, no
+        compiler, a dtype other than float32."""
+        if not self._native_checked:
+            self._native_checked = True
+            lib = native() if x.device.type == "cpu" else None
+            weights = [(packed_weight(e.gate_up_proj), packed_weight(e.down_proj))
+                       for e in self.experts]
+            if lib is not None and all(a is not None and b is not None for a, b in weights):
+                gate_up = (NativeWeight * len(weights))(*(a for a, _ in weights))
+                down = (NativeWeight * len(weights))(*(b for _, b in weights))
+                k_pad = max(getattr(linear.method.weight, "k_pad", 0)
+                            for e in self.experts for linear in (e.gate_up_proj, e.down_proj))
+                self._native = (lib, gate_up, down, k_pad)
+        if self._native is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        return self._native
+
+    def _run_native(self, native: tuple, x: torch.Tensor, experts: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        lib, gate_up, down, k_pad = native
+        t, hidden = x.shape
+        x = x.contiguous()
+        ids, weights = experts.contiguous(), weights.float().contiguous()
+        slots = torch.empty(t * self.top_k, hidden)
+        scratch = torch.empty(t * (2 * hidden + 3 * self.intermediate_size))
+        width = max(k_pad, hidden, self.intermediate_size)
+        qscratch = torch.empty(t * (2 * width + width // 4 + 4), dtype=torch.uint8)
+        lib.llmserve_moe_experts(
+            ptr(x), t, hidden, self.intermediate_size, ctypes.addressof(gate_up),
+            ctypes.addressof(down), self.held.start, len(self.held), ptr(ids), ptr(weights),
+            self.top_k, ptr(slots), ptr(scratch), ptr(qscratch))
+        return slots
+
+    def _one_token(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+                   ) -> torch.Tensor:
+        """A decode step of one sequence: each chosen expert on the row itself, no
+        grouping; the same products and sum order as `forward`'s, so the same bits."""
+        outs = [self.experts[expert](x) * weights[:, slot:slot + 1]
+                for slot, expert in enumerate(experts[0].tolist())]
+        return self._sum(x, outs)
+
+    def _sum(self, x: torch.Tensor, slots: list[torch.Tensor]) -> torch.Tensor:
+        """The slots' outputs added in slot (ascending expert) order, then the shared
+        expert's."""
+        y = slots[0]
+        for out in slots[1:]:
+            y = y + out
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * shared

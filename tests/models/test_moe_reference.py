@@ -119,3 +119,24 @@ def test_quantized_experts(tmp_path, quantization):
     print(f"{quantization}: min cosine of the logits vs float32 = {cosine:.5f}")
     # measured 0.9989 (int8) and 0.9675 (int4): random weights of 64 channels quantize badly
     assert cosine >= {"int8": 0.995, "int4": 0.95}[quantization]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_native_experts_equal_the_per_op_path(tmp_path, quantization):
+    """The one-call native experts (`kernels/moe.cpp`) give the per-op path's bits, for a
+    decode row alone and for a batch, in each format; so does one row inside a batch."""
+    save_tiny(tiny_moe("qwen3_moe"), tmp_path)
+    options = {"dtype": "float32"} if quantization is None else {"quantization": quantization}
+    model = LLM(str(tmp_path), kv_cache_memory="16MiB", **options).engine.loaded.model
+    block = model.model.layers[0].mlp
+    x = torch.randn(7, 64, generator=torch.Generator().manual_seed(8))
+    with torch.inference_mode():
+        native = [block(x), block(x[3:4])]
+        assert block._native is not None  # the packed experts did run natively
+        kept, block._native = block._native, None
+        try:
+            per_op = [block(x), block(x[3:4])]
+        finally:
+            block._native = kept
+    assert all(torch.equal(a, b) for a, b in zip(native, per_op, strict=True))
+    assert torch.equal(native[0][3:4], native[1])  # batch invariant

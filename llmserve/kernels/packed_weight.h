@@ -1,0 +1,36 @@
+// A packed linear weight as the native layer kernels take it (int8, int4 with 15- or 8-bit
+// activations, or packed float32), and `linear`, which runs it on the kernel of its format:
+// the per-op path's kernels, so a fused layer gives the per-op path's bits.
+#pragma once
+
+#include "kernels.h"
+
+namespace {
+
+// kInt4A8: int4 weights with 8-bit activations (gemm_q4.cpp)
+enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2, kInt4A8 = 3 };
+
+struct PackedWeight {
+  int32_t format;
+  const void* packed;  // int8: (N_pad, K_pad) VNNI blocks; int4: group records; float32:
+                       // (N_pad / 16, K, 16)
+  const int32_t* row_sums;   // int8 only
+  const float* scale;        // int8 only
+  int64_t out_features, in_features;  // int4: in_features a multiple of 32
+};
+
+inline void linear(const float* x, int64_t M, const PackedWeight& w, float* y,
+                   uint8_t* workspace) {
+  if (w.format == kFloat32) {
+    llmserve_f32_linear(x, M, w.in_features, static_cast<const float*>(w.packed), nullptr,
+                        w.out_features, y);
+  } else if (w.format == kInt4 || w.format == kInt4A8) {
+    llmserve_q4_linear(x, M, w.in_features, static_cast<const uint8_t*>(w.packed), nullptr,
+                       w.out_features, y, workspace, w.format == kInt4A8 ? 8 : 15);
+  } else {
+    llmserve_int8_linear(x, M, w.in_features, static_cast<const int8_t*>(w.packed), w.row_sums,
+                         w.scale, nullptr, w.out_features, y, workspace);
+  }
+}
+
+}  // namespace

@@ -3,7 +3,7 @@ OLMoE) as a GGUF file laid out as llama.cpp's converter lays it out: its tensor 
 rows permuted for the "llama" architecture, each layer's experts stacked into one 3-D
 tensor per projection, the metadata keys llama.cpp reads. The GGUF reference tests write
 tiny random checkpoints with it; benchmarks/moe.py writes its MoE and dense models with it,
-and llama.cpp's llama-bench runs those files.""
+and llama.cpp's llama-bench runs those files."""
 
 from pathlib import Path
 from typing import Any

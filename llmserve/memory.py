@@ -97,7 +97,8 @@ def rank_config(cfg: ModelConfig, tensor_parallel_size: int, rank: int) -> Model
 def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
     """Bytes the int8 or int4 path allocates: packed linears (int8: padded, int32 row sums,
     fp32 scales; int4: 320-byte records per 16 channels and group of 32), one int8 table
-    for a tied embedding and head, fp32 norms and rotary tables."""
+    for a tied embedding and head (an untied head packed as the linears, beside a float
+    embedding), a mixture's float routers, fp32 norms and rotary tables."""
     from llmserve.quantization.int4 import packed_int4_bytes
     from llmserve.quantization.int8 import packed_int8_bytes
 
@@ -121,7 +122,10 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
         total += moe.num_experts * (packed(2 * width, h) + packed(h, width) + 4 * h)
         if shared:
             total += packed(2 * shared, h) + packed(h, shared) + 4 * h
-    head = packed_int8_bytes(cfg.vocab_size, h)
+    # a tied head is int8 under every format (QUANTIZED_HEADS); an untied one is a linear
+    # like the others
+    head = packed_int8_bytes(cfg.vocab_size, h) if cfg.tie_word_embeddings else \
+        packed(cfg.vocab_size, h)
     embed = 0 if cfg.tie_word_embeddings else 4 * cfg.vocab_size * h
     rotary = 2 * 4 * cfg.max_position_embeddings * d
     return total + head + embed + 4 * h + rotary

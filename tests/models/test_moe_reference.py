@@ -140,3 +140,32 @@ def test_native_experts_equal_the_per_op_path(tmp_path, quantization):
             block._native = kept
     assert all(torch.equal(a, b) for a, b in zip(native, per_op, strict=True))
     assert torch.equal(native[0][3:4], native[1])  # batch invariant
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_memory_counts_active_and_total_parameters(tmp_path, quantization):
+    """`llmserve memory`'s arithmetic is what the engine allocates (the Qwen2-MoE layout:
+    dense and sparse layers, a shared expert), and it reports the active share."""
+    from llmserve.engine.engine import model_bytes
+    from llmserve.entrypoints.cli.memory_report import memory_report
+    from llmserve.memory import parameter_counts, quantized_weight_bytes, weight_bytes
+
+    save_tiny(tiny_moe("qwen2_moe"), tmp_path)
+    options = {"dtype": "float32"} if quantization is None else {"quantization": quantization}
+    engine = LLM(str(tmp_path), kv_cache_memory="16MiB", **options).engine
+    config = engine.loaded.config
+    model = engine.loaded.model
+    if quantization is None:  # the float count is the checkpoint's own
+        assert weight_bytes(config, torch.float32) == 4 * parameter_counts(config)[0]
+        assert parameter_counts(config)[0] == sum(
+            p.numel() for p in tiny_moe("qwen2_moe").parameters())
+    else:
+        assert quantized_weight_bytes(config, quantization) == model_bytes(model)
+    total, active = parameter_counts(config)
+    # 1 of 3 layers sparse: 2 of its 6 experts a token
+    expert = 3 * 64 * 32
+    assert total - active == 4 * expert
+    report = memory_report(str(tmp_path), 1, 64, "float32", None, "16MiB", 16)
+    assert f"{active:,} of {total:,} parameters active a token" in report
+    assert "1 of 3 layers: 2 of 6 experts of intermediate 32 a token + a shared expert of 48" \
+        in report

@@ -110,6 +110,57 @@ def _dequant_q6_k(raw: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(-1)
 
 
+def _dequant_q2_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q2_K)
+    n = len(blocks)
+    scales, qs = blocks[:, :16], blocks[:, 16:80]
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    dl = (d * (scales & 0x0F).float()).reshape(n, QK_K // 16, 1)
+    ml = (dmin * (scales >> 4).float()).reshape(n, QK_K // 16, 1)
+    q = _bits(qs, [0, 2, 4, 6], 0x03, 32).reshape(n, QK_K // 16, 16).float()
+    return (dl * q - ml).reshape(-1)
+
+
+def _dequant_q3_k(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.Q3_K)
+    n = len(blocks)
+    hmask, qs, packed, d = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108], blocks[:, 108:]
+    # 16 six-bit scales: low nibbles from bytes 0-7, two high bits each from bytes 8-11
+    low = _bits(packed[:, :8], [0, 4], 0x0F, 8).reshape(n, 16)
+    high = _bits(packed[:, 8:], [0, 2, 4, 6], 0x03, 4).reshape(n, 16)
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (_f16(d) * scales).reshape(n, 16, 1)
+    ql = _bits(qs, [0, 2, 4, 6], 0x03, 32).reshape(n, 16, QK_K // 16)
+    qh = _bits(hmask, list(range(8)), 0x01, 32).reshape(n, 16, QK_K // 16) ^ 1
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).float()  # a set mask bit: no offset
+    return (dl * q).reshape(-1)
+
+
+# IQ4's sixteen non-linear levels (gguf.quants.IQ4_NL.kvalues)
+IQ4_LEVELS = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69,
+                           89, 113], dtype=torch.int8)
+
+
+def _dequant_iq4_nl(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.IQ4_NL)
+    codes = _nibbles(blocks[:, 2:], 16).reshape(len(blocks), -1).long()
+    return (_f16(blocks[:, :2]) * IQ4_LEVELS[codes].float()).reshape(-1)
+
+
+def _dequant_iq4_xs(raw: torch.Tensor) -> torch.Tensor:
+    blocks = _blocks(raw, QT.IQ4_XS)
+    n = len(blocks)
+    d = _f16(blocks[:, :2])
+    high16 = blocks[:, 2].int() | (blocks[:, 3].int() << 8)  # a little-endian uint16
+    shifts = torch.arange(0, 16, 2, dtype=torch.int32)
+    high = ((high16.reshape(n, 1) >> shifts) & 0x03).to(torch.uint8)  # (n, 8)
+    low = _bits(blocks[:, 4:8], [0, 4], 0x0F, 1).reshape(n, 8)
+    scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+    dl = (d * scales).reshape(n, -1, 1)
+    codes = _nibbles(blocks[:, 8:], 16).reshape(n, 8, 32).long()
+    return (dl * IQ4_LEVELS[codes].float()).reshape(-1)
+
+
 DEQUANTIZERS = {
     QT.F32: lambda raw: raw.view(torch.float32),
     QT.F16: lambda raw: raw.view(torch.float16),
@@ -122,4 +173,8 @@ DEQUANTIZERS = {
     QT.Q4_K: _dequant_q4_k,
     QT.Q5_K: _dequant_q5_k,
     QT.Q6_K: _dequant_q6_k,
+    QT.Q2_K: _dequant_q2_k,
+    QT.Q3_K: _dequant_q3_k,
+    QT.IQ4_NL: _dequant_iq4_nl,
+    QT.IQ4_XS: _dequant_iq4_xs,
 }

@@ -5,6 +5,7 @@ tensor per projection, the metadata keys llama.cpp reads. The GGUF reference tes
 tiny random checkpoints with it; benchmarks/moe.py writes its MoE and dense models with it,
 and llama.cpp's llama-bench runs those files."""
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from gguf import GGMLQuantizationType as QT
 
 # Hugging Face `model_type` -> GGUF `general.architecture`
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+             "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
+             "gemma2": "gemma2", "phi3": "phi3"}
 LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -33,6 +35,11 @@ LAYER = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
+# Gemma 2's four norms a layer; Phi-3's fused projections
+GEMMA = {"post_attention_layernorm.weight": "post_attention_norm.weight",
+         "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+         "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
+PHI3 = {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"}
 EXPERTS = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
            "down_proj": "ffn_down_exps.weight"}
 MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.",
@@ -52,6 +59,9 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: QT = QT.F32,
     for key, value in (metadata or {}).items():
         _add_metadata(writer, key, value)
     state = {_canonical(name): t.detach().float() for name, t in model.state_dict().items()}
+    if arch == "gemma2":  # llama.cpp stores Gemma's norms as 1 + weight
+        state = {name: t + 1 if name.endswith("norm.weight") else t for name, t in state.items()}
+    names = LAYER | (GEMMA if arch == "gemma2" else {}) | (PHI3 if arch == "phi3" else {})
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     stacked: dict[tuple[int, str], torch.Tensor] = {}  # (layer, projection) -> (E, rows, cols)
     for name, tensor in state.items():
@@ -74,7 +84,7 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: QT = QT.F32,
             experts.setdefault((layer, projection), {})[int(expert)] = tensor
         else:
             layer = int(name.split(".")[2])
-            key = LAYER[name.split(".", 3)[3]]
+            key = names[name.split(".", 3)[3]]
             if arch == "llama" and key in ("attn_q.weight", "attn_k.weight"):
                 heads = config.num_attention_heads if key == "attn_q.weight" else \
                     config.num_key_value_heads
@@ -133,6 +143,20 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
     rope = getattr(config, "rope_parameters", None) or {}
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta",
                                                                     10000.0))))
+    if arch == "gemma2":
+        writer.add_float32(f"{arch}.attn_logit_softcapping", config.attn_logit_softcapping)
+        writer.add_float32(f"{arch}.final_logit_softcapping", config.final_logit_softcapping)
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
+    if rope.get("rope_type") == "longrope":  # Phi-3: factor tensors and the original context
+        original = config.original_max_position_embeddings
+        writer.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+        factor = config.max_position_embeddings / original
+        writer.add_float32(f"{arch}.rope.scaling.attn_factor",
+                           math.sqrt(1 + math.log(factor) / math.log(original)))
+        for kind in ("short", "long"):
+            writer.add_tensor(f"rope_factors_{kind}.weight",
+                              np.array(rope[f"{kind}_factor"], dtype=np.float32))
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
     if experts:
         writer.add_expert_count(experts)

@@ -7,11 +7,12 @@ from typing import Any
 
 from llmserve.errors import UnsupportedModelError
 
-# Hugging Face `model_type` values llmserve runs: the Llama family (`models/llama.py`), its
-# mixtures of experts (`models/moe.py`) and Gemma 3 (`models/gemma3.py`, text-only
-# checkpoints).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3",
+# Hugging Face `model_type` values llmserve runs: the Llama family (`models/llama.py`; Phi-3
+# with its fused projections and LongRoPE), its mixtures of experts (`models/moe.py`), and
+# Gemma 2 and 3 (`models/gemma3.py`, text-only checkpoints).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3",
                            "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # Hugging Face `model_type` spellings of a supported architecture.
 ARCHITECTURE_ALIASES = {"gemma3_text": "gemma3"}
@@ -86,11 +87,13 @@ class ModelConfig:
             )
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
+            if kind not in ("default", "llama3", "linear", "longrope", "su"):
                 raise UnsupportedModelError(f"unsupported rope_scaling type '{kind}'")
+            if kind in ("longrope", "su"):
+                _check_longrope(self.rope_scaling, self.head_dim)
             numbers = ("factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings")
-            for name in numbers if kind != "default" else ():
+            for name in numbers if kind in ("llama3", "linear") else ():
                 value = self.rope_scaling.get(name)
                 if (value is not None or name == "factor") and not _is_positive(value):
                     raise ValueError(f"rope_scaling {name} must be a positive number, "
@@ -182,13 +185,26 @@ class ModelConfig:
             if local.get("rope_type", "default") != "default":
                 raise UnsupportedModelError("unsupported rope scaling on sliding-window layers")
             rope_params = rope_params["full_attention"]
+        partial = (rope_params if isinstance(rope_params, dict) else cfg).get(
+            "partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise UnsupportedModelError(f"unsupported partial rotary embedding "
+                                        f"(partial_rotary_factor {partial})")
         if isinstance(rope_params, dict):
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
-        gemma = arch == "gemma3"
-        if gemma and rope_local_theta is None:
+        gemma = arch in GEMMA_ARCHITECTURES
+        if arch == "gemma3" and rope_local_theta is None:
             rope_local_theta = 10000.0
+        if arch == "gemma2":  # local and global layers share one rotary base
+            rope_local_theta = rope_theta if rope_theta is not None else 10000.0
+        if isinstance(rope_scaling, dict) and rope_scaling.get(
+                "rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+            # Phi-3: the pre-training context sits beside the factors (or in the config)
+            rope_scaling = {"original_max_position_embeddings": cfg.get(
+                "original_max_position_embeddings"), "max_position_embeddings": cfg.get(
+                "max_position_embeddings"), **rope_scaling}
         hidden_act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
         scalar = cfg.get("query_pre_attn_scalar") if gemma else None
         if scalar is not None and not _is_positive(scalar):
@@ -284,6 +300,23 @@ class MoEConfig:
             dense_layers=tuple(dense))
 
 
+def _check_longrope(scaling: dict[str, Any], head_dim: int) -> None:
+    """Phi-3's LongRoPE: a short and a long factor per frequency (head_dim / 2 each) and
+    the pre-training context they switch at."""
+    for name in ("short_factor", "long_factor"):
+        factors = scaling.get(name)
+        if (not isinstance(factors, list) or len(factors) != head_dim // 2
+                or not all(_is_positive(f) for f in factors)):
+            raise ValueError(f"rope_scaling {name} must be {head_dim // 2} positive numbers")
+    if not _is_int(scaling.get("original_max_position_embeddings")) or \
+            scaling["original_max_position_embeddings"] < 1:
+        raise ValueError("rope_scaling original_max_position_embeddings must be a positive "
+                         "integer")
+    for name in ("factor", "attention_factor"):
+        if scaling.get(name) is not None and not _is_positive(scaling[name]):
+            raise ValueError(f"rope_scaling {name} must be a positive number")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -314,7 +347,7 @@ def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
     `layer_types` names them where the config has it; otherwise Gemma 3 windows five
     layers of every six (`sliding_window_pattern`), Mistral every layer when
     `sliding_window` is set, and Qwen2/3 the layers from `max_window_layers` on when
-    `use_sliding_window` is true."""
+    `use_sliding_window` is true; Gemma 2 every other layer from the first."""
     window = cfg.get("sliding_window")
     num_layers = _hf_size(cfg, "num_hidden_layers")
     if not window:
@@ -325,8 +358,8 @@ def hf_sliding_windows(cfg: dict[str, Any], arch: str) -> tuple[int, ...]:
         return ()
     types = cfg.get("layer_types")
     if types is None:
-        if arch == "gemma3":
-            pattern = cfg.get("sliding_window_pattern", 6)
+        if arch in GEMMA_ARCHITECTURES:
+            pattern = cfg.get("sliding_window_pattern", 6 if arch == "gemma3" else 2)
             if not _is_int(pattern) or pattern < 1:
                 raise ValueError(f"sliding_window_pattern must be a positive integer, "
                                  f"got {pattern!r}")

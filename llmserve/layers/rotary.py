@@ -28,6 +28,31 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _longrope_freqs(positions: torch.Tensor, exponents: torch.Tensor, base: float,
+                    scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: each frequency divided by its short factor at positions inside
+    the pre-training context and by its long factor beyond it, and cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original)) (or the config's `attention_factor`).
+
+    The factors go by position, so a position's rotation is the same in every sequence
+    (prefix-cache hits stay exact). Hugging Face switches a whole sequence to the long
+    factors once it outgrows the context; the two agree on every sequence that fits it.
+    """
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or (scaling.get("max_position_embeddings") or original) \
+        / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) /
+                                                        math.log(original))
+    powers = base**exponents
+    short = 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * powers)
+    long = 1.0 / (torch.tensor(scaling["long_factor"], dtype=torch.float32) * powers)
+    freqs = torch.where((positions < original).unsqueeze(1), torch.outer(positions, short),
+                        torch.outer(positions, long))
+    return freqs, attention
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (rotate-half layout) with a precomputed cos/sin table."""
 
@@ -48,9 +73,15 @@ class RotaryEmbedding(nn.Module):
         if kind == "linear":
             positions = positions / scaling["factor"]
         freqs = torch.outer(positions, inv_freq)  # (max_position, head_dim/2)
+        scale = 1.0
+        if kind in ("longrope", "su"):
+            freqs, scale = _longrope_freqs(positions, exponents, base, scaling)
         emb = torch.cat((freqs, freqs), dim=-1)  # (max_position, head_dim)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryPositions":
         """The rotation for one step's tokens, shared by all layers."""

@@ -30,6 +30,7 @@ from llmserve.loader.weights import (
 # GGUF `general.architecture` -> Hugging Face `model_type` (a "llama" file with experts is
 # Mixtral's: `MIXTRAL`).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+                      "gemma2": "gemma2", "phi3": "phi3",
                       "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
 MIXTRAL = "mixtral"
 # llama.cpp's mixtures renormalise the chosen experts' weights as each family does, fixed
@@ -87,11 +88,20 @@ GEMMA3_LAYER_NAMES = {
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
-LAYER_NAMES = {"gemma3": GEMMA3_LAYER_NAMES}
+# Phi-3 keeps its fused projections: `attn_qkv` (q | k | v rows), `ffn_up` (gate | up rows)
+PHI3_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+LAYER_NAMES = {"gemma3": GEMMA3_LAYER_NAMES, "gemma2": GEMMA3_LAYER_NAMES,
+               "phi3": PHI3_LAYER_NAMES}
+# Phi-3's LongRoPE factors, one per frequency (llama.cpp's names)
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 
 # Gemma's RMSNorm scales by (1 + weight); llama.cpp's converter stores 1 + weight, the
 # Hugging Face checkpoint (our canonical form) the weight itself.
-NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma3"})
+NORM_SHIFTED_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
 # Gemma 3 in llama.cpp: five local layers (window, rotary base 10000) to one global
 GEMMA3_WINDOW_PATTERN = 6
 GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -122,7 +132,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     arch = _architecture(metadata)
     by_name = {t.name: t for t in reader.tensors}
     config = _checked_config(path, metadata, arch, by_name)
-    by_name.pop(ROPE_FREQS_TENSOR, None)
+    for name in (ROPE_FREQS_TENSOR, *ROPE_FACTORS):
+        by_name.pop(name, None)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in by_name.items():
         if _is_experts(name):
@@ -159,10 +170,11 @@ def _checked_config(path: Path, metadata: dict[str, Any], arch: str,
     against it before a byte of weights is read."""
     tensors = dict(tensors)
     rope_freqs = tensors.pop(ROPE_FREQS_TENSOR, None)
-    for tensor in [*tensors.values(), *([rope_freqs] if rope_freqs else [])]:
+    factors = [tensors.pop(name, None) for name in ROPE_FACTORS]
+    for tensor in [*tensors.values(), *(t for t in (rope_freqs, *factors) if t)]:
         _check_supported(tensor)
     try:
-        config = _build_config(metadata, arch, tensors, rope_freqs)
+        config = _build_config(metadata, arch, tensors, rope_freqs, factors)
     except ValueError as e:  # ModelConfig's checks of the values
         raise ModelFormatError(f"{path}: {e}") from None
     shapes: dict[str, tuple[int, ...]] = {}
@@ -262,6 +274,7 @@ def _build_config(
     arch: str,
     tensors: dict[str, GGUFTensor],
     rope_freqs: GGUFTensor | None,
+    rope_factors: list[GGUFTensor | None] | None = None,
 ) -> ModelConfig:
     """ModelConfig from `{arch}.*` metadata; bias, qk-norm and tying from which tensors exist.
     A missing or ill-typed value is a ValueError naming its key."""
@@ -285,12 +298,12 @@ def _build_config(
     if num_layers > len(tensors):  # before anything is built per layer
         raise ValueError(f"GGUF metadata '{arch}.block_count' is {num_layers}, but the file "
                          f"holds {len(tensors)} tensors")
-    gemma = arch == "gemma3"
+    gemma = arch in ("gemma2", "gemma3")
     window = size("attention.sliding_window", 0, minimum=0)
     windows: tuple[int, ...] = ()
-    if window and gemma:
-        windows = tuple(0 if (i + 1) % GEMMA3_WINDOW_PATTERN == 0 else window
-                        for i in range(num_layers))
+    if window and gemma:  # Gemma 2: every other layer local, from the first
+        pattern = GEMMA3_WINDOW_PATTERN if arch == "gemma3" else 2
+        windows = tuple(0 if (i + 1) % pattern == 0 else window for i in range(num_layers))
     elif window:  # Mistral-style: every layer windowed
         windows = (window,) * num_layers
     moe = _moe_config(metadata, arch, tensors, num_layers)
@@ -307,15 +320,19 @@ def _build_config(
         max_position_embeddings=size("context_length"),
         rms_norm_eps=number("attention.layer_norm_rms_epsilon", 1e-6),
         rope_theta=rope_theta,
-        rope_scaling=_rope_scaling(metadata, arch, rope_freqs, head_dim, rope_theta),
+        rope_scaling=_longrope(metadata, arch, rope_factors or [])
+        or _rope_scaling(metadata, arch, rope_freqs, head_dim, rope_theta),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         hidden_act="gelu_pytorch_tanh" if gemma else "silu",
         sliding_windows=windows,
-        rope_local_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
-        # llama.cpp: 1/sqrt(head_dim) for Gemma 3, except 27B's 1/sqrt(hidden / heads)
-        attention_scale=(hidden / heads) ** -0.5 if gemma and num_layers == 62 else None,
+        rope_local_theta=(GEMMA3_LOCAL_ROPE_THETA if arch == "gemma3" else rope_theta)
+        if gemma else None,
+        # llama.cpp: 1/sqrt(head_dim) for Gemma 2 and 3, except their 27Bs' (46 and 62
+        # layers) 1/sqrt(hidden / heads)
+        attention_scale=(hidden / heads) ** -0.5
+        if gemma and num_layers == {"gemma2": 46, "gemma3": 62}[arch] else None,
         attn_logit_softcapping=number("attn_logit_softcapping", 0.0) or None,
         final_logit_softcapping=number("final_logit_softcapping", 0.0) or None,
         qk_norm_across_heads=arch == "olmoe",
@@ -346,6 +363,29 @@ def _moe_config(metadata: dict[str, Any], arch: str, tensors: dict[str, GGUFTens
                      intermediate_size=width, norm_topk_prob=norm,
                      shared_intermediate_size=shared,
                      dense_layers=tuple(i for i in range(num_layers) if i not in sparse))
+
+
+def _longrope(metadata: dict[str, Any], arch: str, factors: list[GGUFTensor | None]
+              ) -> dict[str, Any] | None:
+    """Phi-3's LongRoPE from its `rope_factors_{short,long}` tensors and
+    `{arch}.rope.scaling.*` keys (None without factor tensors)."""
+    short, long = factors if len(factors) == 2 else (None, None)
+    if short is None and long is None:
+        return None
+    if short is None or long is None:
+        raise ValueError("GGUF file has one of rope_factors_short / rope_factors_long only")
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "short_factor": _to_torch(short).float().flatten().tolist(),
+        "long_factor": _to_torch(long).float().flatten().tolist(),
+        "original_max_position_embeddings": _metadata_int(
+            metadata, f"{arch}.rope.scaling.original_context_length"),
+        "max_position_embeddings": _metadata_int(metadata, f"{arch}.context_length"),
+    }
+    if f"{arch}.rope.scaling.attn_factor" in metadata:
+        scaling["attention_factor"] = _metadata_float(
+            metadata, f"{arch}.rope.scaling.attn_factor", 1.0)
+    return scaling
 
 
 def _metadata_int(metadata: dict[str, Any], key: str, default: int | None = None,

@@ -9,6 +9,7 @@ from torch import nn
 
 from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
+from llmserve.errors import UnsupportedModelError
 from llmserve.kernels import native
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
@@ -113,6 +114,10 @@ def device_is_cpu(device: str | torch.device) -> bool:
 
 def shard_plan(config: ModelConfig, tp: TensorParallel) -> ShardPlan:
     """What rank `tp.rank` of a tensor-parallel group holds of a model with `config`."""
+    if config.architecture == "phi3" or config.qk_norm_across_heads:
+        # Phi-3's fused projections are read whole; OLMoE normalises q and k over all heads
+        raise UnsupportedModelError(f"{config.architecture} checkpoints run with "
+                                    f"tensor_parallel_size 1")
     return ShardPlan.build(tp, config.num_attention_heads, config.num_key_value_heads,
                            config.intermediate_size, config.vocab_size,
                            config.moe.num_experts if config.moe else 0)

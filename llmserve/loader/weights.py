@@ -90,6 +90,13 @@ def layer_shapes(config: ModelConfig, layer_index: int = 0, dense: bool = False
             layer["mlp.shared_expert_gate.weight"] = (1, hidden)
     else:
         layer |= mlp_shapes("mlp.", hidden, config.intermediate_size)
+    if config.architecture == "phi3":  # q/k/v and gate/up stored fused
+        for name in ("q_proj", "k_proj", "v_proj"):
+            del layer[f"self_attn.{name}.weight"]
+        layer["self_attn.qkv_proj.weight"] = (q_size + 2 * kv_size, hidden)
+        width = config.intermediate_size
+        del layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]
+        layer["mlp.gate_up_proj.weight"] = (2 * width, hidden)
     if config.attention_bias:
         layer |= {"self_attn.q_proj.bias": (q_size,), "self_attn.k_proj.bias": (kv_size,),
                   "self_attn.v_proj.bias": (kv_size,)}
@@ -97,7 +104,7 @@ def layer_shapes(config: ModelConfig, layer_index: int = 0, dense: bool = False
         layer |= {"self_attn.q_norm.weight": (q_size,), "self_attn.k_norm.weight": (kv_size,)}
     elif config.qk_norm:
         layer |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
-    if config.architecture == "gemma3":
+    if config.architecture in ("gemma2", "gemma3"):
         layer |= {"pre_feedforward_layernorm.weight": (hidden,),
                   "post_feedforward_layernorm.weight": (hidden,)}
     return layer
@@ -116,8 +123,10 @@ def check_weight_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
     needed = config.num_hidden_layers * dense + (0 if moe is None else sparse * (
         1 + 3 * moe.num_experts - 3 + (4 if moe.shared_intermediate_size else 0)))
     if needed > len(shapes):
+        experts = "" if moe is None else f" and {moe.num_experts} experts in {sparse}"
         raise ModelFormatError(f"{source} holds {len(shapes)} tensors, too few for "
-                               f"{config.num_hidden_layers} layers ({needed})")
+                               f"{config.num_hidden_layers} layers of {dense}{experts} "
+                               f"({needed})")
     expected = {
         "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
         "model.norm.weight": (config.hidden_size,),

@@ -53,9 +53,6 @@ class LlamaAttention(nn.Module):
         # OLMoE normalises q and k over all heads at once, then clips q, k and v
         self.across_heads = cfg.qk_norm_across_heads
         self.clip = cfg.clip_qkv
-        if self.across_heads and self.tp.size > 1:
-            raise ValueError(f"{cfg.architecture}: q/k normalised across heads needs every "
-                             f"head on one rank (tensor_parallel_size 1)")
         norm_q, norm_k = (self.q_size, self.kv_size) if self.across_heads else (
             self.head_dim, self.head_dim)
         self.q_norm = RMSNorm(norm_q, cfg.rms_norm_eps) if cfg.qk_norm else None

@@ -12,6 +12,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "phi3": LlamaForCausalLM,  # fused qkv / gate_up as the checkpoint stores them
+    "gemma2": Gemma3ForCausalLM,  # Gemma 3's layers without q/k norms, one rotary base
     "gemma3": Gemma3ForCausalLM,
     # mixtures of experts: the Llama layers with `models/moe.py`'s MLP
     "mixtral": LlamaForCausalLM,

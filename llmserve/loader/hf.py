@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
+from llmserve.loader.hf_quantized import dequantize, quant_scheme, weight_shapes
 from llmserve.loader.weights import (
     LoadedWeights,
     WeightSlices,
@@ -44,6 +45,7 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
     hf_config = _read_config(folder)
     try:
         config = ModelConfig.from_hf_config(hf_config)
+        scheme = quant_scheme(hf_config)
     except KeyError as e:
         raise ModelFormatError(f"{folder / 'config.json'} lacks the field {e}") from None
     except ValueError as e:
@@ -51,7 +53,12 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
     files = _safetensors_files(folder)
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
-        shapes.update(_safetensors_shapes(file))
+        shapes.update(_safetensors_shapes(file, quantized=scheme is not None))
+    if scheme is not None:
+        try:
+            shapes = weight_shapes(scheme, shapes)
+        except ValueError as e:
+            raise ModelFormatError(f"{folder}: {e}") from None
     classifier = shapes.pop(CLASSIFIER, None)
     if classifier is not None and (len(classifier) != 2 or classifier[1] != config.hidden_size):
         raise ModelFormatError(f"{folder}: tensor {CLASSIFIER} has shape {classifier}, not "
@@ -64,11 +71,33 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
         config = replace(config, tie_word_embeddings=True)
     check_weight_shapes(config, shapes, folder)
     tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        tensors.update(_read_safetensors(file, dtype, config, slices))
+    if scheme is None:
+        for file in files:
+            tensors.update(_read_safetensors(file, dtype, config, slices))
+    else:  # the parts of a linear may sit in different shards: all read, then combined
+        for file in files:
+            tensors.update(_read_safetensors(file, None, config, None))
+        try:
+            tensors = dequantize(scheme, tensors)
+        except ValueError as e:
+            raise ModelFormatError(f"{folder}: {e}") from None
+        tensors = {name: _sliced(t, config, name, slices).to(dtype)
+                   for name, t in tensors.items()}
     drop_tied_head(config, tensors)
     return LoadedWeights(config=config, tensors=tensors, metadata=hf_config,
+                         quantization=None if scheme is None else scheme.stored,
                          classifier=tensors.pop(CLASSIFIER, None), has_lm_head=has_lm_head)
+
+
+def _sliced(tensor: torch.Tensor, config: ModelConfig, name: str,
+            slices: WeightSlices | None) -> torch.Tensor:
+    """A tensor-parallel rank's share of a weight already in memory."""
+    rows, cols = slices(config, name) if slices is not None else (None, None)
+    if rows is None and cols is None:
+        return tensor
+    if tensor.dim() == 1:
+        return tensor[rows or slice(None)]
+    return tensor[rows or slice(None), cols or slice(None)]
 
 
 # Mixtral's names for its mixture -> the canonical (Qwen-MoE) ones
@@ -101,6 +130,10 @@ def _read_tensor(f: Any, name: str, config: ModelConfig, slices: WeightSlices | 
     if len(part.get_shape()) == 1:
         return part[rows or everything]
     return part[rows or everything, cols or everything]
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor if dtype is None else tensor.to(dtype)
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -145,15 +178,17 @@ def _safetensors_files(folder: Path) -> list[Path]:
     raise ModelFormatError(f"no *.safetensors weights in {folder}")
 
 
-def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+def _safetensors_shapes(file: Path, quantized: bool = False) -> dict[str, tuple[int, ...]]:
     """The weights' shapes from a safetensors header (the library checks its offsets and
-    sizes against the file); a tensor of another dtype than FLOAT_DTYPES is refused."""
+    sizes against the file); a tensor of another dtype than FLOAT_DTYPES is refused (int32
+    too, in a quantized checkpoint: its packed parts)."""
+    allowed = FLOAT_DTYPES + (("I32",) if quantized else ())
     try:
         with safe_open(file, framework="pt") as f:
             parts = {name: f.get_slice(name) for name in f.keys()
                      if not name.endswith(IGNORED_SUFFIXES)}
             for name, part in parts.items():
-                if part.get_dtype() not in FLOAT_DTYPES:
+                if part.get_dtype() not in allowed:
                     raise UnsupportedModelError(
                         f"{file}: tensor {name!r} has dtype {part.get_dtype()} (weights are "
                         f"read from {', '.join(FLOAT_DTYPES)})")
@@ -163,12 +198,13 @@ def _safetensors_shapes(file: Path) -> dict[str, tuple[int, ...]]:
         raise ModelFormatError(f"cannot read {file}: {e}") from None
 
 
-def _read_safetensors(file: Path, dtype: torch.dtype, config: ModelConfig,
+def _read_safetensors(file: Path, dtype: torch.dtype | None, config: ModelConfig,
                       slices: WeightSlices | None) -> dict[str, torch.Tensor]:
+    """The file's tensors under canonical names, cast to `dtype` (None: as stored)."""
     try:
         with safe_open(file, framework="pt") as f:
             return {
-                canonical_name(name): _read_tensor(f, name, config, slices).to(dtype)
+                canonical_name(name): _cast(_read_tensor(f, name, config, slices), dtype)
                 for name in f.keys()
                 if not name.endswith(IGNORED_SUFFIXES)
             }

@@ -5,10 +5,11 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "PoolingParams", "RequestOutput", "CompletionOutput",
            "Logprob", "PoolingRequestOutput", "EmbeddingRequestOutput",
-           "ClassificationRequestOutput", "ScoringRequestOutput"]
+           "ClassificationRequestOutput", "ScoringRequestOutput", "LoRARequest"]
 
 if TYPE_CHECKING:
     from llmserve.llm import LLM
+    from llmserve.lora_request import LoRARequest
     from llmserve.outputs import (
         ClassificationRequestOutput,
         CompletionOutput,
@@ -32,6 +33,7 @@ _LAZY = {
     "EmbeddingRequestOutput": "llmserve.outputs",
     "ClassificationRequestOutput": "llmserve.outputs",
     "ScoringRequestOutput": "llmserve.outputs",
+    "LoRARequest": "llmserve.lora_request",
 }
 
 

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
+from llmserve.lora_request import LoRARequest
 from llmserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -31,7 +32,7 @@ class LLM:
     (block_size, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, scheduling_policy, seed, device, enforce_eager,
     attention_backend, speculative_config, tensor_parallel_size, runner, convert,
-    pooler_config).
+    pooler_config, enable_lora, max_loras, max_lora_rank, max_cpu_loras).
 
     The engine is asked for final outputs only (`RequestOutputKind.FINAL_ONLY`, whatever
     the params say), so a request costs no per-step output work and each full
@@ -57,14 +58,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one per prompt (None: the base
+        model); the engine needs `enable_lora=True`."""
         if isinstance(prompts, str | dict) or _is_token_ids(prompts):
             prompts = [prompts]
         params = _final_only(_per_prompt(sampling_params, len(prompts)))
+        loras = list(lora_request) if isinstance(lora_request, Sequence) else \
+            [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora_request entries for {len(prompts)} prompts")
         ids = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, sp, lora) in enumerate(zip(prompts, params, loras, strict=True)):
             try:
-                ids.append(self.engine.add_request(prompt, sp))
+                ids.append(self.engine.add_request(prompt, sp, lora_request=lora))
             except ValueError as e:
                 for request_id in ids:
                     self.engine.abort_request(request_id)

@@ -162,6 +162,12 @@ class EngineConfig:
     runner: str = "generate"
     convert: str | None = None
     pooler_config: PoolerConfig | dict | str | None = None
+    # LoRA adapters (lora/): requests name one (LoRARequest); `max_loras` adapters at most
+    # in one step, ranks up to `max_lora_rank`, `max_cpu_loras` kept loaded (None: 16)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -179,6 +185,14 @@ class EngineConfig:
                                  self.tensor_parallel_size > 1 or None)):
                 if value is not None:
                     raise ValueError(f"the pooling runner does not support {name}")
+        if self.enable_lora:
+            for name, value in (("max_loras", self.max_loras),
+                                ("max_lora_rank", self.max_lora_rank)):
+                if not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            if self.tensor_parallel_size > 1 or self.runner == "pooling":
+                raise ValueError("enable_lora runs the generate runner at "
+                                 "tensor_parallel_size 1")
         if (self.kv_role is None) != (self.kv_transfer_address is None):
             raise ValueError("kv_role (--role) and kv_transfer_address (--kv-transfer-address) "
                              "go together")

@@ -122,9 +122,13 @@ class KVCacheManager:
             hashes.append(hash_block(parent, tokens, self._hash_extra(request)))
 
     def _hash_extra(self, request: Request) -> object:
+        # an adapter's KV differs from the base model's: its name keys its blocks
+        lora = request.lora_request
+        salt = request.cache_salt if lora is None else (request.cache_salt, "lora",
+                                                          lora.lora_name)
         if self.enable_caching:
-            return request.cache_salt
-        return (request.cache_salt, request.share_group)  # visible to siblings only
+            return salt
+        return (salt, request.share_group)  # visible to siblings only
 
     def _cache_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
         """Register blocks that are full once this step's tokens are written.

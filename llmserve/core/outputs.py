@@ -33,6 +33,7 @@ class NewRequestData:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     # a pooling request: its PoolingParams (the runner pools its prompt, samples nothing)
     pooling_params: Any = None
+    lora_request: Any = None  # its LoRA adapter (a LoRARequest), None: the base model
 
 
 @dataclass

@@ -93,6 +93,7 @@ class Request:
     # reads hidden states a prefix-cache hit would skip
     pooling_params: Any = None
     pools_every_position: bool = False
+    lora_request: Any = None  # lora_request.LoRARequest: the adapter it runs with
     # KV: its blocks (core.block_pool.Block) in position order; how many leading full ones
     # were offered to the prefix cache; how many block ids the runner holds (None: the
     # runner holds no row for it, so the next step sends its data)

@@ -63,6 +63,8 @@ class SchedulerConfig:
     max_model_len: int = 8192
     # or "priority": lower value runs first, ties by arrival; or "static" (batch by batch)
     policy: str = "fcfs"
+    # the most LoRA adapters the running requests may use at once (0: no adapters)
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -184,6 +186,8 @@ class Scheduler:
                 if not self._admit_prefilled(request, out):
                     break
                 continue
+            if not self._adapter_fits(request):
+                break  # wait until a running request's adapter is done
             hits, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
@@ -202,6 +206,14 @@ class Scheduler:
             self.running.append(request)
             self._emit(request, num_new, out)
             budget -= num_new
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Admitting `request` keeps the running requests within `max_loras` adapters."""
+        lora = request.lora_request
+        if lora is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lora.lora_int_id in running or len(running) < self.config.max_loras
 
     def _next_batch(self) -> set[Request]:
         """Static policy: the leading waiting requests, up to `max_num_seqs`, whose prompts
@@ -261,6 +273,7 @@ class Scheduler:
                 eos_token_ids=request.eos_token_ids,
                 bad_words_token_ids=request.bad_words_token_ids,
                 pooling_params=request.pooling_params,
+                lora_request=request.lora_request,
             )
             num_sent = num_blocks
         request.num_blocks_sent = num_blocks

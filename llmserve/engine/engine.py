@@ -47,6 +47,9 @@ from llmserve.kernels import set_num_threads
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from llmserve.loader.model_loader import LoadedModel, load_model
+from llmserve.lora.adapter import LoRAError
+from llmserve.lora.manager import LoRAManager
+from llmserve.lora_request import LoRARequest
 from llmserve.memory import plan_kv_cache
 from llmserve.models.compile import warm_up
 from llmserve.outputs import PoolingRequestOutput, RequestOutput
@@ -73,7 +76,8 @@ class Engine:
             set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(
             config.model, self.dtype, self.device, config.weight_quantization,
-            config.enforce_eager, tp=ranks.tp if ranks else None,
+            # adapters change which ops a step runs: no compiled step under them
+            config.enforce_eager or config.enable_lora, tp=ranks.tp if ranks else None,
         )
         self.tokenizer = self.loaded.tokenizer
         model_cfg = self.loaded.config
@@ -113,9 +117,12 @@ class Engine:
         self.kv_connector: KVConnector | None = make_kv_connector(
             config.kv_role, config.kv_transfer_address)
         self.pooler = build_pooler(config, self.loaded)
+        self.lora = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank,
+                                config.max_cpu_loras or 16) if config.enable_lora else None
         runner = ModelRunner(self.loaded.model, kv_cache, self.device,
                              max_num_seqs=config.max_num_seqs, attention=self.attention,
-                             kv_connector=self.kv_connector, pooler=self.pooler)
+                             kv_connector=self.kv_connector, pooler=self.pooler,
+                             lora=self.lora)
         self.executor: Executor = ranks.bind_runner(runner) if ranks else UniProcExecutor(runner)
         warm_up(self.loaded.model, kv_cache, self.attention)
         self.structured = StructuredOutputManager(self.tokenizer, model_cfg.vocab_size)
@@ -132,6 +139,7 @@ class Engine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 policy=config.scheduling_policy,
+                max_loras=config.max_loras if config.enable_lora else 0,
             ),
             self.kv_manager, stages,
         )
@@ -152,8 +160,12 @@ class Engine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         kv_transfer: "str | TransferredKV | None" = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a prompt (text, token ids, or {"prompt_token_ids": [...]}); returns its id.
+
+        `lora_request`: the LoRA adapter to run it with (`enable_lora`); loaded and checked
+        against the model now, so an adapter that does not fit is refused before it queues.
 
         `n > 1` or `best_of` fan out into sibling requests sharing the prompt's blocks;
         `use_beam_search` runs a beam search above them. Either way the caller sees one id.
@@ -167,8 +179,10 @@ class Engine:
             return self._add_pooling(prompt, params, request_id, priority, arrival_time,
                                      cache_salt)
         params = params or SamplingParams()
+        self._check_lora(lora_request)
         new = self.input_processor.process(prompt, params, priority, arrival_time,
                                            cache_salt, kv_transfer)
+        new.lora_request = lora_request
         request_id = request_id or f"req-{next(self._ids)}"
         if self.output_processor.in_use(request_id):
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -177,6 +191,7 @@ class Engine:
             search = BeamSearch(request_id, params, stop_ids, new.max_tokens, new.text,
                                 new.ids, new.arrival_time, self._add_beam,
                                 self.tokenizer.decode, new.priority, new.cache_salt)
+            search.lora_request = lora_request
             self.output_processor.parents[request_id] = search
             search.start()
         elif params.n > 1 or (params.best_of or 1) > params.n:
@@ -197,7 +212,7 @@ class Engine:
         request = Request(
             request_id, new.ids, params, new.max_tokens, stop_ids, new.priority,
             new.cache_salt, share_group=parent.request_id if parent else None,
-            arrival_time=new.arrival_time,
+            arrival_time=new.arrival_time, lora_request=new.lora_request,
         )
         request.bad_words_token_ids = new.bad_words_token_ids
         if isinstance(kv_transfer, str):
@@ -248,8 +263,19 @@ class Engine:
     def _add_beam(self, request_id: str, token_ids: list[int], params: SamplingParams,
                   search: BeamSearch) -> None:
         new = NewRequest(search.prompt, token_ids, 1, search.priority, search.arrival_time,
-                         search.cache_salt, [])
+                         search.cache_salt, [], getattr(search, "lora_request", None))
         self._add_one(request_id, new, params, search)
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if self.lora is None:
+            raise RequestRejected(f"LoRA adapter {lora_request.lora_name!r} requested, but "
+                                  f"this engine runs without adapters (enable_lora)")
+        try:
+            self.lora.get(lora_request)
+        except LoRAError as e:
+            raise RequestRejected(str(e)) from None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its KV blocks; returns its final output."""

@@ -7,6 +7,7 @@ disaggregated-prefill request this engine's role cannot take.
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from llmserve.distributed.kv_transfer import TransferredKV
 from llmserve.errors import LLMServeError
@@ -30,6 +31,7 @@ class NewRequest:
     arrival_time: float
     cache_salt: str | None
     bad_words_token_ids: list[list[int]]
+    lora_request: Any = None  # its LoRA adapter (a LoRARequest), set by the engine
 
 
 class InputProcessor:

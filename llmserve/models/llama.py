@@ -160,7 +160,9 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
         x = self._embed(input_ids)
         native = self.native_layers
-        if native is not None and native.can_run(x, positions, kv_cache, meta):
+        lora = getattr(self, "lora_context", None)  # adapters in this step: per-op layers
+        if native is not None and (lora is None or lora.step is None) and \
+                native.can_run(x, positions, kv_cache, meta):
             return native.forward(x, positions, kv_cache, meta)  # normed
         rope = self.model.rotary.at(positions, x.dtype)
         if self.compiled_layers is not None:

@@ -71,7 +71,7 @@ def packed_weight(linear: nn.Module) -> NativeWeight | None:
 
     if linear.bias is not None:
         return None
-    method = linear.method
+    method = getattr(linear.method, "base", linear.method)  # under a LoRA wrapper: its own
     # the stack calls the native GEMMs, which read packed weights
     if isinstance(method, Int8LinearMethod) and method.weight.layout == "vnni":
         w = method.weight

@@ -88,7 +88,7 @@ class SparseMoeBlock(nn.Module):
         t, hidden = x.shape
         experts, weights = self.route(x)
         native = self._native_experts(x)
-        if native is not None:
+        if native is not None and not self._lora_active():
             slots = self._run_native(native, x, experts, weights)
             slots = self.tp.all_reduce(slots).view(t, self.top_k, hidden)
             return self._sum(x, [slots[:, slot] for slot in range(self.top_k)])
@@ -109,6 +109,10 @@ class SparseMoeBlock(nn.Module):
             slots[rows] = out * flat_weights[rows, None]
         slots = self.tp.all_reduce(slots).view(t, self.top_k, hidden)
         return self._sum(x, [slots[:, slot] for slot in range(self.top_k)])
+
+    def _lora_active(self) -> bool:
+        """A LoRA adapter updates the experts this step (`lora/manager.py`'s wrappers)."""
+        return getattr(self.experts[0].gate_up_proj.method, "active", False)
 
     def _native_experts(self, x: torch.Tensor) -> tuple | None:
         """The experts' packed weights as the native kernel reads them (built on first use,

@@ -52,6 +52,7 @@ class RequestRow:
     # a pooling request: its PoolingParams and what its chunks left (layers/pooler.py)
     pooling_params: Any = None
     pooled: PooledState | None = None
+    lora_request: Any = None  # its LoRA adapter (LoRARequest), None: the base model
 
     @property
     def num_tokens(self) -> int:
@@ -159,6 +160,7 @@ class InputBatch:
             new.eos_token_ids, new.bad_words_token_ids, generator, row=row,
             pooling_params=new.pooling_params,
             pooled=None if new.pooling_params is None else PooledState(),
+            lora_request=new.lora_request,
         )
         self.requests[new.request_id] = self.rows[row]
         self.num_blocks[row] = 0

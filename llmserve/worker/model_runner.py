@@ -45,8 +45,9 @@ class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str,
                  max_num_seqs: int = 256, attention: AttentionBackend | None = None,
                  samples: bool = True, kv_connector: Any = None,
-                 pooler: Pooler | None = None) -> None:
+                 pooler: Pooler | None = None, lora: Any = None) -> None:
         self.model = model
+        self.lora = lora  # a lora.manager.LoRAManager, when adapters are enabled
         self.pooler = pooler
         self.samples = samples
         self.kv_connector = kv_connector
@@ -69,7 +70,14 @@ class ModelRunner:
         if not out.scheduled:
             return result
         step = batch.prepare(out.scheduled, self.attention)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache, step.metadata)  # (T, H)
+        if self.lora is not None:
+            self._begin_lora(out)
+        try:
+            hidden = self.model(step.input_ids, step.positions, self.kv_cache,
+                                step.metadata)  # (T, H)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         for i in np.flatnonzero(batch.prompt_logprobs[step.rows]).tolist():
             s, end = out.scheduled[i], int(step.last_token[i])
             start = end + 1 - s.num_tokens  # the chunk's first token
@@ -90,6 +98,18 @@ class ModelRunner:
             self._sample(out, to_sample, step, hidden, result)
         self._save_kv(out, result)
         return result
+
+    def _begin_lora(self, out: SchedulerOutput) -> None:
+        """Each of the step's rows gets its request's adapter (0: the base model)."""
+        requests = [self.input_batch.requests[s.request_id] for s in out.scheduled]
+        in_use = {r.lora_request.lora_int_id for r in requests if r.lora_request}
+        ids = []
+        for r in requests:
+            if r.lora_request is not None:
+                self.lora.get(r.lora_request, in_use)  # loaded (again, if it was evicted)
+            ids.append(r.lora_request.lora_int_id if r.lora_request else 0)
+        self.lora.begin_step(np.repeat(np.array(ids, dtype=np.int64),
+                                       [s.num_tokens for s in out.scheduled]))
 
     def _sample(self, out: SchedulerOutput, to_sample: np.ndarray, step: Any,
                 hidden: torch.Tensor, result: ModelRunnerOutput) -> None:

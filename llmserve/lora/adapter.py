@@ -1,0 +1,184 @@
+"""PEFT LoRA adapters, read and fitted to a loaded model's (fused) linears.
+
+An adapter folder holds `adapter_config.json` (rank `r`, `lora_alpha`, `use_rslora`, the
+target modules) and `adapter_model.safetensors` (`...<module>.lora_A.weight` (r, in) and
+`...lora_B.weight` (out, r) per target). Its update of a target is
+`(x A^T) B^T * scale`, scale = alpha / r (alpha / sqrt(r) with rsLoRA), as PEFT computes it.
+
+The model runs q/k/v and gate/up as fused linears, so an adapter's updates of one fused
+linear are stacked into one pair: A of all its targets' rows (sum of ranks, in), and B
+(out, sum of ranks) with each target's B (scale folded in) on its own output rows and
+columns, zeros elsewhere: one shrink and one expand GEMM per adapter and linear, and the
+rows no target touches get exactly + 0. Anything the adapter asks that the model cannot do
+is refused by name at load: a module the model lacks, a shape that does not fit, a rank
+above `max_lora_rank`, DoRA, trained biases, `modules_to_save`, per-module rank patterns.
+"""
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from llmserve.errors import LLMServeError
+from llmserve.kernels import native
+from llmserve.layers.linear import Linear
+from llmserve.lora_request import LoRARequest
+from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
+
+FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRAError(LLMServeError, ValueError):
+    """An adapter that cannot run on this model (named in the message)."""
+
+
+@dataclass
+class LinearUpdate:
+    """One adapter's update of one linear: `x @ a.T @ b.T`, the scale in `b`."""
+
+    a: torch.Tensor  # (ranks, in)
+    b: torch.Tensor  # (out, ranks)
+    packed: tuple[PackedFloatWeight, PackedFloatWeight] | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            # the native float32 GEMM: a row's bits do not depend on the rows beside it
+            return float_linear(float_linear(x, self.packed[0]), self.packed[1])
+        return (x @ self.a.to(x.dtype).t()) @ self.b.to(x.dtype).t()
+
+
+@dataclass
+class LoRAAdapter:
+    request: LoRARequest
+    rank: int
+    updates: dict[str, LinearUpdate]  # the model's linear (module path) -> its update
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.request.lora_int_id
+
+
+def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAAdapter:
+    """Read `request`'s folder and fit it to `model` (LoRAError naming what does not fit)."""
+    folder = Path(request.lora_path)
+    config = _read_config(folder)
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1:
+        raise LoRAError(f"adapter {request.lora_name}: r must be a positive integer, got "
+                        f"{rank!r}")
+    if rank > max_rank:
+        raise LoRAError(f"adapter {request.lora_name}: rank {rank} exceeds max_lora_rank "
+                        f"{max_rank} (--max-lora-rank)")
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+        raise LoRAError(f"adapter {request.lora_name}: lora_alpha must be a number")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    tensors = _read_tensors(folder, request.lora_name)
+    pieces: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor]]] = {}
+    for name in sorted(tensors):
+        if not name.endswith(".lora_A.weight"):
+            if not name.endswith(".lora_B.weight"):
+                raise LoRAError(f"adapter {request.lora_name}: tensor {name!r} is not a LoRA "
+                                f"A or B weight")
+            continue
+        module = name.removesuffix(".lora_A.weight")
+        a, b = tensors[name].float(), tensors.get(f"{module}.lora_B.weight")
+        if b is None:
+            raise LoRAError(f"adapter {request.lora_name}: {module} has lora_A but no lora_B")
+        target, rows, linear = _target(model, module.removeprefix(PEFT_PREFIX),
+                                       request.lora_name)
+        width = rows.stop - rows.start
+        if a.shape != (rank, linear.in_features) or b.shape != (width, rank):
+            raise LoRAError(f"adapter {request.lora_name}: {module} has lora_A "
+                            f"{tuple(a.shape)} and lora_B {tuple(b.shape)}; the model's "
+                            f"{module.rsplit('.', 1)[-1]} needs ({rank}, "
+                            f"{linear.in_features}) and ({width}, {rank})")
+        pieces.setdefault(target, []).append((rows, a, b.float() * scale))
+    if not pieces:
+        raise LoRAError(f"adapter {request.lora_name}: no LoRA weights in {folder}")
+    updates = {target: _stack(model.get_submodule(target), parts)
+               for target, parts in pieces.items()}
+    return LoRAAdapter(request, rank, updates)
+
+
+def _read_config(folder: Path) -> dict:
+    path = folder / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise LoRAError(f"no adapter_config.json in {folder}") from None
+    except (OSError, ValueError) as e:
+        raise LoRAError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict):
+        raise LoRAError(f"{path} is not a JSON object")
+    refused = {
+        "peft_type": config.get("peft_type", "LORA") not in ("LORA", "lora"),
+        "use_dora": bool(config.get("use_dora")),
+        "bias": config.get("bias", "none") not in ("none", None),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "fan_in_fan_out": bool(config.get("fan_in_fan_out")),
+        "rank_pattern": bool(config.get("rank_pattern")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+    }
+    for field, bad in refused.items():
+        if bad:
+            raise LoRAError(f"{path}: {field} {config.get(field)!r} is not supported (plain "
+                            f"LoRA on linear layers is)")
+    return config
+
+
+def _read_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        if (folder / "adapter_model.bin").is_file():
+            raise LoRAError(f"adapter {name}: adapter_model.bin is not read (save the "
+                            f"adapter as safetensors)")
+        raise LoRAError(f"adapter {name}: no adapter_model.safetensors in {folder}")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise LoRAError(f"adapter {name}: cannot read {path}: {e}") from None
+
+
+def _target(model: nn.Module, module: str, name: str) -> tuple[str, slice, Linear]:
+    """The model's linear a PEFT module name updates, and its output rows there."""
+    parent, _, leaf = module.rpartition(".")
+    try:
+        if leaf in FUSED:
+            fused, shard = FUSED[leaf]
+            owner = model.get_submodule(parent)
+            linear = owner.get_submodule(fused)
+            if fused == "qkv_proj":
+                rows = owner.shard_rows(shard)
+            else:
+                size = owner.intermediate_size
+                rows = slice(shard * size, (shard + 1) * size)
+            return f"{parent}.{fused}", rows, linear
+        linear = model.get_submodule(module)
+    except AttributeError:
+        linear = None
+    if not isinstance(linear, Linear):
+        raise LoRAError(f"adapter {name}: the model has no linear layer {module!r} to adapt "
+                        f"(the embedding and the LM head cannot be)")
+    return module, slice(0, linear.out_features), linear
+
+
+def _stack(linear: Linear, parts: list[tuple[slice, torch.Tensor, torch.Tensor]]
+           ) -> LinearUpdate:
+    ranks = sum(a.shape[0] for _, a, _ in parts)
+    a_all = torch.cat([a for _, a, _ in parts])
+    b_all = torch.zeros(linear.out_features, ranks)
+    start = 0
+    for rows, a, b in parts:
+        b_all[rows, start:start + a.shape[0]] = b
+        start += a.shape[0]
+    packed = None
+    if native() is not None:
+        packed = (PackedFloatWeight(a_all), PackedFloatWeight(b_all))
+    return LinearUpdate(a_all, b_all, packed)

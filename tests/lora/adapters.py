@@ -8,7 +8,7 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from llmserve import LoRARequest
-from tests.tiny_models import randomize, save_tiny
+from tests.tiny_models import save_tiny
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=256)

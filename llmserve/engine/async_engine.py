@@ -87,6 +87,7 @@ class _Add:
     cache_salt: str | None
     stream: "RequestStream"
     kv_transfer: Any = None
+    lora_request: Any = None
 
 
 class AsyncEngine:
@@ -146,7 +147,7 @@ class AsyncEngine:
     async def add_request(
         self, prompt: Any, params: SamplingParams, request_id: str | None = None,
         arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-        kv_transfer: Any = None,
+        kv_transfer: Any = None, lora_request: Any = None,
     ) -> RequestStream:
         """Submit a request; returns its stream once the engine admitted it.
         `kv_transfer`: see `Engine.add_request` (disaggregated prefill/decode).
@@ -175,7 +176,7 @@ class AsyncEngine:
                 deadline = time.monotonic() + self.request_timeout
             stream = RequestStream(request_id, loop, self, kind, deadline)
             self._adds.append(_Add(request_id, prompt, deltas, arrival_time or time.time(),
-                                   priority, cache_salt, stream, kv_transfer))
+                                   priority, cache_salt, stream, kv_transfer, lora_request))
             self._idle.clear()
         self._wakeup.set()
         try:
@@ -324,7 +325,8 @@ class AsyncEngine:
     def _admit(self, add: _Add) -> None:
         try:
             self.engine.add_request(add.prompt, add.params, add.request_id, add.priority,
-                                    add.arrival_time, add.cache_salt, add.kv_transfer)
+                                    add.arrival_time, add.cache_salt, add.kv_transfer,
+                                    add.lora_request)
         except Exception as e:
             add.stream.loop.call_soon_threadsafe(set_exception, add.stream.admitted, e)
             return

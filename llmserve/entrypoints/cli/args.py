@@ -26,7 +26,8 @@ ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_thread
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
                 "scheduling_policy", "enforce_eager", "attention_backend",
                 "speculative_config", "tensor_parallel_size", "distributed_executor_backend",
-                "runner", "convert", "pooler_config")
+                "runner", "convert", "pooler_config", "enable_lora", "max_loras",
+                "max_lora_rank", "max_cpu_loras")
 
 
 def given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
@@ -142,6 +143,14 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="the pooling runner's pooler, as JSON: pooling_type LAST "
                             "(default), MEAN or CLS; normalize (default true); "
                             "classifier_from_token (e.g. [\"no\", \"yes\"])")
+    group.add_argument("--enable-lora", action="store_true", default=None,
+                       help="serve LoRA adapters (PEFT) on the base model, many at once")
+    group.add_argument("--max-loras", type=int, metavar="N",
+                       help="adapters one step may run at once (default 1)")
+    group.add_argument("--max-lora-rank", type=int, metavar="R",
+                       help="the largest adapter rank accepted (default 16)")
+    group.add_argument("--max-cpu-loras", type=int, metavar="N",
+                       help="adapters kept loaded (default 16)")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="never torch.compile the model step (float32 steps off the "
                             "native stack compile by default: a slower start, cached after)")

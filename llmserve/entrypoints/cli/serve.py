@@ -37,6 +37,9 @@ def _arguments(serve: argparse.ArgumentParser) -> None:
                           "auto (default): the family the chat template declares (qwen3 "
                           "when it has enable_thinking, else deepseek_r1), none without "
                           "<think>; none: never")
+    net.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                     help="LoRA adapters to serve from the start (with --enable-lora); a "
+                          "request's model names one")
     net.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
                      help="queued requests at most; beyond it answer 429 (default: "
                           f"{DEFAULT_MAX_NUM_WAITING}; -1: no cap)")
@@ -66,6 +69,8 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--role and --kv-transfer-address go together")
     if args.kv_role is not None and args.data_parallel_size > 1:
         parser.error("--role does not combine with --data-parallel-size")
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
 
 
 COMMAND = Command("serve", help="run the OpenAI-compatible server", add_arguments=_arguments,

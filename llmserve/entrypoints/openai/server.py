@@ -44,6 +44,11 @@ from llmserve.entrypoints.openai.reasoning import resolve_parser
 from llmserve.entrypoints.openai.serving_base import SSEResponse
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from llmserve.entrypoints.openai.serving_lora import (
+    LoRARegistry,
+    add_lora_routes,
+    parse_lora_modules,
+)
 from llmserve.entrypoints.openai.serving_messages import (
     AnthropicServingMessages,
     CountTokensRequest,
@@ -85,6 +90,7 @@ class ServerSettings:
     retry_after_s: int = 1
     shutdown_timeout_s: float = 30.0
     reasoning_parser: str | None = None  # reasoning.py's CHOICES ("auto": from the template)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served from the start
     open_paths: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +106,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        for name, path in settings.lora_modules:
+            if app.state.loras is None:
+                raise ValueError("--lora-modules needs --enable-lora")
+            await app.state.loras.add(name, path)  # an adapter that does not fit: no start
+            logger.info("LoRA adapter %s from %s", name, path)
         yield
         await engine.shutdown(settings.shutdown_timeout_s)
 
@@ -114,11 +125,16 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 
 def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> None:
-    completions = OpenAIServingCompletion(engine, settings.model_name)
+    loras = None
+    if engine.engine.lora is not None:
+        loras = LoRARegistry(engine, settings.model_name)
+        add_lora_routes(app, loras)
+    app.state.loras = loras  # the lifespan registers --lora-modules once the engine runs
+    completions = OpenAIServingCompletion(engine, settings.model_name, loras)
     parser = resolve_parser(settings.reasoning_parser, engine.tokenizer.chat_template)
     if settings.reasoning_parser == "auto" and parser is not None:
         logger.info("reasoning parser %s (from the model's chat template)", parser)
-    chat = OpenAIServingChat(engine, settings.model_name, parser)
+    chat = OpenAIServingChat(engine, settings.model_name, parser, loras)
     tokenizer = engine.tokenizer
 
     @app.post("/v1/completions", responses=_STREAMED)
@@ -178,11 +194,14 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        adapters = loras.cards(now()) if loras is not None else []
+        return {"object": "list", "data": [model_card(), *adapters]}
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> dict[str, Any]:
-        completions.check_model(model_id)  # another name: OpenAI's 404 model_not_found
+        # another name: OpenAI's 404 model_not_found
+        if completions.check_model(model_id) is not None:
+            return next(c for c in loras.cards(now()) if c["id"] == model_id)
         return model_card()
 
     @app.post("/tokenize")
@@ -295,6 +314,7 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
         max_request_bytes=args.max_request_bytes,
         shutdown_timeout_s=args.shutdown_timeout,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=tuple(parse_lora_modules(getattr(args, "lora_modules", None))),
     )
     sock = listening_socket(args.host, args.port)  # before loading: a busy port fails fast
     max_num_waiting = None if args.max_num_waiting < 0 else args.max_num_waiting

@@ -24,6 +24,7 @@ from llmserve.entrypoints.openai.protocol import (
     usage,
 )
 from llmserve.entrypoints.openai.structured import Constraint, rename_engine_error
+from llmserve.lora_request import LoRARequest
 from llmserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -34,22 +35,31 @@ KV_WAIT_S = 60.0
 class OpenAIServing:
     """Base of the completions and chat handlers: one engine, one served model name."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, loras: Any = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.loras = loras  # serving_lora.LoRARegistry: the adapters served (--enable-lora)
         self.tokenizer = engine.tokenizer
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter `model` names (None: the base model); 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.loras.get(model) if self.loras is not None else None
+        if adapter is None:
+            adapters = f" and its LoRA adapters ({', '.join(self.loras.names())})" \
+                if self.loras is not None and self.loras.names() else ""
             raise BadRequest(f"the model '{model}' does not exist; this server serves "
-                             f"'{self.model_name}'", param="model", status=404,
+                             f"'{self.model_name}'{adapters}", param="model", status=404,
                              code="model_not_found")
+        return adapter
 
     async def submit(
         self, prompts: list[list[int]], params: SamplingParams, request_id: str,
         arrival_time: float, priority: int, cache_salt: str | None,
         prompt_field: str, max_tokens_field: str, constraint: Constraint | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
         """Admit every prompt or none: on the first refusal the admitted ones are aborted.
 
@@ -65,7 +75,7 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(await self.engine.add_request(
                     {"prompt_token_ids": ids}, params, rid, arrival_time, priority, cache_salt,
-                    kv_transfer))
+                    kv_transfer, lora_request))
         except RequestRejected as e:
             _abort_all(streams)
             message = str(e)

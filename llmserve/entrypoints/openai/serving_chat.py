@@ -94,14 +94,14 @@ def _call_dict(call_id: str | None, name: str, arguments: str | dict,
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: Any, model_name: str, reasoning_parser: str | None = None,
-                 ) -> None:
-        super().__init__(engine, model_name)
+                 loras: Any = None) -> None:
+        super().__init__(engine, model_name, loras)
         self.reasoning_parser = reasoning_parser  # reasoning.py: deepseek_r1, qwen3, None
 
     async def create(self, request: ChatCompletionRequest,
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
         """The response body, or an iterator of SSE events when `request.stream`."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         if request.continue_final_message and request.add_generation_prompt:
             raise BadRequest("continue_final_message and add_generation_prompt cannot both be "
                              "true (set add_generation_prompt to false)",
@@ -133,7 +133,8 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl", request.request_id)
         streams = await self.submit([prompt_ids], params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "messages",
-                                    max_tokens_field, constraint, request.kv_transfer_params)
+                                    max_tokens_field, constraint, request.kv_transfer_params,
+                                    lora)
         top_k = (request.top_logprobs or 0) if request.logprobs else None
         as_ids = bool(request.return_tokens_as_token_ids)
         with_ids = bool(request.return_token_ids)

@@ -42,7 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, request: CompletionRequest,
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
         """The response body, or an iterator of SSE events when `request.stream`."""
-        self.check_model(request.model)
+        lora = self.check_model(request.model)
         if request.suffix:
             raise BadRequest("suffix is not supported", param="suffix")
         score_only = request.max_tokens == 0
@@ -70,7 +70,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = random_id("cmpl", request.request_id)
         streams = await self.submit(token_ids, params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "prompt", "max_tokens",
-                                    constraint, request.kv_transfer_params)
+                                    constraint, request.kv_transfer_params, lora)
         if score_only:
             streams = [_PromptOnly(stream) for stream in streams]
         # the prompts' logprobs lead each choice's logprobs (echo); they are shown as vLLM's

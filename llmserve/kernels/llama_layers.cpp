@@ -19,6 +19,33 @@ struct LlamaLayer {
   int64_t window;  // sliding attention window (0: none)
 };
 
+// A step's LoRA updates (lora/manager.py, kernels/lora.cpp): per layer and per linear (qkv,
+// o, gate_up, down), each adapter slot's packed A and B and rank (0: no update there)
+struct LoraLinear {
+  const float* const* a;
+  const float* const* b;
+  const int64_t* ranks;
+};
+
+struct LoraLayer {
+  LoraLinear linears[4];
+};
+
+struct LoraStep {
+  const int32_t* slot_of_row;  // (T,), -1: the base model
+  int64_t num_slots;
+  const LoraLayer* layers;
+  float* scratch;  // T * (max input width + max rank + max output width) floats
+};
+
+void lora(const LoraStep* step, int64_t layer, int which, const float* x, int64_t T,
+          int64_t K, float* y, int64_t N) {
+  if (step == nullptr) return;
+  const LoraLinear& l = step->layers[layer].linears[which];
+  llmserve_lora_apply(x, T, K, y, N, step->slot_of_row, step->num_slots, l.a, l.b, l.ranks,
+                      step->scratch);
+}
+
 struct LlamaShape {
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
   float eps, attention_scale;
@@ -49,9 +76,11 @@ extern "C" {
 // x (T, hidden): the residual stream, updated in place through `num_layers` layers.
 // scratch: T * (2 * hidden + (H + 2 * Hkv) * D + H * D + 3 * intermediate) floats;
 // qscratch: T * (2 * K_pad_max + K_pad_max / 4 + 4) bytes (either format's workspace).
+// lora_step: the step's LoRA updates, each added after its linear (nullptr: none).
 void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
                                 const LlamaLayer* layers, int64_t num_layers,
-                                const AttentionStep* step, float* scratch, uint8_t* qscratch) {
+                                const AttentionStep* step, float* scratch, uint8_t* qscratch,
+                                const LoraStep* lora_step) {
   const LlamaShape& s = *shape;
   const int64_t C = s.hidden, H = s.num_heads, Hkv = s.num_kv_heads, D = s.head_dim;
   const int64_t qkv_width = (H + 2 * Hkv) * D;
@@ -65,6 +94,7 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
     const LlamaLayer& L = layers[i];
     llmserve_rms_norm(x, T, C, L.input_norm, s.eps, h);
     linear(h, T, L.qkv, qkv, qscratch);
+    lora(lora_step, i, 0, h, T, C, qkv, qkv_width);
     llmserve_rotary_inplace(qkv, T, qkv_width, H + Hkv, D, step->positions, step->cos_table,
                             step->sin_table);
     llmserve_kv_cache_write(qkv + H * D, qkv + (H + Hkv) * D, qkv_width, T, Hkv, D,
@@ -76,11 +106,14 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
                              step->context_lens, step->num_seqs, s.attention_scale,
                              L.window, /*softcap=*/0.f, attn);
     linear(attn, T, L.o, delta, qscratch);
+    lora(lora_step, i, 1, attn, T, H * D, delta, C);
     add_(x, delta, T * C);
     llmserve_rms_norm(x, T, C, L.post_attention_norm, s.eps, h);
     linear(h, T, L.gate_up, gate_up, qscratch);
+    lora(lora_step, i, 2, h, T, C, gate_up, 2 * s.intermediate);
     llmserve_silu_and_mul(gate_up, T, s.intermediate, act);
     linear(act, T, L.down, delta, qscratch);
+    lora(lora_step, i, 3, act, T, s.intermediate, delta, C);
     add_(x, delta, T * C);
   }
 }

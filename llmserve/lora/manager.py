@@ -15,14 +15,16 @@ Adapters load on first use from their folder (`adapter.py`) and stay, up to `max
 adapters one step may hold, is the scheduler's to keep.
 """
 
+import ctypes
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
+from llmserve.kernels import native_for, ptr
 from llmserve.layers.linear import Linear, LinearMethod
 from llmserve.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from llmserve.lora_request import LoRARequest
@@ -30,9 +32,30 @@ from llmserve.lora_request import LoRARequest
 
 @dataclass
 class LoRAStep:
-    """One step's rows by adapter: adapter -> the row indices it owns (None: every row)."""
+    """One step's rows by adapter: adapter -> the row indices it owns (None: every row);
+    for the native kernel, each row's slot (an index into `groups`, -1: no adapter) and,
+    per linear, the slots' packed weights as ctypes arrays (built on first use)."""
 
     groups: list[tuple[LoRAAdapter, torch.Tensor | None]]
+    slot_of_row: torch.Tensor  # (T,) int32
+    native_args: dict = field(default_factory=dict)  # linear path -> (a, b, ranks) | None
+
+    def native(self, path: str) -> tuple | None:
+        """The slots' packed A and B pointers and ranks for linear `path` (None: an
+        adapter's update of it is not packed, so the torch path runs)."""
+        if path not in self.native_args:
+            updates = [adapter.updates.get(path) for adapter, _ in self.groups]
+            if any(u is not None and u.packed is None for u in updates):
+                self.native_args[path] = None
+            else:
+                n = len(updates)
+                a = (ctypes.c_void_p * n)(*(ptr(u.packed[0].packed) if u else None
+                                            for u in updates))
+                b = (ctypes.c_void_p * n)(*(ptr(u.packed[1].packed) if u else None
+                                            for u in updates))
+                ranks = (ctypes.c_int64 * n)(*(u.a.shape[0] if u else 0 for u in updates))
+                self.native_args[path] = (a, b, ranks, max(ranks))
+        return self.native_args[path]
 
 
 class LoRAContext:
@@ -63,6 +86,18 @@ class LoRALinearMethod(LinearMethod):
         y = self.base.apply(layer, x)
         step = self.context.step
         if step is None:
+            return y
+        lib = native_for(x, y) if x.dim() == 2 else None
+        args = step.native(self.path) if lib is not None else None
+        if args is not None:  # one call: the same GEMMs and adds as below
+            a, b, ranks, top = args
+            if top:
+                t, k, n = x.shape[0], x.shape[1], y.shape[1]
+                scratch = torch.empty(t * (k + top + n))
+                lib.llmserve_lora_apply(ptr(x), t, k, ptr(y), n, ptr(step.slot_of_row),
+                                        len(step.groups), ctypes.addressof(a),
+                                        ctypes.addressof(b), ctypes.addressof(ranks),
+                                        ptr(scratch))
             return y
         for adapter, rows in step.groups:
             update = adapter.updates.get(self.path)
@@ -123,12 +158,15 @@ class LoRAManager:
             self.context.step = None
             return
         groups = []
-        for lora_id in ids.tolist():
+        slot_of_row = np.full(len(token_adapters), -1, dtype=np.int32)
+        for slot, lora_id in enumerate(ids.tolist()):
             adapter = self.adapters[lora_id]
-            rows = None if len(ids) == 1 and (token_adapters == lora_id).all() else \
-                torch.from_numpy(np.flatnonzero(token_adapters == lora_id))
+            mine = token_adapters == lora_id
+            slot_of_row[mine] = slot
+            rows = None if len(ids) == 1 and mine.all() else \
+                torch.from_numpy(np.flatnonzero(mine))
             groups.append((adapter, rows))
-        self.context.step = LoRAStep(groups)
+        self.context.step = LoRAStep(groups, torch.from_numpy(slot_of_row))
 
     def end_step(self) -> None:
         self.context.step = None

@@ -160,10 +160,12 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
         x = self._embed(input_ids)
         native = self.native_layers
-        lora = getattr(self, "lora_context", None)  # adapters in this step: per-op layers
-        if native is not None and (lora is None or lora.step is None) and \
-                native.can_run(x, positions, kv_cache, meta):
-            return native.forward(x, positions, kv_cache, meta)  # normed
+        if native is not None and native.can_run(x, positions, kv_cache, meta):
+            lora = getattr(self, "lora_context", None)  # LoRA adapters in this step
+            step = lora.step if lora is not None else None
+            args = native.lora_args(step) if step is not None else None
+            if step is None or args is not None:
+                return native.forward(x, positions, kv_cache, meta, step, args)  # normed
         rope = self.model.rotary.at(positions, x.dtype)
         if self.compiled_layers is not None:
             rope.look_up()  # the tables go into the compiled layer as inputs

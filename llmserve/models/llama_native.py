@@ -39,6 +39,21 @@ class _LlamaLayer(ctypes.Structure):
                 ("key_scales", _P), ("value_scales", _P), ("window", _I64)]
 
 
+class _LoraLinear(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("ranks", _P)]
+
+
+class _LoraLayer(ctypes.Structure):
+    _fields_ = [("linears", _LoraLinear * 4)]
+
+
+class _LoraStep(ctypes.Structure):
+    _fields_ = [("slot_of_row", _P), ("num_slots", _I64), ("layers", _P), ("scratch", _P)]
+
+
+_LINEAR_PATHS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
 class _LlamaShape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
                 ("head_dim", _I64), ("intermediate", _I64), ("eps", ctypes.c_float),
@@ -144,8 +159,26 @@ class NativeLlamaLayers:
         return (isinstance(meta.backend, NativeCPUBackend) and x.dtype == torch.float32
                 and positions.dtype == torch.long and kv_cache.dtype in KERNEL_KV_DTYPES)
 
+    def lora_args(self, step) -> tuple | None:
+        """A LoRA step (`lora/manager.py`'s LoRAStep) as the stack's `LoraStep` layers and
+        the widest rank; None where an adapter's update is not packed (the per-op path
+        then runs the step)."""
+        layers = (_LoraLayer * len(self.weights))()
+        keep, top = [], 0
+        for i in range(len(self.weights)):
+            for j, path in enumerate(_LINEAR_PATHS):
+                args = step.native(f"model.layers.{i}.{path}")
+                if args is None:
+                    return None
+                a, b, ranks, rank = args
+                keep.append(args)
+                top = max(top, rank)
+                layers[i].linears[j] = _LoraLinear(ctypes.addressof(a), ctypes.addressof(b),
+                                                   ctypes.addressof(ranks))
+        return layers, top, keep
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, lora_step=None, lora_args=None) -> torch.Tensor:
         """x (T, hidden) fp32 embeddings -> hidden states after the last layer and the final
         norm (the norm's own kernel, called here: its module added ~0.05 ms of Python to
         a decode step)."""
@@ -164,9 +197,17 @@ class NativeLlamaLayers:
         # (2 K bytes + 2 floats per group of 32, per row), whichever a layer needs
         qscratch = torch.empty(t * (2 * self.k_pad + self.k_pad // 4 + 4), dtype=torch.uint8)
         layers = self._layer_array(kv_cache)
+        lora = None
+        if lora_step is not None:  # each linear's updates, after it (kernels/lora.cpp)
+            lora_layers, top, _ = lora_args
+            widest = max(s.hidden, s.intermediate, s.num_heads * s.head_dim)
+            outputs = max((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, 2 * s.intermediate)
+            lora_scratch = torch.empty(t * (widest + top + outputs))
+            lora = _LoraStep(ptr(lora_step.slot_of_row), len(lora_step.groups),
+                             _address(lora_layers), ptr(lora_scratch))
         self.lib.llmserve_llama_layers(
             ptr(x), t, _address(self.shape), _address(layers), len(layers), _address(step),
-            ptr(scratch), ptr(qscratch))
+            ptr(scratch), ptr(qscratch), None if lora is None else _address(lora))
         norm = self.model.model.norm
         out = torch.empty_like(x)
         self.lib.llmserve_rms_norm(ptr(x), t, s.hidden, ptr(norm.weight), norm.eps, ptr(out))

@@ -106,3 +106,26 @@ def test_adapters_that_do_not_fit_are_refused_by_name(setup, tmp_path):
                 kv_cache_memory="16MiB")
     with pytest.raises(RequestRejected, match="enable_lora"):
         plain.generate("x", GREEDY, use_tqdm=False, lora_request=adapters[0])
+
+
+def test_native_updates_equal_the_torch_ops(setup, monkeypatch):
+    """One native call a linear (`kernels/lora.cpp`) gives the torch ops' bits, for a step
+    mixing three adapters and the base model."""
+    from llmserve.lora.manager import LoRAStep
+
+    _, adapters, _, llm = setup
+    manager, model = llm.engine.lora, llm.engine.loaded.model
+    for adapter in adapters:
+        manager.get(adapter)
+    ids = prompts()[2]
+    slots = torch.tensor([i % 4 for i in range(len(ids))]).numpy()  # 0: the base model
+    logits = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(LoRAStep, "native", lambda self, path: None)
+        manager.begin_step(slots)
+        try:
+            logits.append(full_logits(model, ids))
+        finally:
+            manager.end_step()
+    assert torch.equal(logits[0], logits[1])

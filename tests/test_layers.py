@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NAMESPACES = {"llmserve.entrypoints"}
 # `import llmserve` offers the public API lazily (`llmserve.LLM`, ...)
 PUBLIC_API = {"llmserve.llm", "llmserve.outputs", "llmserve.sampling_params",
-              "llmserve.pooling_params"}
+              "llmserve.pooling_params", "llmserve.lora_request"}
 
 
 def _graph() -> grimp.ImportGraph:

@@ -163,9 +163,10 @@ def _tiny_folder(folder, kind: str) -> "transformers.PreTrainedModel":
     return save_tiny(model, folder)
 
 
-# the other architectures at TP=2 are slow-tier (each spawns its ranks and loads twice);
-# the mixture of experts by default: Qwen2-MoE's (a dense layer, a shared expert, biases)
-@pytest.fixture(scope="module", params=["llama3", "qwen2_moe",
+# the other architectures at TP=2 are slow-tier (each spawns its ranks and loads twice),
+# the mixtures of experts among them (experts split between the ranks)
+@pytest.fixture(scope="module", params=["llama3",
+                                        pytest.param("qwen2_moe", marks=pytest.mark.slow),
                                         pytest.param("qwen2", marks=pytest.mark.slow),
                                         pytest.param("gemma3", marks=pytest.mark.slow),
                                         pytest.param("qwen3_moe", marks=pytest.mark.slow),

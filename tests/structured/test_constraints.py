@@ -141,7 +141,9 @@ CASES = [
     Case("json_object", "Describe your favourite animal as a JSON object.",
          StructuredOutputsParams(json_object=True), is_json_object, bounded=False),
 ]
-RUNS = [(case, seed) for case in CASES for seed in SEEDS]
+# two seeds a case by default (sampling varies), all three under -m slow
+TIERS = {"2 seeds": [(case, seed) for case in CASES for seed in SEEDS[:2]],
+         "3 seeds": [(case, seed) for case in CASES for seed in SEEDS]}
 MAX_TOKENS = 200
 
 
@@ -150,29 +152,36 @@ def params(case: Case, seed: int) -> SamplingParams:
                           structured_outputs=case.constraint)
 
 
-@pytest.fixture(scope="module")
-def prompts(structured_llm) -> list[dict]:
-    return [chat_prompt(structured_llm.tokenizer, case.request) for case, _ in RUNS]
+@pytest.fixture(scope="module", params=["2 seeds", pytest.param("3 seeds",
+                                                                 marks=pytest.mark.slow)])
+def runs(request) -> list[tuple[Case, int]]:
+    return TIERS[request.param]
 
 
 @pytest.fixture(scope="module")
-def final(structured_llm, prompts) -> list[CompletionOutput]:
-    outputs = structured_llm.generate(prompts, [params(*run) for run in RUNS], use_tqdm=False)
+def prompts(structured_llm, runs) -> list[dict]:
+    return [chat_prompt(structured_llm.tokenizer, case.request) for case, _ in runs]
+
+
+@pytest.fixture(scope="module")
+def final(structured_llm, runs, prompts) -> list[CompletionOutput]:
+    outputs = structured_llm.generate(prompts, [params(*run) for run in runs], use_tqdm=False)
     return [output.outputs[0] for output in outputs]
 
 
 @pytest.fixture(scope="module")
-def streamed(structured_engine, prompts, final) -> list[Streamed]:
-    return stream(structured_engine, prompts, [params(*run) for run in RUNS])
+def streamed(structured_engine, runs, prompts, final) -> list[Streamed]:
+    return stream(structured_engine, prompts, [params(*run) for run in runs])
 
 
-def outputs_of(case: Case, outputs: list) -> list:
-    return [out for (c, _), out in zip(RUNS, outputs, strict=True) if c is case]
+def outputs_of(case: Case, runs: list, outputs: list) -> list:
+    return [out for (c, _), out in zip(runs, outputs, strict=True) if c is case]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
-def test_outputs_match_the_constraint(case, final, streamed):
-    for whole, joined in zip(outputs_of(case, final), outputs_of(case, streamed), strict=True):
+def test_outputs_match_the_constraint(case, runs, final, streamed):
+    for whole, joined in zip(outputs_of(case, runs, final), outputs_of(case, runs, streamed),
+                             strict=True):
         assert (joined.text, joined.token_ids) == (whole.text, whole.token_ids)
         assert joined.finish_reason == whole.finish_reason
         if whole.finish_reason == "stop":
@@ -192,6 +201,7 @@ def test_the_checkers_tell_matches_from_near_misses():
     assert not any(map(is_config, ["port=12345", "Port=1", "a=1\n", "a=1\nb=2\nc=3\nd=4"]))
 
 
-def test_sampling_varies_the_answers(final):
-    varied = [case.name for case in CASES if len({o.text for o in outputs_of(case, final)}) > 1]
+def test_sampling_varies_the_answers(runs, final):
+    varied = [case.name for case in CASES
+              if len({o.text for o in outputs_of(case, runs, final)}) > 1]
     assert len(varied) >= len(CASES) // 2, varied

@@ -8,7 +8,8 @@ shapes; then, one engine at a time, 2 threads, the default path:
 * `lora, base requests`: --enable-lora --max-loras 4, requests without adapters;
 * `lora, 4 adapters`: the same engine, requests spread over the 4 adapters (one stream:
   one adapter).
-Each cell is the decode TPOT (median of 3 runs of 64 tokens after a 128-token prompt) and
+Each cell is the decode TPOT (median of --repeats runs, 3 by default, of 64 tokens after a
+128-token prompt) and
 its ratio to `base` at the same batch. The table prints; JSON goes to --out/lora.json with
 the CPU flags and kernel level.
 """
@@ -78,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3, help="decode runs a cell (median)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "lora")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -85,16 +87,16 @@ def main() -> None:
     results: dict = {"model": args.model, "rank": args.rank, "ms": {}}
     base = LLM(args.model, kv_cache_memory="1GiB")
     results["machine"] = machine_info()
-    results["ms"]["base"] = {b: 1e3 * tpot(base, b, [None] * b) for b in BATCHES}
+    results["ms"]["base"] = {b: 1e3 * tpot(base, b, [None] * b, args.repeats) for b in BATCHES}
     quantization = base.engine.loaded.quantization
     del base
     lora = LLM(args.model, kv_cache_memory="1GiB", enable_lora=True, max_loras=4,
                max_lora_rank=args.rank)
     adapters = write_adapters(lora, args.out / "adapters", 4, args.rank)
-    results["ms"]["lora, base requests"] = {b: 1e3 * tpot(lora, b, [None] * b)
+    results["ms"]["lora, base requests"] = {b: 1e3 * tpot(lora, b, [None] * b, args.repeats)
                                             for b in BATCHES}
     results["ms"]["lora, 4 adapters"] = {
-        b: 1e3 * tpot(lora, b, [adapters[i % 4] for i in range(b)]) for b in BATCHES}
+        b: 1e3 * tpot(lora, b, [adapters[i % 4] for i in range(b)], args.repeats) for b in BATCHES}
     results["quantization"] = quantization
     (args.out / "lora.json").write_text(json.dumps(results, indent=1) + "\n")
     machine = results["machine"]

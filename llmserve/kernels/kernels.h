@@ -46,9 +46,21 @@ void llmserve_paged_attention(const float* q, int64_t q_stride, int64_t H, int64
                               float* out);
 void llmserve_f32_linear(const float* x, int64_t M, int64_t K, const float* w,
                          const float* bias, int64_t N, float* y);
+// one adapter's update of one linear (kernels/lora.cpp): the stacked A (rank, K) and each
+// target's B (rows, rank) on output rows [row_start, row_start + rows) and ranks
+// [rank_start, rank_start + rank), all packed for the float32 GEMM
+struct LoraPiece {
+  const float* b;
+  int64_t row_start, rows, rank_start, rank;
+};
+struct LoraSlot {
+  const float* a;
+  int64_t rank;  // 0: the adapter leaves this linear alone
+  int64_t num_pieces;
+  const LoraPiece* pieces;
+};
 void llmserve_lora_apply(const float* x, int64_t T, int64_t K, float* y, int64_t N,
-                         const int32_t* slot_of_row, int64_t num_slots,
-                         const float* const* a, const float* const* b, const int64_t* ranks,
+                         const int32_t* slot_of_row, int64_t num_slots, const LoraSlot* slots,
                          float* scratch);
 int32_t llmserve_int8_embedding(const int8_t* packed, int64_t N, int64_t Kp, const int64_t* ids,
                                 int64_t T, int64_t K, const float* scale, float* out);

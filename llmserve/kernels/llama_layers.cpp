@@ -20,30 +20,23 @@ struct LlamaLayer {
 };
 
 // A step's LoRA updates (lora/manager.py, kernels/lora.cpp): per layer and per linear (qkv,
-// o, gate_up, down), each adapter slot's packed A and B and rank (0: no update there)
-struct LoraLinear {
-  const float* const* a;
-  const float* const* b;
-  const int64_t* ranks;
-};
-
+// o, gate_up, down), each adapter slot's update (kernels.h's LoraSlot)
 struct LoraLayer {
-  LoraLinear linears[4];
+  const LoraSlot* linears[4];
 };
 
 struct LoraStep {
   const int32_t* slot_of_row;  // (T,), -1: the base model
   int64_t num_slots;
   const LoraLayer* layers;
-  float* scratch;  // T * (max input width + max rank + max output width) floats
+  float* scratch;  // T * (max input width + 2 * max rank + max output width) floats
 };
 
 void lora(const LoraStep* step, int64_t layer, int which, const float* x, int64_t T,
           int64_t K, float* y, int64_t N) {
   if (step == nullptr) return;
-  const LoraLinear& l = step->layers[layer].linears[which];
-  llmserve_lora_apply(x, T, K, y, N, step->slot_of_row, step->num_slots, l.a, l.b, l.ranks,
-                      step->scratch);
+  llmserve_lora_apply(x, T, K, y, N, step->slot_of_row, step->num_slots,
+                      step->layers[layer].linears[which], step->scratch);
 }
 
 struct LlamaShape {

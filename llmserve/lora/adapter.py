@@ -40,17 +40,35 @@ class LoRAError(LLMServeError, ValueError):
 
 
 @dataclass
+class Piece:
+    """One target's share of a fused linear's update: output rows `rows`, ranks `ranks` of
+    the stacked A, its B (len(rows), len(ranks)) packed for the native GEMM."""
+
+    rows: slice
+    ranks: slice
+    b: PackedFloatWeight
+
+
+@dataclass
 class LinearUpdate:
-    """One adapter's update of one linear: `x @ a.T @ b.T`, the scale in `b`."""
+    """One adapter's update of one linear: `x @ a.T @ b.T`, the scale in `b` (b holds each
+    target's B on its rows and ranks, zeros elsewhere). `packed`: A for the native GEMM,
+    and each target's own B (the zeros are not multiplied: a piece's sums over its own
+    ranks give the same bits as over all, the others adding exact zeros)."""
 
     a: torch.Tensor  # (ranks, in)
     b: torch.Tensor  # (out, ranks)
-    packed: tuple[PackedFloatWeight, PackedFloatWeight] | None = None
+    packed: tuple[PackedFloatWeight, list[Piece]] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             # the native float32 GEMM: a row's bits do not depend on the rows beside it
-            return float_linear(float_linear(x, self.packed[0]), self.packed[1])
+            shrunk = float_linear(x, self.packed[0])
+            delta = x.new_zeros(x.shape[0], self.b.shape[0])
+            for piece in self.packed[1]:
+                delta[:, piece.rows] = float_linear(shrunk[:, piece.ranks].contiguous(),
+                                                    piece.b)
+            return delta
         return (x @ self.a.to(x.dtype).t()) @ self.b.to(x.dtype).t()
 
 
@@ -174,11 +192,14 @@ def _stack(linear: Linear, parts: list[tuple[slice, torch.Tensor, torch.Tensor]]
     ranks = sum(a.shape[0] for _, a, _ in parts)
     a_all = torch.cat([a for _, a, _ in parts])
     b_all = torch.zeros(linear.out_features, ranks)
-    start = 0
+    pieces, start = [], 0
     for rows, a, b in parts:
-        b_all[rows, start:start + a.shape[0]] = b
+        span = slice(start, start + a.shape[0])
+        b_all[rows, span] = b
+        pieces.append((rows, span, b))
         start += a.shape[0]
     packed = None
     if native() is not None:
-        packed = (PackedFloatWeight(a_all), PackedFloatWeight(b_all))
+        packed = (PackedFloatWeight(a_all),
+                  [Piece(rows, span, PackedFloatWeight(b)) for rows, span, b in pieces])
     return LinearUpdate(a_all, b_all, packed)

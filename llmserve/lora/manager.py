@@ -38,24 +38,46 @@ class LoRAStep:
 
     groups: list[tuple[LoRAAdapter, torch.Tensor | None]]
     slot_of_row: torch.Tensor  # (T,) int32
-    native_args: dict = field(default_factory=dict)  # linear path -> (a, b, ranks) | None
+    # linear path -> its native arguments (or None); shared by every step with the same
+    # adapters in the same slots (the manager keeps it), so a decode builds them once
+    native_args: dict = field(default_factory=dict)
 
     def native(self, path: str) -> tuple | None:
-        """The slots' packed A and B pointers and ranks for linear `path` (None: an
-        adapter's update of it is not packed, so the torch path runs)."""
+        """Linear `path`'s updates as the kernel's `LoraSlot` array (one a slot), what it
+        points into, and the widest rank; None where an adapter's update is not packed
+        (the torch path then runs)."""
         if path not in self.native_args:
             updates = [adapter.updates.get(path) for adapter, _ in self.groups]
             if any(u is not None and u.packed is None for u in updates):
                 self.native_args[path] = None
             else:
-                n = len(updates)
-                a = (ctypes.c_void_p * n)(*(ptr(u.packed[0].packed) if u else None
-                                            for u in updates))
-                b = (ctypes.c_void_p * n)(*(ptr(u.packed[1].packed) if u else None
-                                            for u in updates))
-                ranks = (ctypes.c_int64 * n)(*(u.a.shape[0] if u else 0 for u in updates))
-                self.native_args[path] = (a, b, ranks, max(ranks))
+                slots = (_LoraSlot * len(updates))()
+                keep = []
+                for slot, update in zip(slots, updates, strict=True):
+                    if update is None:
+                        continue  # rank 0: this adapter leaves the linear alone
+                    a, pieces = update.packed
+                    array = (_LoraPiece * len(pieces))(*(
+                        _LoraPiece(ptr(p.b.packed), p.rows.start, p.rows.stop - p.rows.start,
+                                   p.ranks.start, p.ranks.stop - p.ranks.start)
+                        for p in pieces))
+                    keep.append(array)
+                    slot.a, slot.rank = ptr(a.packed), update.a.shape[0]
+                    slot.num_pieces, slot.pieces = len(pieces), ctypes.addressof(array)
+                top = max((u.a.shape[0] for u in updates if u is not None), default=0)
+                self.native_args[path] = (slots, keep, top)
         return self.native_args[path]
+
+
+class _LoraPiece(ctypes.Structure):  # kernels.h
+    _fields_ = [("b", ctypes.c_void_p), ("row_start", ctypes.c_int64),
+                ("rows", ctypes.c_int64), ("rank_start", ctypes.c_int64),
+                ("rank", ctypes.c_int64)]
+
+
+class _LoraSlot(ctypes.Structure):  # kernels.h
+    _fields_ = [("a", ctypes.c_void_p), ("rank", ctypes.c_int64),
+                ("num_pieces", ctypes.c_int64), ("pieces", ctypes.c_void_p)]
 
 
 class LoRAContext:
@@ -90,13 +112,12 @@ class LoRALinearMethod(LinearMethod):
         lib = native_for(x, y) if x.dim() == 2 else None
         args = step.native(self.path) if lib is not None else None
         if args is not None:  # one call: the same GEMMs and adds as below
-            a, b, ranks, top = args
+            slots, _, top = args
             if top:
                 t, k, n = x.shape[0], x.shape[1], y.shape[1]
-                scratch = torch.empty(t * (k + top + n))
+                scratch = torch.empty(t * (k + 2 * top + n))
                 lib.llmserve_lora_apply(ptr(x), t, k, ptr(y), n, ptr(step.slot_of_row),
-                                        len(step.groups), ctypes.addressof(a),
-                                        ctypes.addressof(b), ctypes.addressof(ranks),
+                                        len(step.groups), ctypes.addressof(slots),
                                         ptr(scratch))
             return y
         for adapter, rows in step.groups:
@@ -120,6 +141,9 @@ class LoRAManager:
         self.max_cpu_loras = max(max_cpu_loras or 0, max_loras)
         self.context = LoRAContext()
         self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        # the steps' native arguments by their adapters (slot order); cleared when an
+        # adapter loads or goes
+        self._native_args: dict[tuple[int, ...], dict] = {}
         self.load_seconds = 0.0
         for name, module in model.named_modules():
             if isinstance(module, Linear) and not isinstance(module.method, LoRALinearMethod):
@@ -139,6 +163,7 @@ class LoRAManager:
         adapter = load_adapter(request, self.model, self.max_lora_rank)
         self.load_seconds += time.perf_counter() - start
         self.adapters[request.lora_int_id] = adapter
+        self._native_args.clear()
         while len(self.adapters) > self.max_cpu_loras:
             victim = next((i for i in self.adapters if i not in in_use and
                            i != request.lora_int_id), None)
@@ -148,6 +173,7 @@ class LoRAManager:
         return adapter
 
     def remove(self, lora_int_id: int) -> bool:
+        self._native_args.clear()
         return self.adapters.pop(lora_int_id, None) is not None
 
     def begin_step(self, token_adapters: np.ndarray) -> None:
@@ -166,7 +192,8 @@ class LoRAManager:
             rows = None if len(ids) == 1 and mine.all() else \
                 torch.from_numpy(np.flatnonzero(mine))
             groups.append((adapter, rows))
-        self.context.step = LoRAStep(groups, torch.from_numpy(slot_of_row))
+        cached = self._native_args.setdefault(tuple(ids.tolist()), {})
+        self.context.step = LoRAStep(groups, torch.from_numpy(slot_of_row), cached)
 
     def end_step(self) -> None:
         self.context.step = None

@@ -39,12 +39,8 @@ class _LlamaLayer(ctypes.Structure):
                 ("key_scales", _P), ("value_scales", _P), ("window", _I64)]
 
 
-class _LoraLinear(ctypes.Structure):
-    _fields_ = [("a", _P), ("b", _P), ("ranks", _P)]
-
-
 class _LoraLayer(ctypes.Structure):
-    _fields_ = [("linears", _LoraLinear * 4)]
+    _fields_ = [("linears", _P * 4)]  # each linear's LoraSlot array (kernels.h)
 
 
 class _LoraStep(ctypes.Structure):
@@ -163,6 +159,9 @@ class NativeLlamaLayers:
         """A LoRA step (`lora/manager.py`'s LoRAStep) as the stack's `LoraStep` layers and
         the widest rank; None where an adapter's update is not packed (the per-op path
         then runs the step)."""
+        key = ("layers", id(self))
+        if key in step.native_args:  # the same adapters as a step before
+            return step.native_args[key]
         layers = (_LoraLayer * len(self.weights))()
         keep, top = [], 0
         for i in range(len(self.weights)):
@@ -170,12 +169,12 @@ class NativeLlamaLayers:
                 args = step.native(f"model.layers.{i}.{path}")
                 if args is None:
                     return None
-                a, b, ranks, rank = args
+                slots, _, rank = args
                 keep.append(args)
                 top = max(top, rank)
-                layers[i].linears[j] = _LoraLinear(ctypes.addressof(a), ctypes.addressof(b),
-                                                   ctypes.addressof(ranks))
-        return layers, top, keep
+                layers[i].linears[j] = ctypes.addressof(slots)
+        step.native_args[key] = (layers, top, keep)
+        return step.native_args[key]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, lora_step=None, lora_args=None) -> torch.Tensor:
@@ -202,7 +201,7 @@ class NativeLlamaLayers:
             lora_layers, top, _ = lora_args
             widest = max(s.hidden, s.intermediate, s.num_heads * s.head_dim)
             outputs = max((s.num_heads + 2 * s.num_kv_heads) * s.head_dim, 2 * s.intermediate)
-            lora_scratch = torch.empty(t * (widest + top + outputs))
+            lora_scratch = torch.empty(t * (widest + 2 * top + outputs))
             lora = _LoraStep(ptr(lora_step.slot_of_row), len(lora_step.groups),
                              _address(lora_layers), ptr(lora_scratch))
         self.lib.llmserve_llama_layers(

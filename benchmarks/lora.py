@@ -9,8 +9,8 @@ shapes; then, one engine at a time, 2 threads, the default path:
 * `lora, 4 adapters`: the same engine, requests spread over the 4 adapters (one stream:
   one adapter).
 Each cell is the decode TPOT (median of --repeats runs, 3 by default, of 64 tokens after a
-128-token prompt) and its ratio to `base` at the same batch. The table prints; JSON goes to --out/lora.json with
-the CPU flags and kernel level.
+128-token prompt) and its ratio to `base` at the same batch. The table prints; JSON goes
+to --out/lora.json with the CPU flags and kernel level.
 """
 
 import argparse

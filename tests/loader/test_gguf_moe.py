@@ -11,10 +11,10 @@ import transformers
 from gguf import GGMLQuantizationType as QT
 
 from llmserve.loader.gguf import load_gguf, read_gguf_config
-from llmserve.models.registry import model_class
 from tests.gguf_writer import write_gguf
-from tests.models.test_llama_reference import LOGIT_TOLERANCE, full_logits
+from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.models.test_moe_reference import COMMON, tiny_moe
+from tests.reference_checks import logit_diff, model_from, random_ids
 from tests.tiny_models import randomize
 
 
@@ -42,14 +42,7 @@ def test_logits_equal_transformers(tmp_path, kind):
     assert loaded.config.architecture == kind
     assert loaded.config.moe.num_experts == reference.config.num_experts if kind != "mixtral" \
         else reference.config.num_local_experts
-    model = model_class(loaded.config)(loaded.config)
-    model.load_weights(loaded.tensors)
-    model.eval()
-    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()
-    ours = full_logits(model, ids)
-    with torch.inference_mode():
-        ref = reference(torch.tensor([ids])).logits[0]
-    diff = (ours - ref).abs().max().item()
+    diff = logit_diff(model_from(loaded), reference, random_ids(90, 3))
     print(f"{kind} GGUF: max |logit diff| vs transformers = {diff:.2e}")
     assert diff <= LOGIT_TOLERANCE
 

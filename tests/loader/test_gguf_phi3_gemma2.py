@@ -4,14 +4,13 @@ tensors, Gemma 2's four norms stored as 1 + w and its soft-caps as metadata): th
 equal `transformers` on the same checkpoint."""
 
 import pytest
-import torch
 import transformers
 
 from llmserve.loader.gguf import load_gguf
-from llmserve.models.registry import model_class
 from tests.gguf_writer import write_gguf
-from tests.models.test_llama_reference import LOGIT_TOLERANCE, full_logits
+from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.models.test_phi3_gemma2_reference import COMMON, ORIGINAL, tiny
+from tests.reference_checks import logit_diff, model_from, random_ids
 from tests.tiny_models import randomize
 
 
@@ -32,14 +31,7 @@ def test_logits_equal_transformers(tmp_path, kind):
     reference = checkpoint(kind)
     loaded = load_gguf(write_gguf(reference, tmp_path / f"{kind}.gguf"))
     assert loaded.config.architecture == kind.removesuffix("-plain")
-    model = model_class(loaded.config)(loaded.config)
-    model.load_weights(loaded.tensors)
-    model.eval()
-    ids = torch.randint(0, 256, (ORIGINAL if kind == "phi3" else 90,),
-                        generator=torch.Generator().manual_seed(5)).tolist()
-    ours = full_logits(model, ids)
-    with torch.inference_mode():
-        ref = reference(torch.tensor([ids])).logits[0]
-    diff = (ours - ref).abs().max().item()
+    ids = random_ids(ORIGINAL if kind == "phi3" else 90, 5)
+    diff = logit_diff(model_from(loaded), reference, ids)
     print(f"{kind} GGUF: max |logit diff| vs transformers = {diff:.2e}")
     assert diff <= LOGIT_TOLERANCE

@@ -7,12 +7,12 @@ import pytest
 import torch
 import transformers
 
-from llmserve import LLM, SamplingParams
+from llmserve import LLM
 from llmserve.layers.linear import Linear
 from llmserve.loader.hf import load_hf_folder
 from llmserve.models.moe import SparseMoeBlock
-from llmserve.models.registry import model_class
-from tests.models.test_llama_reference import LOGIT_TOLERANCE, full_logits, reference_greedy
+from tests.models.test_llama_reference import LOGIT_TOLERANCE, full_logits
+from tests.reference_checks import check_engine_tokens, logit_diff, model_from, random_ids
 from tests.tiny_models import save_tiny
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -50,24 +50,13 @@ def tiny(request, tmp_path_factory):
     return request.param, folder, save_tiny(tiny_moe(request.param), folder)
 
 
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_logits_match_reference(tiny):
     kind, folder, reference = tiny
-    loaded = load_hf_folder(folder)
-    model = model_class(loaded.config)(loaded.config)
-    model.load_weights(loaded.tensors)
-    model.eval()
+    model = model_from(load_hf_folder(folder))
     sparse = [isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers]
     assert sparse == {"qwen3_moe": [True, False, True], "qwen2_moe": [False, True, False]}.get(
         kind, [True] * 3)
-    ids = random_ids(100, 1)
-    ours = full_logits(model, ids)
-    with torch.inference_mode():
-        ref = reference(torch.tensor([ids])).logits[0]
-    diff = (ours - ref).abs().max().item()
+    diff = logit_diff(model, reference, random_ids(100, 1))
     print(f"{kind}: max |logit diff| vs transformers = {diff:.2e}")
     assert diff <= LOGIT_TOLERANCE
 
@@ -75,27 +64,11 @@ def test_logits_match_reference(tiny):
 def test_greedy_tokens_and_invariance(tiny):
     """The engine's greedy tokens are the reference's; one batch, each prompt alone, a
     chunked prefill of 16 tokens a step and prefix-cache hits all give the same tokens."""
-    kind, folder, reference = tiny
+    _, folder, reference = tiny
     prompts = [random_ids(n, seed) for n, seed in ((40, 2), (23, 3), (57, 4))]
     prompts.append(prompts[0][:32] + random_ids(9, 5))  # two blocks of the first, then its own
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    expected = [reference_greedy(reference, p, NUM_TOKENS) for p in prompts]
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB")
-    chunked = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB",
-                  max_num_batched_tokens=16, enable_prefix_caching=False)
-
-    def generate(engine: LLM, batch: list) -> list:
-        return engine.generate([{"prompt_token_ids": p} for p in batch], params,
-                               use_tqdm=False)
-
-    def tokens(outputs: list) -> list[list[int]]:
-        return [list(o.outputs[0].token_ids) for o in outputs]
-
-    assert tokens(generate(llm, prompts)) == expected  # batched
-    alone = [generate(llm, [p])[0] for p in prompts]  # each from the cache the batch left
-    assert tokens(alone) == expected
+    alone = check_engine_tokens(folder, reference, prompts, NUM_TOKENS)
     assert all(o.num_cached_tokens >= 16 for o in alone)  # a block or more each
-    assert tokens(generate(chunked, prompts)) == expected
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])

@@ -7,10 +7,10 @@ import pytest
 import torch
 import transformers
 
-from llmserve import LLM, SamplingParams
 from llmserve.loader.hf import load_hf_folder
 from llmserve.models.registry import model_class
-from tests.models.test_llama_reference import LOGIT_TOLERANCE, full_logits, reference_greedy
+from tests.models.test_llama_reference import LOGIT_TOLERANCE
+from tests.reference_checks import check_engine_tokens, logit_diff, model_from, random_ids
 from tests.tiny_models import save_tiny
 
 COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -47,44 +47,20 @@ def checkpoint(request, tmp_path_factory):
     return request.param, folder, save_tiny(tiny(request.param), folder)
 
 
-def random_ids(n: int, seed: int) -> list[int]:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def test_logits_match_reference(checkpoint):
     kind, folder, reference = checkpoint
-    loaded = load_hf_folder(folder)
-    model = model_class(loaded.config)(loaded.config)
-    model.load_weights(loaded.tensors)
-    model.eval()
     # inside Phi-3's pre-training context (where Hugging Face keeps the short factors), and
     # past both windows
     ids = random_ids(ORIGINAL if kind == "phi3" else 100, 1)
-    ours = full_logits(model, ids)
-    with torch.inference_mode():
-        ref = reference(torch.tensor([ids])).logits[0]
-    diff = (ours - ref).abs().max().item()
+    diff = logit_diff(model_from(load_hf_folder(folder)), reference, ids)
     print(f"{kind}: max |logit diff| vs transformers = {diff:.2e}")
     assert diff <= LOGIT_TOLERANCE
 
 
 def test_greedy_tokens_and_invariance(checkpoint):
-    kind, folder, reference = checkpoint
+    _, folder, reference = checkpoint
     prompts = [random_ids(n, seed) for n, seed in ((30, 2), (17, 3), (45, 4))]
-    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    expected = [reference_greedy(reference, p, NUM_TOKENS) for p in prompts]
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB")
-    chunked = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB",
-                  max_num_batched_tokens=16, enable_prefix_caching=False)
-
-    def tokens(engine: LLM, batch: list) -> list[list[int]]:
-        outputs = engine.generate([{"prompt_token_ids": p} for p in batch], params,
-                                  use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-
-    assert tokens(llm, prompts) == expected
-    assert [tokens(llm, [p])[0] for p in prompts] == expected  # prefix-cache hits
-    assert tokens(chunked, prompts) == expected
+    check_engine_tokens(folder, reference, prompts, NUM_TOKENS)
 
 
 def test_longrope_past_the_context_uses_the_long_factors(tmp_path):

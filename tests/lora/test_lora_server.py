@@ -47,9 +47,10 @@ def offline(folders):
 
 
 def complete(client: openai.OpenAI, model: str, max_tokens: int = LONG) -> str:
-    return client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens,
-                                     temperature=0, extra_body={"ignore_eos": True}
-                                     ).choices[0].text
+    response = client.completions.create(model=model, prompt=PROMPT, max_tokens=max_tokens,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert response.model == model  # an adapter's answer names the adapter
+    return response.choices[0].text
 
 
 def test_adapters_over_http(folders, offline):

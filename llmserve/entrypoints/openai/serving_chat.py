@@ -102,6 +102,7 @@ class OpenAIServingChat(OpenAIServing):
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
         """The response body, or an iterator of SSE events when `request.stream`."""
         lora = self.check_model(request.model)
+        served = lora.lora_name if lora is not None else self.model_name  # the name asked
         if request.continue_final_message and request.add_generation_prompt:
             raise BadRequest("continue_final_message and add_generation_prompt cannot both be "
                              "true (set add_generation_prompt to false)",
@@ -141,7 +142,7 @@ class OpenAIServingChat(OpenAIServing):
         if request.stream:
             formatter = _ChatChunks(self, top_k, extractors, as_ids, echo, with_ids,
                                     reasoning, request.include_reasoning)
-            return stream_response(streams, formatter, request_id, self.model_name,
+            return stream_response(streams, formatter, request_id, served,
                                    stream_usage(request.stream_options),
                                    bool(request.return_metrics))
         (final,) = await final_outputs(streams)
@@ -153,7 +154,7 @@ class OpenAIServingChat(OpenAIServing):
                                  strict=True):
                 choice["token_ids"] = c.token_ids
         body = {"id": request_id, "object": "chat.completion", "created": now(),
-                "model": self.model_name, "choices": choices, "usage": usage(*usage_of([final])),
+                "model": served, "choices": choices, "usage": usage(*usage_of([final])),
                 "prompt_logprobs": prompt_logprobs_json(final)}
         if with_ids:
             body["prompt_token_ids"] = final.prompt_token_ids

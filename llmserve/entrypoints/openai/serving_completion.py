@@ -43,6 +43,7 @@ class OpenAIServingCompletion(OpenAIServing):
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
         """The response body, or an iterator of SSE events when `request.stream`."""
         lora = self.check_model(request.model)
+        served = lora.lora_name if lora is not None else self.model_name  # the name asked
         if request.suffix:
             raise BadRequest("suffix is not supported", param="suffix")
         score_only = request.max_tokens == 0
@@ -82,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             formatter = _CompletionChunks(self, params.n, echoes, request.logprobs,
                                           echo_logprobs, as_ids, with_ids)
-            return stream_response(streams, formatter, request_id, self.model_name,
+            return stream_response(streams, formatter, request_id, served,
                                    stream_usage(request.stream_options),
                                    bool(request.return_metrics))
         finals = await final_outputs(streams)
@@ -96,7 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
         choices.sort(key=lambda c: c["index"])
         body = {"id": request_id, "object": "text_completion", "created": now(),
-                "model": self.model_name, "choices": choices, "usage": usage(*usage_of(finals))}
+                "model": served, "choices": choices, "usage": usage(*usage_of(finals))}
         if request.return_metrics:
             body["metrics"] = response_metrics(finals)
         return body

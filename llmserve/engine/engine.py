@@ -272,8 +272,12 @@ class Engine:
         if self.lora is None:
             raise RequestRejected(f"LoRA adapter {lora_request.lora_name!r} requested, but "
                                   f"this engine runs without adapters (enable_lora)")
+        # the adapters queued and running requests need stay loaded
+        in_use = {r.lora_request.lora_int_id for r in [*self.scheduler.running,
+                                                       *self.scheduler.waiting]
+                  if r.lora_request is not None}
         try:
-            self.lora.get(lora_request)
+            self.lora.get(lora_request, in_use)
         except LoRAError as e:
             raise RequestRejected(str(e)) from None
 

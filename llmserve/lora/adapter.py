@@ -166,6 +166,9 @@ def _read_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
 
 def _target(model: nn.Module, module: str, name: str) -> tuple[str, slice, Linear]:
     """The model's linear a PEFT module name updates, and its output rows there."""
+    if ".experts." in module:  # an expert sees only its own rows of a step, not the step's
+        raise LoRAError(f"adapter {name}: {module!r} is a mixture-of-experts expert; LoRA "
+                        f"on experts is not supported (attention and shared experts are)")
     parent, _, leaf = module.rpartition(".")
     try:
         if leaf in FUSED:

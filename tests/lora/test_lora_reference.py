@@ -129,3 +129,25 @@ def test_native_updates_equal_the_torch_ops(setup, monkeypatch):
         finally:
             manager.end_step()
     assert torch.equal(logits[0], logits[1])
+
+
+def test_adapters_on_experts_are_refused(tmp_path):
+    """An expert runs on its own rows of a step, so an adapter on one is refused by name
+    (its attention linears would be taken)."""
+    from safetensors.torch import save_file
+
+    from tests.models.test_moe_reference import tiny_moe
+    from tests.tiny_models import save_tiny
+
+    save_tiny(tiny_moe("qwen3_moe"), tmp_path / "moe")
+    folder = tmp_path / "expert-adapter"
+    folder.mkdir()
+    prefix = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    save_file({f"{prefix}.lora_A.weight": torch.zeros(4, 64),
+               f"{prefix}.lora_B.weight": torch.zeros(32, 4)},
+              folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8}))
+    llm = LLM(str(tmp_path / "moe"), dtype="float32", kv_cache_memory="16MiB",
+              enable_lora=True)
+    with pytest.raises(RequestRejected, match="mixture-of-experts expert"):
+        llm.generate("x", GREEDY, use_tqdm=False, lora_request=lora(folder, "e", 1))

@@ -80,6 +80,9 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="decode runs a cell (median)")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "lora")
+    parser.add_argument("--adapters", type=Path,
+                        default=Path.home() / ".cache/llmserve/bench-lora",
+                        help="where the random adapters are written (80 MB; not the repo)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(2)
@@ -91,7 +94,7 @@ def main() -> None:
     del base
     lora = LLM(args.model, kv_cache_memory="1GiB", enable_lora=True, max_loras=4,
                max_lora_rank=args.rank)
-    adapters = write_adapters(lora, args.out / "adapters", 4, args.rank)
+    adapters = write_adapters(lora, args.adapters, 4, args.rank)
     results["ms"]["lora, base requests"] = {b: 1e3 * tpot(lora, b, [None] * b, args.repeats)
                                             for b in BATCHES}
     results["ms"]["lora, 4 adapters"] = {

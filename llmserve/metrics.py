@@ -17,6 +17,7 @@ from llmserve.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from llmserve.distributed.kv_transfer import TransferStats
+    from llmserve.kv_tier.store import TierStats
     from llmserve.spec_decode.speculator import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,34 @@ class EngineMetrics:
                                       "Prompt tokens looked up in the prefix cache.", registry=r)
         self.prefix_hits = Counter("llmserve_prefix_cache_hits",
                                    "Prompt tokens found in the prefix cache.", registry=r)
+        self.prefix_hits_by_tier = Counter(
+            "llmserve_prefix_cache_hits_by_tier",
+            "Prompt tokens whose KV came from the prefix cache, by tier (memory, disk, host).",
+            ["tier"], registry=r)
+        # the KV tier (kv_tier/; zero without one): full prompt blocks missed in memory and
+        # looked up there, found or not; bytes moved; blocks dropped for the size cap, not
+        # written (the writer too far behind), and refused when read (by why)
+        self.tier_hits = Counter("llmserve_kv_tier_hits",
+                                 "Prompt blocks missed in memory and found in the KV tier.",
+                                 ["tier"], registry=r)
+        self.tier_misses = Counter("llmserve_kv_tier_misses",
+                                   "Prompt blocks missed in memory and in the KV tier.",
+                                   ["tier"], registry=r)
+        self.tier_bytes_read = Counter("llmserve_kv_tier_bytes_read",
+                                       "KV bytes read back from the tier.", ["tier"], registry=r)
+        self.tier_bytes_written = Counter("llmserve_kv_tier_bytes_written",
+                                          "KV bytes written to the tier.", ["tier"], registry=r)
+        self.tier_evictions = Counter("llmserve_kv_tier_evictions",
+                                      "Blocks dropped from the tier to stay under its size cap.",
+                                      ["tier"], registry=r)
+        self.tier_dropped_writes = Counter(
+            "llmserve_kv_tier_dropped_writes",
+            "Blocks not written to the tier (its writer too far behind, or a write failed).",
+            ["tier"], registry=r)
+        self.tier_rejected = Counter("llmserve_kv_tier_rejected",
+                                     "Tier blocks refused (missing, truncated, checksum, ...).",
+                                     ["tier", "reason"], registry=r)
+        self._tier_totals: dict[tuple, float] = {}
         self.running = Gauge("llmserve_num_requests_running", "Requests being run.", registry=r)
         self.waiting = Gauge("llmserve_num_requests_waiting", "Requests waiting to run.",
                              registry=r)
@@ -200,6 +229,7 @@ class EngineMetrics:
         self.preemptions.inc(deltas[0])
         self.prefix_queries.inc(deltas[1])
         self.prefix_hits.inc(deltas[2])
+        self.prefix_hits_by_tier.labels(tier="memory").inc(deltas[2])
         self._log.prefix_queries += deltas[1]
         self._log.prefix_hits += deltas[2]
         self._log.maybe_log(num_running, num_waiting, kv_usage)
@@ -216,6 +246,25 @@ class EngineMetrics:
                                       counts, old, strict=True):
             if new > prev:
                 counter.inc(new - prev)
+
+    def update_tier(self, tier: str, hits: int, misses: int, hit_tokens: int,
+                    stats: "TierStats") -> None:
+        """Advance the KV tier's counters to the engine's totals (`tier`: its name)."""
+        totals = {
+            (self.tier_hits, ()): hits, (self.tier_misses, ()): misses,
+            (self.prefix_hits_by_tier, ()): hit_tokens,
+            (self.tier_bytes_read, ()): stats.bytes_read,
+            (self.tier_bytes_written, ()): stats.bytes_written,
+            (self.tier_evictions, ()): stats.evictions,
+            (self.tier_dropped_writes, ()): stats.dropped_writes,
+            **{(self.tier_rejected, (reason,)): n for reason, n in stats.rejected.items()},
+        }
+        for (counter, labels), total in totals.items():
+            key = (id(counter), *labels)
+            delta = total - self._tier_totals.get(key, 0)
+            if delta > 0:
+                counter.labels(tier, *labels).inc(delta)
+            self._tier_totals[key] = total
 
     def set_role(self, role: str | None) -> None:
         """`llmserve_kv_role_info{role}` = 1 on a prefill or decode server."""

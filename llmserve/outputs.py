@@ -41,6 +41,10 @@ class RequestMetrics:
     num_accepted_tokens: int = 0  # of which accepted
     num_preemptions: int = 0  # times the scheduler freed its KV to make room
     num_preempted_tokens: int = 0  # computed tokens those preemptions freed (recomputed)
+    # KV tier: prompt tokens of its prefix-cache hit read from the tier (not memory), and
+    # tokens read back from it after preemptions
+    num_tier_cached_tokens: int = 0
+    num_swapped_in_tokens: int = 0
     sequences: tuple["RequestMetrics", ...] = ()  # a merged request's single sequences
 
     @classmethod
@@ -68,7 +72,8 @@ class RequestMetrics:
             else max(s.finished_time for s in seqs),
             *(sum(getattr(s, name) for s in seqs) for name in (
                 "num_generated_tokens", "num_draft_tokens", "num_accepted_tokens",
-                "num_preemptions", "num_preempted_tokens")),
+                "num_preemptions", "num_preempted_tokens", "num_tier_cached_tokens",
+                "num_swapped_in_tokens")),
             sequences=seqs,
         )
 

@@ -15,6 +15,11 @@ ATTENTION_BACKEND_CHOICES = ("auto", "native", "flex", "torch")
 DEFAULT_MAX_NUM_WAITING = 1024
 # fcfs and priority batch continuously; static runs each admitted batch to completion
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+# how a preempted request's KV comes back (core/preemption.py): by measured cost, always
+# recomputed, or always read from the KV tier
+PREEMPTION_MODES = ("auto", "recompute", "swap")
+# the KV tier's size cap on disk when --kv-offload-gib is not given
+DEFAULT_KV_OFFLOAD_GIB = 8.0
 
 DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
@@ -168,6 +173,14 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # the prefix cache's second tier (kv_tier/): full KV blocks kept on local disk under
+    # `kv_offload_dir` (kept across restarts), at most `kv_offload_gib` GiB (None: 8); with
+    # only `kv_offload_gib`, in host memory (page-locked on CUDA)
+    kv_offload_dir: str | None = None
+    kv_offload_gib: float | None = None
+    # auto: read a preempted request's blocks back from the tier or recompute them, by
+    # measured cost; recompute; swap (needs the tier)
+    preemption_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -201,6 +214,7 @@ class EngineConfig:
         if self.kv_role is not None and self.tensor_parallel_size > 1:
             raise ValueError("kv_role (disaggregated prefill/decode) with "
                              "tensor_parallel_size > 1 is not supported")
+        self._check_kv_tier()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got "
                              f"{self.tensor_parallel_size}")
@@ -244,6 +258,28 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_memory as a fraction must be in (0, 1], got {self.kv_cache_memory}"
             )
+
+    @property
+    def kv_tier_enabled(self) -> bool:
+        return self.kv_offload_dir is not None or self.kv_offload_gib is not None
+
+    def _check_kv_tier(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, "
+                             f"not {self.preemption_mode!r}")
+        if self.kv_offload_gib is not None and not self.kv_offload_gib > 0:
+            raise ValueError(f"kv_offload_gib must be positive, got {self.kv_offload_gib}")
+        if not self.kv_tier_enabled:
+            if self.preemption_mode == "swap":
+                raise ValueError("preemption_mode swap reads KV back from the KV tier: give "
+                                 "kv_offload_dir (--kv-offload-dir) or kv_offload_gib")
+            return
+        if not self.enable_prefix_caching:
+            raise ValueError("the KV tier (kv_offload_dir / kv_offload_gib) is the prefix "
+                             "cache's second tier: it needs prefix caching on")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("the KV tier (kv_offload_dir / kv_offload_gib) runs at "
+                             "tensor_parallel_size 1")
 
     @property
     def weight_quantization(self) -> str | None:

@@ -74,14 +74,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: Block, block_hash: bytes) -> None:
-        """Record a full block under its chain hash so later requests can share it."""
+    def cache_block(self, block: Block, block_hash: bytes) -> bool:
+        """Record a full block under its chain hash so later requests can share it; True
+        if it was not cached before (nor another block under that hash)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; this one stays private
+            return False  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def uncache_blocks(self, blocks: Iterable[Block]) -> None:
         """Forget the hashes of blocks whose KV will not be written after all."""

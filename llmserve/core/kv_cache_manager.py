@@ -7,12 +7,18 @@ For one request the token ranges are
 
 and its block table (`Request.blocks`) covers at least `computed + new` tokens. The
 manager keeps no per-request table of its own: what it knows of a request lives on it.
+
+With a KV tier (`tier`: anything that answers `block_hash in tier`, see `kv_tier/`), a
+lookup that misses in memory goes on in the tier, block by block; the blocks found there
+get fresh blocks (`allocate_for_load`) that are offered to the prefix cache only once
+their KV has arrived (`finish_load`). Every block that a step fills and caches is listed
+(`take_filled_blocks`) so that the runner keeps it in the tier after the forward.
 """
 
 import hashlib
 import json
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from llmserve.core.block_pool import Block, BlockPool
 from llmserve.core.request import Request
@@ -38,8 +44,14 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int],
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 tier: Container[bytes] | None = None) -> None:
         self.block_size = block_size
+        self.tier = tier
+        self.num_tier_queries = 0  # full prompt blocks missed in memory, looked up in the tier
+        self.num_tier_hits = 0  # of which found there
+        self.num_tier_hit_tokens = 0  # prompt tokens whose KV was read from the tier
+        self._filled: list[Block] = []  # blocks cached this step, for the tier
         # The pool can always share blocks; this manager decides for whom. With prefix
         # caching off, only siblings of one request (n > 1, best_of) share their prompt.
         self.pool = BlockPool(num_blocks, enable_caching=True)
@@ -82,6 +94,60 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def get_tier_hashes(self, request: Request, num_memory_blocks: int) -> list[bytes]:
+        """The block hashes after the request's `num_memory_blocks` memory hits that the
+        tier holds, consecutive, leaving at least one token to compute. Adapters' blocks
+        are not kept in the tier (an adapter's name may mean other weights after a
+        restart)."""
+        if self.tier is None or not self.enable_caching or request.computes_whole_prompt \
+                or request.lora_request is not None:
+            return []
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        found = []
+        for block_hash in request.block_hashes[num_memory_blocks:max_blocks]:
+            if block_hash not in self.tier:
+                break
+            found.append(block_hash)
+        return found
+
+    def record_tier_lookup(self, request: Request, num_memory_blocks: int,
+                           num_found: int) -> None:
+        """Count one admission's tier lookup: the full prompt blocks memory missed."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self.num_tier_queries += max(max_blocks - num_memory_blocks, 0)
+        self.num_tier_hits += num_found
+
+    def allocate_for_load(self, request: Request, computed_blocks: Sequence[Block],
+                          num_load_blocks: int) -> bool:
+        """The memory hits `computed_blocks`, then `num_load_blocks` fresh blocks for the
+        tier's blocks after them; False if blocks run out. The fresh blocks are not cached
+        (their KV is not there yet): `finish_load` offers those that arrived."""
+        num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_load_blocks > self.pool.num_free_blocks - num_revived:
+            return False
+        self.pool.touch(computed_blocks)
+        request.blocks.extend(computed_blocks)
+        request.blocks.extend(self.pool.get_new_blocks(num_load_blocks))
+        request.num_offered_blocks = len(computed_blocks)
+        return True
+
+    def finish_load(self, request: Request, num_loaded: int) -> None:
+        """The first `num_loaded` blocks of a load hold their KV: into the prefix cache."""
+        start = request.num_offered_blocks
+        for i in range(start, start + num_loaded):
+            self.pool.cache_block(request.blocks[i], request.block_hashes[i])
+        request.num_offered_blocks = start + num_loaded
+
+    def take_filled_blocks(self) -> list[tuple[int, bytes]]:
+        """(block id, hash) of the blocks this step's tokens fill that are still cached
+        (not taken back by a preemption) and not in the tier yet; the list starts anew."""
+        filled, self._filled = self._filled, []
+        if self.tier is None:
+            return []
+        return [(b.block_id, b.block_hash) for b in filled
+                if b.block_hash is not None and b.block_hash not in self.tier]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
@@ -142,6 +208,8 @@ class KVCacheManager:
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         # leading full blocks already offered: a step looks only at those that became full
         start = request.num_offered_blocks
+        to_tier = self.tier is not None and request.lora_request is None
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if self.pool.cache_block(blocks[i], request.block_hashes[i]) and to_tier:
+                self._filled.append(blocks[i])
         request.num_offered_blocks = max(start, num_full)

@@ -84,6 +84,17 @@ class KVSave:
 
 
 @dataclass
+class TierLoad:
+    """KV tier: the blocks stored under `block_hashes` go into the request's fresh blocks
+    `block_ids` before the forward; the request computes nothing this step, and continues
+    after the blocks that arrived (`ModelRunnerOutput.tier_loaded`), recomputing the rest."""
+
+    request_id: str
+    block_ids: list[int]
+    block_hashes: list[bytes]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # batch order
     finished_request_ids: set[str] = field(default_factory=set)  # runner drops their state
@@ -93,6 +104,10 @@ class SchedulerOutput:
     num_preempted: int = 0
     kv_loads: list[KVLoad] = field(default_factory=list)  # written before the forward
     kv_saves: list[KVSave] = field(default_factory=list)  # sent after sampling
+    # KV tier (kv_tier/): blocks read in before the forward; (block id, hash) of the blocks
+    # this step fills, kept in the tier after the forward
+    tier_loads: list[TierLoad] = field(default_factory=list)
+    tier_saves: list[tuple[int, bytes]] = field(default_factory=list)
     # the grammar bitmask rows of the constrained requests sampled this step (a
     # structured.GrammarStep: rows keyed by (request id, draft j)); None: none constrained
     grammar: Any = None
@@ -117,6 +132,8 @@ class ModelRunnerOutput:
     `first + j` (first >= 1; a chunked prompt arrives over several steps), else None.
     `pooler_output[i]`: a pooling request's output (a float32 CPU tensor: its embedding or
     class scores) at the step its prompt's last chunk ran, else None.
+    `tier_loaded[request_id]`: how many leading blocks of its `TierLoad` arrived intact;
+    `tier_load_seconds`: the step's time reading them.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -124,6 +141,8 @@ class ModelRunnerOutput:
     logprobs: list[list[Any] | None] = field(default_factory=list)
     prompt_logprobs: list[tuple[int, list[Any]] | None] = field(default_factory=list)
     pooler_output: list[Any] = field(default_factory=list)
+    tier_loaded: dict[str, int] = field(default_factory=dict)
+    tier_load_seconds: float = 0.0
 
     @classmethod
     def empty(cls, req_ids: list[str]) -> "ModelRunnerOutput":

@@ -70,6 +70,8 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_tier_cached_tokens: int = 0  # of which read from the KV tier (not memory)
+    num_swapped_in_tokens: int = 0  # tokens read back from the tier after preemptions
     num_preemptions: int = 0
     num_preempted_tokens: int = 0  # computed tokens whose KV preemptions freed (recomputed)
     block_hashes: list[bytes] = field(default_factory=list)  # sha256 chain, per full block

@@ -24,6 +24,13 @@ and slots for all of them; `update` then keeps the accepted drafts and rolls
 Block hashes come only from verified tokens, so no unverified token reaches the prefix
 cache.
 
+KV tier (`kv_tier/`): a waiting request whose prompt continues, past its memory hits, in
+blocks the tier holds is admitted with fresh blocks for them and a `TierLoad`, and
+computes nothing that step; `update` then counts the blocks that arrived as computed and
+the request prefills the rest from the next step. A preempted request resumes the same way
+when its blocks are worth reading back (`ResumeCost`: `--preemption-mode`). The blocks a
+step fills go to the tier as `tier_saves`.
+
 The scheduler touches no tensors: `SchedulerOutput` is its only contract with the runner
 (`core/outputs.py`). The runner keeps one row per request it holds, so a request's data
 goes to it once (`NewRequestData`, again after a preemption); later steps carry only its
@@ -46,7 +53,9 @@ from llmserve.core.outputs import (
     RequestUpdate,
     ScheduledRequest,
     SchedulerOutput,
+    TierLoad,
 )
+from llmserve.core.preemption import ResumeCost
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.stage import StepStage
 
@@ -80,9 +89,11 @@ class SchedulerConfig:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 stages: Sequence[StepStage] = ()) -> None:
+                 stages: Sequence[StepStage] = (), resume_cost: ResumeCost | None = None
+                 ) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        self.resume_cost = resume_cost or ResumeCost()
         self.stages = list(stages)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -93,6 +104,8 @@ class Scheduler:
         self.num_preemptions = 0
         # prompt tokens computed here (not prefix-cache hits, not transferred KV)
         self.num_prefill_computed_tokens = 0
+        self._step_prefill_tokens = 0  # of the step in flight
+        self._scheduled_at = 0.0  # when the step in flight was handed to the runner
         # static policy: the unfinished members of the batch being run (empty: none runs)
         self.batch: set[Request] = set()
 
@@ -191,6 +204,11 @@ class Scheduler:
             hits, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
+                tier_hashes = self._tier_hashes(request, len(hits))
+                if tier_hashes:
+                    if not self._admit_loading(request, hits, tier_hashes, out):
+                        break
+                    continue
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break  # wait for running requests to free blocks
@@ -206,6 +224,57 @@ class Scheduler:
             self.running.append(request)
             self._emit(request, num_new, out)
             budget -= num_new
+
+    def _tier_hashes(self, request: Request, num_memory_blocks: int) -> list[bytes]:
+        """The tier's blocks to read for a request being admitted: all it holds for a new
+        one; for a resumed one (preempted), those, when reading pays (`ResumeCost`)."""
+        found = self.kv.get_tier_hashes(request, num_memory_blocks)
+        if request.status == RequestStatus.WAITING:
+            self.kv.record_tier_lookup(request, num_memory_blocks, len(found))
+            return found
+        return found if found and self.resume_cost.swap_pays(len(found)) else []
+
+    def _admit_loading(self, request: Request, hits: list, tier_hashes: list[bytes],
+                       out: SchedulerOutput) -> bool:
+        """Admit a request with its memory hits and fresh blocks for the tier's blocks,
+        read in before the forward (`TierLoad`); it computes nothing this step. False: no
+        room."""
+        if not self.kv.allocate_for_load(request, hits, len(tier_hashes)):
+            return False
+        self.waiting.pop(0)
+        num_hit = len(hits) * self.kv.block_size
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit
+            self.kv.record_lookup(request.num_tokens, num_hit)
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = time.time()
+        self.running.append(request)
+        out.tier_loads.append(TierLoad(request.request_id,
+                                       self.kv.block_ids(request, len(hits)), tier_hashes))
+        return True
+
+    def _finish_loads(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """The blocks of each `TierLoad` that arrived count as computed (the rest are
+        recomputed); for a new request they are prefix-cache hits, from the tier."""
+        num_blocks = 0
+        for load in out.tier_loads:
+            request = self.requests.get(load.request_id)
+            num_loaded = result.tier_loaded.get(load.request_id, 0)
+            num_blocks += num_loaded
+            if request is None:
+                continue  # aborted in between
+            self.kv.finish_load(request, num_loaded)
+            num_tokens = num_loaded * self.kv.block_size
+            request.num_computed_tokens += num_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens += num_tokens
+                request.num_tier_cached_tokens += num_tokens
+                self.kv.num_tier_hit_tokens += num_tokens
+            else:
+                request.num_swapped_in_tokens += num_tokens
+        self.resume_cost.observe_load(num_blocks, result.tier_load_seconds)
 
     def _adapter_fits(self, request: Request) -> bool:
         """Admitting `request` keeps the running requests within `max_loras` adapters."""
@@ -292,10 +361,12 @@ class Scheduler:
         """What the step's final batch implies: prompt tokens computed, prompts whose KV
         goes to a decode engine once their first token is sampled."""
         self.last_scheduled_ids = [s.request_id for s in out.scheduled]
+        out.tier_saves = self.kv.take_filled_blocks()
+        self._step_prefill_tokens = 0
         for s in out.scheduled:
             request = self.requests[s.request_id]
             end = min(s.start_position + len(s.token_ids), request.num_prompt_tokens)
-            self.num_prefill_computed_tokens += max(0, end - s.start_position)
+            self._step_prefill_tokens += max(0, end - s.start_position)
             if s.sample and request.remote_decode is not None and \
                     request.num_output_tokens == 0:
                 num_blocks = -(-request.num_prompt_tokens // self.kv.block_size)
@@ -303,6 +374,8 @@ class Scheduler:
                     request.request_id, request.remote_decode,
                     self.kv.block_ids(request)[:num_blocks],
                     list(request.block_hashes[:num_blocks])))
+        self.num_prefill_computed_tokens += self._step_prefill_tokens
+        self._scheduled_at = time.perf_counter()
 
     # ---- after the forward pass --------------------------------------------------------
 
@@ -311,6 +384,9 @@ class Scheduler:
         stopping at the first that ends it (finished ones are freed); returns what changed
         for each request that got tokens or prompt logprobs, in batch order."""
         now = time.time()
+        self.resume_cost.observe_step(self._step_prefill_tokens,
+                                      time.perf_counter() - self._scheduled_at)
+        self._finish_loads(out, result)
         updates = []
         scheduled: list[Request | None] = []  # each row's request (None: aborted since)
         for load in out.kv_loads:

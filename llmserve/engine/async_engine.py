@@ -376,3 +376,8 @@ class AsyncEngine:
                                   speculator.stats if speculator is not None else None)
         self.metrics.update_prefill(self.engine.num_prefill_computed_tokens,
                                     self.engine.kv_transfer_stats)
+        tier = self.engine.kv_tier
+        if tier is not None:
+            self.metrics.update_tier(tier.name, kv.num_tier_hits,
+                                     kv.num_tier_queries - kv.num_tier_hits,
+                                     kv.num_tier_hit_tokens, tier.stats)

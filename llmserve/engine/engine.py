@@ -20,6 +20,7 @@ import torch
 
 from llmserve.config.engine import EngineConfig
 from llmserve.core.kv_cache_manager import KVCacheManager
+from llmserve.core.preemption import ResumeCost
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerConfig
 from llmserve.distributed.kv_transfer import TransferredKV, TransferStats
@@ -29,6 +30,7 @@ from llmserve.engine.input_processor import InputProcessor, NewRequest, RequestR
 from llmserve.engine.kv_connector import KVConnector, make_kv_connector
 from llmserve.engine.loading import (
     attention_backend_name,
+    build_kv_tier,
     build_pooler,
     build_speculator,
     free_memory_bytes,
@@ -116,13 +118,16 @@ class Engine:
                 self.attention_backend_name, config.max_num_seqs))
         self.kv_connector: KVConnector | None = make_kv_connector(
             config.kv_role, config.kv_transfer_address)
+        self.kv_tier = build_kv_tier(config, self.loaded, self.dtype, self.kv_cache_dtype,
+                                     plan.block_size, num_kv_heads,
+                                     self.attention_backend_name, self.device)
         self.pooler = build_pooler(config, self.loaded)
         self.lora = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank,
                                 config.max_cpu_loras or 16) if config.enable_lora else None
         runner = ModelRunner(self.loaded.model, kv_cache, self.device,
                              max_num_seqs=config.max_num_seqs, attention=self.attention,
                              kv_connector=self.kv_connector, pooler=self.pooler,
-                             lora=self.lora)
+                             lora=self.lora, kv_tier=self.kv_tier)
         self.executor: Executor = ranks.bind_runner(runner) if ranks else UniProcExecutor(runner)
         warm_up(self.loaded.model, kv_cache, self.attention)
         self.structured = StructuredOutputManager(self.tokenizer, model_cfg.vocab_size)
@@ -132,7 +137,10 @@ class Engine:
         if self.speculator is not None:
             stages.insert(0, ProposerStage(self.speculator, self.max_model_len))
         self.kv_manager = KVCacheManager(plan.num_blocks, plan.block_size,
-                                         config.enable_prefix_caching)
+                                         config.enable_prefix_caching, self.kv_tier)
+        resume_cost = ResumeCost(
+            config.preemption_mode if self.kv_tier is not None else "recompute",
+            plan.block_size, self.kv_tier.layout.block_bytes if self.kv_tier else 0)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -141,7 +149,7 @@ class Engine:
                 policy=config.scheduling_policy,
                 max_loras=config.max_loras if config.enable_lora else 0,
             ),
-            self.kv_manager, stages,
+            self.kv_manager, stages, resume_cost,
         )
         self.input_processor = InputProcessor(
             self.tokenizer, model_cfg.vocab_size, self.max_model_len, plan.num_tokens,
@@ -332,5 +340,7 @@ class Engine:
         return stats.failure if stats is not None else None
 
     def shutdown(self) -> None:
-        """Stop the other ranks (tensor parallelism); a no-op for a single-process engine."""
+        """Stop the other ranks (tensor parallelism); write out the KV tier's last blocks."""
         self.executor.shutdown()
+        if self.kv_tier is not None:
+            self.kv_tier.close()

@@ -1,19 +1,28 @@
 """What an engine is built from: its device and dtypes, the KV budget, the attention backend,
-the other tensor-parallel ranks, the speculator (with its measured step costs), and the
-pooling runner's pooler."""
+the other tensor-parallel ranks, the speculator (with its measured step costs), the
+pooling runner's pooler, and the KV tier."""
 
 import logging
 import os
 
 import torch
 
-from llmserve.config.engine import DTYPES, EngineConfig
+from llmserve.config.engine import DEFAULT_KV_OFFLOAD_GIB, DTYPES, EngineConfig
 from llmserve.cpu_info import memory_bytes
 from llmserve.errors import LLMServeError, UnsupportedModelError
 from llmserve.executor.abstract import Executor
 from llmserve.executor.executor import TensorParallelExecutor, make_executor
 from llmserve.executor.ranks import WorkerSpec
-from llmserve.kernels import native, set_num_threads
+from llmserve.kernels import level_of, native, set_num_threads
+from llmserve.kv_tier import (
+    BlockStore,
+    DiskBlockStore,
+    HostBlockStore,
+    TierLayout,
+    code_fingerprint,
+    fingerprint_files,
+    model_files,
+)
 from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 from llmserve.layers.pooler import Pooler
 from llmserve.loader.kernel_choice import choose_attention
@@ -160,3 +169,29 @@ def _single_token(tokenizer: Tokenizer, text: str) -> int:
                              f"{len(ids)} tokens, not one")
         token_id = ids[0]
     return token_id
+
+
+def build_kv_tier(config: EngineConfig, loaded: LoadedModel, dtype: torch.dtype,
+                  kv_dtype: torch.dtype, block_size: int, num_kv_heads: int,
+                  attention: str, device: torch.device) -> BlockStore | None:
+    """The prefix cache's second tier: on disk under `kv_offload_dir`, else in host memory
+    (`kv_offload_gib` alone), else None. Its layout names everything that decides a
+    block's bits, so a restarted engine reads only blocks it would have computed itself."""
+    if not config.kv_tier_enabled:
+        return None
+    lib = native() if device.type == "cpu" else None
+    cfg = loaded.config
+    layout = TierLayout(
+        model=fingerprint_files(model_files(loaded.source.path)),
+        dtype=str(dtype).removeprefix("torch."),
+        quantization=loaded.quantization or "none",
+        kv_cache_dtype=str(kv_dtype).removeprefix("torch."),
+        block_size=block_size, num_layers=cfg.num_hidden_layers, num_kv_heads=num_kv_heads,
+        head_dim=cfg.head_dim, isa=level_of(lib) if lib is not None else device.type,
+        num_threads=torch.get_num_threads(), attention=attention, code=code_fingerprint(),
+    )
+    gib = config.kv_offload_gib or DEFAULT_KV_OFFLOAD_GIB
+    capacity = int(gib * 2**30)
+    if config.kv_offload_dir is None:
+        return HostBlockStore(layout, capacity, pin=device.type == "cuda")
+    return DiskBlockStore(config.kv_offload_dir, layout, capacity)

@@ -89,6 +89,7 @@ class RequestState:
             t.arrival, t.first_scheduled, t.first_token, t.last_token, t.finished,
             request.num_output_tokens, request.num_draft_tokens, request.num_accepted_tokens,
             request.num_preemptions, request.num_preempted_tokens,
+            request.num_tier_cached_tokens, request.num_swapped_in_tokens,
         )
         return RequestOutput(
             request.request_id, self.prompt, request.prompt_token_ids, [completion],
@@ -101,7 +102,8 @@ class RequestState:
         t = request.timings
         metrics = RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.last_token,
                                  t.finished, 0, num_preemptions=request.num_preemptions,
-                                 num_preempted_tokens=request.num_preempted_tokens)
+                                 num_preempted_tokens=request.num_preempted_tokens,
+                                 num_tier_cached_tokens=request.num_tier_cached_tokens)
         return PoolingRequestOutput(request.request_id, PoolingOutput(pooled),
                                     list(request.prompt_token_ids), True,
                                     request.num_cached_tokens, metrics)

@@ -8,13 +8,16 @@ of other ranks (an executor drives one runner per rank, `executor/`).
     execute_model(out) -> ModelRunnerOutput   row i for out.scheduled[i]
         rows dropped / added, new block ids  (InputBatch.update)
         KV loads written                     (kv_connector.load_kv, disaggregated decode)
+        KV tier blocks read in               (kv_tier.load; their requests compute nothing)
         forward over the flat batch
+        blocks the forward filled kept       (kv_tier.save: copied now, written off-step)
         prompt logprobs of prefill chunks
         pooling requests' chunks pooled; their outputs once their prompt is done
         logits at the sample positions (at each draft too) -> grammar masks -> sample
         KV saves sent                        (kv_connector.save_kv, disaggregated prefill)
 """
 
+import time
 from typing import Any
 
 import numpy as np
@@ -40,13 +43,16 @@ class ModelRunner:
     logits but sample nothing (a tensor-parallel worker rank, whose logits all-gather
     meets the sampling rank's). `kv_connector`: an `engine.kv_connector.KVConnector`
     for disaggregated prefill/decode, else None. `pooler`: the pooling runner's
-    (`layers/pooler.py`), for pooling requests."""
+    (`layers/pooler.py`), for pooling requests. `kv_tier`: a `kv_tier.BlockStore`, the
+    prefix cache's second tier, else None."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str,
                  max_num_seqs: int = 256, attention: AttentionBackend | None = None,
                  samples: bool = True, kv_connector: Any = None,
-                 pooler: Pooler | None = None, lora: Any = None) -> None:
+                 pooler: Pooler | None = None, lora: Any = None,
+                 kv_tier: Any = None) -> None:
         self.model = model
+        self.kv_tier = kv_tier
         self.lora = lora  # a lora.manager.LoRAManager, when adapters are enabled
         self.pooler = pooler
         self.samples = samples
@@ -67,6 +73,8 @@ class ModelRunner:
         for load in out.kv_loads:  # prompts a prefill engine computed
             self.kv_connector.load_kv(self.kv_cache, load)
         result = ModelRunnerOutput.empty([s.request_id for s in out.scheduled])
+        if out.tier_loads:
+            self._load_from_tier(out, result)
         if not out.scheduled:
             return result
         step = batch.prepare(out.scheduled, self.attention)
@@ -78,6 +86,9 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        if out.tier_saves:  # their KV is written now; the next step may reuse the blocks
+            self.kv_tier.save(self.kv_cache, [b for b, _ in out.tier_saves],
+                              [h for _, h in out.tier_saves])
         for i in np.flatnonzero(batch.prompt_logprobs[step.rows]).tolist():
             s, end = out.scheduled[i], int(step.last_token[i])
             start = end + 1 - s.num_tokens  # the chunk's first token
@@ -98,6 +109,13 @@ class ModelRunner:
             self._sample(out, to_sample, step, hidden, result)
         self._save_kv(out, result)
         return result
+
+    def _load_from_tier(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        start = time.perf_counter()
+        for load in out.tier_loads:
+            result.tier_loaded[load.request_id] = self.kv_tier.load(
+                self.kv_cache, load.block_ids, load.block_hashes)
+        result.tier_load_seconds = time.perf_counter() - start
 
     def _begin_lora(self, out: SchedulerOutput) -> None:
         """Each of the step's rows gets its request's adapter (0: the base model)."""

@@ -9,6 +9,7 @@ from llmserve.config.engine import (
     ATTENTION_BACKEND_CHOICES,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPE_CHOICES,
+    PREEMPTION_MODES,
     QUANTIZATION_CHOICES,
     SCHEDULING_POLICIES,
 )
@@ -27,7 +28,8 @@ ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_thread
                 "scheduling_policy", "enforce_eager", "attention_backend",
                 "speculative_config", "tensor_parallel_size", "distributed_executor_backend",
                 "runner", "convert", "pooler_config", "enable_lora", "max_loras",
-                "max_lora_rank", "max_cpu_loras")
+                "max_lora_rank", "max_cpu_loras", "kv_offload_dir", "kv_offload_gib",
+                "preemption_mode")
 
 
 def given(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
@@ -151,6 +153,17 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="the largest adapter rank accepted (default 16)")
     group.add_argument("--max-cpu-loras", type=int, metavar="N",
                        help="adapters kept loaded (default 16)")
+    group.add_argument("--kv-offload-dir", metavar="PATH",
+                       help="keep full KV blocks on local disk under PATH, the prefix cache's "
+                            "second tier: a prompt whose prefix memory evicted (or a restart "
+                            "lost) reads it back instead of recomputing it")
+    group.add_argument("--kv-offload-gib", type=float, metavar="GIB",
+                       help="the KV tier's size cap (default 8 with --kv-offload-dir); alone, "
+                            "a tier in host memory (page-locked on CUDA)")
+    group.add_argument("--preemption-mode", choices=PREEMPTION_MODES,
+                       help="how a preempted request's KV comes back: auto (default: read from "
+                            "the KV tier or recompute, whichever measures cheaper), recompute, "
+                            "or swap (always read what the tier holds)")
     group.add_argument("--enforce-eager", action="store_true", default=None,
                        help="never torch.compile the model step (float32 steps off the "
                             "native stack compile by default: a slower start, cached after)")

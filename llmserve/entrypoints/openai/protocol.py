@@ -357,10 +357,13 @@ def metrics_json(metrics: RequestMetrics, prompt_tokens: int, cached_tokens: int
         "e2e_s": metrics.e2e_latency,
         "num_prompt_tokens": prompt_tokens,
         "num_cached_tokens": cached_tokens,
+        # of which read from the KV tier (--kv-offload-dir), the rest from memory
+        "num_tier_cached_tokens": metrics.num_tier_cached_tokens,
         # every generated token, also the choices best_of drops
         "num_generation_tokens": metrics.num_generated_tokens,
         "num_preemptions": metrics.num_preemptions,
         "num_preempted_tokens": metrics.num_preempted_tokens,
+        "num_swapped_in_tokens": metrics.num_swapped_in_tokens,
         "num_draft_tokens": metrics.num_draft_tokens,
         "num_accepted_tokens": metrics.num_accepted_tokens,
     }

@@ -1,0 +1,442 @@
+"""A second tier for full KV blocks, behind the block pool: on local disk (`DiskBlockStore`,
+`--kv-offload-dir`), or in host memory (`HostBlockStore`, pinned on CUDA).
+
+Blocks are keyed by their chain hash (`core/kv_cache_manager.hash_block`: the tokens, all
+before them, `cache_salt`) inside a namespace for the model and numerics that made them
+(`layout.py`). The scheduler asks only whether a hash is here (`in`); the model runner
+moves bytes:
+
+    runner, after a step's forward:  save(cache, block ids, hashes)   the blocks that
+        became full this step are copied out now (a memcpy) and written on the store's
+        own thread, off the step's critical path
+    runner, before a step's forward: load(cache, block ids, hashes)   the blocks a
+        request found here are read into its fresh blocks, all of a step's at once;
+        returns how many leading ones arrived intact (the rest are recomputed)
+
+A disk block is one file: a header (magic, namespace, block hash, payload length, CRC-32)
+and the payload (K and V of every layer, then an int8 cache's scales), written to a
+temporary name and renamed, so a reader sees a whole file or none. The namespace folder
+keeps a manifest of its layout; a restarted engine with the same layout indexes the files
+it finds (without reading them) and checks each one when it is loaded: a file that is
+truncated, flipped, another namespace's, another block's or of the wrong size is deleted
+and counted (`TierStats.rejected`), never loaded.
+"""
+
+import atexit
+import json
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+from abc import ABC, abstractmethod
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from llmserve.kv_tier.layout import TierLayout
+from llmserve.layers.kv_cache import KVCache
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"LLMSKVB1"
+HEADER = struct.Struct("<8s16s32sQI")  # magic, namespace, block hash, payload bytes, crc32
+SUFFIX = ".kvb"
+MANIFEST = "manifest.json"
+# copies waiting for the writer at most; past it new blocks are not written (counted)
+MAX_PENDING_BYTES = 256 * 2**20
+FLUSH_AT_EXIT_S = 10.0
+
+
+@dataclass
+class TierStats:
+    """Totals since start, for /metrics and the preemption cost model."""
+
+    num_loaded: int = 0  # blocks read back into the cache
+    num_saved: int = 0  # blocks written to the tier
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    evictions: int = 0  # blocks dropped to stay under the size cap
+    dropped_writes: int = 0  # blocks not written: the writer was too far behind
+    rejected: Counter = field(default_factory=Counter)  # blocks refused, by reason
+
+    @property
+    def read_bytes_per_s(self) -> float | None:
+        return self.bytes_read / self.read_seconds if self.read_seconds > 0 else None
+
+
+class BlockStore(ABC):
+    """A tier of full blocks of one layout (`layout.py`), at most `capacity_bytes` of them
+    (the least recently used leave first).
+
+    Contract: `save` and `load` run on the engine thread between forwards; `save` copies
+    the blocks before it returns (the cache may reuse them at once) and never blocks on
+    the medium; `load` writes only into `block_ids`. `in` is true from `save` on (a block
+    still being written is served from its copy) until the block is evicted or found bad.
+    """
+
+    name: str  # the tier's label in metrics ("disk", "host")
+
+    def __init__(self, layout: TierLayout, capacity_bytes: int) -> None:
+        if capacity_bytes < layout.block_bytes:
+            raise ValueError(f"the KV tier's size cap ({capacity_bytes} bytes) holds no block "
+                             f"of {layout.block_bytes} bytes")
+        self.layout = layout
+        self.capacity_bytes = capacity_bytes
+        self.stats = TierStats()
+
+    @abstractmethod
+    def __contains__(self, block_hash: bytes) -> bool: ...
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int: ...
+
+    def save(self, cache: KVCache, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        """Keep the blocks `block_ids` (full, their KV written) under `block_hashes`."""
+        todo = [(b, h) for b, h in zip(block_ids, block_hashes, strict=True) if h not in self]
+        if todo:
+            rows = gather_blocks(cache, [b for b, _ in todo], self.layout)
+            self._put([h for _, h in todo], rows)
+
+    def load(self, cache: KVCache, block_ids: list[int], block_hashes: list[bytes]) -> int:
+        """Write the blocks stored under `block_hashes` into `block_ids`, in order, up to the
+        first one missing or bad; returns how many were written."""
+        start = time.perf_counter()
+        rows = torch.empty((len(block_ids), self.layout.block_bytes), dtype=torch.uint8)
+        num_ok = 0
+        for i, block_hash in enumerate(block_hashes):
+            if not self._get(block_hash, rows[i]):
+                break
+            num_ok += 1
+        if num_ok:
+            scatter_blocks(cache, block_ids[:num_ok], rows[:num_ok], self.layout)
+        self.stats.num_loaded += num_ok
+        self.stats.bytes_read += num_ok * self.layout.block_bytes
+        self.stats.read_seconds += time.perf_counter() - start
+        return num_ok
+
+    @abstractmethod
+    def _put(self, block_hashes: list[bytes], rows: torch.Tensor) -> None:
+        """Keep rows[i] (a block's payload, uint8) under block_hashes[i]."""
+
+    @abstractmethod
+    def _get(self, block_hash: bytes, row: torch.Tensor) -> bool:
+        """Read the block's payload into `row`; False (and forget it) if missing or bad."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every saved block is on the medium; False on timeout."""
+        return True
+
+    def close(self) -> None:
+        self.flush(FLUSH_AT_EXIT_S)
+
+
+class HostBlockStore(BlockStore):
+    """Blocks in host memory (page-locked when the cache is on CUDA, for fast copies back).
+    On the CPU it only helps when the cache itself is capped smaller than the host."""
+
+    name = "host"
+
+    def __init__(self, layout: TierLayout, capacity_bytes: int, pin: bool = False) -> None:
+        super().__init__(layout, capacity_bytes)
+        self.pin = pin
+        self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def _put(self, block_hashes: list[bytes], rows: torch.Tensor) -> None:
+        limit = self.capacity_bytes // self.layout.block_bytes
+        for block_hash, row in zip(block_hashes, rows, strict=True):
+            kept = row.clone()
+            self._blocks[block_hash] = kept.pin_memory() if self.pin else kept
+            self.stats.num_saved += 1
+            self.stats.bytes_written += row.numel()
+        while len(self._blocks) > limit:
+            self._blocks.popitem(last=False)
+            self.stats.evictions += 1
+
+    def _get(self, block_hash: bytes, row: torch.Tensor) -> bool:
+        kept = self._blocks.get(block_hash)
+        if kept is None:
+            self.stats.rejected["missing"] += 1
+            return False
+        self._blocks.move_to_end(block_hash)
+        row.copy_(kept)
+        return True
+
+
+class DiskBlockStore(BlockStore):
+    """Blocks as files under `root/<namespace>/<hh>/<hash>.kvb`; see the module docstring."""
+
+    name = "disk"
+
+    def __init__(self, root: str | Path, layout: TierLayout, capacity_bytes: int) -> None:
+        super().__init__(layout, capacity_bytes)
+        self.root = Path(root).expanduser() / layout.namespace
+        self._namespace = bytes.fromhex(layout.namespace)
+        self._file_bytes = HEADER.size + layout.block_bytes
+        self._lock = threading.Condition()
+        self._files: OrderedDict[bytes, None] = OrderedDict()  # on disk, LRU first
+        self._pending: dict[bytes, torch.Tensor] = {}  # saved, not yet written
+        self._queue: list[bytes] = []
+        self._writing: bytes | None = None
+        self._open()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="llmserve-kv-tier-writer")
+        self._thread.start()
+        atexit.register(self.close)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        with self._lock:
+            return block_hash in self._pending or block_hash in self._files
+
+    @property
+    def num_blocks(self) -> int:
+        with self._lock:
+            return len(self._files) + len(self._pending)
+
+    # ---- start-up: the manifest and the files of a previous life -------------------------
+
+    def _open(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        manifest = self.root / MANIFEST
+        ours = json.loads(self.layout.to_json())
+        try:
+            theirs = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            theirs = None
+        found = self._scan()
+        if theirs != ours:
+            if found:  # no manifest, or another layout's: nothing here can be trusted
+                logger.warning("KV tier %s: %d block files under a manifest that is not "
+                               "this engine's; deleted, not loaded", self.root, len(found))
+                self.stats.rejected["manifest"] += len(found)
+                for _, block_hash in found:
+                    self._delete(block_hash)
+                found = []
+            tmp = manifest.with_name(f"{MANIFEST}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(ours, indent=1))
+            os.replace(tmp, manifest)
+        for _, block_hash in sorted(found):
+            self._files[block_hash] = None
+        self._evict_over_cap()
+        logger.info("KV tier: %s, %d blocks of %d KiB from a previous run, cap %.1f GiB",
+                    self.root, len(self._files), self.layout.block_bytes // 1024,
+                    self.capacity_bytes / 2**30)
+
+    def _scan(self) -> list[tuple[float, bytes]]:
+        """(mtime, hash) of each block file of the right name and size; other files of
+        ours (torn temporary files, wrong sizes) are deleted."""
+        found = []
+        for sub in self.root.iterdir():
+            if not sub.is_dir():
+                continue
+            for path in sub.iterdir():
+                name = path.name
+                try:
+                    block_hash = bytes.fromhex(name.removesuffix(SUFFIX))
+                except ValueError:
+                    block_hash = b""
+                if not name.endswith(SUFFIX) or len(block_hash) != 32:
+                    if ".tmp" in name:
+                        path.unlink(missing_ok=True)
+                    continue
+                stat = path.stat()
+                if stat.st_size != self._file_bytes:
+                    self.stats.rejected["size"] += 1
+                    path.unlink(missing_ok=True)
+                    continue
+                found.append((stat.st_mtime, block_hash))
+        return found
+
+    # ---- writes, on the writer thread ---------------------------------------------------
+
+    def _put(self, block_hashes: list[bytes], rows: torch.Tensor) -> None:
+        with self._lock:
+            pending_bytes = len(self._pending) * self.layout.block_bytes
+            for block_hash, row in zip(block_hashes, rows, strict=True):
+                if block_hash in self._pending or block_hash in self._files:
+                    continue
+                if pending_bytes + row.numel() > min(MAX_PENDING_BYTES, self.capacity_bytes):
+                    self.stats.dropped_writes += 1
+                    continue
+                self._pending[block_hash] = row
+                self._queue.append(block_hash)
+                pending_bytes += row.numel()
+            self._lock.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue:
+                    self._lock.wait()
+                block_hash = self._queue.pop(0)
+                row = self._pending[block_hash]
+                self._writing = block_hash
+            start = time.perf_counter()
+            try:
+                self._write(block_hash, row)
+                ok = True
+            except OSError as exc:
+                logger.warning("KV tier: writing a block failed: %s", exc)
+                ok = False
+            with self._lock:
+                del self._pending[block_hash]
+                self._writing = None
+                if ok:
+                    self._files[block_hash] = None
+                    self.stats.num_saved += 1
+                    self.stats.bytes_written += self._file_bytes
+                    self.stats.write_seconds += time.perf_counter() - start
+                    self._evict_over_cap()
+                else:
+                    self.stats.dropped_writes += 1
+                self._lock.notify_all()
+
+    def _write(self, block_hash: bytes, row: torch.Tensor) -> None:
+        payload = row.numpy()
+        header = HEADER.pack(MAGIC, self._namespace, block_hash, payload.nbytes,
+                             zlib.crc32(payload))
+        path = self._path(block_hash)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        with tmp.open("wb") as f:
+            f.write(header)
+            f.write(payload.data)
+        os.replace(tmp, path)  # readers see the whole file or none
+
+    def _evict_over_cap(self) -> None:
+        """Delete least recently used files past the cap (caller holds the lock)."""
+        limit = self.capacity_bytes // self._file_bytes
+        while len(self._files) > max(limit, 0):
+            block_hash, _ = self._files.popitem(last=False)
+            self._path(block_hash).unlink(missing_ok=True)
+            self.stats.evictions += 1
+
+    def flush(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._queue or self._writing is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
+    # ---- reads, on the engine thread ----------------------------------------------------
+
+    def _get(self, block_hash: bytes, row: torch.Tensor) -> bool:
+        with self._lock:
+            pending = self._pending.get(block_hash)
+            if pending is not None:
+                row.copy_(pending)
+                return True
+            if block_hash not in self._files:
+                self.stats.rejected["missing"] += 1
+                return False
+            self._files.move_to_end(block_hash)
+        reason = self._read(block_hash, row)
+        if reason is None:
+            try:
+                os.utime(self._path(block_hash))  # recently used, for the next start's order
+            except OSError:
+                pass
+            return True
+        logger.warning("KV tier: block %s refused (%s); it is recomputed",
+                       block_hash.hex()[:16], reason)
+        self.stats.rejected[reason] += 1
+        with self._lock:
+            self._files.pop(block_hash, None)
+        if reason != "missing":
+            self._delete(block_hash)
+        return False
+
+    def _read(self, block_hash: bytes, row: torch.Tensor) -> str | None:
+        """Read and check one block file into `row`; None, or why it is refused."""
+        payload = row.numpy()
+        try:
+            with self._path(block_hash).open("rb") as f:
+                header = f.read(HEADER.size)
+                if len(header) < HEADER.size:
+                    return "truncated"
+                magic, namespace, stored_hash, num_bytes, crc = HEADER.unpack(header)
+                if magic != MAGIC:
+                    return "corrupt"
+                if namespace != self._namespace:
+                    return "another layout"
+                if stored_hash != block_hash:
+                    return "another block"
+                if num_bytes != payload.nbytes:
+                    return "size"
+                if f.readinto(payload.data) != payload.nbytes:
+                    return "truncated"
+                if f.read(1):
+                    return "size"
+        except FileNotFoundError:
+            return "missing"
+        except OSError:
+            return "unreadable"
+        return None if zlib.crc32(payload) == crc else "checksum"
+
+    def _path(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.root / name[:2] / f"{name}{SUFFIX}"
+
+    def _delete(self, block_hash: bytes) -> None:
+        self._path(block_hash).unlink(missing_ok=True)
+
+
+def gather_blocks(cache: KVCache, block_ids: list[int], layout: TierLayout) -> torch.Tensor:
+    """Copy blocks out of the cache: (n, block_bytes) uint8 on the host, row i block_ids[i]
+    as `layout` lays a block out."""
+    n = len(block_ids)
+    device = cache.key[0].device
+    rows = torch.empty((n, layout.block_bytes), dtype=torch.uint8,
+                       pin_memory=device.type == "cuda")
+    data, scales = _views(rows, layout)
+    index = torch.tensor(block_ids, dtype=torch.long, device=device)
+    for layer, (k, v) in enumerate(zip(cache.key, cache.value, strict=True)):
+        data[:, layer, 0] = k.index_select(0, index)  # (n, block_size, H_kv, D)
+        data[:, layer, 1] = v.index_select(0, index)
+    if scales is not None:
+        for layer, (k, v) in enumerate(zip(cache.key_scales, cache.value_scales, strict=True)):
+            scales[:, layer, 0] = k.index_select(0, index)  # (n, block_size, H_kv)
+            scales[:, layer, 1] = v.index_select(0, index)
+    return rows
+
+
+def scatter_blocks(cache: KVCache, block_ids: list[int], rows: torch.Tensor,
+                   layout: TierLayout) -> None:
+    """Write `rows` (as `gather_blocks` makes them) into the cache at `block_ids`."""
+    data, scales = _views(rows, layout)
+    device = cache.key[0].device
+    index = torch.tensor(block_ids, dtype=torch.long, device=device)
+    for layer, (k, v) in enumerate(zip(cache.key, cache.value, strict=True)):
+        k.index_copy_(0, index, data[:, layer, 0].to(device))
+        v.index_copy_(0, index, data[:, layer, 1].to(device))
+    if scales is not None:
+        for layer, (k, v) in enumerate(zip(cache.key_scales, cache.value_scales, strict=True)):
+            k.index_copy_(0, index, scales[:, layer, 0].to(device))
+            v.index_copy_(0, index, scales[:, layer, 1].to(device))
+
+
+def _views(rows: torch.Tensor, layout: TierLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n, layers, 2, block_size, H_kv, D) data and (n, layers, 2, block_size, H_kv) scales
+    views of (n, block_bytes) uint8 rows."""
+    data = rows[:, : layout.data_bytes].view(layout.torch_kv_dtype)
+    data = data.unflatten(1, layout.data_shape)
+    if layout.scales_shape is None:
+        return data, None
+    scales = rows[:, layout.data_bytes :].view(torch.float32)
+    return data, scales.unflatten(1, layout.scales_shape)

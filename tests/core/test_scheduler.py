@@ -117,7 +117,12 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
             assert s.new.output_token_ids == request.output_token_ids
             assert s.new.output_token_ids is not request.output_token_ids
             assert s.new.prompt_token_ids == request.prompt_token_ids
-    assert set(tables) == {r.request_id for r in sched.running}, "runner rows != running"
+    # a request that read its blocks from the KV tier is sent when it first computes
+    loading = {load.request_id for load in out.tier_loads}
+    unsent = {r.request_id for r in sched.running if r.num_blocks_sent is None}
+    assert loading <= unsent
+    assert set(tables) == {r.request_id for r in sched.running} - unsent, \
+        "runner rows != running"
 
 
 def run_until_done(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
@@ -549,6 +554,41 @@ class FakeKVCache:
         return block_ids[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
 
+class FakeTier:
+    """The KV tier as the runner keeps it: a saved block's slots, copied after the step's
+    writes; a load copies them into fresh blocks before the step's writes and sometimes
+    stops early (a damaged file)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.blocks: dict[bytes, list[int | None]] = {}
+        self.num_loaded = 0
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.blocks
+
+    def load(self, kv: FakeKVCache, out: SchedulerOutput) -> dict[str, int]:
+        loaded = {}
+        for load in out.tier_loads:
+            n = 0
+            for block_id, block_hash in zip(load.block_ids, load.block_hashes, strict=True):
+                if self.rng.random() < 0.05:
+                    break
+                for j, value in enumerate(self.blocks[block_hash]):
+                    kv.slots[block_id * BLOCK_SIZE + j] = value
+                kv.full_blocks[block_id] = block_hash
+                n += 1
+            loaded[load.request_id] = n
+            self.num_loaded += n
+        return loaded
+
+    def save(self, kv: FakeKVCache, out: SchedulerOutput) -> None:
+        for block_id, block_hash in out.tier_saves:
+            assert kv.full_blocks.get(block_id) == block_hash, "saved before it was written"
+            self.blocks[block_hash] = [kv.slots.get(block_id * BLOCK_SIZE + j)
+                                       for j in range(BLOCK_SIZE)]
+
+
 def prefix_hashes(request: Request) -> list[int]:
     """hashes[p] stands for tokens[: p + 1] (with the cache salt), what K/V at p depends on."""
     hashes, h = [], hash(request.cache_salt)
@@ -611,9 +651,10 @@ def random_prompt(rng: random.Random, shared_prefixes: list[list[int]]) -> list[
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-@pytest.mark.parametrize("enable_caching", [True, False])
+@pytest.mark.parametrize("enable_caching, with_tier", [(True, False), (False, False),
+                                                       (True, True)])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_operations_keep_the_invariants(seed, enable_caching, policy):
+def test_random_operations_keep_the_invariants(seed, enable_caching, with_tier, policy):
     rng = random.Random(seed)
     # 16 blocks of 4 = 64 tokens: any one request (<= 40 + 20 tokens) fits alone, few together
     sched = make_scheduler(
@@ -626,16 +667,23 @@ def test_random_operations_keep_the_invariants(seed, enable_caching, policy):
     )
     shared_prefixes = [[rng.randint(2, 5) for _ in range(32)] for _ in range(3)]
     fake_kv = FakeKVCache()
+    tier = FakeTier(random.Random(seed)) if with_tier else None
+    sched.kv.tier = tier
     tracked: dict[str, Request] = {}
     unfinished: dict[str, Request] = {}
 
     def random_step() -> None:
         out = sched.schedule()
         check_step(sched, out)
+        loaded = tier.load(fake_kv, out) if tier else {}
         fake_kv.execute(sched, out)
+        if tier:
+            tier.save(fake_kv, out)
         sampled = {s.request_id: [EOS if rng.random() < 0.1 else rng.randint(2, 5)]
                    for s in out.scheduled if s.sample}
-        update(sched, out, sampled)
+        result = ModelRunnerOutput.from_sampled(out, sampled)
+        result.tier_loaded = loaded
+        sched.update(out, result)
         check_invariants(sched, unfinished)
         fake_kv.check_cached_blocks_hold_their_tokens(sched)
 
@@ -663,6 +711,7 @@ def test_random_operations_keep_the_invariants(seed, enable_caching, policy):
 
     assert sched.num_preemptions > 0, "the pool was too big to exercise preemption"
     assert not enable_caching or sched.kv.num_hits > 0
+    assert not with_tier or tier.num_loaded > 0, "nothing was read from the tier"
     assert all(not r.blocks and r.num_offered_blocks == 0 and r.num_blocks_sent is None
                for r in tracked.values())  # no per-request leftovers
     for request in tracked.values():

@@ -20,6 +20,9 @@ class RequestRejected(LLMServeError, ValueError):
     """A request that can never run (too long for the model or the cache)."""
 
 
+# what a prompt dict may hold (vLLM's TextPrompt / TokensPrompt keys that apply here)
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
 @dataclass
 class NewRequest:
     """A validated prompt waiting to become one or more engine requests."""
@@ -49,6 +52,10 @@ class InputProcessor:
                 arrival_time: float | None, cache_salt: str | None,
                 kv_transfer: "str | TransferredKV | None") -> NewRequest:
         text, ids = self._tokenize(prompt)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            if cache_salt is not None and cache_salt != prompt["cache_salt"]:
+                raise RequestRejected("cache_salt is given twice, with different values")
+            cache_salt = prompt["cache_salt"]
         keep = params.truncate_prompt_tokens
         if keep is not None:  # asked for: the prompt's last tokens, the text no longer its own
             keep = self.max_model_len - 1 if keep == -1 else keep
@@ -68,6 +75,10 @@ class InputProcessor:
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            unknown = sorted(set(prompt) - PROMPT_KEYS)
+            if unknown:
+                raise RequestRejected(f"a prompt dict takes {', '.join(sorted(PROMPT_KEYS))}; "
+                                      f"{unknown[0]!r} is not supported")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:

@@ -222,22 +222,29 @@ class DiskBlockStore(BlockStore):
                 logger.warning("KV tier %s: %d block files under a manifest that is not "
                                "this engine's; deleted, not loaded", self.root, len(found))
                 self.stats.rejected["manifest"] += len(found)
-                for _, block_hash in found:
-                    self._delete(block_hash)
+                for _, _, path in found:
+                    path.unlink(missing_ok=True)
                 found = []
             tmp = manifest.with_name(f"{MANIFEST}.tmp{os.getpid()}")
             tmp.write_text(json.dumps(ours, indent=1))
             os.replace(tmp, manifest)
-        for _, block_hash in sorted(found):
+        kept = []
+        for mtime, block_hash, path in found:
+            if path.stat().st_size != self._file_bytes:
+                self.stats.rejected["size"] += 1
+                path.unlink(missing_ok=True)
+            else:
+                kept.append((mtime, block_hash))
+        for _, block_hash in sorted(kept):
             self._files[block_hash] = None
         self._evict_over_cap()
         logger.info("KV tier: %s, %d blocks of %d KiB from a previous run, cap %.1f GiB",
                     self.root, len(self._files), self.layout.block_bytes // 1024,
                     self.capacity_bytes / 2**30)
 
-    def _scan(self) -> list[tuple[float, bytes]]:
-        """(mtime, hash) of each block file of the right name and size; other files of
-        ours (torn temporary files, wrong sizes) are deleted."""
+    def _scan(self) -> list[tuple[float, bytes, Path]]:
+        """(mtime, hash, path) of each file named as a block; torn temporary files of an
+        earlier life are deleted."""
         found = []
         for sub in self.root.iterdir():
             if not sub.is_dir():
@@ -248,16 +255,10 @@ class DiskBlockStore(BlockStore):
                     block_hash = bytes.fromhex(name.removesuffix(SUFFIX))
                 except ValueError:
                     block_hash = b""
-                if not name.endswith(SUFFIX) or len(block_hash) != 32:
-                    if ".tmp" in name:
-                        path.unlink(missing_ok=True)
-                    continue
-                stat = path.stat()
-                if stat.st_size != self._file_bytes:
-                    self.stats.rejected["size"] += 1
+                if name.endswith(SUFFIX) and len(block_hash) == 32:
+                    found.append((path.stat().st_mtime, block_hash, path))
+                elif ".tmp" in name:
                     path.unlink(missing_ok=True)
-                    continue
-                found.append((stat.st_mtime, block_hash))
         return found
 
     # ---- writes, on the writer thread ---------------------------------------------------

@@ -43,3 +43,17 @@ def test_token_ids_out_of_vocab_are_rejected(smollm2_llm, field):
     value = {vocab: 1.0} if field == "logit_bias" else [vocab]
     with pytest.raises(RequestRejected, match=field):
         smollm2_llm.engine.add_request("Hi", SamplingParams(**{field: value}))
+
+
+def test_a_prompt_dict_takes_cache_salt_and_refuses_unknown_keys(smollm2_llm):
+    engine = smollm2_llm.engine
+    request_id = engine.add_request({"prompt": "Hi", "cache_salt": "tenant-a"},
+                                    SamplingParams(max_tokens=1))
+    request = engine.scheduler.requests[request_id]
+    assert request.cache_salt == "tenant-a"
+    engine.abort_request(request_id)
+    with pytest.raises(RequestRejected, match="'multi_modal_data' is not supported"):
+        engine.add_request({"prompt": "Hi", "multi_modal_data": {}}, SamplingParams())
+    with pytest.raises(RequestRejected, match="cache_salt is given twice"):
+        engine.add_request({"prompt": "Hi", "cache_salt": "a"}, SamplingParams(),
+                           cache_salt="b")

@@ -262,8 +262,9 @@ class EngineMetrics:
         for (counter, labels), total in totals.items():
             key = (id(counter), *labels)
             delta = total - self._tier_totals.get(key, 0)
+            child = counter.labels(tier, *labels)  # shown from the start, at 0
             if delta > 0:
-                counter.labels(tier, *labels).inc(delta)
+                child.inc(delta)
             self._tier_totals[key] = total
 
     def set_role(self, role: str | None) -> None:

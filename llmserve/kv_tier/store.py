@@ -61,6 +61,8 @@ class TierStats:
     bytes_written: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
+    copy_seconds: float = 0.0  # the engine thread's share of saving: copying blocks out
+    write_cpu_seconds: float = 0.0  # the writer thread's CPU (checksums, system calls)
     evictions: int = 0  # blocks dropped to stay under the size cap
     dropped_writes: int = 0  # blocks not written: the writer was too far behind
     rejected: Counter = field(default_factory=Counter)  # blocks refused, by reason
@@ -99,10 +101,12 @@ class BlockStore(ABC):
 
     def save(self, cache: KVCache, block_ids: list[int], block_hashes: list[bytes]) -> None:
         """Keep the blocks `block_ids` (full, their KV written) under `block_hashes`."""
+        start = time.perf_counter()
         todo = [(b, h) for b, h in zip(block_ids, block_hashes, strict=True) if h not in self]
         if todo:
             rows = gather_blocks(cache, [b for b, _ in todo], self.layout)
             self._put([h for _, h in todo], rows)
+        self.stats.copy_seconds += time.perf_counter() - start
 
     def load(self, cache: KVCache, block_ids: list[int], block_hashes: list[bytes]) -> int:
         """Write the blocks stored under `block_hashes` into `block_ids`, in order, up to the
@@ -278,6 +282,7 @@ class DiskBlockStore(BlockStore):
             self._lock.notify_all()
 
     def _run(self) -> None:
+        _lowest_priority()
         while True:
             with self._lock:
                 while not self._queue:
@@ -285,7 +290,7 @@ class DiskBlockStore(BlockStore):
                 block_hash = self._queue.pop(0)
                 row = self._pending[block_hash]
                 self._writing = block_hash
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 self._write(block_hash, row)
                 ok = True
@@ -300,6 +305,7 @@ class DiskBlockStore(BlockStore):
                     self.stats.num_saved += 1
                     self.stats.bytes_written += self._file_bytes
                     self.stats.write_seconds += time.perf_counter() - start
+                    self.stats.write_cpu_seconds += time.thread_time() - cpu
                     self._evict_over_cap()
                 else:
                     self.stats.dropped_writes += 1
@@ -396,6 +402,22 @@ class DiskBlockStore(BlockStore):
 
     def _delete(self, block_hash: bytes) -> None:
         self._path(block_hash).unlink(missing_ok=True)
+
+
+def _lowest_priority() -> None:
+    """Run the calling thread only on a CPU nothing else wants (Linux SCHED_IDLE; else the
+    lowest nice value): on a machine whose cores all compute, the writer waits for the gaps
+    between steps instead of stalling a step's threads."""
+    tid = threading.get_native_id()
+    try:
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        return
+    except (AttributeError, OSError):
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (AttributeError, OSError):
+        pass
 
 
 def gather_blocks(cache: KVCache, block_ids: list[int], layout: TierLayout) -> torch.Tensor:

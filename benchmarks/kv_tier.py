@@ -89,7 +89,8 @@ def ttft_part(args, llm: LLM, out: Path, monitors: dict) -> dict:
     tokens = []
 
     def measure(label: str, cmd: list[str], port: int, env: dict | None = None) -> None:
-        with LoadMonitor() as monitor, server(cmd, port, out / f"{label}.log", monitor, env):
+        log = out / f"{label.replace(' ', '-')}.log"
+        with LoadMonitor() as monitor, server(cmd, port, log, monitor, env):
             rows[label] = []
             for prompt in docs:
                 ttft, n = first_token_seconds(port, prompt)

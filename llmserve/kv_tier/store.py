@@ -29,6 +29,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 import zlib
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
@@ -66,10 +67,6 @@ class TierStats:
     evictions: int = 0  # blocks dropped to stay under the size cap
     dropped_writes: int = 0  # blocks not written: the writer was too far behind
     rejected: Counter = field(default_factory=Counter)  # blocks refused, by reason
-
-    @property
-    def read_bytes_per_s(self) -> float | None:
-        return self.bytes_read / self.read_seconds if self.read_seconds > 0 else None
 
 
 class BlockStore(ABC):
@@ -195,11 +192,16 @@ class DiskBlockStore(BlockStore):
         self._pending: dict[bytes, torch.Tensor] = {}  # saved, not yet written
         self._queue: list[bytes] = []
         self._writing: bytes | None = None
-        self._open()
+        self._closed = False
+        try:
+            self._open()
+        except OSError as exc:
+            raise ValueError(f"kv_offload_dir {root}: cannot use it for the KV tier "
+                             f"({exc})") from None
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="llmserve-kv-tier-writer")
         self._thread.start()
-        atexit.register(self.close)
+        _OPEN_STORES.add(self)
 
     def __contains__(self, block_hash: bytes) -> bool:
         with self._lock:
@@ -285,8 +287,10 @@ class DiskBlockStore(BlockStore):
         _lowest_priority()
         while True:
             with self._lock:
-                while not self._queue:
+                while not self._queue and not self._closed:
                     self._lock.wait()
+                if not self._queue:
+                    return  # closed, and everything written
                 block_hash = self._queue.pop(0)
                 row = self._pending[block_hash]
                 self._writing = block_hash
@@ -295,7 +299,8 @@ class DiskBlockStore(BlockStore):
                 self._write(block_hash, row)
                 ok = True
             except OSError as exc:
-                logger.warning("KV tier: writing a block failed: %s", exc)
+                if not self.stats.dropped_writes:  # the first of what may be many (disk full)
+                    logger.warning("KV tier: writing a block failed: %s", exc)
                 ok = False
             with self._lock:
                 del self._pending[block_hash]
@@ -330,6 +335,14 @@ class DiskBlockStore(BlockStore):
             block_hash, _ = self._files.popitem(last=False)
             self._path(block_hash).unlink(missing_ok=True)
             self.stats.evictions += 1
+
+    def close(self) -> None:
+        """Write what is queued (for at most FLUSH_AT_EXIT_S) and stop the writer."""
+        self.flush(FLUSH_AT_EXIT_S)
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        _OPEN_STORES.discard(self)
 
     def flush(self, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -402,6 +415,16 @@ class DiskBlockStore(BlockStore):
 
     def _delete(self, block_hash: bytes) -> None:
         self._path(block_hash).unlink(missing_ok=True)
+
+
+# disk stores not closed yet: their queued blocks are written when the process exits
+_OPEN_STORES: "weakref.WeakSet[DiskBlockStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_stores() -> None:
+    for store in list(_OPEN_STORES):
+        store.close()
 
 
 def _lowest_priority() -> None:

@@ -214,3 +214,18 @@ def test_the_checksum_is_over_the_payload(tmp_path):
 def test_a_cap_smaller_than_a_block_is_refused(tmp_path):
     with pytest.raises(ValueError, match="holds no block"):
         DiskBlockStore(tmp_path, layout(), 100)
+
+
+def test_a_folder_it_cannot_write_is_refused_by_name(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ValueError, match="kv_offload_dir .*a-file"):
+        DiskBlockStore(blocker / "tier", layout(), 2**30)
+
+
+def test_close_writes_what_is_queued_and_stops_the_writer(tmp_path):
+    lay = layout()
+    store = DiskBlockStore(tmp_path, lay, 2**30)
+    store.save(random_cache(torch.bfloat16), [0, 1], HASHES[:2])
+    store.close()
+    assert not store._thread.is_alive() and len(files(store)) == 2

@@ -342,6 +342,7 @@ class DiskBlockStore(BlockStore):
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+        self._thread.join(FLUSH_AT_EXIT_S)
         _OPEN_STORES.discard(self)
 
     def flush(self, timeout: float | None = None) -> bool:

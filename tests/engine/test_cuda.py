@@ -83,3 +83,20 @@ def test_default_path_on_cuda_follows_the_exact_one(smollm2_gguf, cuda_llm, prom
     # the same prompts again, one at a time: a sequence's tokens do not need the others
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts[:4]]
     assert sum(a == f for a, f in zip(alone, fast, strict=False)) >= 3
+
+
+def test_host_memory_tier_on_cuda_gives_the_recomputed_output(smollm2_gguf):
+    """`kv_offload_gib` alone on CUDA: a pinned host-memory tier behind a cache too small
+    for the working set; every prompt read back equals its recomputation."""
+    small = {"dtype": "float32", "device": "cuda", "kv_cache_memory": 24 * 16 * 46080}
+    plain = LLM(str(smollm2_gguf), **small)
+    tiered = LLM(str(smollm2_gguf), kv_offload_gib=0.5, **small)
+    assert tiered.engine.kv_tier.name == "host" and tiered.engine.kv_tier.pin
+    prompts = [chat_ids(plain, f"Library {i}. " + "Tell me about the books here. " * 20 + t)
+               for i, t in enumerate(TOPICS[:4])]
+    expected = [plain.generate(p, GREEDY)[0].outputs[0].token_ids for p in prompts]
+    for p in prompts:  # each evicts the one before from the GPU cache
+        tiered.generate(p, GREEDY)
+    again = [tiered.generate(p, GREEDY)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in again] == expected
+    assert all(o.metrics.num_tier_cached_tokens > 0 for o in again)

@@ -72,13 +72,17 @@ def test_blocks_from_the_tier_give_the_recomputed_output(setup, tmp_path):
     assert second.engine.kv_manager.num_tier_hits == stats.num_loaded
 
 
-def test_a_working_set_larger_than_memory_is_served_from_the_tier(default_model, tmp_path):
+@pytest.mark.parametrize("kind", ["disk", "host"])
+def test_a_working_set_larger_than_memory_is_served_from_the_tier(default_model, tmp_path,
+                                                                  kind):
     # 24 blocks of 16 tokens hold one prompt (~200 tokens) at a time, not four
     options = {"kv_cache_memory": 24 * 16 * 46080 // 2}
     plain = llm_on(default_model, **options)
     prompts = [chat(plain, q, system=f"Library {i}. {SYSTEM}") for i, q in enumerate(QUESTIONS)]
     expected = [ids(run(plain, [p]))[0] for p in prompts]
-    tiered = llm_on(default_model, kv_offload_dir=str(tmp_path), **options)
+    tier = {"kv_offload_dir": str(tmp_path)} if kind == "disk" else {"kv_offload_gib": 0.05}
+    tiered = llm_on(default_model, **tier, **options)
+    assert tiered.engine.kv_tier.name == kind
     for p in prompts:  # one at a time: each evicts the one before from memory
         run(tiered, [p])
     again = [run(tiered, [p])[0] for p in prompts]
@@ -86,7 +90,7 @@ def test_a_working_set_larger_than_memory_is_served_from_the_tier(default_model,
     assert all(o.metrics.num_tier_cached_tokens > 0 for o in again)
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
+@pytest.mark.parametrize("mode", ["swap", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_preemption_by_swap_or_recompute_changes_no_output(default_model, tmp_path, mode):
     plain = llm_on(default_model, kv_cache_memory="64MiB")
     # no prefix in common: a victim's blocks are its own

@@ -13,7 +13,9 @@ moves bytes:
         request found here are read into its fresh blocks, all of a step's at once;
         returns how many leading ones arrived intact (the rest are recomputed)
 
-A disk block is one file: a header (magic, namespace, block hash, payload length, CRC-32)
+Several engines may share a folder (a data-parallel server's replicas, servers on one
+machine): a block one of them wrote is found by the others, and each keeps the folder
+within its own cap. A disk block is one file: a header (magic, namespace, block hash, payload length, CRC-32)
 and the payload (K and V of every layer, then an int8 cache's scales), written to a
 temporary name and renamed, so a reader sees a whole file or none. The namespace folder
 keeps a manifest of its layout; a restarted engine with the same layout indexes the files
@@ -204,8 +206,17 @@ class DiskBlockStore(BlockStore):
         _OPEN_STORES.add(self)
 
     def __contains__(self, block_hash: bytes) -> bool:
+        """Here, or written since by another engine on this folder (the replicas of a
+        data-parallel server, servers on one machine): such a file joins the index."""
         with self._lock:
-            return block_hash in self._pending or block_hash in self._files
+            if block_hash in self._pending or block_hash in self._files:
+                return True
+        if not self._path(block_hash).is_file():
+            return False
+        with self._lock:
+            self._files[block_hash] = None
+            self._evict_over_cap()
+            return block_hash in self._files
 
     @property
     def num_blocks(self) -> int:
@@ -363,10 +374,12 @@ class DiskBlockStore(BlockStore):
             if pending is not None:
                 row.copy_(pending)
                 return True
-            if block_hash not in self._files:
-                self.stats.rejected["missing"] += 1
-                return False
-            self._files.move_to_end(block_hash)
+        if block_hash not in self:
+            self.stats.rejected["missing"] += 1
+            return False
+        with self._lock:
+            if block_hash in self._files:
+                self._files.move_to_end(block_hash)
         reason = self._read(block_hash, row)
         if reason is None:
             try:

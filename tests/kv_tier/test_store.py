@@ -229,3 +229,17 @@ def test_close_writes_what_is_queued_and_stops_the_writer(tmp_path):
     store.save(random_cache(torch.bfloat16), [0, 1], HASHES[:2])
     store.close()
     assert not store._thread.is_alive() and len(files(store)) == 2
+
+
+def test_engines_sharing_a_folder_find_each_others_blocks(tmp_path):
+    lay = layout()
+    src, dst = random_cache(torch.bfloat16, 1), random_cache(torch.bfloat16, 2)
+    first, second = DiskBlockStore(tmp_path, lay, 2**30), DiskBlockStore(tmp_path, lay, 2**30)
+    first.save(src, [2, 3], HASHES[:2])
+    first.flush()
+    assert HASHES[0] in second and HASHES[2] not in second
+    assert second.load(dst, [7, 8], HASHES[:2]) == 2
+    assert same_block(src, 3, dst, 8)
+    second.save(src, [2], HASHES[:1])  # already on disk: not written again
+    second.flush()
+    assert second.stats.num_saved == 0

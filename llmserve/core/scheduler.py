@@ -212,18 +212,23 @@ class Scheduler:
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break  # wait for running requests to free blocks
-            self.waiting.pop(0)
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_hit
-                if self.kv.shares_blocks(request):
-                    self.kv.record_lookup(request.num_tokens, num_hit)
-            request.num_computed_tokens = num_hit
-            request.status = RequestStatus.RUNNING
-            if request.timings.first_scheduled is None:
-                request.timings.first_scheduled = time.time()
-            self.running.append(request)
+            self._admit(request, num_hit)
             self._emit(request, num_new, out)
             budget -= num_new
+
+    def _admit(self, request: Request, num_hit: int) -> None:
+        """The head of the waiting queue runs, its first `num_hit` tokens found in memory
+        (counted as prefix-cache hits at its first admission)."""
+        self.waiting.pop(0)
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit
+            if self.kv.shares_blocks(request):
+                self.kv.record_lookup(request.num_tokens, num_hit)
+        request.num_computed_tokens = num_hit
+        request.status = RequestStatus.RUNNING
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = time.time()
+        self.running.append(request)
 
     def _tier_hashes(self, request: Request, num_memory_blocks: int) -> list[bytes]:
         """The tier's blocks to read for a request being admitted: all it holds for a new
@@ -241,16 +246,7 @@ class Scheduler:
         room."""
         if not self.kv.allocate_for_load(request, hits, len(tier_hashes)):
             return False
-        self.waiting.pop(0)
-        num_hit = len(hits) * self.kv.block_size
-        if request.status == RequestStatus.WAITING:
-            request.num_cached_tokens = num_hit
-            self.kv.record_lookup(request.num_tokens, num_hit)
-        request.num_computed_tokens = num_hit
-        request.status = RequestStatus.RUNNING
-        if request.timings.first_scheduled is None:
-            request.timings.first_scheduled = time.time()
-        self.running.append(request)
+        self._admit(request, len(hits) * self.kv.block_size)
         out.tier_loads.append(TierLoad(request.request_id,
                                        self.kv.block_ids(request, len(hits)), tier_hashes))
         return True

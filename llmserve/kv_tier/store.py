@@ -15,13 +15,15 @@ moves bytes:
 
 Several engines may share a folder (a data-parallel server's replicas, servers on one
 machine): a block one of them wrote is found by the others, and each keeps the folder
-within its own cap. A disk block is one file: a header (magic, namespace, block hash, payload length, CRC-32)
-and the payload (K and V of every layer, then an int8 cache's scales), written to a
-temporary name and renamed, so a reader sees a whole file or none. The namespace folder
-keeps a manifest of its layout; a restarted engine with the same layout indexes the files
-it finds (without reading them) and checks each one when it is loaded: a file that is
-truncated, flipped, another namespace's, another block's or of the wrong size is deleted
-and counted (`TierStats.rejected`), never loaded.
+within its own cap. A disk block is one file: a header (magic, namespace, block hash,
+payload length, CRC-32) and the payload (K and V of every layer, then an int8 cache's
+scales), written to a temporary name and renamed, so a reader sees a whole file or none.
+The writer thread runs at idle priority, raised to normal while a caller waits on `flush`
+(at shutdown: up to 10 s). The namespace folder keeps a manifest of its layout; a
+restarted engine with the same layout indexes the files it finds (without reading them)
+and checks each one when it is loaded: a file that is truncated, flipped, another
+namespace's, another block's or of the wrong size is deleted and counted
+(`TierStats.rejected`), never loaded.
 """
 
 import atexit
@@ -195,6 +197,7 @@ class DiskBlockStore(BlockStore):
         self._queue: list[bytes] = []
         self._writing: bytes | None = None
         self._closed = False
+        self._started = threading.Event()  # the writer knows its thread id
         try:
             self._open()
         except OSError as exc:
@@ -295,7 +298,9 @@ class DiskBlockStore(BlockStore):
             self._lock.notify_all()
 
     def _run(self) -> None:
-        _lowest_priority()
+        self._tid = threading.get_native_id()
+        _set_priority(self._tid, idle=True)
+        self._started.set()
         while True:
             with self._lock:
                 while not self._queue and not self._closed:
@@ -357,14 +362,21 @@ class DiskBlockStore(BlockStore):
         _OPEN_STORES.discard(self)
 
     def flush(self, timeout: float | None = None) -> bool:
+        """The writer runs at normal priority until the queue is written (the caller waits
+        for it: nothing else is to run)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while self._queue or self._writing is not None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._lock.wait(left)
-        return True
+        self._started.wait()
+        _set_priority(self._tid, idle=False)
+        try:
+            with self._lock:
+                while self._queue or self._writing is not None:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._lock.wait(left)
+            return True
+        finally:
+            _set_priority(self._tid, idle=True)
 
     # ---- reads, on the engine thread ----------------------------------------------------
 
@@ -441,18 +453,22 @@ def _close_open_stores() -> None:
         store.close()
 
 
-def _lowest_priority() -> None:
-    """Run the calling thread only on a CPU nothing else wants (Linux SCHED_IDLE; else the
-    lowest nice value): on a machine whose cores all compute, the writer waits for the gaps
-    between steps instead of stalling a step's threads."""
-    tid = threading.get_native_id()
+def _set_priority(tid: int, idle: bool) -> None:
+    """Idle: run thread `tid` only on a CPU nothing else wants (Linux SCHED_IDLE; else the
+    lowest priority), so that on a machine whose cores all compute the writer waits for the
+    gaps between steps instead of stalling a step's threads. Not idle: normal again (a
+    flush, when nothing else is to run). Best effort: where the system refuses, the thread
+    keeps its priority."""
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        if idle:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        else:
+            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
         return
     except (AttributeError, OSError):
         pass
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        os.setpriority(os.PRIO_PROCESS, tid, 19 if idle else 0)
     except (AttributeError, OSError):
         pass
 

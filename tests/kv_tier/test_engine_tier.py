@@ -39,7 +39,8 @@ def restart(loaded, tier_dir, **options):
     return llm_on(loaded, kv_offload_dir=str(tier_dir), **options)
 
 
-@pytest.fixture(scope="module", params=["default", "float32", "int8-kv"])
+@pytest.fixture(scope="module", params=["default", pytest.param("float32", marks=pytest.mark.slow),
+                                        "int8-kv"])
 def setup(request, default_model, float32_model):
     loaded = float32_model if request.param == "float32" else default_model
     options = {"kv_cache_memory": "64MiB"}
@@ -72,7 +73,7 @@ def test_blocks_from_the_tier_give_the_recomputed_output(setup, tmp_path):
     assert second.engine.kv_manager.num_tier_hits == stats.num_loaded
 
 
-@pytest.mark.parametrize("kind", ["disk", "host"])
+@pytest.mark.parametrize("kind", ["disk", pytest.param("host", marks=pytest.mark.slow)])
 def test_a_working_set_larger_than_memory_is_served_from_the_tier(default_model, tmp_path,
                                                                   kind):
     # 24 blocks of 16 tokens hold one prompt (~200 tokens) at a time, not four

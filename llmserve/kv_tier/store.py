@@ -261,6 +261,12 @@ class DiskBlockStore(BlockStore):
         logger.info("KV tier: %s, %d blocks of %d KiB from a previous run, cap %.1f GiB",
                     self.root, len(self._files), self.layout.block_bytes // 1024,
                     self.capacity_bytes / 2**30)
+        others = [p for p in self.root.parent.iterdir()
+                  if p != self.root and (p / MANIFEST).is_file()]
+        if others:  # another model, dtype, kernel level or release: never read from here
+            size = sum(f.stat().st_size for p in others for f in p.rglob(f"*{SUFFIX}"))
+            logger.info("KV tier: %d other layouts' folders beside it (%.1f GiB), left "
+                        "alone; delete those no server uses", len(others), size / 2**30)
 
     def _scan(self) -> list[tuple[float, bytes, Path]]:
         """(mtime, hash, path) of each file named as a block; torn temporary files of an

@@ -1,6 +1,7 @@
 """The KV tier (`--kv-offload-dir`), in one run: what it saves, what it costs.
 
     python benchmarks/kv_tier.py [--model smollm2-135m] [--prefix-tokens 2000] [--out DIR]
+                                 [--only ttft|write|chat] [--llama-server PATH]
 
 1. TTFT of a long shared prefix (--prefix-tokens of a document, then a short question),
    each server alone, 2 threads, streamed `/v1/completions`, three documents each:
@@ -102,7 +103,7 @@ def ttft_part(args, llm: LLM, out: Path, monitors: dict) -> dict:
     measure("llmserve cold", [*llmserve, "--port", str(port)], port)
     port = free_port()
     measure("llmserve warm tier", [*llmserve, "--port", str(port)], port)
-    llama = ANCHORS / "bin" / "llama-server"
+    llama = args.llama_server
     if llama.is_file():
         port = free_port()
         measure("llama.cpp", [str(llama), "-m", gguf, "--host", "127.0.0.1", "--port",
@@ -223,6 +224,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "kv_tier")
     parser.add_argument("--only", choices=("ttft", "write", "chat"), action="append")
+    parser.add_argument("--llama-server", type=Path, default=ANCHORS / "bin" / "llama-server",
+                        help="llama.cpp's server for part 1 (with LLMSERVE_CPU_ISA=avx2: "
+                             "its AVX2-only build, bin-avx2/)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))

@@ -52,6 +52,7 @@ class KVCacheManager:
         self.num_tier_hits = 0  # of which found there
         self.num_tier_hit_tokens = 0  # prompt tokens whose KV was read from the tier
         self._filled: list[Block] = []  # blocks cached this step, for the tier
+        self.loading: set[bytes] = set()  # hashes this step reads from the tier
         # The pool can always share blocks; this manager decides for whom. With prefix
         # caching off, only siblings of one request (n > 1, best_of) share their prompt.
         self.pool = BlockPool(num_blocks, enable_caching=True)
@@ -131,7 +132,15 @@ class KVCacheManager:
         request.blocks.extend(computed_blocks)
         request.blocks.extend(self.pool.get_new_blocks(num_load_blocks))
         request.num_offered_blocks = len(computed_blocks)
+        start = len(computed_blocks)
+        self.loading.update(request.block_hashes[start : start + num_load_blocks])
         return True
+
+    def waits_for_load(self, request: Request, num_memory_blocks: int) -> bool:
+        """The block after the request's memory hits is being read from the tier for
+        another request this step: next step it is a memory hit (read once, not twice)."""
+        hashes = request.block_hashes
+        return num_memory_blocks < len(hashes) and hashes[num_memory_blocks] in self.loading
 
     def finish_load(self, request: Request, num_loaded: int) -> None:
         """The first `num_loaded` blocks of a load hold their KV: into the prefix cache."""

@@ -204,6 +204,8 @@ class Scheduler:
             hits, num_hit = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit = self.kv.get_computed_blocks(request)
+                if self.kv.waits_for_load(request, len(hits)):
+                    break  # its next blocks arrive this step, for another request
                 tier_hashes = self._tier_hashes(request, len(hits))
                 if tier_hashes:
                     if not self._admit_loading(request, hits, tier_hashes, out):
@@ -254,6 +256,7 @@ class Scheduler:
     def _finish_loads(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         """The blocks of each `TierLoad` that arrived count as computed (the rest are
         recomputed); for a new request they are prefix-cache hits, from the tier."""
+        self.kv.loading.clear()
         num_blocks = 0
         for load in out.tier_loads:
             request = self.requests.get(load.request_id)

@@ -242,3 +242,21 @@ def test_costs_are_measured_from_the_steps():
     assert cost.prefill_tokens_per_s == 100.0 and cost.tier_bytes_per_s == 1e6
     with pytest.raises(ValueError, match="preemption_mode"):
         ResumeCost("sometimes")
+
+
+def test_requests_sharing_a_prefix_read_it_once():
+    sched, tier = make()
+    prompt = list(range(100, 150))
+    warm(sched, tier, prompt)
+    first = make_request("first", prompt, max_tokens=2)
+    second = make_request("second", prompt[:48] + [9, 9, 9], max_tokens=2)
+    sched.add_request(first)
+    sched.add_request(second)
+    out = step(sched, tier)
+    assert [load.request_id for load in out.tier_loads] == ["first"]
+    assert second.status == RequestStatus.WAITING  # waits a step for the blocks
+    out = step(sched, tier)
+    assert out.tier_loads == [] and second.num_cached_tokens == 48
+    assert second.num_tier_cached_tokens == 0  # found in memory, read once
+    run(sched, tier)
+    assert_all_blocks_free(sched)

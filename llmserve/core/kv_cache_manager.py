@@ -151,12 +151,10 @@ class KVCacheManager:
 
     def take_filled_blocks(self) -> list[tuple[int, bytes]]:
         """(block id, hash) of the blocks this step's tokens fill that are still cached
-        (not taken back by a preemption) and not in the tier yet; the list starts anew."""
+        (not taken back by a preemption); the list starts anew. The tier skips those it
+        holds already."""
         filled, self._filled = self._filled, []
-        if self.tier is None:
-            return []
-        return [(b.block_id, b.block_hash) for b in filled
-                if b.block_hash is not None and b.block_hash not in self.tier]
+        return [(b.block_id, b.block_hash) for b in filled if b.block_hash is not None]
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()

@@ -63,14 +63,12 @@ class KVBlocks:
 
     @classmethod
     def gather(cls, cache: KVCache, block_ids: list[int]) -> "KVBlocks":
-        index = torch.tensor(block_ids, dtype=torch.long, device=cache.key[0].device)
-        data = torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
-                            for k, v in zip(cache.key, cache.value, strict=True)]).cpu()
+        shape = (len(cache.key), 2, len(block_ids), *cache.key[0].shape[1:])
+        data = torch.empty(shape, dtype=cache.dtype)
         scales = None
         if cache.key_scales is not None:
-            scales = torch.stack([
-                torch.stack([k.index_select(0, index), v.index_select(0, index)])
-                for k, v in zip(cache.key_scales, cache.value_scales, strict=True)]).cpu()
+            scales = torch.empty(shape[:-1], dtype=torch.float32)
+        cache.read_blocks(block_ids, data, scales)
         return cls(data, scales)
 
     def scatter(self, cache: KVCache, block_ids: list[int]) -> None:
@@ -81,16 +79,8 @@ class KVBlocks:
                              f"not fit this cache {expected} {cache.key[0].dtype}: the prefill "
                              "and decode servers must run the same model, dtype and KV-cache "
                              "dtype and block size")
-        device = cache.key[0].device
-        index = torch.tensor(block_ids, dtype=torch.long, device=device)
-        for layer, (k, v) in enumerate(zip(cache.key, cache.value, strict=True)):
-            k.index_copy_(0, index, self.data[layer, 0].to(device))
-            v.index_copy_(0, index, self.data[layer, 1].to(device))
-        if self.scales is not None and cache.key_scales is not None:
-            for layer, (k, v) in enumerate(zip(cache.key_scales, cache.value_scales,
-                                               strict=True)):
-                k.index_copy_(0, index, self.scales[layer, 0].to(device))
-                v.index_copy_(0, index, self.scales[layer, 1].to(device))
+        cache.write_blocks(block_ids, self.data,
+                           self.scales if cache.key_scales is not None else None)
 
 
 @dataclass

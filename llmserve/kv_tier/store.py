@@ -482,43 +482,25 @@ def _set_priority(tid: int, idle: bool) -> None:
 def gather_blocks(cache: KVCache, block_ids: list[int], layout: TierLayout) -> torch.Tensor:
     """Copy blocks out of the cache: (n, block_bytes) uint8 on the host, row i block_ids[i]
     as `layout` lays a block out."""
-    n = len(block_ids)
-    device = cache.key[0].device
-    rows = torch.empty((n, layout.block_bytes), dtype=torch.uint8,
-                       pin_memory=device.type == "cuda")
-    data, scales = _views(rows, layout)
-    index = torch.tensor(block_ids, dtype=torch.long, device=device)
-    for layer, (k, v) in enumerate(zip(cache.key, cache.value, strict=True)):
-        data[:, layer, 0] = k.index_select(0, index)  # (n, block_size, H_kv, D)
-        data[:, layer, 1] = v.index_select(0, index)
-    if scales is not None:
-        for layer, (k, v) in enumerate(zip(cache.key_scales, cache.value_scales, strict=True)):
-            scales[:, layer, 0] = k.index_select(0, index)  # (n, block_size, H_kv)
-            scales[:, layer, 1] = v.index_select(0, index)
+    rows = torch.empty((len(block_ids), layout.block_bytes), dtype=torch.uint8,
+                       pin_memory=cache.key[0].device.type == "cuda")
+    cache.read_blocks(block_ids, *_layer_major(rows, layout))
     return rows
 
 
 def scatter_blocks(cache: KVCache, block_ids: list[int], rows: torch.Tensor,
                    layout: TierLayout) -> None:
     """Write `rows` (as `gather_blocks` makes them) into the cache at `block_ids`."""
-    data, scales = _views(rows, layout)
-    device = cache.key[0].device
-    index = torch.tensor(block_ids, dtype=torch.long, device=device)
-    for layer, (k, v) in enumerate(zip(cache.key, cache.value, strict=True)):
-        k.index_copy_(0, index, data[:, layer, 0].to(device))
-        v.index_copy_(0, index, data[:, layer, 1].to(device))
-    if scales is not None:
-        for layer, (k, v) in enumerate(zip(cache.key_scales, cache.value_scales, strict=True)):
-            k.index_copy_(0, index, scales[:, layer, 0].to(device))
-            v.index_copy_(0, index, scales[:, layer, 1].to(device))
+    cache.write_blocks(block_ids, *_layer_major(rows, layout))
 
 
-def _views(rows: torch.Tensor, layout: TierLayout) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(n, layers, 2, block_size, H_kv, D) data and (n, layers, 2, block_size, H_kv) scales
-    views of (n, block_bytes) uint8 rows."""
+def _layer_major(rows: torch.Tensor, layout: TierLayout
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(n, block_bytes) uint8 rows, each block's data then its scales, seen as the cache's
+    (layers, 2, n, block_size, H_kv, D) data and (layers, 2, n, block_size, H_kv) scales."""
     data = rows[:, : layout.data_bytes].view(layout.torch_kv_dtype)
-    data = data.unflatten(1, layout.data_shape)
+    data = data.unflatten(1, layout.data_shape).permute(1, 2, 0, 3, 4, 5)
     if layout.scales_shape is None:
         return data, None
     scales = rows[:, layout.data_bytes :].view(torch.float32)
-    return data, scales.unflatten(1, layout.scales_shape)
+    return data, scales.unflatten(1, layout.scales_shape).permute(1, 2, 0, 3, 4)

@@ -50,6 +50,35 @@ class KVCache:
         for cache in tensors:
             cache.index_copy_(0, dst, cache.index_select(0, src))
 
+    def read_blocks(self, block_ids: list[int], data: torch.Tensor,
+                    scales: torch.Tensor | None = None) -> None:
+        """Copy blocks `block_ids` out: into `data` (layers, 2, n, block_size, H_kv, D) and,
+        for an int8 cache, `scales` (layers, 2, n, block_size, H_kv), K then V; the
+        targets may have any strides and live on any device."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.key[0].device)
+        for target, pairs in ((data, self._pairs()), (scales, self._scale_pairs())):
+            for layer, pair in enumerate(pairs if target is not None else ()):
+                for kv, cache in enumerate(pair):
+                    target[layer, kv] = cache.index_select(0, index)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor,
+                     scales: torch.Tensor | None = None) -> None:
+        """Write blocks laid out as `read_blocks` takes them into `block_ids`."""
+        device = self.key[0].device
+        index = torch.tensor(block_ids, dtype=torch.long, device=device)
+        for source, pairs in ((data, self._pairs()), (scales, self._scale_pairs())):
+            for layer, pair in enumerate(pairs if source is not None else ()):
+                for kv, cache in enumerate(pair):
+                    cache.index_copy_(0, index, source[layer, kv].to(device))
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return list(zip(self.key, self.value, strict=True))
+
+    def _scale_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.key_scales is None:
+            return []
+        return list(zip(self.key_scales, self.value_scales, strict=True))
+
     @classmethod
     def allocate(
         cls,

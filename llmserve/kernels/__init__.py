@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
-_ABI = 22
+_ABI = 23
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 
@@ -75,6 +75,10 @@ _SIGNATURES = {
     "llmserve_quantize_q4": [_P, _I64, _I64, _P, _P, _P],
     "llmserve_pack_q4_weight": [_P, _P, _P, _I64, _I64, _P],
     "llmserve_q4_linear": [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I32],
+    "llmserve_kquant_record_bytes": [_I32],
+    "llmserve_pack_kquant": [_P, _I32, _I64, _I64, _P],
+    "llmserve_kquant_rows": [_P, _I32, _I64, _I64, _P, _I64, _P],
+    "llmserve_kquant_linear": [_P, _I64, _I64, _P, _P, _P, _P],
     "llmserve_pack_f32_weight": [_P, _I64, _I64, _P],
     "llmserve_argmax_rows": [_P, _I64, _I64, _P],
     "llmserve_apply_token_bitmask": [_P, _I64, _P, _I64, _P],
@@ -87,6 +91,7 @@ _SIGNATURES = {
     ],
 }
 _RESTYPES = {"llmserve_kernels_abi": _I32, "llmserve_int8_embedding": _I32,
+             "llmserve_kquant_record_bytes": _I64, "llmserve_kquant_rows": _I32,
              "llmserve_kernels_level": ctypes.c_char_p}
 
 

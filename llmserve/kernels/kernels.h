@@ -62,6 +62,26 @@ struct LoraSlot {
 void llmserve_lora_apply(const float* x, int64_t T, int64_t K, float* y, int64_t N,
                          const int32_t* slot_of_row, int64_t num_slots, const LoraSlot* slots,
                          float* scratch);
+// a K-quant weight (kernels/gemm_kquant.cpp): its rows in up to 4 segments, each packed
+// from GGUF blocks of one type
+enum KQuantType : int32_t { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+struct KQuantSegment {
+  int32_t type;
+  int64_t rows;
+  const uint8_t* packed;
+};
+struct KQuantWeight {
+  int64_t num_segments;
+  KQuantSegment segments[4];
+  int64_t out_features, in_features;
+};
+int64_t llmserve_kquant_record_bytes(int32_t type);
+void llmserve_pack_kquant(const uint8_t* blocks, int32_t type, int64_t N, int64_t K,
+                          uint8_t* packed);
+int32_t llmserve_kquant_rows(const uint8_t* packed, int32_t type, int64_t N, int64_t K,
+                             const int64_t* ids, int64_t T, float* out);
+void llmserve_kquant_linear(const float* x, int64_t M, int64_t K, const KQuantWeight* w,
+                            const float* bias, float* y, uint8_t* workspace);
 int32_t llmserve_int8_embedding(const int8_t* packed, int64_t N, int64_t Kp, const int64_t* ids,
                                 int64_t T, int64_t K, const float* scale, float* out);
 }

@@ -176,6 +176,13 @@ inline void store_u16(uint16_t* p, I16 a) {
 }
 
 inline B64 load_bytes(const void* p) { return {_mm512_loadu_si512(p)}; }
+inline B64 operator|(B64 a, B64 b) { return {_mm512_or_si512(a.v, b.v)}; }
+template <int S> inline B64 shifted_bits(B64 a, uint8_t mask) {
+  __m512i s;
+  if constexpr (S >= 0) s = _mm512_slli_epi16(a.v, S); else s = _mm512_srli_epi16(a.v, -S);
+  return {_mm512_and_si512(s, _mm512_set1_epi8(static_cast<char>(mask)))};
+}
+inline I16 mul_lo(I16 a, I16 b) { return {_mm512_mullo_epi32(a.v, b.v)}; }
 inline B64 low_nibbles(B64 a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0x0F))}; }
 inline B64 high_nibbles(B64 a) {
   return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))};
@@ -394,6 +401,20 @@ inline B64 load_bytes(const void* p) {
   const __m256i* q = static_cast<const __m256i*>(p);
   return {_mm256_loadu_si256(q), _mm256_loadu_si256(q + 1)};
 }
+inline B64 operator|(B64 a, B64 b) {
+  return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)};
+}
+template <int S> inline B64 shifted_bits(B64 a, uint8_t mask) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(mask));
+  auto half = [&](__m256i v) {
+    if constexpr (S >= 0) return _mm256_and_si256(_mm256_slli_epi16(v, S), m);
+    else return _mm256_and_si256(_mm256_srli_epi16(v, -S), m);
+  };
+  return {half(a.lo), half(a.hi)};
+}
+inline I16 mul_lo(I16 a, I16 b) {
+  return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)};
+}
 inline B64 low_nibbles(B64 a) {
   const __m256i m = _mm256_set1_epi8(0x0F);
   return {_mm256_and_si256(a.lo, m), _mm256_and_si256(a.hi, m)};
@@ -579,6 +600,17 @@ inline void store_u16(uint16_t* p, I16 a) {
 inline B64 load_bytes(const void* p) { B64 r; std::memcpy(r.v, p, 64); return r; }
 inline B64 low_nibbles(B64 a) { for (auto& b : a.v) b &= 0x0F; return a; }
 inline B64 high_nibbles(B64 a) { for (auto& b : a.v) b = b >> 4; return a; }
+inline B64 operator|(B64 a, B64 b) { for (int i = 0; i < 64; ++i) a.v[i] |= b.v[i]; return a; }
+template <int S> inline B64 shifted_bits(B64 a, uint8_t mask) {
+  for (auto& b : a.v) b = static_cast<uint8_t>((S >= 0 ? b << (S & 7) : b >> (-S & 7)) & mask);
+  return a;
+}
+inline I16 mul_lo(I16 a, I16 b) {
+  I16 r;
+  LLMSERVE_LANES(i) r.v[i] = static_cast<int32_t>(static_cast<uint32_t>(a.v[i]) *
+                                                  static_cast<uint32_t>(b.v[i]));
+  return r;
+}
 inline I16 dot4_u7s8(I16 acc, B64 u, int32_t x4) {
   int8_t x[4];
   std::memcpy(x, &x4, 4);
@@ -601,6 +633,12 @@ inline float sum_tree(F16 a) {
 #undef LLMSERVE_LANES
 #endif
 
+// Every level also has, for the K-quant kernels (gemm_kquant.cpp):
+//   a | b                  bytewise or of two B64
+//   shifted_bits<S>(a, m)  each byte shifted left by S (right by -S where S < 0), then & m;
+//                          m holds only bits that the byte's own bits fill (the x86 levels
+//                          shift 16-bit lanes: bits crossing into the next byte are masked)
+//   mul_lo(a, b)           int32 lanes multiplied, the low 32 bits kept
 // Sums of 4-bit codes u in [0, 15] times int8 x, for up to 8 steps between widenings (a
 // pair of int16 products then stays below 8 * 2 * 15 * 127 = 30480): acc[i] += sum_b
 // u[4i + b] * x4[b]. Levels with a one-instruction int32 dot product keep int32 sums and

@@ -189,6 +189,23 @@ inline B64 low_nibbles(B64 a) {
 inline B64 high_nibbles(B64 a) {
   B64 r; LLMSERVE_QUARTERS(q) r.v[q] = vshrq_n_u8(a.v[q], 4); return r;
 }
+inline B64 operator|(B64 a, B64 b) {
+  B64 r; LLMSERVE_QUARTERS(q) r.v[q] = vorrq_u8(a.v[q], b.v[q]); return r;
+}
+template <int S> inline B64 shifted_bits(B64 a, uint8_t mask) {
+  B64 r;
+  LLMSERVE_QUARTERS(q) {
+    uint8x16_t s;
+    if constexpr (S > 0) s = vshlq_n_u8(a.v[q], S);
+    else if constexpr (S < 0) s = vshrq_n_u8(a.v[q], -S);
+    else s = a.v[q];
+    r.v[q] = vandq_u8(s, vdupq_n_u8(mask));
+  }
+  return r;
+}
+inline I16 mul_lo(I16 a, I16 b) {
+  I16 r; LLMSERVE_QUARTERS(q) r.v[q] = vmulq_s32(a.v[q], b.v[q]); return r;
+}
 // acc[i] += sum_b w[4i + b] * x[b] for one quarter (lanes 4q .. 4q + 3), w and x signed
 // bytes with |w * x| <= 128 * 127: with dotprod one sdot; else the 16 products as int16
 // (vmull_s8), adjacent pairs added in int16 (|pair| <= 32512 fits) and the two pairs of

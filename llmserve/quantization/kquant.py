@@ -1,0 +1,169 @@
+"""kquant: GGUF K-quant weights (Q4_K, Q5_K, Q6_K) run in the file's own bits.
+
+A K-quant tensor is not re-quantized: its blocks are re-laid once at load for the native
+kernel (`gemm_kquant.cpp`: 16 channels x 256 k per record, the codes, sub-block scales and
+mins and fp16 super-block scales of the file, 4.6 / 5.6 / 6.6 bits a weight), and the
+product dequantizes nothing: per row and super-block of 256 k the activations are int8
+with one scale (llama.cpp's Q8_K), the dot products are exact integer sums scaled by the
+sub-block scales, and one float epilogue per super-block runs over them in order, so a
+request's outputs do not depend on the batch (nor on the instruction-set level).
+
+A linear whose parts the file stores in different K-quant types (a Q4_K_M file's fused
+q|k|v with a Q6_K v) keeps each part in its own type: a weight is up to four segments of
+rows, each one type; the activations are quantized once for all of them.
+"""
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from llmserve.kernels import native, ptr
+
+SUPER = 256
+_N_ALIGN = 16
+# GGUF type -> the kernel's type id (kernels.h `KQuantType`)
+KQUANT_TYPES = {QT.Q4_K: 0, QT.Q5_K: 1, QT.Q6_K: 2}
+_MAX_SEGMENTS = 4
+
+
+@dataclass
+class RawBlocks:
+    """A GGUF tensor as stored: `rows` x (columns / 256) blocks of `qtype`, `data` a uint8
+    array (rows, bytes per row) (a view of the file, or a copy after a row permutation)."""
+
+    qtype: QT
+    data: np.ndarray
+    columns: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    def take_rows(self, index: np.ndarray | slice) -> "RawBlocks":
+        return RawBlocks(self.qtype, self.data[index], self.columns)
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int64), ("packed", ctypes.c_void_p)]
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("num_segments", ctypes.c_int64), ("segments", _Segment * _MAX_SEGMENTS),
+                ("out_features", ctypes.c_int64), ("in_features", ctypes.c_int64)]
+
+
+def can_pack(parts: list[RawBlocks]) -> bool:
+    """Whether `parts` (a linear's row blocks, in order) run as one K-quant weight: every
+    part a K-quant type over the same columns, at most four runs of one type, each run but
+    the last a multiple of 16 rows (a record holds 16 channels)."""
+    if not parts or any(p.qtype not in KQUANT_TYPES for p in parts):
+        return False
+    if len({p.columns for p in parts}) != 1 or parts[0].columns % SUPER:
+        return False
+    runs = _runs(parts)
+    return len(runs) <= _MAX_SEGMENTS and all(rows % _N_ALIGN == 0 for _, rows in runs[:-1])
+
+
+def _runs(parts: list[RawBlocks]) -> list[tuple[QT, int]]:
+    """(type, rows) of consecutive parts of one type."""
+    runs: list[tuple[QT, int]] = []
+    for p in parts:
+        if runs and runs[-1][0] == p.qtype:
+            runs[-1] = (p.qtype, runs[-1][1] + p.rows)
+        else:
+            runs.append((p.qtype, p.rows))
+    return runs
+
+
+class PackedKQuantWeight:
+    """A linear's K-quant row blocks (`can_pack`) packed for the native kernel."""
+
+    def __init__(self, parts: list[RawBlocks]) -> None:
+        lib = native()
+        if lib is None:
+            raise RuntimeError("K-quant weights need the native CPU kernels")
+        self.in_features = parts[0].columns
+        self.out_features = sum(p.rows for p in parts)
+        self.types: list[QT] = []
+        self.rows: list[int] = []
+        self.segments: list[torch.Tensor] = []
+        start = 0
+        for qtype, rows in _runs(parts):
+            blocks = np.concatenate([p.data for p in _parts_in(parts, start, rows)])
+            blocks = torch.from_numpy(np.ascontiguousarray(blocks))
+            record = lib.llmserve_kquant_record_bytes(KQUANT_TYPES[qtype])
+            packed = torch.empty(-(-rows // _N_ALIGN), self.in_features // SUPER, record,
+                                 dtype=torch.uint8)
+            lib.llmserve_pack_kquant(ptr(blocks), KQUANT_TYPES[qtype], rows,
+                                     self.in_features, ptr(packed))
+            self.types.append(qtype)
+            self.rows.append(rows)
+            self.segments.append(packed)
+            start += rows
+        self.struct = _Weight(len(self.segments))
+        self.struct.out_features, self.struct.in_features = self.out_features, self.in_features
+        for i, (qtype, rows, packed) in enumerate(
+                zip(self.types, self.rows, self.segments, strict=True)):
+            self.struct.segments[i] = _Segment(KQUANT_TYPES[qtype], rows, ptr(packed))
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.struct)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"qweight_{i}": t for i, t in enumerate(self.segments)}
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (T,) of the weight as floats (T, K): a tied embedding's lookup. Raises
+        IndexError for an id outside the rows."""
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        if bool(((ids < 0) | (ids >= self.out_features)).any()):
+            raise IndexError("token id out of range")
+        lib = native()
+        out = torch.empty(ids.numel(), self.in_features)
+        start = 0
+        for qtype, rows, packed in zip(self.types, self.rows, self.segments, strict=True):
+            mine = (ids >= start) & (ids < start + rows)
+            if bool(mine.any()):
+                local = (ids[mine] - start).contiguous()
+                part = torch.empty(local.numel(), self.in_features)
+                lib.llmserve_kquant_rows(ptr(packed), KQUANT_TYPES[qtype], rows,
+                                         self.in_features, ptr(local), local.numel(), ptr(part))
+                out[mine] = part
+            start += rows
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.segments)
+
+
+def _parts_in(parts: list[RawBlocks], start: int, rows: int) -> list[np.ndarray]:
+    """The parts covering rows [start, start + rows) (whole parts: runs end at parts)."""
+    out, offset = [], 0
+    for p in parts:
+        if start <= offset < start + rows:
+            out.append(p)
+        offset += p.rows
+    return out
+
+
+def kquant_linear(x: torch.Tensor, w: PackedKQuantWeight, bias: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """x (..., K) float -> (..., N) in x's dtype."""
+    rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+    m, k = rows.shape
+    y = torch.empty(m, w.out_features)
+    workspace = torch.empty(workspace_bytes(m, k), dtype=torch.uint8)
+    bias = None if bias is None else bias.float().contiguous()
+    native().llmserve_kquant_linear(ptr(rows), m, k, w.address, ptr(bias), ptr(y),
+                                    ptr(workspace))
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+
+def workspace_bytes(rows: int, in_features: int) -> int:
+    """The kernel's workspace for `rows` rows: int8 values, a scale per 256, sums per 16."""
+    return rows * in_features + 4 * rows * (in_features // SUPER) + 4 * rows * (in_features // 16)

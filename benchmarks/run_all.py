@@ -1,7 +1,7 @@
 """Every side-by-side benchmark of docs/benchmarks.md, in one command.
 
-    python benchmarks/run_all.py [--isa native|avx2] [--gguf FILE] [--out DIR] [--only STAGE]
-                                 [--smoke]
+    python benchmarks/run_all.py [--isa native|avx2] [--gguf FILE | --shape NAME [--qtype T]]
+                                 [--out DIR] [--only STAGE] [--smoke]
 
 Stages, one engine at a time, 2 threads each:
 1. offline: the same 32 chat prompts x 64 tokens through transformers' static-batch
@@ -25,6 +25,16 @@ check that everything works end to end; its figures mean nothing.
 LLMSERVE_CPU_ISA=avx2 and llama.cpp's AVX2-only build (`ISA=avx2 build_llama_server.sh`,
 bin-avx2/), into benchmarks/results-avx2; summarize.py renders it as its own section of
 docs/benchmarks.md beside the machine's own level (benchmarks/results).
+
+--shape NAME --qtype TYPE runs everything on a random-weight file of a public 1-8B model's
+shape (benchmarks/shapes.py: llama-3.2-1b ... llama-3.1-8b; F16, Q8_0, Q4_0 or any
+llama-quantize type, Q4_K_M by default), written once into ~/.cache/llmserve/bench-shapes.
+Its results go to benchmarks/results/shapes/<shape>.<type> (results-avx2/... with --isa
+avx2) and become their own section of docs/benchmarks.md; with another --out, --doc holds
+that run alone. Both servers serve it as NAME; prompts are built with SmolLM2's tokenizer,
+the file's own less its padding. The fp32 variant and the offline stage's transformers
+hold every weight in float32 (4 bytes a parameter: 32 GB at 8B); a run that would not fit
+in the memory available stops first and says which flags leave them out.
 """
 
 import argparse
@@ -42,13 +52,14 @@ from pathlib import Path
 
 import httpx
 from monitor import LoadMonitor, warning
+from shapes import SHAPES, shape_gguf
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_GGUF = Path.home() / ".cache/llmserve/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
 ANCHORS = Path.home() / ".cache/llmserve-anchors"
 # --isa -> (llama.cpp build folder, LLMSERVE_CPU_ISA, results folder)
 ISAS = {"native": ("bin", None, "results"), "avx2": ("bin-avx2", "avx2", "results-avx2")}
-MODEL_ID = "smollm2-135m"
+MODEL_ID = "smollm2-135m"  # the default model's; a --shape run serves the shape's name
 THREADS = 2
 VARIANTS = {"default": [], "fp32": ["--dtype", "float32"]}  # extra llmserve flags
 STAGES = ("offline", "latency", "llama-bench", "serving")
@@ -93,6 +104,8 @@ class Session:
     sizes: Sizes
     variants: list[str]
     isa: str = "native"
+    shape: str | None = None  # a benchmarks/shapes.py name, for a --shape run
+    qtype: str | None = None
     llmserve: str = field(default_factory=llmserve_command)
     load: dict = field(default_factory=dict)  # stage -> LoadMonitor.summary()
     servers: dict = field(default_factory=dict)  # label -> start-up, memory
@@ -105,6 +118,17 @@ class Session:
         done = subprocess.run(cmd, check=True, env={**os.environ, **env},
                               stdout=subprocess.PIPE if capture else None, text=True)
         return done.stdout or ""
+
+    @property
+    def model_id(self) -> str:
+        """The name both servers serve the file as."""
+        return self.shape or MODEL_ID
+
+    @property
+    def tokenizer_model(self) -> str | None:
+        """`bench serve --tokenizer-model`: a shape file's tokenizer is SmolLM2's plus padding
+        that random prompts must not draw from, and its name is no catalog model."""
+        return MODEL_ID if self.shape else None
 
     def isa_env(self) -> dict[str, str]:
         """LLMSERVE_CPU_ISA for every llmserve command at a named level ({} at native)."""
@@ -218,9 +242,10 @@ def run_llama_bench(s: Session) -> None:
 
 def bench_serve(s: Session, label: str, port: int) -> None:
     s.sh([s.llmserve, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-          "--model", MODEL_ID, "--concurrency", csv(s.sizes.concurrency),
+          "--model", s.model_id, "--concurrency", csv(s.sizes.concurrency),
           "--num-prompts", str(s.sizes.num_prompts), "--input-len", str(s.sizes.input_len),
           "--output-len", str(s.sizes.output_len), "--label", label,
+          *(["--tokenizer-model", s.tokenizer_model] if s.tokenizer_model else []),
           "--output-json", str(s.out / f"serve_{label}.json")])
 
 
@@ -242,12 +267,12 @@ def run_serving(s: Session, servers: list[str]) -> None:
         slots = max(s.sizes.concurrency)
         ctx = slots * (s.sizes.input_len + s.sizes.output_len + CTX_SLACK)
         cmd = [str(s.llama_server), "-m", str(s.gguf), "--host", "127.0.0.1", "--port", str(port),
-               "-a", MODEL_ID, "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots), "-cb",
+               "-a", s.model_id, "-t", str(THREADS), "-tb", str(THREADS), "-np", str(slots), "-cb",
                "-c", str(ctx), "--no-webui"]
         serve_one(s, "llama.cpp", cmd, port, llama_env(s))
     for v in s.variants if "llmserve" in servers else []:
         port = free_port()
-        cmd = [s.llmserve, "serve", "--model", str(s.gguf), "--served-model-name", MODEL_ID,
+        cmd = [s.llmserve, "serve", "--model", str(s.gguf), "--served-model-name", s.model_id,
                "--port", str(port), "--threads", str(THREADS), *VARIANTS[v]]
         serve_one(s, "llmserve" + suffix(v, "-"), cmd, port, s.isa_env())
     files = [str(s.out / f"serve_{n}.json") for n in ("llama.cpp", "llmserve", "llmserve-fp32")
@@ -266,6 +291,11 @@ def write_meta(s: Session, stages: list[str], fresh: bool) -> None:
         {"date": time.strftime("%Y-%m-%d %H:%M"), "stages": stages, "variants": s.variants})
     meta["machine"] = {**machine_info(), "cores": os.cpu_count(), "threads_per_engine": THREADS}
     meta["isa"] = s.isa
+    meta["model_id"] = s.model_id
+    if s.shape:
+        shape = SHAPES[s.shape]
+        meta["shape"] = {"name": s.shape, "qtype": s.qtype, "file_bytes": s.gguf.stat().st_size,
+                         "params": shape.num_params, **asdict(shape)}
     meta["smoke"] = s.sizes == SMOKE
     meta["sizes"] = asdict(s.sizes)
     meta["load"] = {**meta.get("load", {}), **s.load}
@@ -276,18 +306,26 @@ def write_meta(s: Session, stages: list[str], fresh: bool) -> None:
     path.write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def main() -> int:
+def parse_args() -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--isa", choices=ISAS, default="native",
                         help="native: this CPU's own level for both engines; avx2: both capped "
                              "at AVX2 (llmserve LLMSERVE_CPU_ISA=avx2, llama.cpp's bin-avx2)")
-    parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--gguf", type=Path, help=f"the model file (default {DEFAULT_GGUF})")
+    model.add_argument("--shape", choices=SHAPES,
+                       help="a random-weight file of this public model's shape "
+                            "(benchmarks/shapes.py), written once")
+    parser.add_argument("--qtype", help="with --shape: the file's type, F16, Q8_0, Q4_0 or any "
+                                        "llama-quantize type (default Q4_K_M)")
     parser.add_argument("--out", type=Path, help="results folder (default benchmarks/results, "
-                                                 "or results-avx2 with --isa avx2)")
+                                                 "results-avx2 with --isa avx2; with --shape, "
+                                                 "shapes/<shape>.<qtype> inside it)")
     parser.add_argument("--doc", type=Path, default=HERE.parent / "docs/benchmarks.md",
                         help="the Markdown report summarize.py writes")
     parser.add_argument("--llama-server", type=Path,
-                        help="llama.cpp's llama-server binary (llama-bench beside it)")
+                        help="llama.cpp's llama-server binary (llama-bench and llama-quantize "
+                             "beside it)")
     parser.add_argument("--servers", default=",".join(SERVERS),
                         help="servers of the serving stage, comma-separated")
     parser.add_argument("--variants", default=",".join(VARIANTS),
@@ -296,16 +334,55 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes, to check the pipeline; figures mean nothing")
     args = parser.parse_args()
+    if args.qtype and not args.shape:
+        parser.error("--qtype goes with --shape (a --gguf file has its own type)")
     llama_bin, _, results = ISAS[args.isa]
-    args.out = args.out or HERE / results
     args.llama_server = args.llama_server or ANCHORS / llama_bin / "llama-server"
+    args.default_out = HERE / results
+    if args.shape:
+        args.qtype = args.qtype or "Q4_K_M"
+        args.default_out = args.default_out / "shapes" / f"{args.shape}.{args.qtype}"
+    args.out = args.out or args.default_out
+    return parser, args
+
+
+def check_fp32_fits(parser: argparse.ArgumentParser, shape: str, variants: list[str],
+                    stages: list[str]) -> None:
+    """The fp32 variant and the offline stage's transformers hold 4 bytes a parameter;
+    stop before a run the machine's memory cannot hold, saying how to leave them out."""
+    from llmserve.cpu_info import memory_bytes
+
+    users = [("the fp32 variant", "--variants default", "fp32" in variants),
+             ("the offline stage", "--only latency --only llama-bench --only serving",
+              "offline" in stages)]
+    need, available = 4 * SHAPES[shape].num_params, memory_bytes()[1]
+    if available is None or need < 0.9 * available or not any(u[2] for u in users):
+        return
+    parser.error(f"{shape} in float32 is {need / 2**30:.0f} GiB and {available / 2**30:.0f} "
+                 "GiB are available; leave out " + " and ".join(
+                     f"{what} ({flags})" for what, flags, used in users if used))
+
+
+def model_file(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """--gguf, the default model, or the --shape file (written on first use)."""
+    if args.shape is None:
+        gguf = args.gguf or DEFAULT_GGUF
+        if not gguf.is_file():
+            parser.error(f"no GGUF at {gguf}: `llmserve pull {MODEL_ID}` fetches the default")
+        return gguf
+    try:
+        return shape_gguf(args.shape, args.qtype, llama_bin=args.llama_server.parent)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        parser.error(str(e))
+
+
+def main() -> int:
+    parser, args = parse_args()
     variants, servers = args.variants.split(","), args.servers.split(",")
     if unknown := set(variants) - set(VARIANTS):
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
     if unknown := set(servers) - set(SERVERS):
         parser.error(f"unknown servers {sorted(unknown)}; choose from {', '.join(SERVERS)}")
-    if not args.gguf.is_file():
-        parser.error(f"no GGUF at {args.gguf}: `llmserve pull {MODEL_ID}` fetches the default")
     default_stages = [st for st in STAGES if st != "llama-bench" or "llama.cpp" in servers]
     stages = args.only or default_stages
     needs_llama = "llama-bench" in stages or ("serving" in stages and "llama.cpp" in servers)
@@ -313,9 +390,12 @@ def main() -> int:
         isa = "ISA=avx2 " if args.isa == "avx2" else ""
         parser.error(f"no llama-server at {args.llama_server}: build it with {isa}"
                      "tools/build_llama_server.sh from the shared tools, or pass --llama-server")
+    if args.shape:
+        check_fp32_fits(parser, args.shape, variants, stages)
+    gguf = model_file(parser, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    s = Session(args.gguf.resolve(), args.out.resolve(), args.llama_server.resolve(),
-                SMOKE if args.smoke else Sizes(), variants, args.isa)
+    s = Session(gguf.resolve(), args.out.resolve(), args.llama_server.resolve(),
+                SMOKE if args.smoke else Sizes(), variants, args.isa, args.shape, args.qtype)
     if not args.only:
         (s.out / "commands.txt").unlink(missing_ok=True)  # a full run: the folder is its own
     os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
@@ -327,7 +407,9 @@ def main() -> int:
     for stage in stages:
         runners[stage]()
     write_meta(s, stages, fresh=not args.only)
-    subprocess.run([sys.executable, str(HERE / "summarize.py"), "--doc", str(args.doc)],
+    # the whole report from benchmarks/results; a shape run kept elsewhere is its own report
+    alone = [str(s.out)] if args.shape and args.out != args.default_out else []
+    subprocess.run([sys.executable, str(HERE / "summarize.py"), *alone, "--doc", str(args.doc)],
                    check=True)
     return 0
 

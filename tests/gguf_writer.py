@@ -47,14 +47,19 @@ MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_pr
 
 
 def write_gguf(model: torch.nn.Module, path: Path, qtype: QT = QT.F32,
-               metadata: dict[str, Any] | None = None) -> Path:
+               metadata: dict[str, Any] | None = None,
+               types: dict[str, QT] | None = None) -> Path:
     """`model` (a transformers CausalLM) as a GGUF file at `path`: 2-D and 3-D linear
-    weights in `qtype` (F32, F16, Q8_0, Q4_0, ...), norms, biases and the router in F32;
+    weights in `qtype` (F32, F16, Q8_0, Q4_0, Q4_K, ...), norms, biases and the router in
+    F32; `types`: other types for some matrices, by GGUF name or its part after
+    `blk.N.` (a Q4_K_M-like mix: {"attn_v.weight": QT.Q6_K, "token_embd.weight": QT.Q6_K});
     `metadata`: more key/values (a tokenizer's `tokenizer.ggml.*`)."""
     config = model.config
     model_type = config.model_type
     arch = GGUF_ARCH[model_type]
     writer = gguf.GGUFWriter(str(path), arch)
+    if types:
+        writer = _TypedWriter(writer, types)
     _write_hparams(writer, arch, config)
     for key, value in (metadata or {}).items():
         _add_metadata(writer, key, value)
@@ -117,14 +122,96 @@ def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+class _TypedWriter:
+    """A GGUFWriter whose quantized matrices take the type `types` names for them."""
+
+    def __init__(self, writer: gguf.GGUFWriter, types: dict[str, QT]) -> None:
+        self.writer, self.types = writer, types
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.writer, name)
+
+    def type_of(self, name: str, qtype: QT) -> QT:
+        if qtype in (QT.F32, QT.F16):
+            return qtype
+        return self.types.get(name, self.types.get(name.split(".", 2)[-1], qtype))
+
+
 def _add(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, qtype: QT) -> None:
+    if isinstance(writer, _TypedWriter):
+        writer, qtype = writer.writer, writer.type_of(name, qtype)
     array = tensor.numpy().astype(np.float32)
     if qtype == QT.F32:
         writer.add_tensor(name, array)
     elif qtype == QT.F16:
         writer.add_tensor(name, array.astype(np.float16))
+    elif qtype in K_QUANTIZERS:
+        writer.add_tensor(name, K_QUANTIZERS[qtype](array), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+# ---- K-quants: gguf-py reads them but cannot write them; a plain quantizer here ----------
+# (round to nearest on min/max scales, not llama.cpp's search: valid blocks, a little
+# coarser than llama-quantize's)
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+def _kquant_scales(scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins (..., 8) -> llama.cpp's 12 packed bytes."""
+    sc, m = scales.astype(np.uint8), mins.astype(np.uint8)
+    out = np.zeros((*sc.shape[:-1], 12), np.uint8)
+    out[..., 0:4] = sc[..., :4] | (sc[..., 4:] >> 4) << 6
+    out[..., 4:8] = m[..., :4] | (m[..., 4:] >> 4) << 6
+    out[..., 8:12] = (sc[..., 4:] & 0xF) | (m[..., 4:] & 0xF) << 4
+    return out
+
+
+def _quantize_q45k(array: np.ndarray, bits: int) -> np.ndarray:
+    rows, cols = array.shape
+    x = array.reshape(rows, cols // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0)
+    scale, mn = (x.max(-1) - lo) / (2**bits - 1), -lo
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (mn.max(-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), 0, 63)
+    m = np.clip(np.round(mn / np.where(dmin > 0, dmin, 1)[..., None]), 0, 63)
+    step, offset = (d[..., None] * sc)[..., None], (dmin[..., None] * m)[..., None]
+    q = np.clip(np.round((x + offset) / np.where(step > 0, step, 1)), 0, 2**bits - 1)
+    q = q.astype(np.uint8).reshape(rows, cols // 256, 4, 2, 32)  # (chunk of 64, half, l)
+    qs = (q[..., 0, :] & 0xF) | (q[..., 1, :] & 0xF) << 4  # (rows, blocks, 4, 32)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), _kquant_scales(sc, m)]
+    if bits == 5:
+        hb = q >> 4  # (rows, blocks, 4 chunks, 2 halves, 32)
+        qh = sum((hb[..., c, h, :] << (2 * c + h)) for c in range(4) for h in range(2))
+        parts.append(qh.astype(np.uint8))
+    parts.append(qs.reshape(rows, cols // 256, 128))
+    blocks = np.concatenate([p.reshape(rows, cols // 256, -1) for p in parts], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+def _quantize_q6k(array: np.ndarray) -> np.ndarray:
+    rows, cols = array.shape
+    x = array.reshape(rows, cols // 256, 16, 16).astype(np.float32)
+    scale = np.abs(x).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16).astype(np.float32)
+    sc = np.clip(np.round(scale / np.where(d > 0, d, 1)[..., None]), -128, 127)
+    step = (d[..., None] * sc)[..., None]
+    q = (np.clip(np.round(x / np.where(step > 0, step, 1)), -32, 31) + 32).astype(np.uint8)
+    q = q.reshape(rows, cols // 256, 2, 4, 32)  # (half, quarter of 32, l)
+    ql = np.concatenate([(q[..., 0, :] & 0xF) | (q[..., 2, :] & 0xF) << 4,
+                         (q[..., 1, :] & 0xF) | (q[..., 3, :] & 0xF) << 4], axis=-1)
+    qh = sum((q[..., i, :] >> 4) << (2 * i) for i in range(4)).astype(np.uint8)
+    parts = [ql, qh, sc.astype(np.int8).view(np.uint8).reshape(rows, cols // 256, 2, 8),
+             _f16_bytes(d)]
+    blocks = np.concatenate([p.reshape(rows, cols // 256, -1) for p in parts], axis=-1)
+    return blocks.reshape(rows, -1)
+
+
+K_QUANTIZERS = {QT.Q4_K: lambda a: _quantize_q45k(a, 4), QT.Q5_K: lambda a: _quantize_q45k(a, 5),
+                QT.Q6_K: _quantize_q6k}
 
 
 def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:

@@ -1,5 +1,5 @@
 // A packed linear weight as the native layer kernels take it (int8, int4 with 15- or 8-bit
-// activations, or packed float32), and `linear`, which runs it on the kernel of its format:
+// activations, K-quant, or packed float32), and `linear`, which runs it on the kernel of its format:
 // the per-op path's kernels, so a fused layer gives the per-op path's bits.
 #pragma once
 
@@ -7,8 +7,9 @@
 
 namespace {
 
-// kInt4A8: int4 weights with 8-bit activations (gemm_q4.cpp)
-enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2, kInt4A8 = 3 };
+// kInt4A8: int4 weights with 8-bit activations (gemm_q4.cpp); kKQuant: a K-quant weight's
+// segments (gemm_kquant.cpp), `packed` pointing at its KQuantWeight
+enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2, kInt4A8 = 3, kKQuant = 4 };
 
 struct PackedWeight {
   int32_t format;
@@ -24,6 +25,9 @@ inline void linear(const float* x, int64_t M, const PackedWeight& w, float* y,
   if (w.format == kFloat32) {
     llmserve_f32_linear(x, M, w.in_features, static_cast<const float*>(w.packed), nullptr,
                         w.out_features, y);
+  } else if (w.format == kKQuant) {
+    llmserve_kquant_linear(x, M, w.in_features, static_cast<const KQuantWeight*>(w.packed),
+                           nullptr, y, workspace);
   } else if (w.format == kInt4 || w.format == kInt4A8) {
     llmserve_q4_linear(x, M, w.in_features, static_cast<const uint8_t*>(w.packed), nullptr,
                        w.out_features, y, workspace, w.format == kInt4A8 ? 8 : 15);

@@ -129,6 +129,6 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: torch.dtype,
         return KV_CACHE_DTYPES[kv_cache_dtype]
     if quantization == "int8" and native_attention:
         return torch.int8
-    if quantization in ("int4", "int4-a8") and native_attention:
+    if quantization in ("int4", "int4-a8", "kquant") and native_attention:
         return torch.bfloat16
     return dtype

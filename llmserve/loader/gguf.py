@@ -19,6 +19,7 @@ from llmserve.config.model import ModelConfig, MoEConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.gguf_meta import GGUFTensor, open_gguf, read_metadata
 from llmserve.loader.gguf_dequant import DEQUANTIZERS
+from llmserve.quantization.kquant import KQUANT_TYPES, RawBlocks
 from llmserve.loader.weights import (
     LoadedWeights,
     WeightSlices,
@@ -46,9 +47,9 @@ ROUTER = "ffn_gate_inp.weight"
 SHARED_EXPERT_GATE = "ffn_gate_inp_shexp.weight"  # (hidden,) in GGUF, (1, hidden) in HF
 
 FLOAT_TYPES = frozenset({QT.F32, QT.F16, QT.BF16})
-# 4-bit types whose blocks are (or refine to) groups of 32 with a scale and an offset: the
-# int4 kernels run them as stored (Q4_1, Q4_K exactly up to fp16 group scales)
-FOUR_BIT_TYPES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q4_K})
+# 4-bit types whose blocks are groups of 32 with a scale and an offset: the int4 kernels
+# run them as stored (a Q4_0 or Q4_1 file; K-quant files run on their own kernels)
+FOUR_BIT_TYPES = frozenset({QT.Q4_0, QT.Q4_1})
 
 # llama.cpp's convert script permutes Q/K rows (interleaved -> half-split rotary) for these.
 ROTARY_PERMUTED_ARCHITECTURES = frozenset({"llama"})
@@ -135,6 +136,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     for name in (ROPE_FREQS_TENSOR, *ROPE_FACTORS):
         by_name.pop(name, None)
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, RawBlocks] = {}
     for name, tensor in by_name.items():
         if _is_experts(name):
             for canonical, weight in _experts_to_torch(name, tensor, config, slices):
@@ -143,16 +145,23 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         canonical = hf_name(name, arch)
         rows, cols = slices(config, canonical) if slices is not None else (None, None)
         weight = _to_torch(tensor, rows, cols)
+        raw = _raw_blocks(tensor, rows, cols)
         if arch in ROTARY_PERMUTED_ARCHITECTURES:
             weight = _unpermute_qk(name, weight, config)
+            if raw is not None and weight.dim() == 2:
+                raw = raw.take_rows(_unpermute_qk(name, torch.arange(raw.rows), config).numpy())
+        if raw is not None:
+            blocks[canonical] = raw
         if arch in NORM_SHIFTED_ARCHITECTURES and name.endswith("norm.weight"):
             weight = weight.float() - 1.0
         if name.endswith(SHARED_EXPERT_GATE):
             weight = weight.reshape(1, -1)
         tensors[canonical] = weight.to(dtype)
     drop_tied_head(config, tensors)
+    if config.tie_word_embeddings:
+        blocks.pop("lm_head.weight", None)
     return LoadedWeights(config=config, tensors=tensors, metadata=metadata,
-                         quantization=stored_quantization(by_name.values()))
+                         quantization=stored_quantization(by_name.values()), blocks=blocks)
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:
@@ -222,8 +231,9 @@ def _experts_to_torch(name: str, tensor: GGUFTensor, config: ModelConfig,
 
 def stored_quantization(tensors) -> str | None:
     """The kernels that keep a file's quantization: "int4" when every layer's linear
-    weight is a 4-bit type, "int8" for other quantized files (Q5, Q6, Q8 and mixes such
-    as Q4_K_M, whose Q6_K parts would lose bits at 4), None for float files."""
+    weight is a legacy 4-bit type (Q4_0, Q4_1), "kquant" when any is a K-quant type (Q4_K,
+    Q5_K, Q6_K: those run in their own blocks, the rest of the file at int8), "int8" for
+    other quantized files (Q5_0, Q8_0, ...), None for float files."""
     tensors = list(tensors)
     if all(t.tensor_type in FLOAT_TYPES for t in tensors):
         return None
@@ -232,6 +242,8 @@ def stored_quantization(tensors) -> str | None:
                and not t.name.endswith((ROUTER, SHARED_EXPERT_GATE))]
     if linears and all(t.tensor_type in FOUR_BIT_TYPES for t in linears):
         return "int4"
+    if any(t.tensor_type in KQUANT_TYPES for t in linears):
+        return "kquant"
     return "int8"
 
 
@@ -482,6 +494,27 @@ def _to_torch(tensor: GGUFTensor, rows: slice | None = None, cols: slice | None 
     if cols is not None:
         values = values[:, cols]
     return values.reshape(-1) if len(shape) == 1 else values
+
+
+def _raw_blocks(tensor: GGUFTensor, rows: slice | None, cols: slice | None
+                ) -> RawBlocks | None:
+    """A K-quant matrix's blocks as stored (the part `rows`, `cols` of it), for the K-quant
+    kernels; None for other types, or a column range off the 256-value blocks."""
+    if tensor.tensor_type not in KQUANT_TYPES or len(tensor.shape) != 2:
+        return None
+    width, num_rows = (int(d) for d in tensor.shape)
+    by_row = tensor.data.view(np.uint8).reshape(num_rows, -1)
+    if rows is not None:
+        by_row = by_row[rows]
+    if cols is not None:
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+        col_range = range(width)[cols]
+        if col_range.start % block_values or len(col_range) % block_values:
+            return None
+        first = col_range.start // block_values * block_bytes
+        by_row = by_row[:, first: first + len(col_range) // block_values * block_bytes]
+        width = len(col_range)
+    return RawBlocks(tensor.tensor_type, by_row, width)
 
 
 def _unpermute_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llmserve import cpu_info
@@ -30,6 +31,7 @@ logger = logging.getLogger(__name__)
 BATCHES = (1, 32)
 # candidates for a checkpoint stored as int4 / int8, its own format first (None: float32)
 CANDIDATES: dict[str, tuple[str | None, ...]] = {"int4": ("int4", "int4-a8", "int8", None),
+                                                 "kquant": ("kquant", "int8", None),
                                                  "int8": ("int8", None)}
 # int4 keeps its 15-bit activations where they leave it clearly faster than float32 at a
 # serving batch (at least this much). Where they do not, on CPUs without a one-instruction
@@ -145,7 +147,9 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
         head = i == len(shapes) - 1
         kernels = {}
         for candidate in candidates:
-            kind = "int8" if head and candidate is not None else candidate
+            kind = "int8" if head and candidate not in (None, "kquant") else candidate
+            if kind == "kquant" and k % 256:
+                kind = "int8"  # a file stores such a matrix in another type: the fallback
             if kind not in kernels:
                 kernels[kind] = _kernel(kind, w)
             for b in BATCHES:
@@ -161,6 +165,14 @@ def _kernel(quantization: str | None, w: torch.Tensor):
     from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
     from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
 
+    if quantization == "kquant":  # Q4_K blocks, the bulk of a K-quant file
+        from gguf import GGMLQuantizationType as QT
+
+        from llmserve.quantization.kquant import PackedKQuantWeight, kquant_linear, random_blocks
+
+        n, k = w.shape
+        packed = PackedKQuantWeight([random_blocks(QT.Q4_K, n, k, np.random.default_rng(0))])
+        return lambda x: kquant_linear(x, packed)
     if quantization in ("int4", "int4-a8"):
         packed = PackedInt4Weight(w, activation_bits=8 if quantization == "int4-a8" else 15)
         return lambda x: int4_linear(x, packed)

@@ -16,7 +16,9 @@ from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
 from llmserve.loader.kernel_choice import choose_quantization, choose_stream_prefetch
 from llmserve.loader.weights import WeightSlices
+from llmserve.layers.linear import Linear
 from llmserve.models.compile import compile_model
+from llmserve.models.llama import STACKED_PARAMS
 from llmserve.models.registry import model_class
 from llmserve.quantization import quantize_model
 from llmserve.quantization.packed_float import can_pack, pack_float_model
@@ -90,7 +92,8 @@ def load_model(
     if quantization == "auto":
         quantization = auto_quantization(weights.quantization, torch.device(device),
                                          weights.config)
-    quantize_model(model, quantization)
+    quantize_model(model, quantization, linear_blocks(model, weights.blocks))
+    weights.blocks.clear()  # views of the file: the packed copies are the model's
     if quantization is not None and device_is_cpu(device):
         if (prefetch := choose_stream_prefetch(model)) is not None:
             logger.info("%s", prefetch)
@@ -106,6 +109,30 @@ def load_model(
     classifier = None if weights.classifier is None else weights.classifier.to(device)
     return LoadedModel(model, tokenizer, weights.config, source, quantization, classifier,
                        weights.has_lm_head)
+
+
+def linear_blocks(model: nn.Module, blocks: dict) -> dict[str, list]:
+    """Each linear's file blocks in row order (a fused projection's parts as STACKED_PARAMS
+    stacks them), where the file holds every part as raw blocks (`LoadedWeights.blocks`);
+    "lm_head": the head's, or the tied embedding's."""
+    if not blocks:
+        return {}
+    parts_of: dict[str, list[str]] = {}
+    for part, (fused, _) in STACKED_PARAMS.items():  # in stacking order: q, k, v; gate, up
+        parts_of.setdefault(fused, []).append(part)
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        keys = [f"{prefix}.{part}.weight" if prefix else f"{part}.weight"
+                for part in parts_of.get(leaf, [leaf])]
+        if all(key in blocks for key in keys):
+            out[name] = [blocks[key] for key in keys]
+    head = blocks.get("lm_head.weight", blocks.get("model.embed_tokens.weight"))
+    if getattr(model, "lm_head", None) is None and head is not None:
+        out["lm_head"] = [head]
+    return out
 
 
 def device_is_cpu(device: str | torch.device) -> bool:

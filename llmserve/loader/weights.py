@@ -33,6 +33,8 @@ class LoadedWeights:
     # the kernels that keep the file's quantization ("int4" for GGUF Q4_*, "int8" for other
     # quantized files), None for float weights
     quantization: str | None = None
+    # K-quant matrices as stored (canonical name -> blocks), for the K-quant kernels
+    blocks: dict[str, Any] = field(default_factory=dict)
     # a sequence classifier's head (`score.weight`, (labels, hidden)), kept out of the model
     classifier: torch.Tensor | None = None
     # False: the checkpoint has no LM head (a bare decoder or a classifier; the config was

@@ -1,8 +1,8 @@
-"""The Llama decoder stack on int8, int4 or packed float32 weights as one native call
+"""The Llama decoder stack on int8, int4, K-quant or packed float32 weights as one native call
 (`kernels/llama_layers.cpp`).
 
-Used by `LlamaForCausalLM.forward` when every layer runs the int8, int4 (native layout) or
-packed float32 method without biases or q/k norms, on the CPU with the native attention
+Used by `LlamaForCausalLM.forward` when every layer runs the int8, int4 (native layout),
+K-quant or packed float32 method without biases or q/k norms, on the CPU with the native attention
 backend and an fp32 residual stream. The kernels and their order are the per-op path's, so
 both paths give identical bits; this one only skips the Python between kernels. The ctypes
 structures mirror the C++ ones field by field and are built once per model (weights) and
@@ -24,7 +24,7 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-_INT8, _INT4, _FLOAT32, _INT4_A8 = 0, 1, 2, 3  # the C++ `WeightFormat`
+_INT8, _INT4, _FLOAT32, _INT4_A8, _KQUANT = 0, 1, 2, 3, 4  # the C++ `WeightFormat`
 
 
 class NativeWeight(ctypes.Structure):
@@ -78,6 +78,7 @@ def packed_weight(linear: nn.Module) -> NativeWeight | None:
     bias, torch's own float weight, an unpadded int4 layout)."""
     from llmserve.quantization.int4 import Int4LinearMethod
     from llmserve.quantization.int8 import Int8LinearMethod
+    from llmserve.quantization.kquant import KQuantLinearMethod
     from llmserve.quantization.packed_float import PackedFloatLinearMethod
 
     if linear.bias is not None:
@@ -93,6 +94,9 @@ def packed_weight(linear: nn.Module) -> NativeWeight | None:
         w = method.weight
         return NativeWeight(_INT4 if w.activation_bits == 15 else _INT4_A8, ptr(w.packed), None,
                              None, w.out_features, w.in_features)
+    if isinstance(method, KQuantLinearMethod):  # `packed`: the segments' struct
+        w = method.weight
+        return NativeWeight(_KQUANT, w.address, None, None, w.out_features, w.in_features)
     if isinstance(method, PackedFloatLinearMethod):
         w = method.weight
         return NativeWeight(_FLOAT32, ptr(w.packed), None, None, w.out_features,

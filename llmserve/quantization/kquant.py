@@ -21,12 +21,14 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from llmserve.kernels import native, ptr
+from llmserve.layers.linear import Linear, LinearMethod, PackedHead
 
 SUPER = 256
 _N_ALIGN = 16
 # GGUF type -> the kernel's type id (kernels.h `KQuantType`)
 KQUANT_TYPES = {QT.Q4_K: 0, QT.Q5_K: 1, QT.Q6_K: 2}
 _MAX_SEGMENTS = 4
+GGUF_BLOCK_BYTES = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}  # per 256 values
 
 
 @dataclass
@@ -116,7 +118,11 @@ class PackedKQuantWeight:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {f"qweight_{i}": t for i, t in enumerate(self.segments)}
 
-    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+    @property
+    def k_pad(self) -> int:  # the native stack sizes its workspace by this
+        return self.in_features
+
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (T,) of the weight as floats (T, K): a tied embedding's lookup. Raises
         IndexError for an id outside the rows."""
         ids = ids.reshape(-1).to(torch.int64).contiguous()
@@ -139,6 +145,19 @@ class PackedKQuantWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() for t in self.segments)
+
+
+def random_blocks(qtype: QT, rows: int, columns: int, generator: np.random.Generator
+                  ) -> RawBlocks:
+    """Blocks of `qtype` with random codes, scales and mins and small fp16 super-block
+    scales (every byte pattern is a valid block): for timing the kernel on a shape."""
+    size = GGUF_BLOCK_BYTES[qtype]
+    data = generator.integers(0, 256, size=(rows, columns // SUPER, size), dtype=np.uint8)
+    scales = generator.uniform(1e-4, 1e-3, size=(rows, columns // SUPER, 2)).astype(np.float16)
+    at = (208,) if qtype == QT.Q6_K else (0, 2)  # d (and dmin) in each block
+    for i, offset in enumerate(at):
+        data[..., offset:offset + 2] = scales[..., i:i + 1].view(np.uint8)
+    return RawBlocks(qtype, data.reshape(rows, -1), columns)
 
 
 def _parts_in(parts: list[RawBlocks], start: int, rows: int) -> list[np.ndarray]:
@@ -167,3 +186,27 @@ def kquant_linear(x: torch.Tensor, w: PackedKQuantWeight, bias: torch.Tensor | N
 def workspace_bytes(rows: int, in_features: int) -> int:
     """The kernel's workspace for `rows` rows: int8 values, a scale per 256, sums per 16."""
     return rows * in_features + 4 * rows * (in_features // SUPER) + 4 * rows * (in_features // 16)
+
+
+class KQuantLinearMethod(LinearMethod):
+    """A linear on its file's K-quant blocks (`parts`: its row blocks in order); the float
+    weight loaded beside them is dropped."""
+
+    def __init__(self, parts: list[RawBlocks]) -> None:
+        self.parts = parts
+
+    def process_weights_after_loading(self, layer: Linear) -> None:
+        self.weight = PackedKQuantWeight(self.parts)
+        self.parts = []
+        for name, tensor in self.weight.tensors().items():
+            layer.register_buffer(name, tensor)
+        layer.weight = None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return kquant_linear(x, self.weight, layer.bias)
+
+
+def kquant_head(parts: list[RawBlocks]) -> PackedHead:
+    """The LM head (or tied embedding) on its K-quant blocks; the embedding reads its rows
+    from the same table (`embedding_rows`)."""
+    return PackedHead(PackedKQuantWeight(parts), kquant_linear)

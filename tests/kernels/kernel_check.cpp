@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
@@ -212,6 +213,57 @@ void check_q4_linear(Lcg& g, Blobs& out) {
       out.put(p + "with_bias", std::vector<int32_t>{with_bias}, {1});
       out.put(p + "y", y, {M, N});
     }
+}
+
+// One K-quant weight of three segments (Q4_K 16 rows, Q6_K 16, Q5_K 8: a fused projection
+// whose parts a file stores in different types) from random GGUF blocks (every byte pattern
+// is a block; fp16 d and dmin positive in [2^-8, 2^-4), one subnormal), its rows dequantized,
+// and the GEMM at every row count (bias where M != 1).
+void check_kquant(Lcg& g, Blobs& out) {
+  const int64_t K = 512, G = K / 256;
+  const int32_t types[] = {kQ4K, kQ6K, kQ5K};
+  const int64_t rows[] = {16, 16, 8}, block_bytes[] = {144, 210, 176};
+  const char* names[] = {"q4k", "q6k", "q5k"};
+  KQuantWeight w{3, {}, 40, K};
+  std::vector<std::vector<uint8_t>> packed(3);
+  std::vector<float> dequantized;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<uint8_t> blocks(rows[i] * G * block_bytes[i]);
+    for (auto& b : blocks) b = static_cast<uint8_t>(g.below(256));
+    for (int64_t blk = 0; blk < rows[i] * G; ++blk) {
+      uint8_t* p = blocks.data() + blk * block_bytes[i];
+      for (int half = 0; half < (types[i] == kQ6K ? 1 : 2); ++half) {
+        const int32_t exponent = 7 + g.below(4);
+        uint16_t h = static_cast<uint16_t>(exponent << 10 | g.below(1024));
+        if (blk == 1 && half == 0) h = 0x0123;
+        std::memcpy(p + (types[i] == kQ6K ? 208 : 2 * half), &h, 2);
+      }
+    }
+    packed[i].resize((rows[i] + 15) / 16 * G * llmserve_kquant_record_bytes(types[i]));
+    llmserve_pack_kquant(blocks.data(), types[i], rows[i], K, packed[i].data());
+    w.segments[i] = KQuantSegment{types[i], rows[i], packed[i].data()};
+    out.put(std::string("kquant.blocks_") + names[i], blocks, {rows[i], G * block_bytes[i]});
+    std::vector<int64_t> ids(rows[i]);
+    for (int64_t r = 0; r < rows[i]; ++r) ids[r] = rows[i] - 1 - r;  // every row, reversed
+    std::vector<float> rows_out(rows[i] * K);
+    llmserve_kquant_rows(packed[i].data(), types[i], rows[i], K, ids.data(), rows[i],
+                         rows_out.data());
+    out.put(std::string("kquant.rows_") + names[i], rows_out, {rows[i], K});
+  }
+  const auto bias = g.floats(40);
+  out.put("kquant.bias", bias, {40});
+  for (int64_t M : kRowCounts) {
+    const std::string p = "kquant_linear." + tag("M", M) + ".";
+    const bool with_bias = M != 1;
+    const auto x = activations(g, M, K);
+    std::vector<float> y(M * 40);
+    std::vector<uint8_t> workspace(M * K + 4 * M * G + 4 * M * K / 16);
+    llmserve_kquant_linear(x.data(), M, K, &w, with_bias ? bias.data() : nullptr, y.data(),
+                           workspace.data());
+    out.put(p + "x", x, {M, K});
+    out.put(p + "with_bias", std::vector<int32_t>{with_bias}, {1});
+    out.put(p + "y", y, {M, 40});
+  }
 }
 
 // plain (bias on M = 3, 5) and continuing from `init` (M = 3, 33)
@@ -420,6 +472,7 @@ int main(int argc, char** argv) {
   check_bitmask(g, out);
   for (int32_t dtype : {0, 1, 2})
     for (int64_t D : {64, 80, 48, 40}) check_attention(g, out, dtype, D);
+  check_kquant(g, out);
   std::printf("%s\n", llmserve_kernels_level());
   return 0;
 }

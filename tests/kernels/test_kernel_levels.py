@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "llmserve" / "kernels"
 CHECK_SOURCE = Path(__file__).with_name("kernel_check.cpp")
 KERNEL_SOURCES = [KERNELS / f"{name}.cpp"
-                  for name in ("kernels_api", "gemm_int8", "gemm_q4", "gemm_f32", "attention",
-                               "elementwise", "llama_layers", "lora", "moe")]
+                  for name in ("kernels_api", "gemm_int8", "gemm_q4", "gemm_kquant", "gemm_f32",
+                               "attention", "elementwise", "llama_layers", "lora", "moe")]
 CXXFLAGS = ["-O2", "-std=c++17", "-pthread", "-ffp-contract=off"]
 CROSS_CXX, QEMU, AARCH64_ROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-linux-gnu"
 HOST = platform.machine()
@@ -84,6 +84,7 @@ if BASELINE is None:
 # the outputs of kernels built on simd::fmadd (the others: rotary, int8 GEMM, argmax,
 # bitmask, KV-cache writes)
 FUSED_OUTPUTS = re.compile(r"(rms_norm|silu|f32_linear|f32_linear_from|q4_linear|q4_linear_a8|"
+                           r"kquant_linear|"
                            r"attention)\..*"
                            r"\.(out|y)")
 
@@ -428,6 +429,35 @@ def check_q4_linear(blobs) -> str:
             "of the quantization bound")
 
 
+def check_kquant(blobs) -> str:
+    """Rows dequantized as gguf-py dequantizes the file's blocks, bit for bit; the GEMM near
+    the product of those rows with the activations as quantized per 256 (int8, one scale
+    s = amax / 127: llama.cpp's Q8_K): integer sums exact, float rounding within 1e-5."""
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+
+    parts = []
+    for name, qtype in (("q4k", QT.Q4_K), ("q6k", QT.Q6_K), ("q5k", QT.Q5_K)):
+        raw = blobs[f"kquant.blocks_{name}"]
+        w = gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], -1)
+        np.testing.assert_array_equal(blobs[f"kquant.rows_{name}"], w[::-1])
+        parts.append(w)
+    w = np.concatenate(parts).astype(np.float64)  # (40, K)
+    worst = 0.0
+    for p in cases(blobs, r"(kquant_linear\.M\d+)\.y"):
+        x, y = blobs[f"{p}.x"], blobs[f"{p}.y"]
+        b = blobs["kquant.bias"] if blobs[f"{p}.with_bias"][0] else np.zeros(len(w), np.float32)
+        groups = x.reshape(len(x), -1, 256)
+        amax = np.abs(groups).max(2, keepdims=True)
+        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+        q = np.round(groups * inv)
+        xq = (q * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+        ref = xq @ w.T + b
+        bound = 1e-5 * (np.abs(xq) @ np.abs(w).T + np.abs(b)) + 1e-6
+        worst = max(worst, within(y, ref, bound))
+    return f"kquant rows exact, GEMM {worst:.2f} of 1e-5 rel"
+
+
 def check_f32_linear(blobs) -> str:
     w, bias = blobs["f32_linear.w"].astype(np.float64), blobs["f32_linear.bias"]
     worst = 0.0
@@ -554,4 +584,4 @@ def check_attention(blobs) -> str:
 REFERENCE_CHECKS = (check_rms_norm, check_rotary, check_silu, check_int8_linear,
                     check_q4_linear, check_f32_linear, check_quantize_q4, check_argmax,
                     check_bitmask,
-                    check_attention)
+                    check_attention, check_kquant)

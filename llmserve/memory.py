@@ -3,6 +3,7 @@
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,8 +103,9 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
     from llmserve.quantization.int4 import packed_int4_bytes
     from llmserve.quantization.int8 import packed_int8_bytes
 
+    # "kquant" at int8: a bound (kquant_weight_bytes counts a K-quant file's own records)
     packed = {"int8": packed_int8_bytes, "int4": packed_int4_bytes,
-              "int4-a8": packed_int4_bytes}[method]
+              "int4-a8": packed_int4_bytes, "kquant": packed_int8_bytes}[method]
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     layer = packed(q + 2 * kv, h) + packed(h, q) + 4 * 2 * h
@@ -129,6 +131,38 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
     embed = 0 if cfg.tie_word_embeddings else 4 * cfg.vocab_size * h
     rotary = 2 * 4 * cfg.max_position_embeddings * d
     return total + head + embed + 4 * h + rotary
+
+
+def kquant_weight_bytes(cfg: ModelConfig, types: dict[str, Any]) -> int:
+    """Bytes the K-quant path allocates for a GGUF file whose tensors have `types` (GGUF
+    name -> type): each linear whose parts are all K-quant packed in their own records
+    (`packed_kquant_bytes`), the others at int8 (`KQUANT_FALLBACK`), the tied head on the
+    embedding's blocks or int8; the rest as `quantized_weight_bytes`. A mixture's experts
+    and fused file tensors (Phi-3) are counted at int8."""
+    from llmserve.quantization.int8 import packed_int8_bytes
+    from llmserve.quantization.kquant import packed_kquant_bytes
+
+    def linear(parts: list[tuple[str, int]], columns: int) -> int:
+        kquant = packed_kquant_bytes([(types.get(name), rows) for name, rows in parts], columns)
+        return kquant if kquant is not None else packed_int8_bytes(
+            sum(rows for _, rows in parts), columns)
+
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    total = quantized_weight_bytes(cfg, "int8")
+    int8_total = total
+    for n in range(cfg.num_hidden_layers):
+        blk = f"blk.{n}."
+        total += linear([(blk + "attn_q.weight", q), (blk + "attn_k.weight", kv),
+                         (blk + "attn_v.weight", kv)], h) - packed_int8_bytes(q + 2 * kv, h)
+        total += linear([(blk + "attn_output.weight", h)], q) - packed_int8_bytes(h, q)
+        if not cfg.is_moe_layer(n):
+            total += linear([(blk + "ffn_gate.weight", i), (blk + "ffn_up.weight", i)], h) \
+                - packed_int8_bytes(2 * i, h)
+            total += linear([(blk + "ffn_down.weight", h)], i) - packed_int8_bytes(h, i)
+    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    total += linear([(head, cfg.vocab_size)], h) - packed_int8_bytes(cfg.vocab_size, h)
+    return total if total > 0 else int8_total
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ DTYPE_PEAK_KIND = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16:
 # with the largest measured peak, so its MFU stays a lower bound. (The int8 and int4 paths
 # multiply two int8 parts of every activation, by int8 or 4-bit codes, in int8 dot
 # products: their MFU in model FLOPs tops out near 50%.)
-QUANTIZATION_PEAK_KIND = {"int8": "int8", "int4": "int8", "int4-a8": "int8"}
+QUANTIZATION_PEAK_KIND = {"int8": "int8", "int4": "int8", "int4-a8": "int8", "kquant": "int8"}
 
 
 def peak_kind(quantization: str | None, dtype: torch.dtype) -> str | None:

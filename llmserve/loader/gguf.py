@@ -19,7 +19,6 @@ from llmserve.config.model import ModelConfig, MoEConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.gguf_meta import GGUFTensor, open_gguf, read_metadata
 from llmserve.loader.gguf_dequant import DEQUANTIZERS
-from llmserve.quantization.kquant import KQUANT_TYPES, RawBlocks
 from llmserve.loader.weights import (
     LoadedWeights,
     WeightSlices,
@@ -27,6 +26,7 @@ from llmserve.loader.weights import (
     drop_tied_head,
     require_path,
 )
+from llmserve.quantization.kquant import KQUANT_TYPES, RawBlocks
 
 # GGUF `general.architecture` -> Hugging Face `model_type` (a "llama" file with experts is
 # Mixtral's: `MIXTRAL`).

@@ -11,12 +11,12 @@ from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
 from llmserve.errors import UnsupportedModelError
 from llmserve.kernels import native
+from llmserve.layers.linear import Linear
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import load_gguf
 from llmserve.loader.hf import load_hf_folder
 from llmserve.loader.kernel_choice import choose_quantization, choose_stream_prefetch
 from llmserve.loader.weights import WeightSlices
-from llmserve.layers.linear import Linear
 from llmserve.models.compile import compile_model
 from llmserve.models.llama import STACKED_PARAMS
 from llmserve.models.registry import model_class
@@ -127,6 +127,8 @@ def linear_blocks(model: nn.Module, blocks: dict) -> dict[str, list]:
         prefix, _, leaf = name.rpartition(".")
         keys = [f"{prefix}.{part}.weight" if prefix else f"{part}.weight"
                 for part in parts_of.get(leaf, [leaf])]
+        if f"{name}.weight" in blocks:  # a file's own fused tensor (Phi-3's qkv, gate_up)
+            keys = [f"{name}.weight"]
         if all(key in blocks for key in keys):
             out[name] = [blocks[key] for key in keys]
     head = blocks.get("lm_head.weight", blocks.get("model.embed_tokens.weight"))

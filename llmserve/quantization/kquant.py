@@ -29,6 +29,10 @@ _N_ALIGN = 16
 KQUANT_TYPES = {QT.Q4_K: 0, QT.Q5_K: 1, QT.Q6_K: 2}
 _MAX_SEGMENTS = 4
 GGUF_BLOCK_BYTES = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}  # per 256 values
+# a packed record (16 channels x 256 k; gemm_kquant.cpp's `Layout`): codes, high bits,
+# sub-block scales and mins, fp16 d and dmin
+RECORD_BYTES = {QT.Q4_K: 2048 + 128 + 128 + 64, QT.Q5_K: 2048 + 512 + 128 + 128 + 64,
+                QT.Q6_K: 2048 + 1024 + 256 + 32}
 
 
 @dataclass
@@ -61,22 +65,31 @@ def can_pack(parts: list[RawBlocks]) -> bool:
     """Whether `parts` (a linear's row blocks, in order) run as one K-quant weight: every
     part a K-quant type over the same columns, at most four runs of one type, each run but
     the last a multiple of 16 rows (a record holds 16 channels)."""
-    if not parts or any(p.qtype not in KQUANT_TYPES for p in parts):
+    if not parts or len({p.columns for p in parts}) != 1:
         return False
-    if len({p.columns for p in parts}) != 1 or parts[0].columns % SUPER:
-        return False
+    return packed_kquant_bytes([(p.qtype, p.rows) for p in parts], parts[0].columns) is not None
+
+
+def packed_kquant_bytes(parts: list[tuple[QT | None, int]], columns: int) -> int | None:
+    """Bytes of a K-quant weight of `parts` ((type, rows) in order) over `columns`; None
+    where it cannot be one (`can_pack`)."""
+    if not parts or any(t not in KQUANT_TYPES for t, _ in parts) or columns % SUPER:
+        return None
     runs = _runs(parts)
-    return len(runs) <= _MAX_SEGMENTS and all(rows % _N_ALIGN == 0 for _, rows in runs[:-1])
+    if len(runs) > _MAX_SEGMENTS or any(rows % _N_ALIGN for _, rows in runs[:-1]):
+        return None
+    return sum(-(-rows // _N_ALIGN) * (columns // SUPER) * RECORD_BYTES[t] for t, rows in runs)
 
 
-def _runs(parts: list[RawBlocks]) -> list[tuple[QT, int]]:
-    """(type, rows) of consecutive parts of one type."""
+def _runs(parts: list) -> list[tuple[QT, int]]:
+    """(type, rows) of consecutive parts of one type (RawBlocks or (type, rows) pairs)."""
     runs: list[tuple[QT, int]] = []
     for p in parts:
-        if runs and runs[-1][0] == p.qtype:
-            runs[-1] = (p.qtype, runs[-1][1] + p.rows)
+        qtype, rows = (p.qtype, p.rows) if isinstance(p, RawBlocks) else p
+        if runs and runs[-1][0] == qtype:
+            runs[-1] = (qtype, runs[-1][1] + rows)
         else:
-            runs.append((p.qtype, p.rows))
+            runs.append((qtype, rows))
     return runs
 
 

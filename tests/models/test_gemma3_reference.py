@@ -182,10 +182,11 @@ def test_batching_chunking_and_prefix_cache_change_nothing(gemma_llm):
 
 @pytest.mark.slow
 def test_default_path_runs_the_checkpoint_quantized(gemma_gguf, gemma_llm):
-    """The default (int8 weights for a Q4_K_M mix) generates, batch-invariantly, and
-    follows the exact path on the first tokens of most chat prompts."""
+    """The default (a Q4_K_M mix: its Q4_K and Q6_K tensors on the K-quant kernels, its Q5_0
+    and Q8_0 ones at int8) generates, batch-invariantly, and follows the exact path on the
+    first tokens of most chat prompts."""
     fast = LLM(str(gemma_gguf), kv_cache_memory="128MiB")
-    assert fast.engine.loaded.quantization == "int8"
+    assert fast.engine.loaded.quantization == "kquant"
     tokenizer = fast.tokenizer
     prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(p, tokenize=True)}
                for p in PROMPTS]

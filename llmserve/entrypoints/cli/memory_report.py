@@ -19,6 +19,7 @@ from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.memory import (
     DTYPE_BYTES,
+    kquant_weight_bytes,
     kv_bytes_per_token,
     parameter_counts,
     parse_size,
@@ -74,9 +75,13 @@ def memory_report(
                   "int4": "int4 linears (groups of 32 with fp16 scales and offsets; an int8 "
                           "head",
                   "int4-a8": "int4-a8 linears (int4 groups of 32 with fp16 scales and "
-                             "offsets, 8-bit activations; an int8 head"}[method]
+                             "offsets, 8-bit activations; an int8 head",
+                  "kquant": "the file's K-quant blocks (Q4_K, Q5_K, Q6_K; other types "
+                            "at int8"}[method]
+        wbytes_q = (kquant_weight_bytes(cfg, _tensor_types(source)) if method == "kquant"
+                    else quantized_weight_bytes(cfg, method))
         weights_line = (f"{num_params:,} parameters as {layout}; fp32 norms and rotary "
-                        f"tables) = {format_bytes(quantized_weight_bytes(cfg, method))}")
+                        f"tables) = {format_bytes(wbytes_q)}")
     tokens = batch * seq_len
     fits = plan.num_tokens // seq_len
     lines = [
@@ -135,6 +140,13 @@ def _rank_lines(cfg: ModelConfig, size: int, weight_dtype: torch.dtype, method: 
 def _kv_entry(head_dim: int, elem: int, dtype: torch.dtype) -> str:
     entry = f"{head_dim} head_dim x {elem} bytes ({_name(dtype)})"
     return f"({entry} + a 4-byte scale)" if dtype == torch.int8 else entry
+
+
+def _tensor_types(source: ModelSource) -> dict:
+    """A GGUF file's tensor types by name (its header only)."""
+    from llmserve.gguf_meta import open_gguf
+
+    return {t.name: t.tensor_type for t in open_gguf(source.path).tensors}
 
 
 def _weight_method(source: ModelSource, dtype: str, quantization: str | None,

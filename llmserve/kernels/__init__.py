@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
-_ABI = 23
+_ABI = 24
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 
@@ -63,6 +63,7 @@ _SIGNATURES = {
     "llmserve_set_num_threads": [_I32, _I64],
     "llmserve_set_stream_prefetch": [_I32],
     "llmserve_rms_norm": [_P, _I64, _I64, _P, _F32, _P],
+    "llmserve_rms_norm_heads": [_P, _I64, _I64, _I64, _I64, _P, _F32],
     "llmserve_rotary_inplace": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],
     "llmserve_silu_and_mul": [_P, _I64, _I64, _P],
     "llmserve_llama_layers": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P],

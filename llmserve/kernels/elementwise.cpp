@@ -9,6 +9,27 @@ using namespace llmserve;
 using simd::F16;
 using simd::I16;
 
+namespace {
+
+// One row of RMSNorm (`out` may be `row`: each value is read before its own is written).
+void rms_norm_row(const float* row, int64_t C, const float* weight, float eps, float* o) {
+  F16 acc = simd::zero();
+  int64_t c = 0;
+  for (; c + 16 <= C; c += 16) {
+    const F16 v = simd::load(row + c);
+    acc = simd::fmadd(v, v, acc);
+  }
+  float sum = simd::sum_tree(acc);
+  for (; c < C; ++c) sum = std::fma(row[c], row[c], sum);
+  const float r = 1.f / std::sqrt(sum / static_cast<float>(C) + eps);
+  const F16 rv = simd::set1(r);
+  for (c = 0; c + 16 <= C; c += 16)
+    simd::store(o + c, simd::load(weight + c) * (simd::load(row + c) * rv));
+  for (; c < C; ++c) o[c] = weight[c] * (row[c] * r);
+}
+
+}  // namespace
+
 extern "C" {
 
 // out (T, C) = weight * x * rsqrt(mean(x^2) + eps), row by row (fp32, as HF Llama's RMSNorm).
@@ -17,22 +38,19 @@ extern "C" {
 void llmserve_rms_norm(const float* x, int64_t T, int64_t C, const float* weight, float eps,
                        float* out) {
   parallel_for(0, T, 8, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const float* row = x + t * C;
-      F16 acc = simd::zero();
-      int64_t c = 0;
-      for (; c + 16 <= C; c += 16) {
-        const F16 v = simd::load(row + c);
-        acc = simd::fmadd(v, v, acc);
-      }
-      float sum = simd::sum_tree(acc);
-      for (; c < C; ++c) sum = std::fma(row[c], row[c], sum);
-      const float r = 1.f / std::sqrt(sum / static_cast<float>(C) + eps);
-      float* o = out + t * C;
-      const F16 rv = simd::set1(r);
-      for (c = 0; c + 16 <= C; c += 16)
-        simd::store(o + c, simd::load(weight + c) * (simd::load(row + c) * rv));
-      for (; c < C; ++c) o[c] = weight[c] * (row[c] * r);
+    for (int64_t t = b; t < e; ++t) rms_norm_row(x + t * C, C, weight, eps, out + t * C);
+  });
+}
+
+// Per-head RMSNorm (Qwen3's q and k norms) in place on `num_heads` heads of D values at the
+// start of each row of qkv (T rows, `row_stride` apart): each head as one row of
+// llmserve_rms_norm, so the same bits.
+void llmserve_rms_norm_heads(float* qkv, int64_t T, int64_t row_stride, int64_t num_heads,
+                             int64_t D, const float* weight, float eps) {
+  parallel_for(0, T * num_heads, 8, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      float* head = qkv + (i / num_heads) * row_stride + (i % num_heads) * D;
+      rms_norm_row(head, D, weight, eps, head);
     }
   });
 }

@@ -13,6 +13,8 @@ void llmserve_set_num_threads(int32_t num_threads, int64_t spin_us);
 void llmserve_set_stream_prefetch(int32_t nontemporal);
 void llmserve_rms_norm(const float* x, int64_t T, int64_t C, const float* weight, float eps,
                        float* out);
+void llmserve_rms_norm_heads(float* qkv, int64_t T, int64_t row_stride, int64_t num_heads,
+                             int64_t D, const float* weight, float eps);
 void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t num_heads,
                              int64_t D, const int64_t* positions, const float* cos_table,
                              const float* sin_table);

@@ -1,4 +1,5 @@
-// The Llama decoder stack on int8, int4 or packed float32 weights in one native call: per layer RMSNorm, fused qkv,
+// The Llama decoder stack on int8, int4, K-quant or packed float32 weights in one native
+// call: per layer RMSNorm, fused qkv (with its bias: Qwen2), q and k head norms (Qwen3),
 // rotary, KV-cache write, paged attention, o, residual, RMSNorm, gate/up, SiLU*up, down,
 // residual. It calls the very kernels the per-op path calls, in the same order, so both
 // give the same bits; it only removes the Python and dispatch between them (~0.3 ms per
@@ -12,6 +13,8 @@ struct LlamaLayer {
   const float* input_norm;
   const float* post_attention_norm;
   PackedWeight qkv, o, gate_up, down;
+  const float* q_norm;  // per-head RMSNorm weights of q and k (Qwen3); nullptr: none
+  const float* k_norm;
   void* key_cache;
   void* value_cache;
   float* key_scales;
@@ -88,6 +91,10 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
     llmserve_rms_norm(x, T, C, L.input_norm, s.eps, h);
     linear(h, T, L.qkv, qkv, qscratch);
     lora(lora_step, i, 0, h, T, C, qkv, qkv_width);
+    if (L.q_norm != nullptr) {
+      llmserve_rms_norm_heads(qkv, T, qkv_width, H, D, L.q_norm, s.eps);
+      llmserve_rms_norm_heads(qkv + H * D, T, qkv_width, Hkv, D, L.k_norm, s.eps);
+    }
     llmserve_rotary_inplace(qkv, T, qkv_width, H + Hkv, D, step->positions, step->cos_table,
                             step->sin_table);
     llmserve_kv_cache_write(qkv + H * D, qkv + (H + Hkv) * D, qkv_width, T, Hkv, D,

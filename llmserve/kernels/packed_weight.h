@@ -18,22 +18,23 @@ struct PackedWeight {
   const int32_t* row_sums;   // int8 only
   const float* scale;        // int8 only
   int64_t out_features, in_features;  // int4: in_features a multiple of 32
+  const float* bias;                  // nullptr: none (Qwen2's q, k and v have one)
 };
 
 inline void linear(const float* x, int64_t M, const PackedWeight& w, float* y,
                    uint8_t* workspace) {
   if (w.format == kFloat32) {
-    llmserve_f32_linear(x, M, w.in_features, static_cast<const float*>(w.packed), nullptr,
+    llmserve_f32_linear(x, M, w.in_features, static_cast<const float*>(w.packed), w.bias,
                         w.out_features, y);
   } else if (w.format == kKQuant) {
     llmserve_kquant_linear(x, M, w.in_features, static_cast<const KQuantWeight*>(w.packed),
-                           nullptr, y, workspace);
+                           w.bias, y, workspace);
   } else if (w.format == kInt4 || w.format == kInt4A8) {
-    llmserve_q4_linear(x, M, w.in_features, static_cast<const uint8_t*>(w.packed), nullptr,
+    llmserve_q4_linear(x, M, w.in_features, static_cast<const uint8_t*>(w.packed), w.bias,
                        w.out_features, y, workspace, w.format == kInt4A8 ? 8 : 15);
   } else {
     llmserve_int8_linear(x, M, w.in_features, static_cast<const int8_t*>(w.packed), w.row_sums,
-                         w.scale, nullptr, w.out_features, y, workspace);
+                         w.scale, w.bias, w.out_features, y, workspace);
   }
 }
 

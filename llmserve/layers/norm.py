@@ -23,6 +23,21 @@ class RMSNorm(nn.Module):
             lib.llmserve_rms_norm(ptr(x), x.shape[0], x.shape[1], ptr(self.weight), self.eps,
                                   ptr(out))
             return out
+        return self._torch_forward(x)
+
+    def heads_(self, qkv: torch.Tensor, first: int, num_heads: int, head_dim: int) -> bool:
+        """Normalise heads [first, first + num_heads) of fused qkv rows (T, C) in place, each
+        head as a row (Qwen3's q and k norms), with the native kernel (the decoder stack's:
+        the same bits); False (nothing done) where it cannot run."""
+        lib = None if torch.compiler.is_compiling() else native_for(qkv, self.weight)
+        if lib is None or qkv.dim() != 2:
+            return False
+        lib.llmserve_rms_norm_heads(qkv.data_ptr() + 4 * first * head_dim, qkv.shape[0],
+                                    qkv.shape[1], num_heads, head_dim, ptr(self.weight),
+                                    self.eps)
+        return True
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -75,14 +75,18 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)  # (T, q_size + 2 * kv_size)
         if self.across_heads:
             qkv = self._norm_and_clip_across_heads(qkv)
-        # rotated in place when it can be (no q/k norm between projection and rotation)
-        rotated = self.q_norm is None and rope.rotate_qkv_(
+        # per-head q/k norms and rotation in place where the native kernels run (the
+        # decoder stack's kernels, in its order)
+        normed = self.q_norm is None or self.across_heads or (
+            self.q_norm.heads_(qkv, 0, self.num_heads, self.head_dim)
+            and self.k_norm.heads_(qkv, self.num_heads, self.num_kv_heads, self.head_dim))
+        rotated = normed and rope.rotate_qkv_(
             qkv, self.num_heads + self.num_kv_heads, self.head_dim)
         # split after the view: a view of the contiguous qkv rows has strides that need no
         # case on T == 1 (which would make torch.compile specialize the graph on it)
         heads = qkv.view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None and not self.across_heads:
+        if not normed:
             q, k = self.q_norm(q), self.k_norm(k)
         if not rotated:
             q, k = apply_rotary(q, k, rope)

@@ -1,8 +1,9 @@
 """The Llama decoder stack on int8, int4, K-quant or packed float32 weights as one native call
-(`kernels/llama_layers.cpp`).
+(`kernels/llama_layers.cpp`): Llama, Mistral, Qwen2/2.5 (qkv biases), Qwen3 (per-head q/k
+norms).
 
 Used by `LlamaForCausalLM.forward` when every layer runs the int8, int4 (native layout),
-K-quant or packed float32 method without biases or q/k norms, on the CPU with the native attention
+K-quant or packed float32 method, on the CPU with the native attention
 backend and an fp32 residual stream. The kernels and their order are the per-op path's, so
 both paths give identical bits; this one only skips the Python between kernels. The ctypes
 structures mirror the C++ ones field by field and are built once per model (weights) and
@@ -29,13 +30,14 @@ _INT8, _INT4, _FLOAT32, _INT4_A8, _KQUANT = 0, 1, 2, 3, 4  # the C++ `WeightForm
 
 class NativeWeight(ctypes.Structure):
     _fields_ = [("format", ctypes.c_int32), ("packed", _P), ("row_sums", _P), ("scale", _P),
-                ("out_features", _I64), ("in_features", _I64)]
+                ("out_features", _I64), ("in_features", _I64), ("bias", _P)]
 
 
 class _LlamaLayer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_attention_norm", _P),
                 ("qkv", NativeWeight), ("o", NativeWeight), ("gate_up", NativeWeight),
-                ("down", NativeWeight), ("key_cache", _P), ("value_cache", _P),
+                ("down", NativeWeight), ("q_norm", _P), ("k_norm", _P),
+                ("key_cache", _P), ("value_cache", _P),
                 ("key_scales", _P), ("value_scales", _P), ("window", _I64)]
 
 
@@ -74,15 +76,23 @@ def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
 
 
 def packed_weight(linear: nn.Module) -> NativeWeight | None:
-    """`linear`'s weight as the native layer kernels read it; None where they cannot (a
-    bias, torch's own float weight, an unpadded int4 layout)."""
+    """`linear`'s weight (and bias) as the native layer kernels read them; None where they
+    cannot (torch's own float weight, an unpadded int4 layout, a bias not fp32)."""
+    weight = _packed_weight(linear)
+    bias = linear.bias
+    if weight is None or (bias is not None and (bias.dtype != torch.float32
+                                                or not bias.is_contiguous())):
+        return None
+    weight.bias = ptr(bias)
+    return weight
+
+
+def _packed_weight(linear: nn.Module) -> NativeWeight | None:
     from llmserve.quantization.int4 import Int4LinearMethod
     from llmserve.quantization.int8 import Int8LinearMethod
     from llmserve.quantization.kquant import KQuantLinearMethod
     from llmserve.quantization.packed_float import PackedFloatLinearMethod
 
-    if linear.bias is not None:
-        return None
     method = getattr(linear.method, "base", linear.method)  # under a LoRA wrapper: its own
     # the stack calls the native GEMMs, which read packed weights
     if isinstance(method, Int8LinearMethod) and method.weight.layout == "vnni":
@@ -127,8 +137,9 @@ class NativeLlamaLayers:
         """For a model the fused call can run exactly; None otherwise."""
         lib = native()
         cfg = model.config
-        if (lib is None or cfg.qk_norm or cfg.attn_logit_softcapping
-                or cfg.hidden_act != "silu" or cfg.moe is not None):
+        if (lib is None or cfg.qk_norm_across_heads or cfg.clip_qkv is not None
+                or cfg.attn_logit_softcapping or cfg.hidden_act != "silu"
+                or cfg.moe is not None):
             return None
         if next(model.parameters()).device.type != "cpu":
             return None
@@ -147,9 +158,12 @@ class NativeLlamaLayers:
             for i, (layer, (qkv, o, gate_up, down)) in enumerate(
                     zip(layers, self.weights, strict=True)):
                 cache = kv_cache.layer(i)
+                attn = layer.self_attn
+                q_norm, k_norm = (None, None) if attn.q_norm is None else (
+                    ptr(attn.q_norm.weight), ptr(attn.k_norm.weight))
                 array[i] = _LlamaLayer(
                     ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
-                    qkv, o, gate_up, down, ptr(cache.key), ptr(cache.value),
+                    qkv, o, gate_up, down, q_norm, k_norm, ptr(cache.key), ptr(cache.value),
                     ptr(cache.key_scales), ptr(cache.value_scales), self.model.config.window(i))
             self._layers, self._cache_ref = array, weakref.ref(kv_cache)
         return self._layers

@@ -177,3 +177,31 @@ def test_logits_match_reference_on_tiny_hf_folders(tmp_path, kind):
     diff = (ours - ref).abs().max().item()
     print(f"{kind}: max |logit diff| vs transformers = {diff:.2e}")
     assert diff <= LOGIT_TOLERANCE, f"{kind}: max |logit diff| {diff:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_qwen_families_run_on_the_native_stack(tmp_path, kind, quantization):
+    """Qwen2's qkv biases and Qwen3's per-head q/k norms run inside the one-call native
+    stack: the same logits as the per-op path, bit for bit (float32: the reference's too)."""
+    from llmserve.loader.model_loader import load_model
+    from tests.tiny_models import save_byte_tokenizer
+
+    reference = _tiny_folder(tmp_path, kind)
+    save_byte_tokenizer(tmp_path)
+    model = load_model(str(tmp_path), quantization=quantization).model
+    assert model.native_layers is not None
+    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    stacked = full_logits(model, ids)
+    stack, model.native_layers = model.native_layers, None
+    try:
+        per_op = full_logits(model, ids)
+    finally:
+        model.native_layers = stack
+    assert torch.equal(stacked, per_op)
+    if quantization is None:
+        with torch.inference_mode():
+            ref = reference(torch.tensor([ids])).logits[0]
+        diff = (stacked - ref).abs().max().item()
+        print(f"{kind} on the native stack: max |logit diff| vs transformers = {diff:.2e}")
+        assert diff <= LOGIT_TOLERANCE

@@ -38,12 +38,48 @@ class Candidate:
     name: str
     run_as: str  # what the engine calls this candidate ("int4", "float32", "" if never)
     make: Callable[[torch.Tensor], Callable[[torch.Tensor], Any]]  # weight -> x -> y
+    # bytes a (out, in) weight occupies in this format (what a decode streams); None: not
+    # reported
+    weight_bytes: Callable[[int, int], int] | None = None
+    integer: bool = False  # int8 dot products: reported against the level's peak
+
+
+READ_BYTES = 1 << 30  # the read-bandwidth probe: a sum over 1 GiB (far past any cache)
+
+
+def measure_read_bandwidth() -> float:
+    """Bytes per second that a pass summing 1 GiB of floats reads (the compute threads),
+    the best of 3: what a decode streaming its weights once can reach."""
+    data = torch.ones(READ_BYTES // 4)
+    data.sum()
+    return READ_BYTES / best_seconds(lambda: data.sum(), 0.0, max_calls=1, repeats=3)
+
+
+def measure_int8_peak() -> float | None:
+    """Integer operations per second of the level's int8 dot product (simd.h's dot4 on
+    registers, every compute thread; kernels/peak.cpp); None without the native kernels."""
+    import ctypes
+
+    lib = native()
+    if lib is None:
+        return None
+    sink = ctypes.c_int32()
+    iterations = 1 << 20
+    lib.llmserve_int8_dot_peak(iterations // 16, ctypes.byref(sink))  # warm the pool
+    ops = lib.llmserve_int8_dot_peak(iterations, ctypes.byref(sink))
+    seconds = best_seconds(lambda: lib.llmserve_int8_dot_peak(iterations, ctypes.byref(sink)),
+                           0.0, max_calls=1, repeats=3)
+    return ops / seconds
 
 
 def candidates() -> list[Candidate]:
-    from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
-    from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
-    from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
+    from llmserve.quantization.int4 import PackedInt4Weight, int4_linear, packed_int4_bytes
+    from llmserve.quantization.int8 import PackedInt8Weight, int8_linear, packed_int8_bytes
+    from llmserve.quantization.packed_float import (
+        PackedFloatWeight,
+        float_linear,
+        packed_float_bytes,
+    )
 
     out = []
     if native() is not None:
@@ -63,10 +99,12 @@ def candidates() -> list[Candidate]:
             packed = PackedFloatWeight(w)
             return lambda x: float_linear(x, packed)
 
-        out += [Candidate("llmserve int4 (W4A15)", "int4", native_int4),
-                Candidate("llmserve int4-a8 (W4A8)", "int4-a8", native_int4_a8),
-                Candidate("llmserve int8 (W8A15)", "int8", native_int8),
-                Candidate("llmserve float32", "float32", native_f32)]
+        out += [*kquant_candidates(),
+                Candidate("llmserve int4 (W4A15)", "int4", native_int4, packed_int4_bytes, True),
+                Candidate("llmserve int4-a8 (W4A8)", "int4-a8", native_int4_a8,
+                          packed_int4_bytes, True),
+                Candidate("llmserve int8 (W8A15)", "int8", native_int8, packed_int8_bytes, True),
+                Candidate("llmserve float32", "float32", native_f32, packed_float_bytes)]
     out += [Candidate("torch F.linear float32", "" if native() else "float32",
                       lambda w: lambda x: F.linear(x, w)),
             Candidate("torch F.linear bfloat16", "", _torch_bf16),
@@ -75,6 +113,35 @@ def candidates() -> list[Candidate]:
     if {"avx512_vnni", "avx_vnni", "amx_int8"} & set(cpu_flags()):
         out.append(Candidate("torch _int_mm (oneDNN)", "", _torch_int_mm))
     return out
+
+
+def kquant_candidates() -> list[Candidate]:
+    """The K-quant kernel on random blocks of each type (a K-quant file's Q4_K bulk is what
+    the engine calls "kquant"; its Q5_K and Q6_K tensors run on the same kernel)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QT
+
+    from llmserve.quantization.kquant import (
+        PackedKQuantWeight,
+        kquant_linear,
+        packed_kquant_bytes,
+        random_blocks,
+    )
+
+    def make(qtype):
+        def build(w):
+            n, k = w.shape
+            if k % 256:
+                raise RuntimeError(f"{k} columns: not whole 256-value blocks")
+            packed = PackedKQuantWeight([random_blocks(qtype, n, k, np.random.default_rng(0))])
+            return lambda x: kquant_linear(x, packed)
+        return build
+
+    def size(qtype):
+        return lambda n, k: packed_kquant_bytes([(qtype, n)], k) or 0
+
+    return [Candidate(f"llmserve kquant {t.name}", "kquant" if t == QT.Q4_K else "", make(t),
+                      size(t), True) for t in (QT.Q4_K, QT.Q5_K, QT.Q6_K)]
 
 
 def _torch_bf16(w: torch.Tensor):
@@ -126,16 +193,25 @@ def time_step(candidate: Candidate, shapes, batch: int) -> float | str:
     return total * 1e3
 
 
-def run_kernels(config: ModelConfig, batches: tuple[int, ...]) -> dict[str, Any]:
+def run_kernels(config: ModelConfig, batches: tuple[int, ...], stored: str | None = "int4"
+                ) -> dict[str, Any]:
+    """Every candidate timed on `config`'s shapes at each batch; `stored`: the format the
+    model's file keeps ("int4", "kquant", "int8"; as `gguf_stored_quantization`), for which
+    one the engine runs by default."""
     from llmserve.bench.machine import machine_info
     from llmserve.loader.model_loader import auto_quantization
 
     shapes = linear_shapes(config)
+    bandwidth, peak = measure_read_bandwidth(), measure_int8_peak()
     rows = []
     for candidate in candidates():
         times = {b: time_step(candidate, shapes, b) for b in batches}
-        rows.append({"kernel": candidate.name, "run_as": candidate.run_as, "ms": times})
-    default = auto_quantization("int4", torch.device("cpu"), config) or "float32"
+        step_bytes = None
+        if candidate.weight_bytes is not None:
+            step_bytes = sum(candidate.weight_bytes(n, k) * count for n, k, count in shapes)
+        rows.append({"kernel": candidate.name, "run_as": candidate.run_as, "ms": times,
+                     "bytes": step_bytes, "integer": candidate.integer})
+    default = auto_quantization(stored, torch.device("cpu"), config) or "float32"
     lib = native()
     attention = None
     if lib is not None:  # the default path's bfloat16 cache, and the exact path's float32
@@ -145,7 +221,37 @@ def run_kernels(config: ModelConfig, batches: tuple[int, ...]) -> dict[str, Any]
             for ms in [time_attention(config, dtype)]}
     return {"machine": machine_info(), "level": level_of(lib) if lib else None,
             "batches": list(batches), "shapes": shapes, "rows": rows,
+            "read_bandwidth_bytes_per_s": bandwidth, "int8_peak_ops_per_s": peak,
             "default": default, "attention": attention}
+
+
+def roofline_lines(result: dict[str, Any]) -> list[str]:
+    """Each kernel against the machine: at batch 1 the bytes its step streams a second
+    against the read bandwidth (MBU); at the largest batch its integer operations a second
+    against the level's int8 dot-product peak (2 M N K per step; float kernels: none)."""
+    bandwidth, peak = result["read_bandwidth_bytes_per_s"], result["int8_peak_ops_per_s"]
+    big = max(result["batches"])
+    ops = 2 * big * sum(n * k * count for n, k, count in result["shapes"])
+    lines = [f"read bandwidth {bandwidth / 1e9:.1f} GB/s (a sum over 1 GiB, "
+             f"{result['machine']['num_threads']} threads); int8 dot-product peak "
+             + (f"{peak / 1e9:.0f} G int ops/s (level {result['level']})" if peak else "n/a"),
+             f"{'kernel':38s}{'MB a step':>12s}{'GB/s at 1':>12s}{'MBU':>8s}"
+             f"{'Gop/s at ' + str(big):>16s}{'of peak':>9s}"]
+    for row in result["rows"]:
+        if row["bytes"] is None:
+            continue
+        one, many = row["ms"].get(1), row["ms"].get(big)
+        cells = f"{row['kernel']:38s}{row['bytes'] / 1e6:12.1f}"
+        if isinstance(one, float):
+            rate = row["bytes"] / (one / 1e3)
+            cells += f"{rate / 1e9:12.1f}{100 * rate / bandwidth:7.0f}%"
+        else:
+            cells += f"{'':12s}{'':8s}"
+        if row["integer"] and peak and isinstance(many, float):
+            rate = ops / (many / 1e3)
+            cells += f"{rate / 1e9:16.0f}{100 * rate / peak:8.0f}%"
+        lines.append(cells)
+    return lines
 
 
 def format_kernels(result: dict[str, Any]) -> str:
@@ -179,6 +285,8 @@ def format_kernels(result: dict[str, Any]) -> str:
             lines.append(f"batch {b}: default {d:.2f} ms vs float32 {f:.2f} ms "
                          f"({f / d:.2f}x): {verdict}")
     lines.append("* the fastest at that batch size")
+    if result.get("read_bandwidth_bytes_per_s"):
+        lines += roofline_lines(result)
     if result.get("attention"):
         lines.append(f"attention, ms over the layers: prefill of {ATTENTION_PREFILL[0]} "
                      f"prompts x {ATTENTION_PREFILL[1]} tokens, decode of {ATTENTION_DECODE[0]} "

@@ -76,6 +76,7 @@ _SIGNATURES = {
     "llmserve_quantize_q4": [_P, _I64, _I64, _P, _P, _P],
     "llmserve_pack_q4_weight": [_P, _P, _P, _I64, _I64, _P],
     "llmserve_q4_linear": [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I32],
+    "llmserve_int8_dot_peak": [_I64, _P],
     "llmserve_kquant_record_bytes": [_I32],
     "llmserve_pack_kquant": [_P, _I32, _I64, _I64, _P],
     "llmserve_kquant_rows": [_P, _I32, _I64, _I64, _P, _I64, _P],
@@ -93,6 +94,7 @@ _SIGNATURES = {
 }
 _RESTYPES = {"llmserve_kernels_abi": _I32, "llmserve_int8_embedding": _I32,
              "llmserve_kquant_record_bytes": _I64, "llmserve_kquant_rows": _I32,
+             "llmserve_int8_dot_peak": _I64,
              "llmserve_kernels_level": ctypes.c_char_p}
 
 

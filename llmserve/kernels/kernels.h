@@ -84,6 +84,7 @@ int32_t llmserve_kquant_rows(const uint8_t* packed, int32_t type, int64_t N, int
                              const int64_t* ids, int64_t T, float* out);
 void llmserve_kquant_linear(const float* x, int64_t M, int64_t K, const KQuantWeight* w,
                             const float* bias, float* y, uint8_t* workspace);
+int64_t llmserve_int8_dot_peak(int64_t iterations, int32_t* sink);
 int32_t llmserve_int8_embedding(const int8_t* packed, int64_t N, int64_t Kp, const int64_t* ids,
                                 int64_t T, int64_t K, const float* scale, float* out);
 }

@@ -9,12 +9,20 @@ def test_bench_kernels_times_every_candidate(tmp_path, monkeypatch, kernel_level
     result = run_kernels(TINY, (1, 4))
     assert result["level"].split("+")[0] == kernel_level
     names = [row["kernel"] for row in result["rows"]]
-    assert names[:5] == ["llmserve int4 (W4A15)", "llmserve int4-a8 (W4A8)",
+    assert names[:8] == ["llmserve kquant Q4_K", "llmserve kquant Q5_K", "llmserve kquant Q6_K",
+                         "llmserve int4 (W4A15)", "llmserve int4-a8 (W4A8)",
                          "llmserve int8 (W8A15)", "llmserve float32", "torch F.linear float32"]
-    for row in result["rows"][:5]:  # ours and torch's float32 run everywhere
+    for row in result["rows"][3:8]:  # ours and torch's float32 run everywhere
         assert all(isinstance(row["ms"][b], float) and row["ms"][b] > 0 for b in (1, 4))
+    for row in result["rows"][:3]:  # K-quant blocks where the columns are whole blocks
+        whole = all(k % 256 == 0 for _, k, _ in result["shapes"])
+        assert all(isinstance(row["ms"][b], float) == whole for b in (1, 4))
+    assert result["read_bandwidth_bytes_per_s"] > 1e8 and result["int8_peak_ops_per_s"] > 1e8
     table = format_kernels(result)
     assert f"kernel level: {result['level']}" in table
     assert f"engine: default = {result['default']}" in table
     assert "llmserve float32" in table and "--dtype float32" in table
     assert table.count("batch 1: default") == 1 and "batch 4: default" in table
+    assert "read bandwidth" in table and "int8 dot-product peak" in table
+    int4 = next(line for line in table.splitlines()[-20:] if line.startswith("llmserve int4 "))
+    assert "%" in int4  # its MBU at batch 1 and share of the peak at batch 4

@@ -74,7 +74,13 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
 
     if min(args.batch) < 1:
         raise ValueError("--batch takes positive integers, e.g. 1,32")
-    result = run_kernels(read_model_config(resolve_model(args.model)), tuple(args.batch))
+    source = resolve_model(args.model)
+    stored = "int4"  # a float or HF checkpoint: what its quantized paths would run
+    if source.kind == "gguf":
+        from llmserve.loader.gguf import gguf_stored_quantization
+
+        stored = gguf_stored_quantization(source.path) or "int4"
+    result = run_kernels(read_model_config(source), tuple(args.batch), stored)
     print(format_kernels(result))
     if args.output_json:
         write_json(args.output_json, result)

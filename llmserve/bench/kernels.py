@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from llmserve.bench.latency import measure_int8_peak
 from llmserve.config.model import ModelConfig
 from llmserve.kernels import cpu_flags, level_of, native
 from llmserve.loader.kernel_choice import (
@@ -53,23 +54,6 @@ def measure_read_bandwidth() -> float:
     data = torch.ones(READ_BYTES // 4)
     data.sum()
     return READ_BYTES / best_seconds(lambda: data.sum(), 0.0, max_calls=1, repeats=3)
-
-
-def measure_int8_peak() -> float | None:
-    """Integer operations per second of the level's int8 dot product (simd.h's dot4 on
-    registers, every compute thread; kernels/peak.cpp); None without the native kernels."""
-    import ctypes
-
-    lib = native()
-    if lib is None:
-        return None
-    sink = ctypes.c_int32()
-    iterations = 1 << 20
-    lib.llmserve_int8_dot_peak(iterations // 16, ctypes.byref(sink))  # warm the pool
-    ops = lib.llmserve_int8_dot_peak(iterations, ctypes.byref(sink))
-    seconds = best_seconds(lambda: lib.llmserve_int8_dot_peak(iterations, ctypes.byref(sink)),
-                           0.0, max_calls=1, repeats=3)
-    return ops / seconds
 
 
 def candidates() -> list[Candidate]:

@@ -159,6 +159,10 @@ def measure_gemm(kind: str, device: torch.device | str = "cpu") -> float:
         a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
         b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
         seconds = _best_time(lambda: (torch._int_mm(a, b), sync()))
+        # on the CPU, the level's own dot product where that is faster (without VNNI or AMX
+        # `_int_mm` is a reference loop: no yardstick for the native int8 and int4 paths)
+        peak = measure_int8_peak() if device.type == "cpu" else None
+        return max(2 * n**3 / seconds, peak or 0.0)
     else:
         a = torch.randn(n, n, device=device).to(GEMM_DTYPES[kind])
         b = torch.randn(n, n, device=device).to(GEMM_DTYPES[kind])
@@ -166,6 +170,23 @@ def measure_gemm(kind: str, device: torch.device | str = "cpu") -> float:
         if kind == "fp32" and device.type == "cpu":  # the exact path's own GEMM, if faster
             seconds = min(seconds, _native_fp32_seconds(a, b))
     return 2 * n**3 / seconds
+
+
+def measure_int8_peak() -> float | None:
+    """Integer operations per second of the level's int8 dot product (simd.h's dot4 on
+    registers, every compute thread; kernels/peak.cpp); None without the native kernels."""
+    import ctypes
+
+    from llmserve.kernels import native
+
+    lib = native()
+    if lib is None:
+        return None
+    sink = ctypes.c_int32()
+    iterations = 1 << 20
+    lib.llmserve_int8_dot_peak(iterations // 16, ctypes.byref(sink))  # warm the pool
+    ops = lib.llmserve_int8_dot_peak(iterations, ctypes.byref(sink))
+    return ops / _best_time(lambda: lib.llmserve_int8_dot_peak(iterations, ctypes.byref(sink)))
 
 
 def _native_fp32_seconds(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -216,7 +216,9 @@ def roofline_lines(result: dict[str, Any]) -> list[str]:
     bandwidth, peak = result["read_bandwidth_bytes_per_s"], result["int8_peak_ops_per_s"]
     big = max(result["batches"])
     ops = 2 * big * sum(n * k * count for n, k, count in result["shapes"])
-    lines = [f"read bandwidth {bandwidth / 1e9:.1f} GB/s (a sum over 1 GiB, "
+    lines = ["(each shape's weight is re-read: where it fits the caches, GB/s and MBU at batch "
+             "1 are above what a decode streaming every layer's weights reaches)",
+             f"read bandwidth {bandwidth / 1e9:.1f} GB/s (a sum over 1 GiB, "
              f"{result['machine']['num_threads']} threads); int8 dot-product peak "
              + (f"{peak / 1e9:.0f} G int ops/s (level {result['level']})" if peak else "n/a"),
              f"{'kernel':38s}{'MB a step':>12s}{'GB/s at 1':>12s}{'MBU':>8s}"

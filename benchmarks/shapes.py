@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/gguf_writer.py
 CACHE = Path.home() / ".cache/llmserve/bench-shapes"
 LLAMA_BIN = Path.home() / ".cache/llmserve-anchors/bin"
 WRITTEN_TYPES = ("F16", "Q8_0", "Q4_0")  # written here; any other goes through llama-quantize
@@ -219,6 +220,8 @@ def write_metadata(writer: Any, shape: Shape, name: str, qtype: str) -> None:
     """The keys convert_hf_to_gguf.py writes for these architectures, and the tokenizer."""
     import gguf
 
+    from tests.gguf_writer import add_metadata
+
     writer.add_type("model")
     writer.add_name(f"{name} (random weights)")
     writer.add_block_count(shape.num_layers)
@@ -236,7 +239,7 @@ def write_metadata(writer: Any, shape: Shape, name: str, qtype: str) -> None:
     writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype}"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value in padded_tokenizer(shape.vocab_size).items():
-        _add_metadata(writer, key, value)
+        add_metadata(writer, key, value)
 
 
 def padded_tokenizer(vocab_size: int) -> dict[str, Any]:
@@ -256,19 +259,6 @@ def padded_tokenizer(vocab_size: int) -> dict[str, Any]:
     if "tokenizer.ggml.scores" in tokenizer:
         tokenizer["tokenizer.ggml.scores"] = tokenizer["tokenizer.ggml.scores"] + [0.0] * len(pad)
     return tokenizer
-
-
-def _add_metadata(writer: Any, key: str, value: Any) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, list):
-        writer.add_array(key, value)
-    else:
-        raise TypeError(f"GGUF metadata {key}: {type(value).__name__}")
 
 
 def llama3_rope_freqs(shape: Shape) -> np.ndarray:

@@ -62,7 +62,7 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: QT = QT.F32,
         writer = _TypedWriter(writer, types)
     _write_hparams(writer, arch, config)
     for key, value in (metadata or {}).items():
-        _add_metadata(writer, key, value)
+        add_metadata(writer, key, value)
     state = {_canonical(name): t.detach().float() for name, t in model.state_dict().items()}
     if arch == "gemma2":  # llama.cpp stores Gemma's norms as 1 + weight
         state = {name: t + 1 if name.endswith("norm.weight") else t for name, t in state.items()}
@@ -254,7 +254,7 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
             writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
-def _add_metadata(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+def add_metadata(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
     if isinstance(value, bool):
         writer.add_bool(key, value)
     elif isinstance(value, int):

@@ -62,6 +62,24 @@ inline void for_tiles(const Tile& tile, int64_t M, int64_t nb, int64_t ne, int64
   }
 }
 
+// y for M rows over N channels with a tile family: `stream` (one block per tile, so a
+// thread's weights are one linear stream, prefetched across blocks) for a decode of fewer
+// than 4 rows, else `tile` in kRows x kWide tiles and row blocks of `row_block` rows.
+template <int kRows, int kWide, typename StreamTile, typename Tile>
+inline void run_gemm(const StreamTile& stream, const Tile& tile, int64_t M, int64_t N,
+                     int64_t row_block) {
+  const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
+  if (M < 4) {
+    parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
+      for (int64_t b = nb; b < ne; ++b) run_rest<1>(stream, 0, M, b);
+    });
+    return;
+  }
+  parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
+    for_tiles<kRows, kWide>(tile, M, nb, ne, row_block);
+  });
+}
+
 // Stores MT rows x NB blocks of 16 outputs (+ bias), dropping channels past N.
 template <int MT, int NB>
 inline void store_tile(const F16 (&acc)[MT][NB], int64_t m0, int64_t nb0, int64_t N,

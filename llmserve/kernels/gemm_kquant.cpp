@@ -204,20 +204,11 @@ struct KQTiles {
 template <int kType>
 void kq_gemm(const int8_t* q, const float* xscale, const int32_t* sums16, int64_t M,
              int64_t K, const uint8_t* w, const float* bias, int64_t N, float* y) {
-  const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
-  if (M < 4) {  // decode: one block per tile, so a thread reads one linear stream
-    const KQTiles<kType, true> tile{q, xscale, sums16, K, w, N, bias, y};
-    parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
-      for (int64_t b = nb; b < ne; ++b) run_rest<1>(tile, 0, M, b);
-    });
-    return;
-  }
   // rows in blocks whose int8 rows stay in L2 while a thread's weight records stream past
   const int64_t row_block = std::max<int64_t>(kQ4Rows, (256 * 1024 / K) / kQ4Rows * kQ4Rows);
-  const KQTiles<kType, false> tile{q, xscale, sums16, K, w, N, bias, y};
-  parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
-    for_tiles<kQ4Rows, kQ4Wide>(tile, M, nb, ne, row_block);
-  });
+  run_gemm<kQ4Rows, kQ4Wide>(KQTiles<kType, true>{q, xscale, sums16, K, w, N, bias, y},
+                             KQTiles<kType, false>{q, xscale, sums16, K, w, N, bias, y}, M, N,
+                             row_block);
 }
 
 inline uint16_t read_u16(const uint8_t* p) {

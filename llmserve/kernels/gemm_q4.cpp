@@ -250,21 +250,12 @@ void llmserve_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* w,
       quantize_row_groups(x + m * K, K, a + m * 2 * K, a + m * 2 * K + K, unit + m * G,
                           sums + m * G, fine);
   });
-  const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
   // rows in blocks whose int8 parts stay in L2 while a thread's weight records stream past
   const int64_t row_block =
       std::max<int64_t>(kQ4Rows, (256 * 1024 / (2 * K)) / kQ4Rows * kQ4Rows);
-  if (M < 4) {  // decode: one block per tile, so a thread reads one linear stream
-    const Q4Tiles<true> tile{a, unit, sums, K, w, N, bias, y, fine};
-    parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
-      for (int64_t b = nb; b < ne; ++b) run_rest<1>(tile, 0, M, b);
-    });
-    return;
-  }
-  const Q4Tiles<false> tile{a, unit, sums, K, w, N, bias, y, fine};
-  parallel_for(0, n_blocks, 2, [&](int64_t nb, int64_t ne) {
-    for_tiles<kQ4Rows, kQ4Wide>(tile, M, nb, ne, row_block);
-  });
+  run_gemm<kQ4Rows, kQ4Wide>(Q4Tiles<true>{a, unit, sums, K, w, N, bias, y, fine},
+                             Q4Tiles<false>{a, unit, sums, K, w, N, bias, y, fine}, M, N,
+                             row_block);
 }
 
 }  // extern "C"

@@ -477,23 +477,32 @@ def _to_torch(tensor: GGUFTensor, rows: slice | None = None, cols: slice | None 
         raw = np.array(data).view(np.uint8)  # copy out of the read-only memmap
         return DEQUANTIZERS[tensor.tensor_type](torch.from_numpy(raw)).reshape(shape)
     num_rows = shape[0] if len(shape) > 1 else 1
-    width = shape[-1]
-    by_row = data.view(np.uint8).reshape(num_rows, -1)  # (rows, bytes per row)
     if len(shape) == 1:  # a vector: its one dimension is the "rows" of the slice
         rows, cols = None, rows
-    picked = by_row[rows if rows is not None else slice(None)]
-    block_values, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-    col_range = range(width)[cols if cols is not None else slice(None)]
-    aligned = col_range.start % block_values == 0 and len(col_range) % block_values == 0
-    if cols is not None and aligned:  # read only the column blocks
-        first = col_range.start // block_values * block_bytes
-        picked = picked[:, first : first + len(col_range) // block_values * block_bytes]
-        cols, width = None, len(col_range)
+    picked, width, cols = _block_rows(tensor, num_rows, shape[-1], rows, cols)
     raw = torch.from_numpy(np.array(picked).reshape(-1))  # a copy: the memmap is read-only
     values = DEQUANTIZERS[tensor.tensor_type](raw).reshape(len(picked), width)
     if cols is not None:
         values = values[:, cols]
     return values.reshape(-1) if len(shape) == 1 else values
+
+
+def _block_rows(tensor: GGUFTensor, num_rows: int, width: int, rows: slice | None,
+                cols: slice | None) -> tuple[np.ndarray, int, slice | None]:
+    """The stored bytes (rows, bytes per row) of `rows` and, where `cols` lies on block
+    boundaries, of those columns alone: (bytes, their width in values, the column slice
+    still to take from the dequantized values, or None)."""
+    by_row = tensor.data.view(np.uint8).reshape(num_rows, -1)
+    picked = by_row[rows if rows is not None else slice(None)]
+    if cols is None:
+        return picked, width, None
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+    col_range = range(width)[cols]
+    if col_range.start % block_values or len(col_range) % block_values:
+        return picked, width, cols
+    first = col_range.start // block_values * block_bytes
+    picked = picked[:, first: first + len(col_range) // block_values * block_bytes]
+    return picked, len(col_range), None
 
 
 def _raw_blocks(tensor: GGUFTensor, rows: slice | None, cols: slice | None
@@ -503,18 +512,8 @@ def _raw_blocks(tensor: GGUFTensor, rows: slice | None, cols: slice | None
     if tensor.tensor_type not in KQUANT_TYPES or len(tensor.shape) != 2:
         return None
     width, num_rows = (int(d) for d in tensor.shape)
-    by_row = tensor.data.view(np.uint8).reshape(num_rows, -1)
-    if rows is not None:
-        by_row = by_row[rows]
-    if cols is not None:
-        block_values, block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
-        col_range = range(width)[cols]
-        if col_range.start % block_values or len(col_range) % block_values:
-            return None
-        first = col_range.start // block_values * block_bytes
-        by_row = by_row[:, first: first + len(col_range) // block_values * block_bytes]
-        width = len(col_range)
-    return RawBlocks(tensor.tensor_type, by_row, width)
+    picked, width, cols_left = _block_rows(tensor, num_rows, width, rows, cols)
+    return None if cols_left is not None else RawBlocks(tensor.tensor_type, picked, width)
 
 
 def _unpermute_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:

@@ -75,22 +75,29 @@ def packed_kquant_bytes(parts: list[tuple[QT | None, int]], columns: int) -> int
     where it cannot be one (`can_pack`)."""
     if not parts or any(t not in KQUANT_TYPES for t, _ in parts) or columns % SUPER:
         return None
-    runs = _runs(parts)
+    runs = [(_type(run[0]), sum(_rows(p) for p in run)) for run in _runs(parts)]
     if len(runs) > _MAX_SEGMENTS or any(rows % _N_ALIGN for _, rows in runs[:-1]):
         return None
     return sum(-(-rows // _N_ALIGN) * (columns // SUPER) * RECORD_BYTES[t] for t, rows in runs)
 
 
-def _runs(parts: list) -> list[tuple[QT, int]]:
-    """(type, rows) of consecutive parts of one type (RawBlocks or (type, rows) pairs)."""
-    runs: list[tuple[QT, int]] = []
+def _runs(parts: list) -> list[list]:
+    """Consecutive parts of one type, grouped (RawBlocks or (type, rows) pairs)."""
+    runs: list[list] = []
     for p in parts:
-        qtype, rows = (p.qtype, p.rows) if isinstance(p, RawBlocks) else p
-        if runs and runs[-1][0] == qtype:
-            runs[-1] = (qtype, runs[-1][1] + rows)
+        if runs and _type(runs[-1][0]) == _type(p):
+            runs[-1].append(p)
         else:
-            runs.append((qtype, rows))
+            runs.append([p])
     return runs
+
+
+def _type(part) -> QT | None:
+    return part.qtype if isinstance(part, RawBlocks) else part[0]
+
+
+def _rows(part) -> int:
+    return part.rows if isinstance(part, RawBlocks) else part[1]
 
 
 class PackedKQuantWeight:
@@ -105,19 +112,16 @@ class PackedKQuantWeight:
         self.types: list[QT] = []
         self.rows: list[int] = []
         self.segments: list[torch.Tensor] = []
-        start = 0
-        for qtype, rows in _runs(parts):
-            blocks = np.concatenate([p.data for p in _parts_in(parts, start, rows)])
-            blocks = torch.from_numpy(np.ascontiguousarray(blocks))
-            record = lib.llmserve_kquant_record_bytes(KQUANT_TYPES[qtype])
-            packed = torch.empty(-(-rows // _N_ALIGN), self.in_features // SUPER, record,
-                                 dtype=torch.uint8)
+        for run in _runs(parts):
+            qtype, rows = run[0].qtype, sum(p.rows for p in run)
+            blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate([p.data for p in run])))
+            packed = torch.empty(-(-rows // _N_ALIGN), self.in_features // SUPER,
+                                 RECORD_BYTES[qtype], dtype=torch.uint8)
             lib.llmserve_pack_kquant(ptr(blocks), KQUANT_TYPES[qtype], rows,
                                      self.in_features, ptr(packed))
             self.types.append(qtype)
             self.rows.append(rows)
             self.segments.append(packed)
-            start += rows
         self.struct = _Weight(len(self.segments))
         self.struct.out_features, self.struct.in_features = self.out_features, self.in_features
         for i, (qtype, rows, packed) in enumerate(
@@ -171,16 +175,6 @@ def random_blocks(qtype: QT, rows: int, columns: int, generator: np.random.Gener
     for i, offset in enumerate(at):
         data[..., offset:offset + 2] = scales[..., i:i + 1].view(np.uint8)
     return RawBlocks(qtype, data.reshape(rows, -1), columns)
-
-
-def _parts_in(parts: list[RawBlocks], start: int, rows: int) -> list[np.ndarray]:
-    """The parts covering rows [start, start + rows) (whole parts: runs end at parts)."""
-    out, offset = [], 0
-    for p in parts:
-        if start <= offset < start + rows:
-            out.append(p)
-        offset += p.rows
-    return out
 
 
 def kquant_linear(x: torch.Tensor, w: PackedKQuantWeight, bias: torch.Tensor | None = None

@@ -46,6 +46,15 @@ def full_logits(model, token_ids: list[int]) -> torch.Tensor:
         return model.compute_logits(hidden)
 
 
+def per_op_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """`full_logits` with the one-call native stack set aside: the per-op path's."""
+    stack, model.native_layers = model.native_layers, None
+    try:
+        return full_logits(model, token_ids)
+    finally:
+        model.native_layers = stack
+
+
 def test_logits_match_reference_on_default_model(smollm2_llm, reference_model):
     tokenizer = smollm2_llm.tokenizer
     ids = tokenizer.apply_chat_template(CHAT, tokenize=True)[:64]
@@ -193,12 +202,7 @@ def test_qwen_families_run_on_the_native_stack(tmp_path, kind, quantization):
     assert model.native_layers is not None
     ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     stacked = full_logits(model, ids)
-    stack, model.native_layers = model.native_layers, None
-    try:
-        per_op = full_logits(model, ids)
-    finally:
-        model.native_layers = stack
-    assert torch.equal(stacked, per_op)
+    assert torch.equal(stacked, per_op_logits(model, ids))
     if quantization is None:
         with torch.inference_mode():
             ref = reference(torch.tensor([ids])).logits[0]

@@ -56,6 +56,9 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("qtype", TYPES)
 def test_rows_are_the_files_values(qtype):
+    from llmserve.quantization.kquant import KQUANT_TYPES, RECORD_BYTES
+
+    assert RECORD_BYTES[qtype] == native().llmserve_kquant_record_bytes(KQUANT_TYPES[qtype])
     parts = [random_blocks(qtype, 37, 768, np.random.default_rng(1))]
     weight = PackedKQuantWeight(parts)
     ids = torch.tensor([36, 0, 17, 16, 15])
@@ -154,7 +157,7 @@ def test_file_runs_on_its_own_blocks(kquant_gguf, kquant_models):
 
 
 def test_follows_the_float_path_and_the_stack_equals_per_op(kquant_models):
-    from tests.models.test_llama_reference import full_logits
+    from tests.models.test_llama_reference import full_logits, per_op_logits
 
     fast, exact = kquant_models
     ids = list(range(100, 164))
@@ -166,13 +169,7 @@ def test_follows_the_float_path_and_the_stack_equals_per_op(kquant_models):
     print(f"K-quant vs float32 on the same file: max |logit diff| {diff:.3f} of max "
           f"|logit| {scale:.2f}; top-1 agrees at {agree:.0%} of 64 positions")
     assert diff <= 0.05 * scale and agree >= 0.9
-    model = fast.model
-    stack, model.native_layers = model.native_layers, None
-    try:
-        per_op = full_logits(model, ids)
-    finally:
-        model.native_layers = stack
-    assert torch.equal(ours, per_op)
+    assert torch.equal(ours, per_op_logits(fast.model, ids))
 
 
 def test_generation_is_batch_invariant(kquant_models):

@@ -1,33 +1,46 @@
-// The K-quant GEMM (GGUF Q4_K, Q5_K, Q6_K blocks, as llama.cpp's k-quants write them) on
-// packed weights, written once on simd.h's 16-lane values and built at every level.
+// The GEMM on a GGUF file's own blocks: the K-quants (Q4_K, Q5_K, Q6_K, as llama.cpp's
+// k-quants write them) and the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) on packed
+// weights, written once on simd.h's 16-lane values and built at every level.
 //
 // A K-quant row is cut into super-blocks of 256 k, each into sub-blocks (8 of 32 k for Q4_K
 // and Q5_K, 16 of 16 k for Q6_K) with an integer scale sc and (Q4_K, Q5_K) an integer
 // min m per sub-block, and fp16 d and dmin per super-block:
 //   Q4_K, Q5_K:  w = d * sc * u - dmin * m       codes u in [0, 15] / [0, 31], sc, m in [0, 63]
 //   Q6_K:        w = d * sc * (u - 32)           codes u in [0, 63], sc in [-128, 127]
-// (Q6_K is the second form with m = sc and dmin = 32 d.) Activations are quantized per row
-// and super-block to int8 with one scale s (llama.cpp's Q8_K): x ~ q * s, with the sums of
-// q over each 16 k. Then per row, channel and super-block, with exact integer sums:
-//   A = sum over sub-blocks of sc * (u . q),   B = sum over sub-blocks of m * (sum of q)
-//   y += (d * s) * A  -  (dmin * s) * B
-// The float epilogue runs over the super-blocks in order whatever the batch, so a row's
-// result does not depend on the other rows (nor on the level: integer sums are exact).
+// (Q6_K is the second form with m = sc and dmin = 32 d.) A legacy row is cut into blocks
+// of 32 k, each with an fp16 scale d and (Q4_1, Q5_1) an fp16 min m:
+//   Q4_0, Q5_0:  w = d * (u - o)                 u in [0, 15] / [0, 31], o = 8 / 16
+//   Q4_1, Q5_1:  w = d * u + m
+//   Q8_0:        w = d * (u - 128)               u = the file's int8 value + 128
+// Activations are quantized per row and super-block of 256 k to int8 with one scale s
+// (llama.cpp's Q8_K): x ~ q * s, with the sums of q over each 16 k. Then per row and
+// channel, with exact integer sums:
+//   K-quants, per super-block:  A = sum over sub-blocks of sc * (u . q),
+//                               B = sum over sub-blocks of m * (sum of q),
+//                               y += (d * s) * A  -  (dmin * s) * B
+//   legacy, per block of 32:    y += (d * s) * (u . q - o * (sum of q))  [+ m * s * (sum of q)]
+// The float epilogue runs over the blocks in order whatever the batch, so a row's result
+// does not depend on the other rows (nor on the level: integer sums are exact).
 //
-// Packed weights: for each block of 16 channels, one record per super-block, the file's own
-// bits re-laid for 16-channel dot products (a decode reads 4.6 / 5.6 / 6.6 bits a weight):
+// Packed weights: for each block of 16 channels, one record per 256 k, the file's own bits
+// re-laid for 16-channel dot products (a decode reads 4.6 / 5.6 / 6.6 bits a weight for
+// the K-quants, as many as the file for the legacy types: 4.5 / 5 / 5.5 / 6 / 8.5):
 //   codes   32 chunks of 64 bytes: chunk j, lane c, byte b holds the low 4 bits of
-//           k = 8j + b (low nibble) and k = 8j + 4 + b (high nibble), as gemm_q4.cpp's
-//   high    Q5_K: 8 x 64 bytes, vector s (sub-block s = chunks 4s .. 4s + 3): bits 2p and
-//           2p + 1 of byte (c, b) are bit 4 of chunk 4s + p's low and high code;
+//           k = 8j + b (low nibble) and k = 8j + 4 + b (high nibble), as gemm_q4.cpp's;
+//           Q8_0: 64 chunks of 64 bytes, chunk j, lane c, byte b holds u of k = 4j + b
+//           (its nibbles are two 4-bit codes: u . q = 16 (hi . q) + lo . q)
+//   high    Q5_K, Q5_0, Q5_1: 8 x 64 bytes, vector s (sub-block s = chunks 4s .. 4s + 3):
+//           bits 2p and 2p + 1 of byte (c, b) are bit 4 of chunk 4s + p's low and high code;
 //           Q6_K: 16 x 64 bytes, vector s (chunks 2s, 2s + 1): bits 0-1, 2-3 are bits 4-5
 //           of chunk 2s's low and high code, bits 4-5, 6-7 those of chunk 2s + 1
-//   scales  one byte per (sub-block, channel): sc (int8)
-//   mins    Q4_K, Q5_K: one byte per (sub-block, channel): m
-//   d       16 fp16, then dmin: 16 fp16 (Q4_K, Q5_K)
+//   K-quants: scales  one byte per (sub-block, channel): sc (int8)
+//             mins    Q4_K, Q5_K: one byte per (sub-block, channel): m
+//             d       16 fp16, then dmin: 16 fp16 (Q4_K, Q5_K)
+//   legacy:   d       8 x 16 fp16: block s's d per channel, then m likewise (Q4_1, Q5_1)
 
 #include "gemm.h"
 
+#include <type_traits>
 #include <vector>
 
 using namespace llmserve;
@@ -37,39 +50,61 @@ namespace {
 
 
 constexpr int64_t kSuper = 256;
-constexpr int64_t kCodeBytes = 2048;
 
 template <int kType>
 struct Layout {
+  static constexpr bool kLegacy = kType >= kQ4_0;
+  static constexpr bool kFive = kType == kQ5K || kType == kQ5_0 || kType == kQ5_1;
+  static constexpr bool kLegacyMin = kType == kQ4_1 || kType == kQ5_1;
   static constexpr int kSubK = kType == kQ6K ? 16 : 32;
   static constexpr int kSubs = kSuper / kSubK;
-  static constexpr int kHighBytes = kType == kQ4K ? 0 : kType == kQ5K ? 512 : 1024;
+  static constexpr int kCodeBytes = kType == kQ8_0 ? 4096 : 2048;
+  static constexpr int kHighBytes = kFive ? 512 : kType == kQ6K ? 1024 : 0;
+  // K-quants: sub-block scales, mins, fp16 d (and dmin)
   static constexpr int kScales = kCodeBytes + kHighBytes;
   static constexpr int kMins = kScales + kSubs * 16;
   static constexpr int kHalves = kMins + (kType == kQ6K ? 0 : kSubs * 16);
-  static constexpr int kRecord = kHalves + (kType == kQ6K ? 32 : 64);
+  // legacy: fp16 d per block and channel, then m
+  static constexpr int kD = kCodeBytes + kHighBytes;
+  static constexpr int kM = kD + kSubs * 32;
+  static constexpr int kRecord = kLegacy ? kM + (kLegacyMin ? kSubs * 32 : 0)
+                                         : kHalves + (kType == kQ6K ? 32 : 64);
+  static constexpr int kOffset = kType == kQ4_0 ? 8 : kType == kQ5_0 ? 16 : kType == kQ8_0 ? 128 : 0;
   // dot4 steps (4 k each) whose int16 pair sums stay below 2^15 before widening:
-  // 2 * (2^bits - 1) * 127 per step (maddubs' pairs)
-  static constexpr int kStepsPerWiden = kType == kQ4K ? 8 : kType == kQ5K ? 4 : 2;
+  // 2 * (2^bits - 1) * 127 per step (maddubs' pairs; Q8_0 runs its nibbles apart)
+  static constexpr int kStepsPerWiden = kType == kQ6K ? 2 : kFive ? 4 : 8;
 };
 
-int64_t record_bytes(int32_t type) {
+// f(std::integral_constant<int, type>{}) for a runtime type id
+template <typename F>
+inline auto with_type(int32_t type, F&& f) {
   switch (type) {
-    case kQ4K: return Layout<kQ4K>::kRecord;
-    case kQ5K: return Layout<kQ5K>::kRecord;
-    default: return Layout<kQ6K>::kRecord;
+    case kQ4K: return f(std::integral_constant<int, kQ4K>{});
+    case kQ5K: return f(std::integral_constant<int, kQ5K>{});
+    case kQ6K: return f(std::integral_constant<int, kQ6K>{});
+    case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
+    case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
+    case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return f(std::integral_constant<int, kQ5_1>{});
+    default: return f(std::integral_constant<int, kQ8_0>{});
   }
 }
 
-// The codes of chunk j (k = 8j .. 8j + 7) of one super-block record: `lo` holds k = 8j + b,
-// `hi` k = 8j + 4 + b, for lane c at bytes 4c + b.
+int64_t record_bytes(int32_t type) {
+  return with_type(type, [](auto t) -> int64_t { return Layout<decltype(t)::value>::kRecord; });
+}
+
+constexpr int64_t kNibbleBytes = 2048;  // the 4-bit codes of a record
+
+// The codes of chunk j (k = 8j .. 8j + 7) of one super-block record of a 4-, 5- or 6-bit
+// type: `lo` holds k = 8j + b, `hi` k = 8j + 4 + b, for lane c at bytes 4c + b.
 template <int kType>
 inline void chunk_codes(const uint8_t* rec, int j, simd::B64& lo, simd::B64& hi) {
   const simd::B64 v = simd::load_bytes(rec + 64 * j);
   lo = simd::low_nibbles(v);
   hi = simd::high_nibbles(v);
-  if constexpr (kType == kQ5K) {
-    const simd::B64 h = simd::load_bytes(rec + kCodeBytes + 64 * (j / 4));
+  if constexpr (Layout<kType>::kFive) {
+    const simd::B64 h = simd::load_bytes(rec + kNibbleBytes + 64 * (j / 4));
     switch (j % 4) {  // bit 2p (low code) and 2p + 1 (high code) -> bit 4
       case 0: lo = lo | simd::shifted_bits<4>(h, 0x10); hi = hi | simd::shifted_bits<3>(h, 0x10); break;
       case 1: lo = lo | simd::shifted_bits<2>(h, 0x10); hi = hi | simd::shifted_bits<1>(h, 0x10); break;
@@ -77,7 +112,7 @@ inline void chunk_codes(const uint8_t* rec, int j, simd::B64& lo, simd::B64& hi)
       default: lo = lo | simd::shifted_bits<-2>(h, 0x10); hi = hi | simd::shifted_bits<-3>(h, 0x10); break;
     }
   } else if constexpr (kType == kQ6K) {
-    const simd::B64 h = simd::load_bytes(rec + kCodeBytes + 64 * (j / 2));
+    const simd::B64 h = simd::load_bytes(rec + kNibbleBytes + 64 * (j / 2));
     if (j % 2 == 0) {  // bits 0-1, 2-3 -> bits 4-5
       lo = lo | simd::shifted_bits<4>(h, 0x30);
       hi = hi | simd::shifted_bits<2>(h, 0x30);
@@ -185,6 +220,100 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
   store_tile<MT, NB>(acc, m0, nb0, N, bias, y);
 }
 
+// MT rows x NB blocks of 16 channels of y = W . x [+ bias] for a legacy type: per block of
+// 32 k an exact integer sum, scaled by the block's d (and its m times the sum of q).
+template <int kType, int MT, int NB, bool kStream>
+inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
+                        int64_t m0, int64_t K, const uint8_t* w, int64_t nb0, int64_t N,
+                        const float* bias, float* y) {
+  using L = Layout<kType>;
+  const int64_t G = K / kSuper, block_bytes = G * L::kRecord;
+  constexpr int kLines = (L::kRecord + 63) / 64;
+  // 64-byte chunks of codes per block of 32 k: 8 of 4 k (Q8_0), else 4 of 8 k
+  constexpr int kChunks = L::kCodeBytes / 64 / L::kSubs;
+  constexpr int kStepsPerChunk = kType == kQ8_0 ? 1 : 2;
+  F16 acc[MT][NB];
+  for (int m = 0; m < MT; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t nb1 = g + 1 < G ? nb0 : nb0 + NB, g1 = g + 1 < G ? g + 1 : 0;
+    for (int s = 0; s < L::kSubs; ++s) {
+      for (int b = 0; b < NB; ++b) {
+        const char* next = reinterpret_cast<const char*>(w + (nb1 + b) * block_bytes +
+                                                         g1 * L::kRecord);
+        for (int line = s * kLines / L::kSubs; line < (s + 1) * kLines / L::kSubs; ++line)
+          prefetch_weights<kStream>(next + 64 * line);
+      }
+      I16 sum[MT][NB], sum_hi[MT][NB];  // u . q (Q8_0: low nibbles' and high nibbles')
+      simd::P32 pairs[MT][NB], pairs_hi[MT][NB];
+      for (int m = 0; m < MT; ++m)
+        for (int b = 0; b < NB; ++b) {
+          sum[m][b] = sum_hi[m][b] = simd::zero_i();
+          pairs[m][b] = pairs_hi[m][b] = simd::zero_pairs();
+        }
+      for (int c = 0; c < kChunks; ++c) {
+        const int j = s * kChunks + c;
+        simd::B64 ulo[NB], uhi[NB];
+        for (int b = 0; b < NB; ++b) {
+          const uint8_t* rec = w + (nb0 + b) * block_bytes + g * L::kRecord;
+          if constexpr (kType == kQ8_0) {
+            const simd::B64 v = simd::load_bytes(rec + 64 * j);
+            ulo[b] = simd::low_nibbles(v);
+            uhi[b] = simd::high_nibbles(v);
+          } else {
+            chunk_codes<kType>(rec, j, ulo[b], uhi[b]);
+          }
+        }
+        for (int m = 0; m < MT; ++m) {
+          const int8_t* xq = q + (m0 + m) * K + g * kSuper + kSuper / (L::kCodeBytes / 64) * j;
+          int32_t x0, x1;
+          std::memcpy(&x0, xq, 4);
+          if constexpr (kType == kQ8_0) {  // both nibbles of k = 4j + b times the same x
+            for (int b = 0; b < NB; ++b) {
+              pairs[m][b] = simd::dot4_nibbles(pairs[m][b], ulo[b], x0);
+              pairs_hi[m][b] = simd::dot4_nibbles(pairs_hi[m][b], uhi[b], x0);
+            }
+          } else {
+            std::memcpy(&x1, xq + 4, 4);
+            for (int b = 0; b < NB; ++b)
+              pairs[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(pairs[m][b], ulo[b], x0),
+                                               uhi[b], x1);
+          }
+        }
+        if (((c + 1) * kStepsPerChunk) % L::kStepsPerWiden == 0)
+          for (int m = 0; m < MT; ++m)
+            for (int b = 0; b < NB; ++b) {
+              sum[m][b] = sum[m][b] + simd::widen_pairs(pairs[m][b]);
+              pairs[m][b] = simd::zero_pairs();
+              if constexpr (kType == kQ8_0) {
+                sum_hi[m][b] = sum_hi[m][b] + simd::widen_pairs(pairs_hi[m][b]);
+                pairs_hi[m][b] = simd::zero_pairs();
+              }
+            }
+      }
+      for (int b = 0; b < NB; ++b) {
+        const uint8_t* rec = w + (nb0 + b) * block_bytes + g * L::kRecord;
+        const F16 d = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kD + 32 * s));
+        F16 mins = simd::zero();
+        if constexpr (L::kLegacyMin)
+          mins = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kM + 32 * s));
+        for (int m = 0; m < MT; ++m) {
+          const int32_t* qs = sums16 + ((m0 + m) * G + g) * (kSuper / 16) + 2 * s;
+          const int32_t qsum = qs[0] + qs[1];
+          const float xs = xscale[(m0 + m) * G + g];
+          I16 dot = sum[m][b];
+          if constexpr (kType == kQ8_0) dot = dot + simd::mul_lo(sum_hi[m][b], simd::set1_i(16));
+          if constexpr (L::kOffset != 0) dot = dot - simd::set1_i(L::kOffset * qsum);
+          acc[m][b] = simd::fmadd(simd::to_float(dot), d * simd::set1(xs), acc[m][b]);
+          if constexpr (L::kLegacyMin)
+            acc[m][b] = simd::fmadd(mins, simd::set1(static_cast<float>(qsum) * xs), acc[m][b]);
+        }
+      }
+    }
+  }
+  store_tile<MT, NB>(acc, m0, nb0, N, bias, y);
+}
+
 template <int kType, bool kStream>
 struct KQTiles {
   const int8_t* q;
@@ -197,7 +326,10 @@ struct KQTiles {
   float* y;
   template <int MT, int NB>
   void run(int64_t m, int64_t b) const {
-    kq_tile<kType, MT, NB, kStream>(q, xscale, sums16, m, K, w, b, N, bias, y);
+    if constexpr (Layout<kType>::kLegacy)
+      legacy_tile<kType, MT, NB, kStream>(q, xscale, sums16, m, K, w, b, N, bias, y);
+    else
+      kq_tile<kType, MT, NB, kStream>(q, xscale, sums16, m, K, w, b, N, bias, y);
   }
 };
 
@@ -217,16 +349,48 @@ inline uint16_t read_u16(const uint8_t* p) {
   return v;
 }
 
-// One GGUF block of 256 weights -> codes u, per sub-block sc and m (m: Q4_K, Q5_K only),
-// d and dmin as fp16 bits (llama.cpp's ggml-quants.c layouts).
+// One GGUF block run of 256 weights -> codes u, per sub-block sc and m (m: Q4_K, Q5_K),
+// d and dmin as fp16 bits (the K-quants), or per block of 32 d and m as fp16 bits (the
+// legacy types: 8 GGUF blocks), as llama.cpp's ggml-quants.c lays them out.
 struct Unpacked {
   uint8_t u[kSuper];
   int8_t sc[16];
   uint8_t m[8];
   uint16_t d, dmin;
+  uint16_t d32[8], m32[8];
 };
 
+void unpack_legacy(int32_t type, const uint8_t* blk, Unpacked& out) {
+  for (int s = 0; s < 8; ++s) {
+    uint8_t* u = out.u + 32 * s;
+    if (type == kQ8_0) {  // d, qs[32] (int8)
+      const uint8_t* b = blk + 34 * s;
+      out.d32[s] = read_u16(b);
+      for (int l = 0; l < 32; ++l)  // int8 -> u = v + 128 (-128, never written, as -127)
+        u[l] = static_cast<uint8_t>(std::max<int>(static_cast<int8_t>(b[2 + l]), -127) + 128);
+      continue;
+    }
+    // Q4_0: d, qs[16]; Q4_1: d, m, qs[16]; Q5_0: d, qh[4], qs[16]; Q5_1: d, m, qh[4], qs[16]
+    const bool has_min = type == kQ4_1 || type == kQ5_1, five = type == kQ5_0 || type == kQ5_1;
+    const int size = 18 + (has_min ? 2 : 0) + (five ? 4 : 0);
+    const uint8_t* b = blk + size * s;
+    out.d32[s] = read_u16(b);
+    out.m32[s] = has_min ? read_u16(b + 2) : 0;
+    uint32_t qh = 0;
+    if (five) std::memcpy(&qh, b + (has_min ? 4 : 2), 4);
+    const uint8_t* qs = b + size - 16;
+    for (int l = 0; l < 16; ++l) {
+      u[l] = static_cast<uint8_t>((qs[l] & 0xF) | ((qh >> l) & 1) << 4);
+      u[l + 16] = static_cast<uint8_t>((qs[l] >> 4) | ((qh >> (l + 16)) & 1) << 4);
+    }
+  }
+}
+
 void unpack_block(int32_t type, const uint8_t* blk, Unpacked& out) {
+  if (type >= kQ4_0) {
+    unpack_legacy(type, blk, out);
+    return;
+  }
   if (type == kQ6K) {  // ql[128], qh[64], scales[16] (int8), d
     const uint8_t *ql = blk, *qh = blk + 128;
     for (int h = 0; h < 2; ++h)
@@ -265,18 +429,32 @@ void unpack_block(int32_t type, const uint8_t* blk, Unpacked& out) {
     }
 }
 
+// Bytes of the GGUF blocks of one type that hold 256 weights of a row.
 int64_t gguf_block_bytes(int32_t type) {
-  return type == kQ4K ? 144 : type == kQ5K ? 176 : 210;
+  switch (type) {
+    case kQ4K: return 144;
+    case kQ5K: return 176;
+    case kQ6K: return 210;
+    case kQ4_0: return 8 * 18;
+    case kQ4_1: return 8 * 20;
+    case kQ5_0: return 8 * 22;
+    case kQ5_1: return 8 * 24;
+    default: return 8 * 34;
+  }
 }
 
 template <int kType>
 void write_record(const Unpacked& v, int c, uint8_t* rec) {
   using L = Layout<kType>;
-  for (int j = 0; j < 32; ++j)
-    for (int i = 0; i < 4; ++i)
-      rec[64 * j + 4 * c + i] =
-          static_cast<uint8_t>((v.u[8 * j + i] & 0xF) | (v.u[8 * j + 4 + i] & 0xF) << 4);
-  if constexpr (kType == kQ5K) {
+  if constexpr (kType == kQ8_0) {
+    for (int k = 0; k < kSuper; ++k) rec[64 * (k / 4) + 4 * c + k % 4] = v.u[k];
+  } else {
+    for (int j = 0; j < 32; ++j)
+      for (int i = 0; i < 4; ++i)
+        rec[64 * j + 4 * c + i] =
+            static_cast<uint8_t>((v.u[8 * j + i] & 0xF) | (v.u[8 * j + 4 + i] & 0xF) << 4);
+  }
+  if constexpr (L::kFive) {
     for (int s = 0; s < 8; ++s)
       for (int i = 0; i < 4; ++i) {
         uint8_t bits = 0;
@@ -285,43 +463,67 @@ void write_record(const Unpacked& v, int c, uint8_t* rec) {
           bits |= static_cast<uint8_t>(((v.u[8 * j + i] >> 4) & 1) << (2 * p) |
                                        ((v.u[8 * j + 4 + i] >> 4) & 1) << (2 * p + 1));
         }
-        rec[kCodeBytes + 64 * s + 4 * c + i] = bits;
+        rec[kNibbleBytes + 64 * s + 4 * c + i] = bits;
       }
   } else if constexpr (kType == kQ6K) {
     for (int s = 0; s < 16; ++s)
       for (int i = 0; i < 4; ++i) {
         const int j0 = 2 * s, j1 = 2 * s + 1;
-        rec[kCodeBytes + 64 * s + 4 * c + i] = static_cast<uint8_t>(
+        rec[kNibbleBytes + 64 * s + 4 * c + i] = static_cast<uint8_t>(
             (v.u[8 * j0 + i] >> 4) | (v.u[8 * j0 + 4 + i] >> 4) << 2 |
             (v.u[8 * j1 + i] >> 4) << 4 | (v.u[8 * j1 + 4 + i] >> 4) << 6);
       }
   }
-  for (int s = 0; s < L::kSubs; ++s) {
-    rec[L::kScales + 16 * s + c] = static_cast<uint8_t>(v.sc[s]);
-    if constexpr (kType != kQ6K) rec[L::kMins + 16 * s + c] = v.m[s];
+  if constexpr (L::kLegacy) {
+    for (int s = 0; s < L::kSubs; ++s) {
+      std::memcpy(rec + L::kD + 32 * s + 2 * c, &v.d32[s], 2);
+      if constexpr (L::kLegacyMin) std::memcpy(rec + L::kM + 32 * s + 2 * c, &v.m32[s], 2);
+    }
+  } else {
+    for (int s = 0; s < L::kSubs; ++s) {
+      rec[L::kScales + 16 * s + c] = static_cast<uint8_t>(v.sc[s]);
+      if constexpr (kType != kQ6K) rec[L::kMins + 16 * s + c] = v.m[s];
+    }
+    std::memcpy(rec + L::kHalves + 2 * c, &v.d, 2);
+    if constexpr (kType != kQ6K) std::memcpy(rec + L::kHalves + 32 + 2 * c, &v.dmin, 2);
   }
-  std::memcpy(rec + L::kHalves + 2 * c, &v.d, 2);
-  if constexpr (kType != kQ6K) std::memcpy(rec + L::kHalves + 32 + 2 * c, &v.dmin, 2);
 }
 
-// One channel's super-block of a packed record -> 256 floats, as llama.cpp dequantizes:
-// (d * sc) * u - (dmin * m), and (d * sc) * (u - 32) for Q6_K.
+// The code u of weight k of channel c in a packed record.
+template <int kType>
+int record_code(const uint8_t* rec, int c, int k) {
+  if constexpr (kType == kQ8_0) return rec[64 * (k / 4) + 4 * c + k % 4];
+  const int j = k / 8, b = k % 8;
+  const uint8_t byte = rec[64 * j + 4 * c + b % 4];
+  int u = b < 4 ? byte & 0xF : byte >> 4;
+  if constexpr (Layout<kType>::kFive) {
+    const uint8_t h = rec[kNibbleBytes + 64 * (j / 4) + 4 * c + b % 4];
+    u |= ((h >> (2 * (j % 4) + (b >= 4))) & 1) << 4;
+  } else if constexpr (kType == kQ6K) {
+    const uint8_t h = rec[kNibbleBytes + 64 * (j / 2) + 4 * c + b % 4];
+    u |= ((h >> (4 * (j % 2) + 2 * (b >= 4))) & 3) << 4;
+  }
+  return u;
+}
+
+// One channel's 256 k of a packed record -> floats, as llama.cpp dequantizes:
+// (d * sc) * u - (dmin * m) and (d * sc) * (u - 32) for the K-quants, d * (u - o) and
+// d * u + m for the legacy types.
 template <int kType>
 void dequantize_record(const uint8_t* rec, int c, float* out) {
   using L = Layout<kType>;
-  const float d = simd::half_bits_to_float(read_u16(rec + L::kHalves + 2 * c));
   for (int k = 0; k < kSuper; ++k) {
-    const int j = k / 8, b = k % 8;
-    const uint8_t byte = rec[64 * j + 4 * c + b % 4];
-    int u = b < 4 ? byte & 0xF : byte >> 4;
-    if constexpr (kType == kQ5K) {
-      const uint8_t h = rec[kCodeBytes + 64 * (j / 4) + 4 * c + b % 4];
-      u |= ((h >> (2 * (j % 4) + (b >= 4))) & 1) << 4;
-    } else if constexpr (kType == kQ6K) {
-      const uint8_t h = rec[kCodeBytes + 64 * (j / 2) + 4 * c + b % 4];
-      u |= ((h >> (4 * (j % 2) + 2 * (b >= 4))) & 3) << 4;
+    const int u = record_code<kType>(rec, c, k), s = k / L::kSubK;
+    if constexpr (L::kLegacy) {
+      const float d = simd::half_bits_to_float(read_u16(rec + L::kD + 32 * s + 2 * c));
+      if constexpr (L::kLegacyMin)
+        out[k] = d * static_cast<float>(u) +
+                 simd::half_bits_to_float(read_u16(rec + L::kM + 32 * s + 2 * c));
+      else
+        out[k] = d * static_cast<float>(u - L::kOffset);
+      continue;
     }
-    const int s = k / L::kSubK;
+    const float d = simd::half_bits_to_float(read_u16(rec + L::kHalves + 2 * c));
     const float sc = static_cast<float>(static_cast<int8_t>(rec[L::kScales + 16 * s + c]));
     if constexpr (kType == kQ6K) {
       out[k] = (d * sc) * static_cast<float>(u - 32);
@@ -337,49 +539,46 @@ void dequantize_record(const uint8_t* rec, int c, float* out) {
 
 extern "C" {
 
-// Bytes of one record (16 channels x 256 k) of a packed K-quant weight of `type`.
+// Bytes of one record (16 channels x 256 k) of a packed weight of `type` (KQuantType).
 int64_t llmserve_kquant_record_bytes(int32_t type) { return record_bytes(type); }
 
-// Packs a GGUF K-quant tensor (N rows of K / 256 blocks of `type`: 0 Q4_K, 1 Q5_K, 2 Q6_K)
-// into the records `kq_tile` reads: (N_pad / 16, K / 256, record) bytes, padding channels
-// zero.
+// Packs a GGUF tensor (N rows of K / 256 runs of blocks of `type`, a KQuantType) into the
+// records the tiles read: (N_pad / 16, K / 256, record) bytes, padding channels zero.
 void llmserve_pack_kquant(const uint8_t* blocks, int32_t type, int64_t N, int64_t K,
                           uint8_t* packed) {
   const int64_t G = K / kSuper, Np = round_up(N, kBlockN), rec = record_bytes(type);
   std::memset(packed, 0, (Np / kBlockN) * G * rec);
-  parallel_for(0, Np / kBlockN, 1, [&](int64_t nb, int64_t ne) {
-    Unpacked v;
-    for (int64_t block = nb; block < ne; ++block)
-      for (int64_t n = block * kBlockN; n < std::min(N, (block + 1) * kBlockN); ++n)
-        for (int64_t g = 0; g < G; ++g) {
-          unpack_block(type, blocks + (n * G + g) * gguf_block_bytes(type), v);
-          uint8_t* r = packed + (block * G + g) * rec;
-          const int c = static_cast<int>(n % kBlockN);
-          if (type == kQ4K) write_record<kQ4K>(v, c, r);
-          else if (type == kQ5K) write_record<kQ5K>(v, c, r);
-          else write_record<kQ6K>(v, c, r);
-        }
+  with_type(type, [&](auto t) {
+    constexpr int kType = decltype(t)::value;
+    parallel_for(0, Np / kBlockN, 1, [&](int64_t nb, int64_t ne) {
+      Unpacked v;
+      for (int64_t block = nb; block < ne; ++block)
+        for (int64_t n = block * kBlockN; n < std::min(N, (block + 1) * kBlockN); ++n)
+          for (int64_t g = 0; g < G; ++g) {
+            unpack_block(kType, blocks + (n * G + g) * gguf_block_bytes(kType), v);
+            write_record<kType>(v, static_cast<int>(n % kBlockN),
+                                packed + (block * G + g) * rec);
+          }
+    });
   });
 }
 
-// out (T, K) = rows ids[t] of a packed K-quant weight with N rows, dequantized (a tied
-// embedding's lookup). Returns 1, writing nothing, if an id is outside [0, N).
+// out (T, K) = rows ids[t] of a packed weight with N rows, dequantized (a tied embedding's
+// lookup). Returns 1, writing nothing, if an id is outside [0, N).
 int32_t llmserve_kquant_rows(const uint8_t* packed, int32_t type, int64_t N, int64_t K,
                              const int64_t* ids, int64_t T, float* out) {
   for (int64_t t = 0; t < T; ++t)
     if (ids[t] < 0 || ids[t] >= N) return 1;
   const int64_t G = K / kSuper, rec = record_bytes(type);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t n = ids[t];
-    for (int64_t g = 0; g < G; ++g) {
-      const uint8_t* r = packed + ((n / kBlockN) * G + g) * rec;
-      const int c = static_cast<int>(n % kBlockN);
-      float* o = out + t * K + g * kSuper;
-      if (type == kQ4K) dequantize_record<kQ4K>(r, c, o);
-      else if (type == kQ5K) dequantize_record<kQ5K>(r, c, o);
-      else dequantize_record<kQ6K>(r, c, o);
+  with_type(type, [&](auto tt) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n = ids[t];
+      for (int64_t g = 0; g < G; ++g)
+        dequantize_record<decltype(tt)::value>(packed + ((n / kBlockN) * G + g) * rec,
+                                               static_cast<int>(n % kBlockN),
+                                               out + t * K + g * kSuper);
     }
-  }
+  });
   return 0;
 }
 
@@ -406,9 +605,9 @@ void llmserve_kquant_linear(const float* x, int64_t M, int64_t K, const KQuantWe
     if (!whole) part.resize(M * seg.rows);
     float* out = whole ? y : part.data();
     const float* b = bias ? bias + n0 : nullptr;
-    if (seg.type == kQ4K) kq_gemm<kQ4K>(q, xscale, sums16, M, K, seg.packed, b, seg.rows, out);
-    else if (seg.type == kQ5K) kq_gemm<kQ5K>(q, xscale, sums16, M, K, seg.packed, b, seg.rows, out);
-    else kq_gemm<kQ6K>(q, xscale, sums16, M, K, seg.packed, b, seg.rows, out);
+    with_type(seg.type, [&](auto t) {
+      kq_gemm<decltype(t)::value>(q, xscale, sums16, M, K, seg.packed, b, seg.rows, out);
+    });
     if (!whole)
       for (int64_t m = 0; m < M; ++m)
         std::memcpy(y + m * N + n0, out + m * seg.rows, seg.rows * sizeof(float));

@@ -64,9 +64,11 @@ struct LoraSlot {
 void llmserve_lora_apply(const float* x, int64_t T, int64_t K, float* y, int64_t N,
                          const int32_t* slot_of_row, int64_t num_slots, const LoraSlot* slots,
                          float* scratch);
-// a K-quant weight (kernels/gemm_kquant.cpp): its rows in up to 4 segments, each packed
-// from GGUF blocks of one type
-enum KQuantType : int32_t { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+// a weight on a GGUF file's own blocks (kernels/gemm_kquant.cpp): its rows in up to 4
+// segments, each packed from GGUF blocks of one type
+enum KQuantType : int32_t {
+  kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ4_0 = 3, kQ4_1 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ8_0 = 7
+};
 struct KQuantSegment {
   int32_t type;
   int64_t rows;

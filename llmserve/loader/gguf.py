@@ -26,7 +26,7 @@ from llmserve.loader.weights import (
     drop_tied_head,
     require_path,
 )
-from llmserve.quantization.kquant import KQUANT_TYPES, RawBlocks
+from llmserve.quantization.kquant import KQUANT_TYPES, LEGACY_TYPES, SUPER, RawBlocks
 
 # GGUF `general.architecture` -> Hugging Face `model_type` (a "llama" file with experts is
 # Mixtral's: `MIXTRAL`).
@@ -230,20 +230,27 @@ def _experts_to_torch(name: str, tensor: GGUFTensor, config: ModelConfig,
 
 
 def stored_quantization(tensors) -> str | None:
-    """The kernels that keep a file's quantization: "int4" when every layer's linear
-    weight is a legacy 4-bit type (Q4_0, Q4_1), "kquant" when any is a K-quant type (Q4_K,
-    Q5_K, Q6_K: those run in their own blocks, the rest of the file at int8), "int8" for
-    other quantized files (Q5_0, Q8_0, ...), None for float files."""
+    """The kernels that keep a file's quantization: "kquant" (the file's own blocks,
+    quantization/kquant.py) when any layer's linear weight is a K-quant type (Q4_K, Q5_K,
+    Q6_K; the rest of the file runs on its blocks too where they are whole 256-value runs,
+    else at int8), or when every one is a 2-D matrix of a legacy type (Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0) over a multiple of 256 columns; otherwise "int4" when every one is Q4_0 or
+    Q4_1 (rows of 576 values, a mixture's 3-D experts), "int8" for other quantized files,
+    None for float files."""
     tensors = list(tensors)
     if all(t.tensor_type in FLOAT_TYPES for t in tensors):
         return None
     # the layers' linears (a mixture's 3-D experts among them; its router is not one)
     linears = [t for t in tensors if t.name.startswith("blk.") and len(t.shape) in (2, 3)
                and not t.name.endswith((ROUTER, SHARED_EXPERT_GATE))]
+    if any(t.tensor_type in KQUANT_TYPES and t.tensor_type not in LEGACY_TYPES
+           for t in linears):
+        return "kquant"
+    if linears and all(t.tensor_type in LEGACY_TYPES and len(t.shape) == 2
+                       and int(t.shape[0]) % SUPER == 0 for t in linears):
+        return "kquant"
     if linears and all(t.tensor_type in FOUR_BIT_TYPES for t in linears):
         return "int4"
-    if any(t.tensor_type in KQUANT_TYPES for t in linears):
-        return "kquant"
     return "int8"
 
 
@@ -507,8 +514,9 @@ def _block_rows(tensor: GGUFTensor, num_rows: int, width: int, rows: slice | Non
 
 def _raw_blocks(tensor: GGUFTensor, rows: slice | None, cols: slice | None
                 ) -> RawBlocks | None:
-    """A K-quant matrix's blocks as stored (the part `rows`, `cols` of it), for the K-quant
-    kernels; None for other types, or a column range off the 256-value blocks."""
+    """A matrix's blocks as stored (the part `rows`, `cols` of it), for the kernels on a
+    file's own blocks (KQUANT_TYPES); None for other types, or a column range off the
+    blocks."""
     if tensor.tensor_type not in KQUANT_TYPES or len(tensor.shape) != 2:
         return None
     width, num_rows = (int(d) for d in tensor.shape)

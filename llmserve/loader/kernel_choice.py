@@ -84,15 +84,18 @@ def linear_shapes(config: ModelConfig) -> list[tuple[int, int, int]]:
     return shapes + [(config.vocab_size, hidden, 1)]
 
 
-def choose_quantization(stored: str | None, config: ModelConfig) -> KernelChoice | None:
+def choose_quantization(stored: str | None, config: ModelConfig, block_type: str = "Q4_K"
+                        ) -> KernelChoice | None:
     """The linears' format for a checkpoint stored as `stored` on this CPU (native kernels
-    present), from the cache or timed now; None when there is nothing to choose."""
+    present), from the cache or timed now; None when there is nothing to choose. A file
+    on its own blocks ("kquant") is timed in `block_type`, the GGUF type of most of its
+    bytes."""
     candidates = CANDIDATES.get(stored or "")
     if candidates is None:
         return None
     shapes = linear_shapes(config)
     path = _cache_path("choice", [stored, json.dumps(shapes), json.dumps(CANDIDATES),
-                                  str(BATCHES)])
+                                  str(BATCHES), block_type])
     try:
         saved = json.loads(path.read_text())
         ms = {name: {int(b): t for b, t in times.items()} for name, times in saved["ms"].items()}
@@ -109,7 +112,7 @@ def choose_quantization(stored: str | None, config: ModelConfig) -> KernelChoice
     native().llmserve_set_stream_prefetch(0)
     start = time.perf_counter()
     try:
-        ms = time_candidates(candidates, shapes)
+        ms = time_candidates(candidates, shapes, block_type)
     finally:
         native().llmserve_set_stream_prefetch(1)
     choice = KernelChoice(pick(candidates, ms), ms, cached=False)
@@ -133,8 +136,8 @@ def pick(candidates: tuple[str | None, ...], ms: dict[str, dict[int, float]]) ->
     return None
 
 
-def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, int, int]]
-                    ) -> dict[str, dict[int, float]]:
+def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, int, int]],
+                    block_type: str = "Q4_K") -> dict[str, dict[int, float]]:
     """Milliseconds for one step's linears per candidate and batch: each shape's weight is
     made once and packed once per format (the LM head is int8 under every int format:
     QUANTIZED_HEADS), then timed at every batch. Making and packing the weights cost more
@@ -151,7 +154,7 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
             if kind == "kquant" and k % 256:
                 kind = "int8"  # a file stores such a matrix in another type: the fallback
             if kind not in kernels:
-                kernels[kind] = _kernel(kind, w)
+                kernels[kind] = _kernel(kind, w, block_type)
             for b in BATCHES:
                 fn, x = kernels[kind], rows[b]
                 seconds = best_seconds(lambda fn=fn, x=x: fn(x), _TIME_PER_SHAPE_S)
@@ -159,19 +162,21 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
     return ms
 
 
-def _kernel(quantization: str | None, w: torch.Tensor):
-    """x -> y for weight `w` packed in `quantization`'s format."""
+def _kernel(quantization: str | None, w: torch.Tensor, block_type: str = "Q4_K"):
+    """x -> y for weight `w` packed in `quantization`'s format ("kquant": random blocks of
+    GGUF type `block_type` of its shape)."""
     from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
     from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
     from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
 
-    if quantization == "kquant":  # Q4_K blocks, the bulk of a K-quant file
+    if quantization == "kquant":
         from gguf import GGMLQuantizationType as QT
 
         from llmserve.quantization.kquant import PackedKQuantWeight, kquant_linear, random_blocks
 
         n, k = w.shape
-        packed = PackedKQuantWeight([random_blocks(QT.Q4_K, n, k, np.random.default_rng(0))])
+        blocks = random_blocks(QT[block_type], n, k, np.random.default_rng(0))
+        packed = PackedKQuantWeight([blocks])
         return lambda x: kquant_linear(x, packed)
     if quantization in ("int4", "int4-a8"):
         packed = PackedInt4Weight(w, activation_bits=8 if quantization == "int4-a8" else 15)

@@ -21,6 +21,7 @@ from llmserve.models.compile import compile_model
 from llmserve.models.llama import STACKED_PARAMS
 from llmserve.models.registry import model_class
 from llmserve.quantization import quantize_model
+from llmserve.quantization.kquant import main_block_type
 from llmserve.quantization.packed_float import can_pack, pack_float_model
 from llmserve.tokenizer import Tokenizer
 
@@ -39,7 +40,8 @@ class LoadedModel:
 
 
 def auto_quantization(stored: str | None, device: torch.device,
-                      config: ModelConfig | None = None) -> str | None:
+                      config: ModelConfig | None = None, block_type: str = "Q4_K"
+                      ) -> str | None:
     """What "auto" runs for a checkpoint stored as `stored`: on the CPU with the native
     kernels, its own format or another, by timing them on `config`'s shapes against float32
     (`kernel_choice.py`; without a config, its own format); float elsewhere (other devices,
@@ -48,7 +50,7 @@ def auto_quantization(stored: str | None, device: torch.device,
         return None
     if config is None:
         return stored
-    choice = choose_quantization(stored, config)
+    choice = choose_quantization(stored, config, block_type)
     if choice is None:
         return stored
     logger.info("%s", choice.describe())
@@ -91,7 +93,7 @@ def load_model(
     weights.tensors.clear()  # the model holds the only copy now: lower peak memory
     if quantization == "auto":
         quantization = auto_quantization(weights.quantization, torch.device(device),
-                                         weights.config)
+                                         weights.config, main_block_type(weights.blocks))
     quantize_model(model, quantization, linear_blocks(model, weights.blocks))
     weights.blocks.clear()  # views of the file: the packed copies are the model's
     if quantization is not None and device_is_cpu(device):

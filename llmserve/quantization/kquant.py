@@ -1,12 +1,14 @@
-"""kquant: GGUF K-quant weights (Q4_K, Q5_K, Q6_K) run in the file's own bits.
+"""kquant: GGUF weights run in the file's own bits: the K-quants (Q4_K, Q5_K, Q6_K) and the
+legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 
-A K-quant tensor is not re-quantized: its blocks are re-laid once at load for the native
-kernel (`gemm_kquant.cpp`: 16 channels x 256 k per record, the codes, sub-block scales and
-mins and fp16 super-block scales of the file, 4.6 / 5.6 / 6.6 bits a weight), and the
-product dequantizes nothing: per row and super-block of 256 k the activations are int8
-with one scale (llama.cpp's Q8_K), the dot products are exact integer sums scaled by the
-sub-block scales, and one float epilogue per super-block runs over them in order, so a
-request's outputs do not depend on the batch (nor on the instruction-set level).
+A tensor is not re-quantized: its blocks are re-laid once at load for the native kernel
+(`gemm_kquant.cpp`: 16 channels x 256 k per record, the codes, sub-block scales and mins
+and fp16 scales of the file: 4.6 / 5.6 / 6.6 bits a weight for the K-quants, the file's
+own 4.5 / 5 / 5.5 / 6 / 8.5 for the legacy types), and the product dequantizes nothing:
+per row and super-block of 256 k the activations are int8 with one scale (llama.cpp's
+Q8_K), the dot products are exact integer sums scaled by the file's scales, and the float
+epilogue runs over the blocks in order, so a request's outputs do not depend on the batch
+(nor on the instruction-set level).
 
 A linear whose parts the file stores in different K-quant types (a Q4_K_M file's fused
 q|k|v with a Q6_K v) keeps each part in its own type: a weight is up to four segments of
@@ -26,13 +28,19 @@ from llmserve.layers.linear import Linear, LinearMethod, PackedHead
 SUPER = 256
 _N_ALIGN = 16
 # GGUF type -> the kernel's type id (kernels.h `KQuantType`)
-KQUANT_TYPES = {QT.Q4_K: 0, QT.Q5_K: 1, QT.Q6_K: 2}
+KQUANT_TYPES = {QT.Q4_K: 0, QT.Q5_K: 1, QT.Q6_K: 2, QT.Q4_0: 3, QT.Q4_1: 4, QT.Q5_0: 5,
+                QT.Q5_1: 6, QT.Q8_0: 7}
+LEGACY_TYPES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0})
 _MAX_SEGMENTS = 4
-GGUF_BLOCK_BYTES = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}  # per 256 values
+# per 256 values: one K-quant block, eight legacy blocks of 32
+GGUF_BLOCK_BYTES = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q4_0: 8 * 18,
+                    QT.Q4_1: 8 * 20, QT.Q5_0: 8 * 22, QT.Q5_1: 8 * 24, QT.Q8_0: 8 * 34}
 # a packed record (16 channels x 256 k; gemm_kquant.cpp's `Layout`): codes, high bits,
-# sub-block scales and mins, fp16 d and dmin
+# then sub-block scales and mins and fp16 d and dmin (K-quants), or fp16 d and m per block
+# of 32 (legacy)
 RECORD_BYTES = {QT.Q4_K: 2048 + 128 + 128 + 64, QT.Q5_K: 2048 + 512 + 128 + 128 + 64,
-                QT.Q6_K: 2048 + 1024 + 256 + 32}
+                QT.Q6_K: 2048 + 1024 + 256 + 32, QT.Q4_0: 2048 + 256, QT.Q4_1: 2048 + 512,
+                QT.Q5_0: 2048 + 512 + 256, QT.Q5_1: 2048 + 512 + 512, QT.Q8_0: 4096 + 256}
 
 
 @dataclass
@@ -52,6 +60,15 @@ class RawBlocks:
         return RawBlocks(self.qtype, self.data[index], self.columns)
 
 
+def main_block_type(blocks: dict[str, RawBlocks]) -> str:
+    """The GGUF type of most of `blocks`' bytes ("Q4_K" if none): what a file's linears
+    are timed in."""
+    size: dict[str, int] = {}
+    for raw in blocks.values():
+        size[raw.qtype.name] = size.get(raw.qtype.name, 0) + raw.data.nbytes
+    return max(size, key=size.get) if size else "Q4_K"
+
+
 class _Segment(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("rows", ctypes.c_int64), ("packed", ctypes.c_void_p)]
 
@@ -62,8 +79,8 @@ class _Weight(ctypes.Structure):
 
 
 def can_pack(parts: list[RawBlocks]) -> bool:
-    """Whether `parts` (a linear's row blocks, in order) run as one K-quant weight: every
-    part a K-quant type over the same columns, at most four runs of one type, each run but
+    """Whether `parts` (a linear's row blocks, in order) run as one weight on their blocks:
+    every part a type of KQUANT_TYPES over the same columns (a multiple of 256), at most four runs of one type, each run but
     the last a multiple of 16 rows (a record holds 16 channels)."""
     if not parts or len({p.columns for p in parts}) != 1:
         return False
@@ -166,14 +183,21 @@ class PackedKQuantWeight:
 
 def random_blocks(qtype: QT, rows: int, columns: int, generator: np.random.Generator
                   ) -> RawBlocks:
-    """Blocks of `qtype` with random codes, scales and mins and small fp16 super-block
-    scales (every byte pattern is a valid block): for timing the kernel on a shape."""
-    size = GGUF_BLOCK_BYTES[qtype]
-    data = generator.integers(0, 256, size=(rows, columns // SUPER, size), dtype=np.uint8)
-    scales = generator.uniform(1e-4, 1e-3, size=(rows, columns // SUPER, 2)).astype(np.float16)
-    at = (208,) if qtype == QT.Q6_K else (0, 2)  # d (and dmin) in each block
+    """Blocks of `qtype` with random codes, scales and mins and small fp16 scales (every
+    byte pattern is a valid block but Q8_0's -128, which ggml never writes): for timing the
+    kernel on a shape, and for tests."""
+    per_run = 8 if qtype in LEGACY_TYPES else 1  # GGUF blocks per 256 values
+    size = GGUF_BLOCK_BYTES[qtype] // per_run
+    data = generator.integers(0, 256, size=(rows, columns // SUPER * per_run, size),
+                              dtype=np.uint8)
+    scales = generator.uniform(1e-4, 1e-3, size=(*data.shape[:2], 2)).astype(np.float16)
+    # d (and dmin, or m) in each block
+    at = (208,) if qtype == QT.Q6_K else (0,) if qtype in (QT.Q4_0, QT.Q5_0, QT.Q8_0) else (0, 2)
     for i, offset in enumerate(at):
         data[..., offset:offset + 2] = scales[..., i:i + 1].view(np.uint8)
+    if qtype == QT.Q8_0:  # int8 values in [-127, 127], as ggml writes them
+        codes = data[..., 2:]
+        codes[codes == 0x80] = 0x81
     return RawBlocks(qtype, data.reshape(rows, -1), columns)
 
 

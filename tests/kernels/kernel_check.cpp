@@ -215,55 +215,82 @@ void check_q4_linear(Lcg& g, Blobs& out) {
     }
 }
 
-// One K-quant weight of three segments (Q4_K 16 rows, Q6_K 16, Q5_K 8: a fused projection
-// whose parts a file stores in different types) from random GGUF blocks (every byte pattern
-// is a block; fp16 d and dmin positive in [2^-8, 2^-4), one subnormal), its rows dequantized,
-// and the GEMM at every row count (bias where M != 1).
-void check_kquant(Lcg& g, Blobs& out) {
-  const int64_t K = 512, G = K / 256;
-  const int32_t types[] = {kQ4K, kQ6K, kQ5K};
-  const int64_t rows[] = {16, 16, 8}, block_bytes[] = {144, 210, 176};
-  const char* names[] = {"q4k", "q6k", "q5k"};
-  KQuantWeight w{3, {}, 40, K};
-  std::vector<std::vector<uint8_t>> packed(3);
-  std::vector<float> dequantized;
-  for (int i = 0; i < 3; ++i) {
-    std::vector<uint8_t> blocks(rows[i] * G * block_bytes[i]);
+// GGUF block bytes per 256 values and the offsets of each block's fp16 scales (d, dmin / m)
+struct BlockFormat {
+  int32_t type;
+  const char* name;
+  int64_t bytes;       // per 256 values
+  int64_t block;       // bytes per GGUF block (256 values for the K-quants, 32 for legacy)
+  int halves[2];       // offsets of the fp16 scales in a block, -1: none
+};
+constexpr BlockFormat kFormats[] = {
+    {kQ4K, "q4_k", 144, 144, {0, 2}},    {kQ5K, "q5_k", 176, 176, {0, 2}},
+    {kQ6K, "q6_k", 210, 210, {208, -1}}, {kQ4_0, "q4_0", 144, 18, {0, -1}},
+    {kQ4_1, "q4_1", 160, 20, {0, 2}},   {kQ5_0, "q5_0", 176, 22, {0, -1}},
+    {kQ5_1, "q5_1", 192, 24, {0, 2}},   {kQ8_0, "q8_0", 272, 34, {0, -1}}};
+
+// One weight on a file's own blocks, of segments `types` x `rows` (a fused projection whose
+// parts a file stores in different types) from random GGUF blocks (every byte pattern is a
+// block, but Q8_0's -128, which ggml never writes; fp16 scales in [2^-8, 2^-4), one
+// subnormal, and Q4_1/Q5_1's mins either sign), its rows dequantized, and the GEMM at every
+// row count (bias where M != 1).
+void check_blocks(Lcg& g, Blobs& out, const std::string& name, std::vector<int32_t> types,
+                  std::vector<int64_t> rows) {
+  const int64_t K = 512, G = K / 256, S = static_cast<int64_t>(types.size());
+  int64_t N = 0;
+  for (int64_t r : rows) N += r;
+  KQuantWeight w{S, {}, N, K};
+  std::vector<std::vector<uint8_t>> packed(S);
+  for (int64_t i = 0; i < S; ++i) {
+    const BlockFormat& f = kFormats[types[i]];
+    std::vector<uint8_t> blocks(rows[i] * G * f.bytes);
     for (auto& b : blocks) b = static_cast<uint8_t>(g.below(256));
-    for (int64_t blk = 0; blk < rows[i] * G; ++blk) {
-      uint8_t* p = blocks.data() + blk * block_bytes[i];
-      for (int half = 0; half < (types[i] == kQ6K ? 1 : 2); ++half) {
+    for (int64_t blk = 0; blk < rows[i] * G * f.bytes / f.block; ++blk) {
+      uint8_t* p = blocks.data() + blk * f.block;
+      if (f.type == kQ8_0)
+        for (int l = 2; l < 34; ++l) p[l] = p[l] == 0x80 ? 0x81 : p[l];
+      for (int half = 0; half < 2 && f.halves[half] >= 0; ++half) {
         const int32_t exponent = 7 + g.below(4);
         uint16_t h = static_cast<uint16_t>(exponent << 10 | g.below(1024));
         if (blk == 1 && half == 0) h = 0x0123;
-        std::memcpy(p + (types[i] == kQ6K ? 208 : 2 * half), &h, 2);
+        if (half == 1 && f.type >= kQ4_0 && g.below(2)) h |= 0x8000;  // a negative min
+        std::memcpy(p + f.halves[half], &h, 2);
       }
     }
-    packed[i].resize((rows[i] + 15) / 16 * G * llmserve_kquant_record_bytes(types[i]));
-    llmserve_pack_kquant(blocks.data(), types[i], rows[i], K, packed[i].data());
-    w.segments[i] = KQuantSegment{types[i], rows[i], packed[i].data()};
-    out.put(std::string("kquant.blocks_") + names[i], blocks, {rows[i], G * block_bytes[i]});
+    packed[i].resize((rows[i] + 15) / 16 * G * llmserve_kquant_record_bytes(f.type));
+    llmserve_pack_kquant(blocks.data(), f.type, rows[i], K, packed[i].data());
+    w.segments[i] = KQuantSegment{f.type, rows[i], packed[i].data()};
+    const std::string part = name + ".part" + std::to_string(i) + "_" + f.name;
+    out.put(part + ".blocks", blocks, {rows[i], G * f.bytes});
     std::vector<int64_t> ids(rows[i]);
     for (int64_t r = 0; r < rows[i]; ++r) ids[r] = rows[i] - 1 - r;  // every row, reversed
     std::vector<float> rows_out(rows[i] * K);
-    llmserve_kquant_rows(packed[i].data(), types[i], rows[i], K, ids.data(), rows[i],
+    llmserve_kquant_rows(packed[i].data(), f.type, rows[i], K, ids.data(), rows[i],
                          rows_out.data());
-    out.put(std::string("kquant.rows_") + names[i], rows_out, {rows[i], K});
+    out.put(part + ".rows", rows_out, {rows[i], K});
   }
-  const auto bias = g.floats(40);
-  out.put("kquant.bias", bias, {40});
+  const auto bias = g.floats(N);
+  out.put(name + ".bias", bias, {N});
   for (int64_t M : kRowCounts) {
-    const std::string p = "kquant_linear." + tag("M", M) + ".";
+    const std::string p = name + "_linear." + tag("M", M) + ".";
     const bool with_bias = M != 1;
     const auto x = activations(g, M, K);
-    std::vector<float> y(M * 40);
+    std::vector<float> y(M * N);
     std::vector<uint8_t> workspace(M * K + 4 * M * G + 4 * M * K / 16);
     llmserve_kquant_linear(x.data(), M, K, &w, with_bias ? bias.data() : nullptr, y.data(),
                            workspace.data());
     out.put(p + "x", x, {M, K});
     out.put(p + "with_bias", std::vector<int32_t>{with_bias}, {1});
-    out.put(p + "y", y, {M, 40});
+    out.put(p + "y", y, {M, N});
   }
+}
+
+// The K-quants as a Q4_K_M file mixes them (Q4_K, Q6_K, Q5_K), the legacy types two ways,
+// and Q8_0 as one whole weight
+void check_kquant(Lcg& g, Blobs& out) {
+  check_blocks(g, out, "kquant", {kQ4K, kQ6K, kQ5K}, {16, 16, 8});
+  check_blocks(g, out, "legacy", {kQ4_0, kQ4_1, kQ5_0, kQ5_1}, {16, 16, 16, 8});
+  check_blocks(g, out, "q8", {kQ8_0}, {24});
 }
 
 // plain (bias on M = 3, 5) and continuing from `init` (M = 3, 33)

@@ -84,7 +84,7 @@ if BASELINE is None:
 # the outputs of kernels built on simd::fmadd (the others: rotary, int8 GEMM, argmax,
 # bitmask, KV-cache writes)
 FUSED_OUTPUTS = re.compile(r"(rms_norm|silu|f32_linear|f32_linear_from|q4_linear|q4_linear_a8|"
-                           r"kquant_linear|"
+                           r"kquant_linear|legacy_linear|q8_linear|"
                            r"attention)\..*"
                            r"\.(out|y)")
 
@@ -432,35 +432,42 @@ def check_q4_linear(blobs) -> str:
 def check_kquant(blobs) -> str:
     """Rows dequantized as gguf-py dequantizes the file's blocks, bit for bit; the GEMM near
     the product of those rows with the activations as quantized per 256 (int8, one scale
-    s = amax / 127: llama.cpp's Q8_K): integer sums exact, float rounding within 1e-5."""
+    s = amax / 127: llama.cpp's Q8_K): integer sums exact, float rounding within 1e-5. For
+    the K-quant mix, the legacy types and Q8_0 alone."""
     import gguf
     from gguf import GGMLQuantizationType as QT
 
     from tests.quantization.test_kquant import term_magnitudes
 
-    parts, terms = [], []
-    for name, qtype in (("q4k", QT.Q4_K), ("q6k", QT.Q6_K), ("q5k", QT.Q5_K)):
-        raw = blobs[f"kquant.blocks_{name}"]
-        w = gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], -1)
-        np.testing.assert_array_equal(blobs[f"kquant.rows_{name}"], w[::-1])
-        parts.append(w)
-        terms.append(term_magnitudes(raw, qtype))
-    w = np.concatenate(parts).astype(np.float64)  # (40, K)
-    terms = np.concatenate(terms)
     worst = 0.0
-    for p in cases(blobs, r"(kquant_linear\.M\d+)\.y"):
-        x, y = blobs[f"{p}.x"], blobs[f"{p}.y"]
-        b = blobs["kquant.bias"] if blobs[f"{p}.with_bias"][0] else np.zeros(len(w), np.float32)
-        groups = x.reshape(len(x), -1, 256)
-        amax = np.abs(groups).max(2, keepdims=True)
-        inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0)
-        inv = inv.astype(np.float32)
-        q = np.round(groups * inv)
-        xq = (q * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
-        ref = xq @ w.T + b
-        bound = 1e-5 * (np.abs(xq) @ terms.T + np.abs(b)) + 1e-6
-        worst = max(worst, within(y, ref, bound))
-    return f"kquant rows exact, GEMM {worst:.2f} of 1e-5 rel"
+    for weight in ("kquant", "legacy", "q8"):
+        parts, terms = [], []
+        for key in sorted(k for k in blobs if k.startswith(f"{weight}.part")
+                          and k.endswith(".blocks")):
+            part = key.removesuffix(".blocks")
+            qtype = QT[part.split(".part", 1)[1].split("_", 1)[1].upper()]  # .part0_q4_k
+            raw = blobs[key]
+            w = gguf.quants.dequantize(raw, qtype).reshape(raw.shape[0], -1)
+            np.testing.assert_array_equal(blobs[f"{part}.rows"], w[::-1])
+            parts.append(w)
+            terms.append(term_magnitudes(raw, qtype))
+        assert parts, weight
+        w = np.concatenate(parts).astype(np.float64)
+        terms = np.concatenate(terms)
+        for p in cases(blobs, rf"({weight}_linear\.M\d+)\.y"):
+            x, y = blobs[f"{p}.x"], blobs[f"{p}.y"]
+            b = (blobs[f"{weight}.bias"] if blobs[f"{p}.with_bias"][0]
+                 else np.zeros(len(w), np.float32))
+            groups = x.reshape(len(x), -1, 256)
+            amax = np.abs(groups).max(2, keepdims=True)
+            inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0)
+            inv = inv.astype(np.float32)
+            q = np.round(groups * inv)
+            xq = (q * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
+            ref = xq @ w.T + b
+            bound = 1e-5 * (np.abs(xq) @ terms.T + np.abs(b)) + 1e-6
+            worst = max(worst, within(y, ref, bound))
+    return f"kquant and legacy rows exact, GEMM {worst:.2f} of 1e-5 rel"
 
 
 def check_f32_linear(blobs) -> str:

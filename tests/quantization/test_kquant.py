@@ -6,6 +6,7 @@ float32 path of the same file."""
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize
 
@@ -20,7 +21,7 @@ from llmserve.quantization.kquant import (
 )
 
 pytestmark = pytest.mark.skipif(native() is None, reason="needs the native CPU kernels")
-TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K)
+TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
 
 
 def dense(parts: list[RawBlocks]) -> torch.Tensor:
@@ -29,7 +30,9 @@ def dense(parts: list[RawBlocks]) -> torch.Tensor:
                                        .astype(np.float64)) for p in parts])
 
 
-CODE_BYTES = {QT.Q4_K: slice(16, 144), QT.Q5_K: slice(16, 176), QT.Q6_K: slice(0, 192)}
+CODE_BYTES = {QT.Q4_K: slice(16, 144), QT.Q5_K: slice(16, 176), QT.Q6_K: slice(0, 192),
+              QT.Q4_0: slice(2, 18), QT.Q4_1: slice(4, 20), QT.Q5_0: slice(2, 22),
+              QT.Q5_1: slice(4, 24), QT.Q8_0: slice(2, 34)}
 
 
 def term_magnitudes(raw: np.ndarray, qtype: QT) -> np.ndarray:
@@ -37,7 +40,7 @@ def term_magnitudes(raw: np.ndarray, qtype: QT) -> np.ndarray:
     (d sc u and dmin m; d sc u and 32 d sc for Q6_K): the kernel's float rounding is relative
     to them, not to their (possibly much smaller) difference. The offsets are what the
     blocks dequantize to with every code 0."""
-    blocks = raw.reshape(raw.shape[0], -1, {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}[qtype])
+    blocks = raw.reshape(raw.shape[0], -1, GGML_QUANT_SIZES[qtype][1])
     zeroed = blocks.copy()
     zeroed[..., CODE_BYTES[qtype]] = 0
     offset = np.abs(dequantize(zeroed.reshape(raw.shape), qtype).reshape(raw.shape[0], -1))
@@ -68,8 +71,8 @@ def test_rows_are_the_files_values(qtype):
         weight.embedding_rows(torch.tensor([37]))
 
 
-@pytest.mark.parametrize("types", [(QT.Q4_K,), (QT.Q5_K,), (QT.Q6_K,),
-                                   (QT.Q4_K, QT.Q4_K, QT.Q6_K)])
+@pytest.mark.parametrize("types", [*((t,) for t in TYPES), (QT.Q4_K, QT.Q4_K, QT.Q6_K),
+                                   (QT.Q4_0, QT.Q8_0, QT.Q5_1)])
 def test_product_is_exact_on_the_quantized_activations(types):
     """Integer sums exact, float epilogue within rounding; a row's outputs are the same
     alone and in any batch (the int8 activations, their scales and sums are per row)."""
@@ -98,7 +101,9 @@ def test_what_cannot_run_as_one_weight():
     g = np.random.default_rng(3)
     q4 = random_blocks(QT.Q4_K, 16, 512, g)
     assert not can_pack([])
-    assert not can_pack([q4, RawBlocks(QT.Q8_0, np.zeros((16, 544), np.uint8), 512)])
+    assert not can_pack([q4, RawBlocks(QT.Q3_K, np.zeros((16, 220), np.uint8), 512)])
+    assert can_pack([q4, random_blocks(QT.Q8_0, 16, 512, g)])  # Q8_0 beside Q4_K
+    assert not can_pack([RawBlocks(QT.Q4_0, np.zeros((16, 18 * 18), np.uint8), 576)])
     assert not can_pack([q4, random_blocks(QT.Q4_K, 16, 768, g)])  # other columns
     odd = random_blocks(QT.Q6_K, 8, 512, g)
     assert not can_pack([odd, q4])  # a type run of 8 rows before another: no 16-row record

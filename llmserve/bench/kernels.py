@@ -56,7 +56,7 @@ def measure_read_bandwidth() -> float:
     return READ_BYTES / best_seconds(lambda: data.sum(), 0.0, max_calls=1, repeats=3)
 
 
-def candidates() -> list[Candidate]:
+def candidates(main_block_type: str = "Q4_K") -> list[Candidate]:
     from llmserve.quantization.int4 import PackedInt4Weight, int4_linear, packed_int4_bytes
     from llmserve.quantization.int8 import PackedInt8Weight, int8_linear, packed_int8_bytes
     from llmserve.quantization.packed_float import (
@@ -83,7 +83,7 @@ def candidates() -> list[Candidate]:
             packed = PackedFloatWeight(w)
             return lambda x: float_linear(x, packed)
 
-        out += [*kquant_candidates(),
+        out += [*kquant_candidates(main_block_type),
                 Candidate("llmserve int4 (W4A15)", "int4", native_int4, packed_int4_bytes, True),
                 Candidate("llmserve int4-a8 (W4A8)", "int4-a8", native_int4_a8,
                           packed_int4_bytes, True),
@@ -99,13 +99,14 @@ def candidates() -> list[Candidate]:
     return out
 
 
-def kquant_candidates() -> list[Candidate]:
-    """The K-quant kernel on random blocks of each type (a K-quant file's Q4_K bulk is what
-    the engine calls "kquant"; its Q5_K and Q6_K tensors run on the same kernel)."""
+def kquant_candidates(main: str = "Q4_K") -> list[Candidate]:
+    """The kernel on a file's own blocks, on random blocks of each type it runs (what the
+    engine calls "kquant" for a file whose bytes are mostly `main`; its other types run on
+    the same kernel)."""
     import numpy as np
-    from gguf import GGMLQuantizationType as QT
 
     from llmserve.quantization.kquant import (
+        KQUANT_TYPES,
         PackedKQuantWeight,
         kquant_linear,
         packed_kquant_bytes,
@@ -124,8 +125,8 @@ def kquant_candidates() -> list[Candidate]:
     def size(qtype):
         return lambda n, k: packed_kquant_bytes([(qtype, n)], k) or 0
 
-    return [Candidate(f"llmserve kquant {t.name}", "kquant" if t == QT.Q4_K else "", make(t),
-                      size(t), True) for t in (QT.Q4_K, QT.Q5_K, QT.Q6_K)]
+    return [Candidate(f"llmserve kquant {t.name}", "kquant" if t.name == main else "", make(t),
+                      size(t), True) for t in KQUANT_TYPES]
 
 
 def _torch_bf16(w: torch.Tensor):
@@ -177,25 +178,26 @@ def time_step(candidate: Candidate, shapes, batch: int) -> float | str:
     return total * 1e3
 
 
-def run_kernels(config: ModelConfig, batches: tuple[int, ...], stored: str | None = "int4"
-                ) -> dict[str, Any]:
+def run_kernels(config: ModelConfig, batches: tuple[int, ...], stored: str | None = "int4",
+                block_type: str = "Q4_K") -> dict[str, Any]:
     """Every candidate timed on `config`'s shapes at each batch; `stored`: the format the
-    model's file keeps ("int4", "kquant", "int8"; as `gguf_stored_quantization`), for which
-    one the engine runs by default."""
+    model's file keeps ("int4", "kquant", "int8"; as `gguf_stored_quantization`; for
+    "kquant", `block_type` the GGUF type of most of its blocks), for which one the engine
+    runs by default."""
     from llmserve.bench.machine import machine_info
     from llmserve.loader.model_loader import auto_quantization
 
     shapes = linear_shapes(config)
     bandwidth, peak = measure_read_bandwidth(), measure_int8_peak()
     rows = []
-    for candidate in candidates():
+    for candidate in candidates(block_type):
         times = {b: time_step(candidate, shapes, b) for b in batches}
         step_bytes = None
         if candidate.weight_bytes is not None:
             step_bytes = sum(candidate.weight_bytes(n, k) * count for n, k, count in shapes)
         rows.append({"kernel": candidate.name, "run_as": candidate.run_as, "ms": times,
                      "bytes": step_bytes, "integer": candidate.integer})
-    default = auto_quantization(stored, torch.device("cpu"), config) or "float32"
+    default = auto_quantization(stored, torch.device("cpu"), config, block_type) or "float32"
     lib = native()
     attention = None
     if lib is not None:  # the default path's bfloat16 cache, and the exact path's float32

@@ -11,7 +11,7 @@
 // of 32 k, each with an fp16 scale d and (Q4_1, Q5_1) an fp16 min m:
 //   Q4_0, Q5_0:  w = d * (u - o)                 u in [0, 15] / [0, 31], o = 8 / 16
 //   Q4_1, Q5_1:  w = d * u + m
-//   Q8_0:        w = d * (u - 128)               u = the file's int8 value + 128
+//   Q8_0:        w = d * v                       v the file's int8 value, in [-127, 127]
 // Activations are quantized per row and super-block of 256 k to int8 with one scale s
 // (llama.cpp's Q8_K): x ~ q * s, with the sums of q over each 16 k. Then per row and
 // channel, with exact integer sums:
@@ -19,6 +19,7 @@
 //                               B = sum over sub-blocks of m * (sum of q),
 //                               y += (d * s) * A  -  (dmin * s) * B
 //   legacy, per block of 32:    y += (d * s) * (u . q - o * (sum of q))  [+ m * s * (sum of q)]
+//                               (Q8_0: y += (d * s) * (v . q))
 // The float epilogue runs over the blocks in order whatever the batch, so a row's result
 // does not depend on the other rows (nor on the level: integer sums are exact).
 //
@@ -27,8 +28,7 @@
 // the K-quants, as many as the file for the legacy types: 4.5 / 5 / 5.5 / 6 / 8.5):
 //   codes   32 chunks of 64 bytes: chunk j, lane c, byte b holds the low 4 bits of
 //           k = 8j + b (low nibble) and k = 8j + 4 + b (high nibble), as gemm_q4.cpp's;
-//           Q8_0: 64 chunks of 64 bytes, chunk j, lane c, byte b holds u of k = 4j + b
-//           (its nibbles are two 4-bit codes: u . q = 16 (hi . q) + lo . q)
+//           Q8_0: 64 chunks of 64 bytes, chunk j, lane c, byte b holds v of k = 4j + b
 //   high    Q5_K, Q5_0, Q5_1: 8 x 64 bytes, vector s (sub-block s = chunks 4s .. 4s + 3):
 //           bits 2p and 2p + 1 of byte (c, b) are bit 4 of chunk 4s + p's low and high code;
 //           Q6_K: 16 x 64 bytes, vector s (chunks 2s, 2s + 1): bits 0-1, 2-3 are bits 4-5
@@ -69,9 +69,9 @@ struct Layout {
   static constexpr int kM = kD + kSubs * 32;
   static constexpr int kRecord = kLegacy ? kM + (kLegacyMin ? kSubs * 32 : 0)
                                          : kHalves + (kType == kQ6K ? 32 : 64);
-  static constexpr int kOffset = kType == kQ4_0 ? 8 : kType == kQ5_0 ? 16 : kType == kQ8_0 ? 128 : 0;
+  static constexpr int kOffset = kType == kQ4_0 ? 8 : kType == kQ5_0 ? 16 : 0;
   // dot4 steps (4 k each) whose int16 pair sums stay below 2^15 before widening:
-  // 2 * (2^bits - 1) * 127 per step (maddubs' pairs; Q8_0 runs its nibbles apart)
+  // 2 * (2^bits - 1) * 127 per step (maddubs' pairs; Q8_0 sums in int32 at once)
   static constexpr int kStepsPerWiden = kType == kQ6K ? 2 : kFive ? 4 : 8;
 };
 
@@ -231,7 +231,6 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
   constexpr int kLines = (L::kRecord + 63) / 64;
   // 64-byte chunks of codes per block of 32 k: 8 of 4 k (Q8_0), else 4 of 8 k
   constexpr int kChunks = L::kCodeBytes / 64 / L::kSubs;
-  constexpr int kStepsPerChunk = kType == kQ8_0 ? 1 : 2;
   F16 acc[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
@@ -244,52 +243,49 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
         for (int line = s * kLines / L::kSubs; line < (s + 1) * kLines / L::kSubs; ++line)
           prefetch_weights<kStream>(next + 64 * line);
       }
-      I16 sum[MT][NB], sum_hi[MT][NB];  // u . q (Q8_0: low nibbles' and high nibbles')
-      simd::P32 pairs[MT][NB], pairs_hi[MT][NB];
+      I16 sum[MT][NB];  // u . q (Q8_0: v . q)
+      simd::P32 pairs[MT][NB];
       for (int m = 0; m < MT; ++m)
         for (int b = 0; b < NB; ++b) {
-          sum[m][b] = sum_hi[m][b] = simd::zero_i();
-          pairs[m][b] = pairs_hi[m][b] = simd::zero_pairs();
+          sum[m][b] = simd::zero_i();
+          pairs[m][b] = simd::zero_pairs();
         }
-      for (int c = 0; c < kChunks; ++c) {
-        const int j = s * kChunks + c;
-        simd::B64 ulo[NB], uhi[NB];
-        for (int b = 0; b < NB; ++b) {
-          const uint8_t* rec = w + (nb0 + b) * block_bytes + g * L::kRecord;
-          if constexpr (kType == kQ8_0) {
-            const simd::B64 v = simd::load_bytes(rec + 64 * j);
-            ulo[b] = simd::low_nibbles(v);
-            uhi[b] = simd::high_nibbles(v);
-          } else {
-            chunk_codes<kType>(rec, j, ulo[b], uhi[b]);
+      if constexpr (kType == kQ8_0) {
+        for (int j = s * kChunks; j < (s + 1) * kChunks; ++j) {
+          simd::B64 v[NB];
+          for (int b = 0; b < NB; ++b)
+            v[b] = simd::load_bytes(w + (nb0 + b) * block_bytes + g * L::kRecord + 64 * j);
+          for (int m = 0; m < MT; ++m) {
+            int32_t x0;
+            std::memcpy(&x0, q + (m0 + m) * K + g * kSuper + 4 * j, 4);
+            for (int b = 0; b < NB; ++b) sum[m][b] = simd::dot4_s8s8(sum[m][b], v[b], x0);
           }
         }
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* xq = q + (m0 + m) * K + g * kSuper + kSuper / (L::kCodeBytes / 64) * j;
-          int32_t x0, x1;
-          std::memcpy(&x0, xq, 4);
-          if constexpr (kType == kQ8_0) {  // both nibbles of k = 4j + b times the same x
-            for (int b = 0; b < NB; ++b) {
-              pairs[m][b] = simd::dot4_nibbles(pairs[m][b], ulo[b], x0);
-              pairs_hi[m][b] = simd::dot4_nibbles(pairs_hi[m][b], uhi[b], x0);
-            }
-          } else {
+      } else {
+        // unrolled, so that each chunk's high-bit shifts are constants (Q5_0 at batch 1 on
+        // the 1B shape: 58 ms a step's linears, 79 as a loop)
+#pragma GCC unroll 8
+        for (int c = 0; c < kChunks; ++c) {
+          const int j = s * kChunks + c;
+          simd::B64 ulo[NB], uhi[NB];
+          for (int b = 0; b < NB; ++b)
+            chunk_codes<kType>(w + (nb0 + b) * block_bytes + g * L::kRecord, j, ulo[b], uhi[b]);
+          for (int m = 0; m < MT; ++m) {
+            const int8_t* xq = q + (m0 + m) * K + g * kSuper + 8 * j;
+            int32_t x0, x1;
+            std::memcpy(&x0, xq, 4);
             std::memcpy(&x1, xq + 4, 4);
             for (int b = 0; b < NB; ++b)
               pairs[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(pairs[m][b], ulo[b], x0),
                                                uhi[b], x1);
           }
-        }
-        if (((c + 1) * kStepsPerChunk) % L::kStepsPerWiden == 0)
-          for (int m = 0; m < MT; ++m)
-            for (int b = 0; b < NB; ++b) {
-              sum[m][b] = sum[m][b] + simd::widen_pairs(pairs[m][b]);
-              pairs[m][b] = simd::zero_pairs();
-              if constexpr (kType == kQ8_0) {
-                sum_hi[m][b] = sum_hi[m][b] + simd::widen_pairs(pairs_hi[m][b]);
-                pairs_hi[m][b] = simd::zero_pairs();
+          if (((c + 1) * 2) % L::kStepsPerWiden == 0)
+            for (int m = 0; m < MT; ++m)
+              for (int b = 0; b < NB; ++b) {
+                sum[m][b] = sum[m][b] + simd::widen_pairs(pairs[m][b]);
+                pairs[m][b] = simd::zero_pairs();
               }
-            }
+        }
       }
       for (int b = 0; b < NB; ++b) {
         const uint8_t* rec = w + (nb0 + b) * block_bytes + g * L::kRecord;
@@ -302,7 +298,6 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
           const int32_t qsum = qs[0] + qs[1];
           const float xs = xscale[(m0 + m) * G + g];
           I16 dot = sum[m][b];
-          if constexpr (kType == kQ8_0) dot = dot + simd::mul_lo(sum_hi[m][b], simd::set1_i(16));
           if constexpr (L::kOffset != 0) dot = dot - simd::set1_i(L::kOffset * qsum);
           acc[m][b] = simd::fmadd(simd::to_float(dot), d * simd::set1(xs), acc[m][b]);
           if constexpr (L::kLegacyMin)
@@ -366,8 +361,8 @@ void unpack_legacy(int32_t type, const uint8_t* blk, Unpacked& out) {
     if (type == kQ8_0) {  // d, qs[32] (int8)
       const uint8_t* b = blk + 34 * s;
       out.d32[s] = read_u16(b);
-      for (int l = 0; l < 32; ++l)  // int8 -> u = v + 128 (-128, never written, as -127)
-        u[l] = static_cast<uint8_t>(std::max<int>(static_cast<int8_t>(b[2 + l]), -127) + 128);
+      for (int l = 0; l < 32; ++l)  // -128, which ggml never writes, as -127
+        u[l] = static_cast<uint8_t>(std::max<int>(static_cast<int8_t>(b[2 + l]), -127));
       continue;
     }
     // Q4_0: d, qs[16]; Q4_1: d, m, qs[16]; Q5_0: d, qh[4], qs[16]; Q5_1: d, m, qh[4], qs[16]
@@ -492,7 +487,7 @@ void write_record(const Unpacked& v, int c, uint8_t* rec) {
 // The code u of weight k of channel c in a packed record.
 template <int kType>
 int record_code(const uint8_t* rec, int c, int k) {
-  if constexpr (kType == kQ8_0) return rec[64 * (k / 4) + 4 * c + k % 4];
+  if constexpr (kType == kQ8_0) return static_cast<int8_t>(rec[64 * (k / 4) + 4 * c + k % 4]);
   const int j = k / 8, b = k % 8;
   const uint8_t byte = rec[64 * j + 4 * c + b % 4];
   int u = b < 4 ? byte & 0xF : byte >> 4;

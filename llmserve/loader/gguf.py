@@ -259,6 +259,16 @@ def gguf_stored_quantization(path: str | Path) -> str | None:
     return stored_quantization(open_gguf(require_path(path, is_dir=False)).tensors)
 
 
+def gguf_main_block_type(path: str | Path) -> str:
+    """The GGUF type of most of a file's matrices on their own blocks (`main_block_type`
+    of what `load_gguf` keeps as blocks), from its header alone."""
+    size: dict[str, int] = {}
+    for t in open_gguf(require_path(path, is_dir=False)).tensors:
+        if t.tensor_type in KQUANT_TYPES and len(t.shape) == 2:
+            size[t.tensor_type.name] = size.get(t.tensor_type.name, 0) + t.data.nbytes
+    return max(size, key=size.get) if size else "Q4_K"
+
+
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """The Hugging Face name of a GGUF tensor (`blk.3.attn_q.weight` -> `model.layers.3...`)."""
     if gguf_name in GGUF_GLOBAL_NAMES:

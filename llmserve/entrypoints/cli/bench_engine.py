@@ -75,12 +75,13 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
     if min(args.batch) < 1:
         raise ValueError("--batch takes positive integers, e.g. 1,32")
     source = resolve_model(args.model)
-    stored = "int4"  # a float or HF checkpoint: what its quantized paths would run
+    stored, block_type = "int4", "Q4_K"  # a float or HF checkpoint: its quantized paths
     if source.kind == "gguf":
-        from llmserve.loader.gguf import gguf_stored_quantization
+        from llmserve.loader.gguf import gguf_main_block_type, gguf_stored_quantization
 
         stored = gguf_stored_quantization(source.path) or "int4"
-    result = run_kernels(read_model_config(source), tuple(args.batch), stored)
+        block_type = gguf_main_block_type(source.path)
+    result = run_kernels(read_model_config(source), tuple(args.batch), stored, block_type)
     print(format_kernels(result))
     if args.output_json:
         write_json(args.output_json, result)

@@ -7,6 +7,7 @@ permutation of Q/K is undone for the archs whose converter applies it.
 """
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,12 +118,19 @@ LLAMA3_ROPE_DEFAULTS = {
 
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
-              slices: WeightSlices | None = None) -> LoadedWeights:
+              slices: WeightSlices | None = None,
+              on_blocks: Callable[[dict[str, RawBlocks]], set[str]] | None = None
+              ) -> LoadedWeights:
     """Load a GGUF model file: config from its metadata, weights dequantized to `dtype`.
 
     `slices(config, name)` -> (rows, columns) of each tensor to read (a tensor-parallel
     rank's share, `distributed/parallel.py`): only those bytes of the file are read and
     dequantized.
+
+    Matrices of the types the kernels run on their own blocks (KQUANT_TYPES) are kept as
+    blocks too (`LoadedWeights.blocks`, views of the file). `on_blocks(blocks)` names those
+    that will run on their blocks alone: they are not dequantized at all (an 8B Q4_K_M
+    file would take 32 GB as float32).
 
     Raises ModelNotFoundError (no such file), ModelFormatError (truncated or corrupt) or
     UnsupportedModelError (architecture or tensor type llmserve cannot run).
@@ -135,33 +143,42 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     config = _checked_config(path, metadata, arch, by_name)
     for name in (ROPE_FREQS_TENSOR, *ROPE_FACTORS):
         by_name.pop(name, None)
-    tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, RawBlocks] = {}
+    for name, tensor in by_name.items():
+        if _is_experts(name):
+            continue
+        canonical = hf_name(name, arch)
+        rows, cols = slices(config, canonical) if slices is not None else (None, None)
+        raw = _raw_blocks(tensor, rows, cols)
+        if raw is not None and arch in ROTARY_PERMUTED_ARCHITECTURES:
+            raw = raw.take_rows(_unpermute_qk(name, torch.arange(raw.rows), config).numpy())
+        if raw is not None:
+            blocks[canonical] = raw
+    if config.tie_word_embeddings:
+        blocks.pop("lm_head.weight", None)
+    blocks_only = on_blocks(blocks) if on_blocks is not None else set()
+    tensors: dict[str, torch.Tensor] = {}
     for name, tensor in by_name.items():
         if _is_experts(name):
             for canonical, weight in _experts_to_torch(name, tensor, config, slices):
                 tensors[canonical] = weight.to(dtype)
             continue
         canonical = hf_name(name, arch)
+        if canonical in blocks_only:
+            continue
         rows, cols = slices(config, canonical) if slices is not None else (None, None)
         weight = _to_torch(tensor, rows, cols)
-        raw = _raw_blocks(tensor, rows, cols)
         if arch in ROTARY_PERMUTED_ARCHITECTURES:
             weight = _unpermute_qk(name, weight, config)
-            if raw is not None and weight.dim() == 2:
-                raw = raw.take_rows(_unpermute_qk(name, torch.arange(raw.rows), config).numpy())
-        if raw is not None:
-            blocks[canonical] = raw
         if arch in NORM_SHIFTED_ARCHITECTURES and name.endswith("norm.weight"):
             weight = weight.float() - 1.0
         if name.endswith(SHARED_EXPERT_GATE):
             weight = weight.reshape(1, -1)
         tensors[canonical] = weight.to(dtype)
     drop_tied_head(config, tensors)
-    if config.tie_word_embeddings:
-        blocks.pop("lm_head.weight", None)
     return LoadedWeights(config=config, tensors=tensors, metadata=metadata,
-                         quantization=stored_quantization(by_name.values()), blocks=blocks)
+                         quantization=stored_quantization(by_name.values()), blocks=blocks,
+                         blocks_only=blocks_only)
 
 
 def read_gguf_config(path: str | Path) -> ModelConfig:

@@ -13,7 +13,12 @@ from llmserve.errors import UnsupportedModelError
 from llmserve.kernels import native
 from llmserve.layers.linear import Linear
 from llmserve.loader.catalog import ModelSource, resolve_model
-from llmserve.loader.gguf import load_gguf
+from llmserve.loader.gguf import (
+    gguf_main_block_type,
+    gguf_stored_quantization,
+    load_gguf,
+    read_gguf_config,
+)
 from llmserve.loader.hf import load_hf_folder
 from llmserve.loader.kernel_choice import choose_quantization, choose_stream_prefetch
 from llmserve.loader.weights import WeightSlices
@@ -21,6 +26,7 @@ from llmserve.models.compile import compile_model
 from llmserve.models.llama import STACKED_PARAMS
 from llmserve.models.registry import model_class
 from llmserve.quantization import quantize_model
+from llmserve.quantization.kquant import can_pack as can_pack_blocks
 from llmserve.quantization.kquant import main_block_type
 from llmserve.quantization.packed_float import can_pack, pack_float_model
 from llmserve.tokenizer import Tokenizer
@@ -79,17 +85,30 @@ def load_model(
     source = resolve_model(spec)
     sharded = tp is not None and tp.size > 1
     slices = _rank_slices(tp) if sharded else None
+    from_blocks: frozenset[str] = frozenset()
     if source.kind == "gguf":
-        weights = load_gguf(source.path, dtype, slices)
+        # the model and its linears' format first, from the header: the matrices that run
+        # on the file's own blocks are then never dequantized
+        config = read_gguf_config(source.path)
+        if quantization == "auto":
+            quantization = auto_quantization(
+                gguf_stored_quantization(source.path), torch.device(device), config,
+                gguf_main_block_type(source.path))
+        model = _new_model(config, tp, device, dtype)
+
+        def on_blocks(blocks: dict) -> set[str]:
+            nonlocal from_blocks
+            names, from_blocks = blocks_only(model, blocks)
+            return names
+
+        weights = load_gguf(source.path, dtype, slices,
+                            on_blocks if quantization == "kquant" else None)
         tokenizer = Tokenizer.from_gguf_metadata(weights.metadata)
     else:
         weights = load_hf_folder(source.path, dtype, slices)
         tokenizer = Tokenizer.from_hf_folder(source.path)
-    plan = shard_plan(weights.config, tp) if sharded else None
-    with torch.device(device):
-        model = model_class(weights.config)(weights.config, plan)
-    model.to(dtype=dtype)
-    model.load_weights(weights.tensors)
+        model = _new_model(weights.config, tp, device, dtype)
+    model.load_weights(weights.tensors, from_blocks)
     weights.tensors.clear()  # the model holds the only copy now: lower peak memory
     if quantization == "auto":
         quantization = auto_quantization(weights.quantization, torch.device(device),
@@ -113,10 +132,38 @@ def load_model(
                        weights.has_lm_head)
 
 
+def _new_model(config: ModelConfig, tp: TensorParallel | None, device, dtype) -> nn.Module:
+    """The model for `config` (a rank's share under `tp`), its weights not yet loaded
+    (allocated, untouched: a weight the file's blocks replace never takes memory)."""
+    plan = shard_plan(config, tp) if tp is not None and tp.size > 1 else None
+    with torch.device(device):
+        model = model_class(config)(config, plan)
+    return model.to(dtype=dtype)
+
+
+def blocks_only(model: nn.Module, blocks: dict) -> tuple[set[str], frozenset[str]]:
+    """The file tensors (by canonical name) that run on their blocks alone under "kquant"
+    (every part of their linear packs, `quantize_model`), and the model parameters they
+    replace."""
+    names: set[str] = set()
+    params: set[str] = set()
+    for linear, keys in _linear_block_keys(model, blocks).items():
+        if can_pack_blocks([blocks[key] for key in keys]):
+            names.update(keys)
+            params.add(keys[0] if linear == "lm_head" else f"{linear}.weight")
+    return names, frozenset(params)
+
+
 def linear_blocks(model: nn.Module, blocks: dict) -> dict[str, list]:
     """Each linear's file blocks in row order (a fused projection's parts as STACKED_PARAMS
     stacks them), where the file holds every part as raw blocks (`LoadedWeights.blocks`);
     "lm_head": the head's, or the tied embedding's."""
+    return {name: [blocks[key] for key in keys]
+            for name, keys in _linear_block_keys(model, blocks).items()}
+
+
+def _linear_block_keys(model: nn.Module, blocks: dict) -> dict[str, list[str]]:
+    """`linear_blocks`, as the keys of `blocks`."""
     if not blocks:
         return {}
     parts_of: dict[str, list[str]] = {}
@@ -132,8 +179,9 @@ def linear_blocks(model: nn.Module, blocks: dict) -> dict[str, list]:
         if f"{name}.weight" in blocks:  # a file's own fused tensor (Phi-3's qkv, gate_up)
             keys = [f"{name}.weight"]
         if all(key in blocks for key in keys):
-            out[name] = [blocks[key] for key in keys]
-    head = blocks.get("lm_head.weight", blocks.get("model.embed_tokens.weight"))
+            out[name] = keys
+    head = next((k for k in ("lm_head.weight", "model.embed_tokens.weight") if k in blocks),
+                None)
     if getattr(model, "lm_head", None) is None and head is not None:
         out["lm_head"] = [head]
     return out

@@ -33,8 +33,10 @@ class LoadedWeights:
     # the kernels that keep the file's quantization ("int4" for GGUF Q4_*, "int8" for other
     # quantized files), None for float weights
     quantization: str | None = None
-    # K-quant matrices as stored (canonical name -> blocks), for the K-quant kernels
+    # matrices as stored (canonical name -> blocks), for the kernels on a file's own blocks
     blocks: dict[str, Any] = field(default_factory=dict)
+    # the names among `blocks` that were not dequantized: they run on their blocks alone
+    blocks_only: set[str] = field(default_factory=set)
     # a sequence classifier's head (`score.weight`, (labels, hidden)), kept out of the model
     classifier: torch.Tensor | None = None
     # False: the checkpoint has no LM head (a bare decoder or a classifier; the config was

@@ -107,8 +107,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, tensors: dict[str, torch.Tensor],
+                     from_blocks: frozenset[str] = frozenset()) -> None:
         """Hugging Face-named tensors; every RMSNorm weight w is stored as 1 + w."""
         shifted = {name: t + 1.0 if name.endswith("norm.weight") else t
                    for name, t in tensors.items()}
-        super().load_weights(shifted)
+        super().load_weights(shifted, from_blocks)

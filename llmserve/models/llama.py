@@ -199,8 +199,11 @@ class LlamaForCausalLM(nn.Module):
         return self.plan.tp.all_gather_rows(logits, list(self.plan.vocab_sizes))
 
     @torch.no_grad()
-    def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing stacked projections; all must be used."""
+    def load_weights(self, tensors: dict[str, torch.Tensor],
+                     from_blocks: frozenset[str] = frozenset()) -> None:
+        """Copy Hugging Face-named tensors in, fusing stacked projections; all must be used,
+        and every parameter loaded but `from_blocks` (those the file's blocks replace:
+        `quantize_model` drops them unread)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, tensor in tensors.items():
@@ -218,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             dst.copy_(tensor)
             loaded.add(f"{target}/{rows}")
-        self._check_all_loaded(params, loaded)
+        self._check_all_loaded(params, loaded, from_blocks)
 
     def _held_name(self, name: str) -> str | None:
         """Expert `e` of a mixture is this rank's expert `e - held.start` (all of them
@@ -247,8 +250,9 @@ class LlamaForCausalLM(nn.Module):
             return target, rows
         return name, None
 
-    def _check_all_loaded(self, params: dict, loaded: set[str]) -> None:
+    def _check_all_loaded(self, params: dict, loaded: set[str],
+                          from_blocks: frozenset[str] = frozenset()) -> None:
         names = {key.split("/")[0] for key in loaded}
-        missing = sorted(set(params) - names)
+        missing = sorted(set(params) - names - from_blocks)
         if missing:
             raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")

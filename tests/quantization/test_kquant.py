@@ -187,3 +187,25 @@ def test_generation_is_batch_invariant(kquant_models):
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
+
+
+def test_matrices_on_their_blocks_are_never_dequantized(kquant_gguf, monkeypatch):
+    """A file's matrices that run on their own blocks are not read as floats at load (an
+    8B file would take 32 GB as float32): only the norms are."""
+    from llmserve.loader import gguf as gguf_loader
+    from llmserve.loader.model_loader import load_model
+
+    read = []
+    to_torch = gguf_loader._to_torch
+
+    def recording(tensor, rows, cols):
+        read.append(tensor.name)
+        return to_torch(tensor, rows, cols)
+
+    monkeypatch.setattr(gguf_loader, "_to_torch", recording)
+    loaded = load_model(str(kquant_gguf), quantization="kquant")
+    assert loaded.quantization == "kquant"
+    assert read and all(name.endswith("norm.weight") for name in read), read
+    read.clear()
+    load_model(str(kquant_gguf))  # the exact path reads every tensor
+    assert any(name == "token_embd.weight" for name in read)

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
-_ABI = 25
+_ABI = 26
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 
@@ -66,6 +66,7 @@ _SIGNATURES = {
     "llmserve_rms_norm_heads": [_P, _I64, _I64, _I64, _I64, _P, _F32],
     "llmserve_rotary_inplace": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],
     "llmserve_silu_and_mul": [_P, _I64, _I64, _P],
+    "llmserve_gelu_tanh_and_mul": [_P, _I64, _I64, _P],
     "llmserve_llama_layers": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P],
     "llmserve_lora_apply": [_P, _I64, _I64, _P, _I64, _P, _I64, _P, _P],
     "llmserve_moe_experts": [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P,

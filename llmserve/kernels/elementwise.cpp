@@ -28,6 +28,26 @@ void rms_norm_row(const float* row, int64_t C, const float* weight, float eps, f
   for (; c < C; ++c) o[c] = weight[c] * (row[c] * r);
 }
 
+// out (T, I) = act(gate) * up for gate_up (T, 2I) = [gate | up], elementwise (the same bits
+// however the work is split, and at every level: simd::exp), split over rows and columns
+// so a decode's one row uses every thread.
+template <typename Act>
+void act_and_mul(const float* gate_up, int64_t T, int64_t I, float* out, Act act) {
+  parallel_for(0, T * I, 4096, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e;) {
+      const int64_t t = i / I, c = i % I, n = std::min(e - i, I - c);  // along one row
+      const float* g = gate_up + t * 2 * I + c;
+      const float* u = g + I;
+      float* o = out + t * I + c;
+      for (int64_t j = 0; j < n; j += 16) {  // the tail through the same lane arithmetic
+        const int64_t lanes = std::min<int64_t>(16, n - j);
+        store_part(o + j, act(load_part(g + j, lanes)) * load_part(u + j, lanes), lanes);
+      }
+      i += n;
+    }
+  });
+}
+
 }  // namespace
 
 extern "C" {
@@ -88,25 +108,20 @@ void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t 
   });
 }
 
-// out (T, I) = silu(gate) * up for gate_up (T, 2I) = [gate | up]: g / (1 + exp(-g)) * u,
-// elementwise (the same bits however the work is split, and at every level: simd::exp),
-// split over rows and columns so a decode's one row uses every thread.
+// silu(g) * u = g / (1 + exp(-g)) * u
 void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* out) {
-  parallel_for(0, T * I, 4096, [&](int64_t b, int64_t e) {
-    const F16 one = simd::set1(1.f);
-    for (int64_t i = b; i < e;) {
-      const int64_t t = i / I, c = i % I, n = std::min(e - i, I - c);  // along one row
-      const float* g = gate_up + t * 2 * I + c;
-      const float* u = g + I;
-      float* o = out + t * I + c;
-      for (int64_t j = 0; j < n; j += 16) {  // the tail through the same lane arithmetic
-        const int64_t lanes = std::min<int64_t>(16, n - j);
-        const F16 gv = load_part(g + j, lanes);
-        const F16 ev = simd::exp(simd::zero() - gv);
-        store_part(o + j, (gv / (one + ev)) * load_part(u + j, lanes), lanes);
-      }
-      i += n;
-    }
+  const F16 one = simd::set1(1.f);
+  act_and_mul(gate_up, T, I, out, [&](F16 g) { return g / (one + simd::exp(simd::zero() - g)); });
+}
+
+// gelu_tanh(g) * u (Gemma's GeGLU): 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)),
+// y = sqrt(2 / pi) (g + 0.044715 g^3)
+void llmserve_gelu_tanh_and_mul(const float* gate_up, int64_t T, int64_t I, float* out) {
+  const F16 one = simd::set1(1.f), c1 = simd::set1(-2.f * 0.7978845608028654f),
+            c3 = simd::set1(-2.f * 0.7978845608028654f * 0.044715f);
+  act_and_mul(gate_up, T, I, out, [&](F16 g) {
+    const F16 minus_2y = g * (c1 + c3 * (g * g));
+    return g / (one + simd::exp(minus_2y));
   });
 }
 

@@ -19,6 +19,7 @@ void llmserve_rotary_inplace(float* qkv, int64_t T, int64_t row_stride, int64_t 
                              int64_t D, const int64_t* positions, const float* cos_table,
                              const float* sin_table);
 void llmserve_silu_and_mul(const float* gate_up, int64_t T, int64_t I, float* out);
+void llmserve_gelu_tanh_and_mul(const float* gate_up, int64_t T, int64_t I, float* out);
 void llmserve_pack_int8_weight(const int8_t* w, int64_t N, int64_t K, int8_t* packed);
 void llmserve_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* w,
                           const int32_t* wsum, const float* wscale, const float* bias,

@@ -1,7 +1,8 @@
 // The Llama decoder stack on int8, int4, K-quant or packed float32 weights in one native
-// call: per layer RMSNorm, fused qkv (with its bias: Qwen2), q and k head norms (Qwen3),
-// rotary, KV-cache write, paged attention, o, residual, RMSNorm, gate/up, SiLU*up, down,
-// residual. It calls the very kernels the per-op path calls, in the same order, so both
+// call: per layer RMSNorm, fused qkv (with its bias: Qwen2), q and k head norms (Qwen3,
+// Gemma 3), rotary (a layer's own tables: Gemma's local layers), KV-cache write, paged
+// attention (soft-capped: Gemma 2), o, [RMSNorm of the output: Gemma], residual, RMSNorm,
+// gate/up, SiLU*up (tanh-GELU*up: Gemma), down, [RMSNorm of the output: Gemma], residual. It calls the very kernels the per-op path calls, in the same order, so both
 // give the same bits; it only removes the Python and dispatch between them (~0.3 ms per
 // layer at batch 1, measured: most of a decode step).
 
@@ -11,7 +12,7 @@ namespace {
 
 struct LlamaLayer {
   const float* input_norm;
-  const float* post_attention_norm;
+  const float* mlp_norm;  // before the MLP (Llama's post_attention_layernorm)
   PackedWeight qkv, o, gate_up, down;
   const float* q_norm;  // per-head RMSNorm weights of q and k (Qwen3); nullptr: none
   const float* k_norm;
@@ -20,6 +21,12 @@ struct LlamaLayer {
   float* key_scales;
   float* value_scales;
   int64_t window;  // sliding attention window (0: none)
+  // Gemma: RMSNorms of the attention's and the MLP's outputs before their residual adds
+  // (its post_attention_layernorm and post_feedforward_layernorm); nullptr: none
+  const float* attention_out_norm;
+  const float* mlp_out_norm;
+  const float* cos_table;  // this layer's rotary tables; nullptr: the step's
+  const float* sin_table;
 };
 
 // A step's LoRA updates (lora/manager.py, kernels/lora.cpp): per layer and per linear (qkv,
@@ -42,9 +49,13 @@ void lora(const LoraStep* step, int64_t layer, int which, const float* x, int64_
                       step->layers[layer].linears[which], step->scratch);
 }
 
+enum Activation : int32_t { kSilu = 0, kGeluTanh = 1 };
+
 struct LlamaShape {
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
   float eps, attention_scale;
+  float softcap;  // attention logits soft-capped (0: not)
+  int32_t activation;
 };
 
 struct AttentionStep {
@@ -63,6 +74,16 @@ struct AttentionStep {
 
 void add_(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];
+}
+
+// x += delta (T, C), or x += RMSNorm(delta) with weights `norm` (Gemma; `h` its scratch)
+void residual_add(float* x, const float* delta, int64_t T, int64_t C, const float* norm,
+                  float eps, float* h) {
+  if (norm != nullptr) {
+    llmserve_rms_norm(delta, T, C, norm, eps, h);
+    delta = h;
+  }
+  add_(x, delta, T * C);
 }
 
 }  // namespace
@@ -95,8 +116,9 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
       llmserve_rms_norm_heads(qkv, T, qkv_width, H, D, L.q_norm, s.eps);
       llmserve_rms_norm_heads(qkv + H * D, T, qkv_width, Hkv, D, L.k_norm, s.eps);
     }
-    llmserve_rotary_inplace(qkv, T, qkv_width, H + Hkv, D, step->positions, step->cos_table,
-                            step->sin_table);
+    llmserve_rotary_inplace(qkv, T, qkv_width, H + Hkv, D, step->positions,
+                            L.cos_table ? L.cos_table : step->cos_table,
+                            L.sin_table ? L.sin_table : step->sin_table);
     llmserve_kv_cache_write(qkv + H * D, qkv + (H + Hkv) * D, qkv_width, T, Hkv, D,
                             step->slot_mapping, L.key_cache, L.value_cache, L.key_scales,
                             L.value_scales, step->kv_dtype);
@@ -104,17 +126,20 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
                              L.value_scales, step->kv_dtype, step->block_size, Hkv,
                              step->block_tables, step->max_blocks, step->query_start,
                              step->context_lens, step->num_seqs, s.attention_scale,
-                             L.window, /*softcap=*/0.f, attn);
+                             L.window, s.softcap, attn);
     linear(attn, T, L.o, delta, qscratch);
     lora(lora_step, i, 1, attn, T, H * D, delta, C);
-    add_(x, delta, T * C);
-    llmserve_rms_norm(x, T, C, L.post_attention_norm, s.eps, h);
+    residual_add(x, delta, T, C, L.attention_out_norm, s.eps, h);
+    llmserve_rms_norm(x, T, C, L.mlp_norm, s.eps, h);
     linear(h, T, L.gate_up, gate_up, qscratch);
     lora(lora_step, i, 2, h, T, C, gate_up, 2 * s.intermediate);
-    llmserve_silu_and_mul(gate_up, T, s.intermediate, act);
+    if (s.activation == kGeluTanh)
+      llmserve_gelu_tanh_and_mul(gate_up, T, s.intermediate, act);
+    else
+      llmserve_silu_and_mul(gate_up, T, s.intermediate, act);
     linear(act, T, L.down, delta, qscratch);
     lora(lora_step, i, 3, act, T, s.intermediate, delta, C);
-    add_(x, delta, T * C);
+    residual_add(x, delta, T, C, L.mlp_out_norm, s.eps, h);
   }
 }
 

@@ -72,12 +72,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model = Gemma3Model(cfg, self.plan)
         vocab = len(self.plan.vocab) if self.plan else cfg.vocab_size
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab)
-        self.native_layers = None  # the one-call native stack is Llama's layer only
+        self.native_layers = None  # see LlamaForCausalLM.enable_native_layers
         self.compiled_layers = None  # set by models/compile.py: one graph for every layer
         self.embed_scale = cfg.hidden_size**0.5
-
-    def enable_native_layers(self) -> None:
-        """Gemma's layers run op by op (the native stack has Llama's layer shape)."""
 
     def forward(
         self,
@@ -90,6 +87,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         x = self._embed(input_ids)
         # as Hugging Face: the scale rounded to the embedding's dtype first
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if (native := self._native_stack(x, positions, kv_cache, meta)) is not None:
+            return native
         ropes = {False: self.model.rotary.at(positions, x.dtype),
                  True: self.model.rotary_local.at(positions, x.dtype)}
         if self.compiled_layers is not None:

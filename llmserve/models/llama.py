@@ -148,8 +148,8 @@ class LlamaForCausalLM(nn.Module):
         self.compiled_layers = None  # set by models/compile.py: one graph for every layer
 
     def enable_native_layers(self) -> None:
-        """Run the decoder stack as one native call when the weights allow it (int8, int4 or
-        packed float32 on the CPU, no biases or q/k norms); same bits as the per-op path,
+        """Run the decoder stack as one native call when the weights allow it (int8, int4,
+        a file's own blocks or packed float32 on the CPU); same bits as the per-op path,
         less Python. Not under tensor parallelism: the stack has no all-reduce inside."""
         if self.plan is None:
             self.native_layers = NativeLlamaLayers.build(self)
@@ -163,19 +163,29 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
         x = self._embed(input_ids)
-        native = self.native_layers
-        if native is not None and native.can_run(x, positions, kv_cache, meta):
-            lora = getattr(self, "lora_context", None)  # LoRA adapters in this step
-            step = lora.step if lora is not None else None
-            args = native.lora_args(step) if step is not None else None
-            if step is None or args is not None:
-                return native.forward(x, positions, kv_cache, meta, step, args)  # normed
+        if (native := self._native_stack(x, positions, kv_cache, meta)) is not None:
+            return native
         rope = self.model.rotary.at(positions, x.dtype)
         if self.compiled_layers is not None:
             rope.look_up()  # the tables go into the compiled layer as inputs
         for i, layer in enumerate(self.model.layers):
             x = layer(rope, x, kv_cache.layer(i), meta)
         return self.model.norm(x)
+
+    def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                      meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final hidden states from the one-call native stack (normed), or None where
+        it does not run this step (see `enable_native_layers`; a LoRA step whose
+        adapters it cannot take)."""
+        native = self.native_layers
+        if native is None or not native.can_run(x, positions, kv_cache, meta):
+            return None
+        lora = getattr(self, "lora_context", None)  # LoRA adapters in this step
+        step = lora.step if lora is not None else None
+        args = native.lora_args(step) if step is not None else None
+        if step is not None and args is None:
+            return None
+        return native.forward(x, positions, kv_cache, meta, step, args)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows; under tensor parallelism each rank looks up the ids in its

@@ -1,6 +1,7 @@
 """The Llama decoder stack on int8, int4, K-quant or packed float32 weights as one native call
 (`kernels/llama_layers.cpp`): Llama, Mistral, Qwen2/2.5 (qkv biases), Qwen3 (per-head q/k
-norms).
+norms), Phi-3, Gemma 2 and 3 (four norms a layer, tanh-GELU, soft-capped attention, local
+layers' own rotary tables).
 
 Used by `LlamaForCausalLM.forward` when every layer runs the int8, int4 (native layout),
 K-quant or packed float32 method, on the CPU with the native attention
@@ -34,11 +35,13 @@ class NativeWeight(ctypes.Structure):
 
 
 class _LlamaLayer(ctypes.Structure):
-    _fields_ = [("input_norm", _P), ("post_attention_norm", _P),
+    _fields_ = [("input_norm", _P), ("mlp_norm", _P),
                 ("qkv", NativeWeight), ("o", NativeWeight), ("gate_up", NativeWeight),
                 ("down", NativeWeight), ("q_norm", _P), ("k_norm", _P),
                 ("key_cache", _P), ("value_cache", _P),
-                ("key_scales", _P), ("value_scales", _P), ("window", _I64)]
+                ("key_scales", _P), ("value_scales", _P), ("window", _I64),
+                ("attention_out_norm", _P), ("mlp_out_norm", _P),
+                ("cos_table", _P), ("sin_table", _P)]
 
 
 class _LoraLayer(ctypes.Structure):
@@ -55,7 +58,11 @@ _LINEAR_PATHS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "
 class _LlamaShape(ctypes.Structure):
     _fields_ = [("hidden", _I64), ("num_heads", _I64), ("num_kv_heads", _I64),
                 ("head_dim", _I64), ("intermediate", _I64), ("eps", ctypes.c_float),
-                ("attention_scale", ctypes.c_float)]
+                ("attention_scale", ctypes.c_float), ("softcap", ctypes.c_float),
+                ("activation", ctypes.c_int32)]
+
+
+_ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1}  # the C++ `Activation`
 
 
 class _AttentionStep(ctypes.Structure):
@@ -123,7 +130,9 @@ class NativeLlamaLayers:
         self.model = model
         self.shape = _LlamaShape(cfg.hidden_size, cfg.num_attention_heads,
                                  cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
-                                 cfg.rms_norm_eps, cfg.attention_scale or cfg.head_dim**-0.5)
+                                 cfg.rms_norm_eps, cfg.attention_scale or cfg.head_dim**-0.5,
+                                 cfg.attn_logit_softcapping or 0.0,
+                                 _ACTIVATIONS[cfg.hidden_act])
         self.weights = []
         for layer in model.model.layers:
             self.weights.append([packed_weight(m) for m in _linears(layer)])
@@ -138,8 +147,7 @@ class NativeLlamaLayers:
         lib = native()
         cfg = model.config
         if (lib is None or cfg.qk_norm_across_heads or cfg.clip_qkv is not None
-                or cfg.attn_logit_softcapping or cfg.hidden_act != "silu"
-                or cfg.moe is not None):
+                or cfg.hidden_act not in _ACTIVATIONS or cfg.moe is not None):
             return None
         if next(model.parameters()).device.type != "cpu":
             return None
@@ -161,10 +169,21 @@ class NativeLlamaLayers:
                 attn = layer.self_attn
                 q_norm, k_norm = (None, None) if attn.q_norm is None else (
                     ptr(attn.q_norm.weight), ptr(attn.k_norm.weight))
+                if hasattr(layer, "pre_feedforward_layernorm"):  # Gemma's four norms
+                    mlp_norm = layer.pre_feedforward_layernorm.weight
+                    out_norms = (ptr(layer.post_attention_layernorm.weight),
+                                 ptr(layer.post_feedforward_layernorm.weight))
+                else:
+                    mlp_norm, out_norms = layer.post_attention_layernorm.weight, (None, None)
+                rotary = (self.model.model.rotary_local if getattr(layer, "is_local", False)
+                          else None)  # Gemma's local layers: their own base
+                tables = (None, None) if rotary is None else (ptr(rotary.cos_cache),
+                                                              ptr(rotary.sin_cache))
                 array[i] = _LlamaLayer(
-                    ptr(layer.input_layernorm.weight), ptr(layer.post_attention_layernorm.weight),
+                    ptr(layer.input_layernorm.weight), ptr(mlp_norm),
                     qkv, o, gate_up, down, q_norm, k_norm, ptr(cache.key), ptr(cache.value),
-                    ptr(cache.key_scales), ptr(cache.value_scales), self.model.config.window(i))
+                    ptr(cache.key_scales), ptr(cache.value_scales), self.model.config.window(i),
+                    *out_norms, *tables)
             self._layers, self._cache_ref = array, weakref.ref(kv_cache)
         return self._layers
 

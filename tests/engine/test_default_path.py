@@ -260,7 +260,8 @@ def test_decode_prefetch_is_chosen_by_timing_the_models_own_weights(default_llm,
 
 # a file per family as people download them: a Q4_K_M-like mix (Q6_K v, down and tied
 # embedding), or one legacy type throughout
-FAMILY_FILES = [("llama", "Q4_K_M"), ("qwen2", "Q4_K_M"), ("qwen3", "Q4_0"), ("phi3", "Q8_0")]
+FAMILY_FILES = [("llama", "Q4_K_M"), ("qwen2", "Q4_K_M"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"),
+                ("gemma2", "Q4_K_M")]
 Q4_K_M_MIX = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "token_embd.weight": "Q6_K"}
 
 
@@ -282,8 +283,12 @@ def _family_file(family: str, qtype: str, folder, smollm2_gguf):
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[family]
-    extra = {"phi3": dict(pad_token_id=0, tie_word_embeddings=False)}.get(family, {})
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM)}[family]
+    extra = {"phi3": dict(pad_token_id=0, tie_word_embeddings=False),
+             "gemma2": dict(head_dim=64, sliding_window=24, query_pre_attn_scalar=64,
+                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+             }.get(family, {})
     torch.manual_seed(0)
     model = model_class(config_class(**(common | extra)))
     randomize(model)

@@ -136,6 +136,9 @@ void check_silu(Lcg& g, Blobs& out) {
     llmserve_silu_and_mul(gate_up.data(), T, I, y.data());
     out.put(p + "gate_up", gate_up, {T, 2 * I});
     out.put(p + "out", y, {T, I});
+    std::vector<float> gelu(T * I);  // Gemma's tanh-GELU on the same rows
+    llmserve_gelu_tanh_and_mul(gate_up.data(), T, I, gelu.data());
+    out.put("gelu." + tag("I", I) + ".out", gelu, {T, I});
   }
 }
 

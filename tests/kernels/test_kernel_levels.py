@@ -83,7 +83,7 @@ if BASELINE is None:
     pytest.skip(f"no kernel levels for a {HOST} host", allow_module_level=True)
 # the outputs of kernels built on simd::fmadd (the others: rotary, int8 GEMM, argmax,
 # bitmask, KV-cache writes)
-FUSED_OUTPUTS = re.compile(r"(rms_norm|silu|f32_linear|f32_linear_from|q4_linear|q4_linear_a8|"
+FUSED_OUTPUTS = re.compile(r"(rms_norm|silu|gelu|f32_linear|f32_linear_from|q4_linear|q4_linear_a8|"
                            r"kquant_linear|legacy_linear|q8_linear|"
                            r"attention)\..*"
                            r"\.(out|y)")
@@ -374,14 +374,25 @@ def check_rotary(blobs) -> str:
 
 
 def check_silu(blobs) -> str:
-    worst = 0.0
+    worst = worst_gelu = 0.0
     for p in cases(blobs, r"(silu\.I\d+)\.out"):
         gate_up = blobs[f"{p}.gate_up"].astype(np.float64)
         gate, up = np.split(gate_up, 2, axis=1)
         with np.errstate(over="ignore"):
             ref = gate / (1 + np.exp(-gate)) * up
         worst = max(worst, within(blobs[f"{p}.out"], ref, 1e-6 * np.abs(ref) + 1e-30))
-    return f"silu {worst:.2f} of 1e-6 rel"
+        # tanh-GELU (torch's approximate="tanh"): 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g +
+        # 0.044715 g^3), as g / (1 + exp(-2 y)), the same value (1 + tanh(y) cancels to 0 in
+        # float64 below g = -7, where the value is still 1e-16)
+        y = np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)
+        with np.errstate(over="ignore"):
+            gelu = gate / (1 + np.exp(-2 * y)) * up
+        out = blobs[p.replace("silu.", "gelu.") + ".out"]
+        # exp passes on its argument's float32 rounding (4 ulps of |2y|) as relative error
+        bound = (1e-6 + 2.4e-7 * np.abs(2 * y)) * np.abs(gelu) + 1e-30
+        worst_gelu = max(worst_gelu, within(out, gelu, bound))
+    return (f"silu {worst:.2f} of 1e-6 rel, tanh-GELU {worst_gelu:.2f} of 1e-6 rel + 4 ulps "
+            "of its exponent")
 
 
 def check_int8_linear(blobs) -> str:

@@ -267,6 +267,43 @@ def test_tiny_windowed_folders_match_reference(tmp_path, kind):
     assert (chunked - ours).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "gemma3-softcap", "gemma2"])
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_tiny_gemma_runs_on_the_native_stack(tmp_path, kind, quantization):
+    """Gemma's four norms a layer, tanh-GELU, soft-capped attention and its local layers'
+    own rotary tables inside the one-call native stack: the per-op path's logits bit for
+    bit (float32: the reference's too)."""
+    from llmserve.loader.model_loader import load_model
+    from tests.models.test_llama_reference import per_op_logits
+    from tests.tiny_models import save_byte_tokenizer
+
+    if kind == "gemma2":
+        reference = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=320, max_position_embeddings=256,
+            sliding_window=8, query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0, attn_implementation="eager"))
+        torch.manual_seed(0)
+        reference.apply(_randomize)
+        reference.save_pretrained(tmp_path)
+        reference.eval()
+    else:
+        reference = _tiny_gemma3(tmp_path, softcap=kind.endswith("softcap"))
+    save_byte_tokenizer(tmp_path)
+    model = load_model(str(tmp_path), quantization=quantization).model
+    assert model.native_layers is not None
+    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(2)).tolist()
+    stacked = full_logits(model, ids)
+    assert torch.equal(stacked, per_op_logits(model, ids))
+    if quantization is None:
+        extra = {"softcap": 5.0} if kind == "gemma3-softcap" else {}
+        with torch.inference_mode():
+            ref = reference(torch.tensor([ids]), **extra).logits[0]
+        diff = (stacked - ref).abs().max().item()
+        print(f"{kind} on the native stack: max |logit diff| vs transformers = {diff:.2e}")
+        assert diff <= LOGIT_TOLERANCE
+
+
 def chunked_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position, prefilled `chunk` tokens a step through the paged cache."""
     from llmserve.layers.attention.backend import AttentionMetadata

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
-_ABI = 26
+_ABI = 27
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 

@@ -7,7 +7,11 @@
 // min m per sub-block, and fp16 d and dmin per super-block:
 //   Q4_K, Q5_K:  w = d * sc * u - dmin * m       codes u in [0, 15] / [0, 31], sc, m in [0, 63]
 //   Q6_K:        w = d * sc * (u - 32)           codes u in [0, 63], sc in [-128, 127]
-// (Q6_K is the second form with m = sc and dmin = 32 d.) A legacy row is cut into blocks
+//   Q3_K:        w = d * sc * (u - 4)            codes u in [0, 7], sc in [-32, 31]
+//   IQ4_XS:      w = d * sc * v[u]               codes u in [0, 15], sc in [-32, 31], v
+//                                                llama.cpp's 16 non-linear int8 levels
+// (Q6_K and Q3_K, 16 sub-blocks of 16 k, are the second form with m = sc and dmin = 32 d,
+// 4 d.) A legacy row is cut into blocks
 // of 32 k, each with an fp16 scale d and (Q4_1, Q5_1) an fp16 min m:
 //   Q4_0, Q5_0:  w = d * (u - o)                 u in [0, 15] / [0, 31], o = 8 / 16
 //   Q4_1, Q5_1:  w = d * u + m
@@ -33,6 +37,7 @@
 //           bits 2p and 2p + 1 of byte (c, b) are bit 4 of chunk 4s + p's low and high code;
 //           Q6_K: 16 x 64 bytes, vector s (chunks 2s, 2s + 1): bits 0-1, 2-3 are bits 4-5
 //           of chunk 2s's low and high code, bits 4-5, 6-7 those of chunk 2s + 1
+//           (Q3_K's 3-bit codes fit the nibbles: 4.6 bits a weight read, the file's 3.4)
 //   K-quants: scales  one byte per (sub-block, channel): sc (int8)
 //             mins    Q4_K, Q5_K: one byte per (sub-block, channel): m
 //             d       16 fp16, then dmin: 16 fp16 (Q4_K, Q5_K)
@@ -50,29 +55,36 @@ namespace {
 
 
 constexpr int64_t kSuper = 256;
+// IQ4_XS's (and IQ4_NL's) 16 levels (llama.cpp's kvalues_iq4nl)
+alignas(16) constexpr int8_t kIQ4Levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 
 template <int kType>
 struct Layout {
-  static constexpr bool kLegacy = kType >= kQ4_0;
+  static constexpr bool kLegacy = kType >= kQ4_0 && kType <= kQ8_0;
   static constexpr bool kFive = kType == kQ5K || kType == kQ5_0 || kType == kQ5_1;
   static constexpr bool kLegacyMin = kType == kQ4_1 || kType == kQ5_1;
-  static constexpr int kSubK = kType == kQ6K ? 16 : 32;
+  // Q6_K and Q3_K: 16-k sub-blocks, signed scales, w = d * sc * (u - offset)
+  static constexpr bool kSigned = kType == kQ6K || kType == kQ3K;
+  static constexpr int kCodeOffset = kType == kQ6K ? 32 : 4;
+  static constexpr int kSubK = kSigned ? 16 : 32;
   static constexpr int kSubs = kSuper / kSubK;
   static constexpr int kCodeBytes = kType == kQ8_0 ? 4096 : 2048;
   static constexpr int kHighBytes = kFive ? 512 : kType == kQ6K ? 1024 : 0;
   // K-quants: sub-block scales, mins, fp16 d (and dmin)
   static constexpr int kScales = kCodeBytes + kHighBytes;
   static constexpr int kMins = kScales + kSubs * 16;
-  static constexpr int kHalves = kMins + (kType == kQ6K ? 0 : kSubs * 16);
+  static constexpr bool kNoMins = kSigned || kType == kIQ4XS;
+  static constexpr int kHalves = kMins + (kNoMins ? 0 : kSubs * 16);
   // legacy: fp16 d per block and channel, then m
   static constexpr int kD = kCodeBytes + kHighBytes;
   static constexpr int kM = kD + kSubs * 32;
   static constexpr int kRecord = kLegacy ? kM + (kLegacyMin ? kSubs * 32 : 0)
-                                         : kHalves + (kType == kQ6K ? 32 : 64);
+                                         : kHalves + (kNoMins ? 32 : 64);
   static constexpr int kOffset = kType == kQ4_0 ? 8 : kType == kQ5_0 ? 16 : 0;
   // dot4 steps (4 k each) whose int16 pair sums stay below 2^15 before widening:
   // 2 * (2^bits - 1) * 127 per step (maddubs' pairs; Q8_0 sums in int32 at once)
-  static constexpr int kStepsPerWiden = kType == kQ6K ? 2 : kFive ? 4 : 8;
+  static constexpr int kStepsPerWiden = kType == kQ6K ? 2 : kType == kQ3K ? 4 : kFive ? 4 : 8;
 };
 
 // f(std::integral_constant<int, type>{}) for a runtime type id
@@ -82,6 +94,8 @@ inline auto with_type(int32_t type, F&& f) {
     case kQ4K: return f(std::integral_constant<int, kQ4K>{});
     case kQ5K: return f(std::integral_constant<int, kQ5K>{});
     case kQ6K: return f(std::integral_constant<int, kQ6K>{});
+    case kQ3K: return f(std::integral_constant<int, kQ3K>{});
+    case kIQ4XS: return f(std::integral_constant<int, kIQ4XS>{});
     case kQ4_0: return f(std::integral_constant<int, kQ4_0>{});
     case kQ4_1: return f(std::integral_constant<int, kQ4_1>{});
     case kQ5_0: return f(std::integral_constant<int, kQ5_0>{});
@@ -172,37 +186,59 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
             w + (nb0 + b) * block_bytes + g * L::kRecord + L::kScales + 16 * s));
       constexpr int kSteps = L::kSubK / 4;  // dot4 steps in a sub-block
       simd::P32 pairs[MT][NB];
+      I16 levels[MT][NB];  // IQ4_XS: sums of its int8 levels times q, in int32
       for (int m = 0; m < MT; ++m)
-        for (int b = 0; b < NB; ++b) pairs[m][b] = simd::zero_pairs();
+        for (int b = 0; b < NB; ++b) {
+          pairs[m][b] = simd::zero_pairs();
+          levels[m][b] = simd::zero_i();
+        }
       for (int step = 0; step < kSteps; step += 2) {
         const int j = (s * L::kSubK) / 8 + step / 2;  // the chunk: two steps
         simd::B64 ulo[NB], uhi[NB];
-        for (int b = 0; b < NB; ++b)
+        for (int b = 0; b < NB; ++b) {
           chunk_codes<kType>(w + (nb0 + b) * block_bytes + g * L::kRecord, j, ulo[b], uhi[b]);
+          if constexpr (kType == kIQ4XS) {  // codes -> their signed levels
+            ulo[b] = simd::lookup16(ulo[b], kIQ4Levels);
+            uhi[b] = simd::lookup16(uhi[b], kIQ4Levels);
+          }
+        }
         for (int m = 0; m < MT; ++m) {
           const int8_t* xq = q + (m0 + m) * K + g * kSuper + 8 * j;
           int32_t x0, x1;
           std::memcpy(&x0, xq, 4);
           std::memcpy(&x1, xq + 4, 4);
-          for (int b = 0; b < NB; ++b)
-            pairs[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(pairs[m][b], ulo[b], x0),
+          for (int b = 0; b < NB; ++b) {
+            if constexpr (kType == kIQ4XS)
+              levels[m][b] = simd::dot4_s8s8(simd::dot4_s8s8(levels[m][b], ulo[b], x0),
                                              uhi[b], x1);
+            else
+              pairs[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(pairs[m][b], ulo[b], x0),
+                                               uhi[b], x1);
+          }
         }
         if ((step + 2) % L::kStepsPerWiden == 0)
           for (int m = 0; m < MT; ++m)
             for (int b = 0; b < NB; ++b) {
-              a_int[m][b] = a_int[m][b] + simd::mul_lo(simd::widen_pairs(pairs[m][b]), sc[b]);
+              const I16 sums = kType == kIQ4XS ? levels[m][b] : simd::widen_pairs(pairs[m][b]);
+              a_int[m][b] = a_int[m][b] + simd::mul_lo(sums, sc[b]);
               pairs[m][b] = simd::zero_pairs();
+              levels[m][b] = simd::zero_i();
             }
       }
     }
     for (int b = 0; b < NB; ++b) {
       const uint8_t* rec = w + (nb0 + b) * block_bytes + g * L::kRecord;
       const F16 d = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kHalves));
+      for (int m = 0; m < MT; ++m) {
+        const F16 xs = simd::set1(xscale[(m0 + m) * G + g]);
+        acc[m][b] = simd::fmadd(simd::to_float(a_int[m][b]), d * xs, acc[m][b]);
+      }
+      if constexpr (kType == kIQ4XS) continue;  // no mins
       const F16 dmin =
-          kType == kQ6K ? d * simd::set1(32.f)
-                        : simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kHalves + 32));
-      const int8_t* mins = reinterpret_cast<const int8_t*>(rec + (kType == kQ6K ? L::kScales : L::kMins));
+          L::kSigned ? d * simd::set1(static_cast<float>(L::kCodeOffset))
+                     : simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kHalves + 32));
+      const int8_t* mins =
+          reinterpret_cast<const int8_t*>(rec + (L::kSigned ? L::kScales : L::kMins));
       for (int m = 0; m < MT; ++m) {
         // B = sum of m * (sum of q) over the sub-blocks: |B| < 2^24, exact as a float
         const int32_t* qs = sums16 + ((m0 + m) * G + g) * (kSuper / 16);
@@ -212,7 +248,6 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
           b_int = b_int + simd::mul_lo(simd::load_s8(mins + 16 * s), simd::set1_i(qsum));
         }
         const F16 xs = simd::set1(xscale[(m0 + m) * G + g]);
-        acc[m][b] = simd::fmadd(simd::to_float(a_int[m][b]), d * xs, acc[m][b]);
         acc[m][b] = simd::fnmadd(simd::to_float(b_int), dmin * xs, acc[m][b]);
       }
     }
@@ -382,8 +417,38 @@ void unpack_legacy(int32_t type, const uint8_t* blk, Unpacked& out) {
 }
 
 void unpack_block(int32_t type, const uint8_t* blk, Unpacked& out) {
-  if (type >= kQ4_0) {
+  if (type >= kQ4_0 && type <= kQ8_0) {
     unpack_legacy(type, blk, out);
+    return;
+  }
+  if (type == kIQ4XS) {  // d, scales_h (u16), scales_l[4], qs[128]
+    out.d = read_u16(blk);
+    out.dmin = 0;
+    const uint16_t high = read_u16(blk + 2);
+    for (int s = 0; s < 8; ++s) {
+      const int ls = ((blk[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((high >> (2 * s)) & 3) << 4;
+      out.sc[s] = static_cast<int8_t>(ls - 32);
+      for (int j = 0; j < 16; ++j) {
+        out.u[32 * s + j] = blk[8 + 16 * s + j] & 0xF;
+        out.u[32 * s + 16 + j] = blk[8 + 16 * s + j] >> 4;
+      }
+    }
+    return;
+  }
+  if (type == kQ3K) {  // hmask[32], qs[64], scales[12] (16 6-bit, packed), d
+    const uint8_t *hm = blk, *qs = blk + 32, *p = blk + 96;
+    for (int j = 0; j < 16; ++j) {  // scale j: low 4 bits, then 2 high bits (ggml's aux)
+      const int low = j < 8 ? p[j] & 0xF : p[j - 8] >> 4;
+      const int high = (p[8 + j % 4] >> (2 * (j / 4))) & 3;
+      out.sc[j] = static_cast<int8_t>((low | high << 4) - 32);
+    }
+    for (int h = 0; h < 2; ++h)  // 128 k each: 4 shifts x 32 of qs, high bit m = 1 << (4h + j)
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 32; ++l)
+          out.u[128 * h + 32 * j + l] = static_cast<uint8_t>(
+              ((qs[32 * h + l] >> (2 * j)) & 3) | ((hm[l] >> (4 * h + j)) & 1) << 2);
+    out.d = read_u16(blk + 108);
+    out.dmin = 0;
     return;
   }
   if (type == kQ6K) {  // ql[128], qh[64], scales[16] (int8), d
@@ -430,6 +495,8 @@ int64_t gguf_block_bytes(int32_t type) {
     case kQ4K: return 144;
     case kQ5K: return 176;
     case kQ6K: return 210;
+    case kQ3K: return 110;
+    case kIQ4XS: return 136;
     case kQ4_0: return 8 * 18;
     case kQ4_1: return 8 * 20;
     case kQ5_0: return 8 * 22;
@@ -477,10 +544,10 @@ void write_record(const Unpacked& v, int c, uint8_t* rec) {
   } else {
     for (int s = 0; s < L::kSubs; ++s) {
       rec[L::kScales + 16 * s + c] = static_cast<uint8_t>(v.sc[s]);
-      if constexpr (kType != kQ6K) rec[L::kMins + 16 * s + c] = v.m[s];
+      if constexpr (!L::kNoMins) rec[L::kMins + 16 * s + c] = v.m[s];
     }
     std::memcpy(rec + L::kHalves + 2 * c, &v.d, 2);
-    if constexpr (kType != kQ6K) std::memcpy(rec + L::kHalves + 32 + 2 * c, &v.dmin, 2);
+    if constexpr (!L::kNoMins) std::memcpy(rec + L::kHalves + 32 + 2 * c, &v.dmin, 2);
   }
 }
 
@@ -520,8 +587,10 @@ void dequantize_record(const uint8_t* rec, int c, float* out) {
     }
     const float d = simd::half_bits_to_float(read_u16(rec + L::kHalves + 2 * c));
     const float sc = static_cast<float>(static_cast<int8_t>(rec[L::kScales + 16 * s + c]));
-    if constexpr (kType == kQ6K) {
-      out[k] = (d * sc) * static_cast<float>(u - 32);
+    if constexpr (kType == kIQ4XS) {
+      out[k] = (d * sc) * static_cast<float>(kIQ4Levels[u]);
+    } else if constexpr (L::kSigned) {
+      out[k] = (d * sc) * static_cast<float>(u - L::kCodeOffset);
     } else {
       const float dmin = simd::half_bits_to_float(read_u16(rec + L::kHalves + 32 + 2 * c));
       const float m = static_cast<float>(rec[L::kMins + 16 * s + c]);

@@ -68,7 +68,8 @@ void llmserve_lora_apply(const float* x, int64_t T, int64_t K, float* y, int64_t
 // a weight on a GGUF file's own blocks (kernels/gemm_kquant.cpp): its rows in up to 4
 // segments, each packed from GGUF blocks of one type
 enum KQuantType : int32_t {
-  kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ4_0 = 3, kQ4_1 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ8_0 = 7
+  kQ4K = 0, kQ5K = 1, kQ6K = 2, kQ4_0 = 3, kQ4_1 = 4, kQ5_0 = 5, kQ5_1 = 6, kQ8_0 = 7,
+  kQ3K = 8, kIQ4XS = 9
 };
 struct KQuantSegment {
   int32_t type;

@@ -187,6 +187,10 @@ inline B64 low_nibbles(B64 a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(0
 inline B64 high_nibbles(B64 a) {
   return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(0x0F))};
 }
+inline B64 lookup16(B64 codes, const int8_t* table) {
+  const __m512i t = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+  return {_mm512_shuffle_epi8(t, codes.v)};
+}
 // acc[i] += sum_b u[4i + b] * x4[b]: u unsigned bytes <= 127, x4 four signed bytes
 inline I16 dot4_u7s8(I16 acc, B64 u, int32_t x4) {
 #if defined(__AVX512VNNI__)
@@ -424,6 +428,11 @@ inline B64 high_nibbles(B64 a) {
   return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m),
           _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
 }
+inline B64 lookup16(B64 codes, const int8_t* table) {
+  const __m256i t = _mm256_broadcastsi128_si256(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+  return {_mm256_shuffle_epi8(t, codes.lo), _mm256_shuffle_epi8(t, codes.hi)};
+}
 inline I16 dot4_u7s8(I16 acc, B64 u, int32_t x4) {
   const __m256i x = _mm256_set1_epi32(x4);
 #if defined(__AVXVNNI__)
@@ -600,6 +609,10 @@ inline void store_u16(uint16_t* p, I16 a) {
 inline B64 load_bytes(const void* p) { B64 r; std::memcpy(r.v, p, 64); return r; }
 inline B64 low_nibbles(B64 a) { for (auto& b : a.v) b &= 0x0F; return a; }
 inline B64 high_nibbles(B64 a) { for (auto& b : a.v) b = b >> 4; return a; }
+inline B64 lookup16(B64 codes, const int8_t* table) {
+  for (auto& b : codes.v) b = static_cast<uint8_t>(table[b & 15]);
+  return codes;
+}
 inline B64 operator|(B64 a, B64 b) { for (int i = 0; i < 64; ++i) a.v[i] |= b.v[i]; return a; }
 template <int S> inline B64 shifted_bits(B64 a, uint8_t mask) {
   for (auto& b : a.v) b = static_cast<uint8_t>((S >= 0 ? b << (S & 7) : b >> (-S & 7)) & mask);
@@ -639,6 +652,7 @@ inline float sum_tree(F16 a) {
 //                          m holds only bits that the byte's own bits fill (the x86 levels
 //                          shift 16-bit lanes: bits crossing into the next byte are masked)
 //   mul_lo(a, b)           int32 lanes multiplied, the low 32 bits kept
+//   lookup16(codes, t)     each byte (a code in [0, 15]) replaced by t[code], 16 int8
 // Sums of 4-bit codes u in [0, 15] times int8 x, for up to 8 steps between widenings (a
 // pair of int16 products then stays below 8 * 2 * 15 * 127 = 30480): acc[i] += sum_b
 // u[4i + b] * x4[b]. Levels with a one-instruction int32 dot product keep int32 sums and

@@ -189,6 +189,10 @@ inline B64 low_nibbles(B64 a) {
 inline B64 high_nibbles(B64 a) {
   B64 r; LLMSERVE_QUARTERS(q) r.v[q] = vshrq_n_u8(a.v[q], 4); return r;
 }
+inline B64 lookup16(B64 codes, const int8_t* table) {
+  const uint8x16_t t = vld1q_u8(reinterpret_cast<const uint8_t*>(table));
+  B64 r; LLMSERVE_QUARTERS(q) r.v[q] = vqtbl1q_u8(t, codes.v[q]); return r;
+}
 inline B64 operator|(B64 a, B64 b) {
   B64 r; LLMSERVE_QUARTERS(q) r.v[q] = vorrq_u8(a.v[q], b.v[q]); return r;
 }

@@ -1,9 +1,10 @@
-"""kquant: GGUF weights run in the file's own bits: the K-quants (Q4_K, Q5_K, Q6_K) and the
-legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+"""kquant: GGUF weights run in the file's own bits: the K-quants (Q3_K, Q4_K, Q5_K, Q6_K),
+IQ4_XS and the legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
 
 A tensor is not re-quantized: its blocks are re-laid once at load for the native kernel
 (`gemm_kquant.cpp`: 16 channels x 256 k per record, the codes, sub-block scales and mins
-and fp16 scales of the file: 4.6 / 5.6 / 6.6 bits a weight for the K-quants, the file's
+and fp16 scales of the file: 4.6 / 4.6 / 5.6 / 6.6 bits a weight for the K-quants, 4.3 for
+IQ4_XS (its codes looked up in its 16 int8 levels in registers), the file's
 own 4.5 / 5 / 5.5 / 6 / 8.5 for the legacy types), and the product dequantizes nothing:
 per row and super-block of 256 k the activations are int8 with one scale (llama.cpp's
 Q8_K), the dot products are exact integer sums scaled by the file's scales, and the float
@@ -29,18 +30,19 @@ SUPER = 256
 _N_ALIGN = 16
 # GGUF type -> the kernel's type id (kernels.h `KQuantType`)
 KQUANT_TYPES = {QT.Q4_K: 0, QT.Q5_K: 1, QT.Q6_K: 2, QT.Q4_0: 3, QT.Q4_1: 4, QT.Q5_0: 5,
-                QT.Q5_1: 6, QT.Q8_0: 7}
+                QT.Q5_1: 6, QT.Q8_0: 7, QT.Q3_K: 8, QT.IQ4_XS: 9}
 LEGACY_TYPES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0})
 _MAX_SEGMENTS = 4
 # per 256 values: one K-quant block, eight legacy blocks of 32
-GGUF_BLOCK_BYTES = {QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q4_0: 8 * 18,
+GGUF_BLOCK_BYTES = {QT.Q3_K: 110, QT.IQ4_XS: 136, QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q4_0: 8 * 18,
                     QT.Q4_1: 8 * 20, QT.Q5_0: 8 * 22, QT.Q5_1: 8 * 24, QT.Q8_0: 8 * 34}
 # a packed record (16 channels x 256 k; gemm_kquant.cpp's `Layout`): codes, high bits,
 # then sub-block scales and mins and fp16 d and dmin (K-quants), or fp16 d and m per block
 # of 32 (legacy)
 RECORD_BYTES = {QT.Q4_K: 2048 + 128 + 128 + 64, QT.Q5_K: 2048 + 512 + 128 + 128 + 64,
                 QT.Q6_K: 2048 + 1024 + 256 + 32, QT.Q4_0: 2048 + 256, QT.Q4_1: 2048 + 512,
-                QT.Q5_0: 2048 + 512 + 256, QT.Q5_1: 2048 + 512 + 512, QT.Q8_0: 4096 + 256}
+                QT.Q5_0: 2048 + 512 + 256, QT.Q5_1: 2048 + 512 + 512, QT.Q8_0: 4096 + 256,
+                QT.Q3_K: 2048 + 256 + 32, QT.IQ4_XS: 2048 + 128 + 32}
 
 
 @dataclass
@@ -192,7 +194,8 @@ def random_blocks(qtype: QT, rows: int, columns: int, generator: np.random.Gener
                               dtype=np.uint8)
     scales = generator.uniform(1e-4, 1e-3, size=(*data.shape[:2], 2)).astype(np.float16)
     # d (and dmin, or m) in each block
-    at = (208,) if qtype == QT.Q6_K else (0,) if qtype in (QT.Q4_0, QT.Q5_0, QT.Q8_0) else (0, 2)
+    at = ((208,) if qtype == QT.Q6_K else (108,) if qtype == QT.Q3_K
+          else (0,) if qtype in (QT.Q4_0, QT.Q5_0, QT.Q8_0, QT.IQ4_XS) else (0, 2))
     for i, offset in enumerate(at):
         data[..., offset:offset + 2] = scales[..., i:i + 1].view(np.uint8)
     if qtype == QT.Q8_0:  # int8 values in [-127, 127], as ggml writes them

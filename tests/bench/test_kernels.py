@@ -10,12 +10,13 @@ def test_bench_kernels_times_every_candidate(tmp_path, monkeypatch, kernel_level
     assert result["level"].split("+")[0] == kernel_level
     names = [row["kernel"] for row in result["rows"]]
     blocks = [f"llmserve kquant {t}" for t in
-              ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")]
-    assert names[:13] == [*blocks, "llmserve int4 (W4A15)", "llmserve int4-a8 (W4A8)",
+              ("Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K",
+               "IQ4_XS")]
+    assert names[:15] == [*blocks, "llmserve int4 (W4A15)", "llmserve int4-a8 (W4A8)",
                           "llmserve int8 (W8A15)", "llmserve float32", "torch F.linear float32"]
-    for row in result["rows"][8:13]:  # ours and torch's float32 run everywhere
+    for row in result["rows"][10:15]:  # ours and torch's float32 run everywhere
         assert all(isinstance(row["ms"][b], float) and row["ms"][b] > 0 for b in (1, 4))
-    for row in result["rows"][:8]:  # a file's blocks where the columns are whole blocks
+    for row in result["rows"][:10]:  # a file's blocks where the columns are whole blocks
         whole = all(k % 256 == 0 for _, k, _ in result["shapes"])
         assert all(isinstance(row["ms"][b], float) == whole for b in (1, 4))
     assert result["read_bandwidth_bytes_per_s"] > 1e8 and result["int8_peak_ops_per_s"] > 1e8

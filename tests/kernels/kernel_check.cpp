@@ -230,7 +230,8 @@ constexpr BlockFormat kFormats[] = {
     {kQ4K, "q4_k", 144, 144, {0, 2}},    {kQ5K, "q5_k", 176, 176, {0, 2}},
     {kQ6K, "q6_k", 210, 210, {208, -1}}, {kQ4_0, "q4_0", 144, 18, {0, -1}},
     {kQ4_1, "q4_1", 160, 20, {0, 2}},   {kQ5_0, "q5_0", 176, 22, {0, -1}},
-    {kQ5_1, "q5_1", 192, 24, {0, 2}},   {kQ8_0, "q8_0", 272, 34, {0, -1}}};
+    {kQ5_1, "q5_1", 192, 24, {0, 2}},   {kQ8_0, "q8_0", 272, 34, {0, -1}},
+    {kQ3K, "q3_k", 110, 110, {108, -1}},  {kIQ4XS, "iq4_xs", 136, 136, {0, -1}}};
 
 // One weight on a file's own blocks, of segments `types` x `rows` (a fused projection whose
 // parts a file stores in different types) from random GGUF blocks (every byte pattern is a
@@ -289,11 +290,13 @@ void check_blocks(Lcg& g, Blobs& out, const std::string& name, std::vector<int32
 }
 
 // The K-quants as a Q4_K_M file mixes them (Q4_K, Q6_K, Q5_K), the legacy types two ways,
-// and Q8_0 as one whole weight
+// Q8_0 as one whole weight, Q3_K beside Q6_K and IQ4_XS beside Q5_K
 void check_kquant(Lcg& g, Blobs& out) {
   check_blocks(g, out, "kquant", {kQ4K, kQ6K, kQ5K}, {16, 16, 8});
   check_blocks(g, out, "legacy", {kQ4_0, kQ4_1, kQ5_0, kQ5_1}, {16, 16, 16, 8});
   check_blocks(g, out, "q8", {kQ8_0}, {24});
+  check_blocks(g, out, "q3", {kQ3K, kQ6K}, {16, 8});  // a Q3_K_M file's Q3_K and Q6_K
+  check_blocks(g, out, "iq4", {kIQ4XS, kQ5K}, {16, 8});
 }
 
 // plain (bias on M = 3, 5) and continuing from `init` (M = 3, 33)

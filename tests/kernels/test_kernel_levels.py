@@ -84,7 +84,7 @@ if BASELINE is None:
 # the outputs of kernels built on simd::fmadd (the others: rotary, int8 GEMM, argmax,
 # bitmask, KV-cache writes)
 FUSED_OUTPUTS = re.compile(r"(rms_norm|silu|gelu|f32_linear|f32_linear_from|q4_linear|q4_linear_a8|"
-                           r"kquant_linear|legacy_linear|q8_linear|"
+                           r"kquant_linear|legacy_linear|q8_linear|q3_linear|iq4_linear|"
                            r"attention)\..*"
                            r"\.(out|y)")
 
@@ -451,7 +451,7 @@ def check_kquant(blobs) -> str:
     from tests.quantization.test_kquant import term_magnitudes
 
     worst = 0.0
-    for weight in ("kquant", "legacy", "q8"):
+    for weight in ("kquant", "legacy", "q8", "q3", "iq4"):
         parts, terms = [], []
         for key in sorted(k for k in blobs if k.startswith(f"{weight}.part")
                           and k.endswith(".blocks")):

@@ -21,7 +21,7 @@ from llmserve.quantization.kquant import (
 )
 
 pytestmark = pytest.mark.skipif(native() is None, reason="needs the native CPU kernels")
-TYPES = (QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
+TYPES = (QT.Q3_K, QT.IQ4_XS, QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)
 
 
 def dense(parts: list[RawBlocks]) -> torch.Tensor:
@@ -30,7 +30,7 @@ def dense(parts: list[RawBlocks]) -> torch.Tensor:
                                        .astype(np.float64)) for p in parts])
 
 
-CODE_BYTES = {QT.Q4_K: slice(16, 144), QT.Q5_K: slice(16, 176), QT.Q6_K: slice(0, 192),
+CODE_BYTES = {QT.Q3_K: slice(0, 96), QT.IQ4_XS: slice(8, 136), QT.Q4_K: slice(16, 144), QT.Q5_K: slice(16, 176), QT.Q6_K: slice(0, 192),
               QT.Q4_0: slice(2, 18), QT.Q4_1: slice(4, 20), QT.Q5_0: slice(2, 22),
               QT.Q5_1: slice(4, 24), QT.Q8_0: slice(2, 34)}
 
@@ -101,7 +101,7 @@ def test_what_cannot_run_as_one_weight():
     g = np.random.default_rng(3)
     q4 = random_blocks(QT.Q4_K, 16, 512, g)
     assert not can_pack([])
-    assert not can_pack([q4, RawBlocks(QT.Q3_K, np.zeros((16, 220), np.uint8), 512)])
+    assert not can_pack([q4, RawBlocks(QT.Q2_K, np.zeros((16, 168), np.uint8), 512)])
     assert can_pack([q4, random_blocks(QT.Q8_0, 16, 512, g)])  # Q8_0 beside Q4_K
     assert not can_pack([RawBlocks(QT.Q4_0, np.zeros((16, 18 * 18), np.uint8), 576)])
     assert not can_pack([q4, random_blocks(QT.Q4_K, 16, 768, g)])  # other columns

@@ -137,7 +137,8 @@ def kquant_weight_bytes(cfg: ModelConfig, types: dict[str, Any]) -> int:
     """Bytes the K-quant path allocates for a GGUF file whose tensors have `types` (GGUF
     name -> type): each linear whose parts are all K-quant packed in their own records
     (`packed_kquant_bytes`), the others at int8 (`KQUANT_FALLBACK`), the tied head on the
-    embedding's blocks or int8; the rest as `quantized_weight_bytes`. A mixture's experts
+    embedding's blocks or int8, an untied embedding on its blocks where they pack; the rest
+    as `quantized_weight_bytes`. A mixture's experts
     and fused file tensors (Phi-3) are counted at int8."""
     from llmserve.quantization.int8 import packed_int8_bytes
     from llmserve.quantization.kquant import packed_kquant_bytes
@@ -162,6 +163,9 @@ def kquant_weight_bytes(cfg: ModelConfig, types: dict[str, Any]) -> int:
             total += linear([(blk + "ffn_down.weight", h)], i) - packed_int8_bytes(h, i)
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     total += linear([(head, cfg.vocab_size)], h) - packed_int8_bytes(cfg.vocab_size, h)
+    if not cfg.tie_word_embeddings:  # an untied embedding on its blocks, else float32
+        embed = packed_kquant_bytes([(types.get("token_embd.weight"), cfg.vocab_size)], h)
+        total += 0 if embed is None else embed - 4 * cfg.vocab_size * h
     return total if total > 0 else int8_total
 
 

@@ -150,14 +150,15 @@ def blocks_only(model: nn.Module, blocks: dict) -> tuple[set[str], frozenset[str
     for linear, keys in _linear_block_keys(model, blocks).items():
         if can_pack_blocks([blocks[key] for key in keys]):
             names.update(keys)
-            params.add(keys[0] if linear == "lm_head" else f"{linear}.weight")
+            params.add(keys[0] if linear in ("lm_head", "embed_tokens") else f"{linear}.weight")
     return names, frozenset(params)
 
 
 def linear_blocks(model: nn.Module, blocks: dict) -> dict[str, list]:
     """Each linear's file blocks in row order (a fused projection's parts as STACKED_PARAMS
     stacks them), where the file holds every part as raw blocks (`LoadedWeights.blocks`);
-    "lm_head": the head's, or the tied embedding's."""
+    "lm_head": the tied embedding's (an untied head is the linear "lm_head");
+    "embed_tokens": an untied embedding's."""
     return {name: [blocks[key] for key in keys]
             for name, keys in _linear_block_keys(model, blocks).items()}
 
@@ -184,6 +185,8 @@ def _linear_block_keys(model: nn.Module, blocks: dict) -> dict[str, list[str]]:
                 None)
     if getattr(model, "lm_head", None) is None and head is not None:
         out["lm_head"] = [head]
+    elif "model.embed_tokens.weight" in blocks:  # an untied embedding: its own table
+        out["embed_tokens"] = ["model.embed_tokens.weight"]
     return out
 
 

@@ -12,7 +12,13 @@ from torch import nn
 from llmserve.layers.linear import Linear, LinearMethod
 from llmserve.quantization.int4 import Int4A8LinearMethod, Int4LinearMethod
 from llmserve.quantization.int8 import Int8LinearMethod, int8_head
-from llmserve.quantization.kquant import KQuantLinearMethod, RawBlocks, can_pack, kquant_head
+from llmserve.quantization.kquant import (
+    KQuantLinearMethod,
+    RawBlocks,
+    can_pack,
+    kquant_embedding,
+    kquant_head,
+)
 
 # "kquant": a K-quant file's linears on their own blocks (quantization/kquant.py), the
 # others (a file's non-K-quant tensors) on this method
@@ -52,7 +58,8 @@ def quantize_model(model: nn.Module, name: str | None,
     K-quant blocks, as the file stores them) runs on them; the others on KQUANT_FALLBACK.
     A model with tied embeddings gets a quantized LM head (`raw_parts["lm_head"]`: the
     embedding's blocks, for "kquant"), and its embedding lookup reads that same table (one
-    row gathered and dequantized per token): no float copy remains.
+    row gathered and dequantized per token): no float copy remains. An untied embedding
+    whose blocks `raw_parts["embed_tokens"]` holds reads its rows from them likewise.
     """
     if name is None:
         return
@@ -64,6 +71,9 @@ def quantize_model(model: nn.Module, name: str | None,
             module.method = (KQuantLinearMethod(parts) if parts and can_pack(parts)
                              else linear_method(name))
             module.method.process_weights_after_loading(module)
+    embed = (raw_parts or {}).get("embed_tokens")
+    if embed and can_pack(embed) and getattr(model, "lm_head", None) is not None:
+        model.model.embed_tokens = kquant_embedding(embed)  # untied: its own table
     if getattr(model, "lm_head", False) is None:
         parts = (raw_parts or {}).get("lm_head")
         if parts and can_pack(parts):

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
+from torch import nn
 
 from llmserve.kernels import native, ptr
+from llmserve.layers.embedding import PackedEmbedding
 from llmserve.layers.linear import Linear, LinearMethod, PackedHead
 
 SUPER = 256
@@ -34,8 +36,9 @@ KQUANT_TYPES = {QT.Q4_K: 0, QT.Q5_K: 1, QT.Q6_K: 2, QT.Q4_0: 3, QT.Q4_1: 4, QT.Q
 LEGACY_TYPES = frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0})
 _MAX_SEGMENTS = 4
 # per 256 values: one K-quant block, eight legacy blocks of 32
-GGUF_BLOCK_BYTES = {QT.Q3_K: 110, QT.IQ4_XS: 136, QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210, QT.Q4_0: 8 * 18,
-                    QT.Q4_1: 8 * 20, QT.Q5_0: 8 * 22, QT.Q5_1: 8 * 24, QT.Q8_0: 8 * 34}
+GGUF_BLOCK_BYTES = {QT.Q3_K: 110, QT.IQ4_XS: 136, QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210,
+                    QT.Q4_0: 8 * 18, QT.Q4_1: 8 * 20, QT.Q5_0: 8 * 22, QT.Q5_1: 8 * 24,
+                    QT.Q8_0: 8 * 34}
 # a packed record (16 channels x 256 k; gemm_kquant.cpp's `Layout`): codes, high bits,
 # then sub-block scales and mins and fp16 d and dmin (K-quants), or fp16 d and m per block
 # of 32 (legacy)
@@ -82,8 +85,9 @@ class _Weight(ctypes.Structure):
 
 def can_pack(parts: list[RawBlocks]) -> bool:
     """Whether `parts` (a linear's row blocks, in order) run as one weight on their blocks:
-    every part a type of KQUANT_TYPES over the same columns (a multiple of 256), at most four runs of one type, each run but
-    the last a multiple of 16 rows (a record holds 16 channels)."""
+    every part a type of KQUANT_TYPES over the same columns (a multiple of 256), at most
+    four runs of one type, each run but the last a multiple of 16 rows (a record holds 16
+    channels)."""
     if not parts or len({p.columns for p in parts}) != 1:
         return False
     return packed_kquant_bytes([(p.qtype, p.rows) for p in parts], parts[0].columns) is not None
@@ -238,6 +242,16 @@ class KQuantLinearMethod(LinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return kquant_linear(x, self.weight, layer.bias)
+
+
+def kquant_embedding(parts: list[RawBlocks]) -> nn.Module:
+    """An untied token embedding on its file blocks: each token's row dequantized from them
+    (an 8B model's float32 table would take 2.1 GB)."""
+    table = PackedKQuantWeight(parts)
+    module = PackedEmbedding(table)
+    for name, tensor in table.tensors().items():
+        module.register_buffer(name, tensor)
+    return module
 
 
 def kquant_head(parts: list[RawBlocks]) -> PackedHead:

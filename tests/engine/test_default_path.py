@@ -303,6 +303,7 @@ def test_each_family_runs_its_file_on_the_stack(family, qtype, tmp_path, smollm2
     file's own blocks ("kquant", what "auto" runs unless timed slower than float32 here:
     tests/loader/test_kernel_choice.py), the one-call stack with the per-op path's bits,
     batching changing nothing, and close to the float32 path of the same file."""
+    from llmserve.layers.embedding import PackedEmbedding
     from llmserve.loader.gguf import gguf_stored_quantization
     from llmserve.loader.model_loader import load_model
     from llmserve.quantization.kquant import KQuantLinearMethod
@@ -315,6 +316,9 @@ def test_each_family_runs_its_file_on_the_stack(family, qtype, tmp_path, smollm2
     assert model.native_layers is not None
     assert all(isinstance(m.method, KQuantLinearMethod)
                for m in model.model.layers[0].modules() if hasattr(m, "method"))
+    if not model.config.tie_word_embeddings:  # Phi-3 here: the embedding on its own table too
+        assert isinstance(model.lm_head.method, KQuantLinearMethod)
+        assert isinstance(model.model.embed_tokens, PackedEmbedding)
     ids = list(range(100, 164))
     ours = full_logits(model, ids)
     assert torch.equal(ours, per_op_logits(model, ids))

@@ -30,7 +30,8 @@ def dense(parts: list[RawBlocks]) -> torch.Tensor:
                                        .astype(np.float64)) for p in parts])
 
 
-CODE_BYTES = {QT.Q3_K: slice(0, 96), QT.IQ4_XS: slice(8, 136), QT.Q4_K: slice(16, 144), QT.Q5_K: slice(16, 176), QT.Q6_K: slice(0, 192),
+CODE_BYTES = {QT.Q3_K: slice(0, 96), QT.IQ4_XS: slice(8, 136), QT.Q4_K: slice(16, 144),
+              QT.Q5_K: slice(16, 176), QT.Q6_K: slice(0, 192),
               QT.Q4_0: slice(2, 18), QT.Q4_1: slice(4, 20), QT.Q5_0: slice(2, 22),
               QT.Q5_1: slice(4, 24), QT.Q8_0: slice(2, 34)}
 

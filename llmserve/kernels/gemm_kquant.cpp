@@ -155,6 +155,22 @@ void quantize_row_super(const float* x, int64_t K, int8_t* q, float* scale, int3
   }
 }
 
+// Prefetches sub-block s's share of the lines of record g1 of blocks nb1 .. nb1 + NB - 1
+// (the next super-block's records in each block's stream; past a block's end, the next
+// tile's: with one block per tile, a thread's weights are one linear stream).
+template <int kType, int NB, bool kStream>
+inline void prefetch_share(const uint8_t* w, int64_t nb1, int64_t g1, int64_t block_bytes,
+                           int s) {
+  using L = Layout<kType>;
+  constexpr int kLines = (L::kRecord + 63) / 64;
+  for (int b = 0; b < NB; ++b) {
+    const char* next = reinterpret_cast<const char*>(w + (nb1 + b) * block_bytes +
+                                                     g1 * L::kRecord);
+    for (int line = s * kLines / L::kSubs; line < (s + 1) * kLines / L::kSubs; ++line)
+      prefetch_weights<kStream>(next + 64 * line);
+  }
+}
+
 // MT rows x NB blocks of 16 channels of y = KQ(w) . x [+ bias].
 template <int kType, int MT, int NB, bool kStream>
 inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16, int64_t m0,
@@ -162,24 +178,16 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
                     float* y) {
   using L = Layout<kType>;
   const int64_t G = K / kSuper, block_bytes = G * L::kRecord;
-  constexpr int kLines = (L::kRecord + 63) / 64;
   F16 acc[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
   for (int64_t g = 0; g < G; ++g) {
-    // the next super-block's record in each block's stream (past a block's end, the next
-    // tile's: with one block per tile, a thread's weights are one linear stream)
     const int64_t nb1 = g + 1 < G ? nb0 : nb0 + NB, g1 = g + 1 < G ? g + 1 : 0;
     I16 a_int[MT][NB];
     for (int m = 0; m < MT; ++m)
       for (int b = 0; b < NB; ++b) a_int[m][b] = simd::zero_i();
     for (int s = 0; s < L::kSubs; ++s) {
-      for (int b = 0; b < NB; ++b) {
-        const char* next = reinterpret_cast<const char*>(w + (nb1 + b) * block_bytes +
-                                                         g1 * L::kRecord);
-        for (int line = s * kLines / L::kSubs; line < (s + 1) * kLines / L::kSubs; ++line)
-          prefetch_weights<kStream>(next + 64 * line);
-      }
+      prefetch_share<kType, NB, kStream>(w, nb1, g1, block_bytes, s);
       I16 sc[NB];
       for (int b = 0; b < NB; ++b)
         sc[b] = simd::load_s8(reinterpret_cast<const int8_t*>(
@@ -272,12 +280,7 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
   for (int64_t g = 0; g < G; ++g) {
     const int64_t nb1 = g + 1 < G ? nb0 : nb0 + NB, g1 = g + 1 < G ? g + 1 : 0;
     for (int s = 0; s < L::kSubs; ++s) {
-      for (int b = 0; b < NB; ++b) {
-        const char* next = reinterpret_cast<const char*>(w + (nb1 + b) * block_bytes +
-                                                         g1 * L::kRecord);
-        for (int line = s * kLines / L::kSubs; line < (s + 1) * kLines / L::kSubs; ++line)
-          prefetch_weights<kStream>(next + 64 * line);
-      }
+      prefetch_share<kType, NB, kStream>(w, nb1, g1, block_bytes, s);
       I16 sum[MT][NB];  // u . q (Q8_0: v . q)
       simd::P32 pairs[MT][NB];
       for (int m = 0; m < MT; ++m)

@@ -273,9 +273,7 @@ def test_tiny_gemma_runs_on_the_native_stack(tmp_path, kind, quantization):
     """Gemma's four norms a layer, tanh-GELU, soft-capped attention and its local layers'
     own rotary tables inside the one-call native stack: the per-op path's logits bit for
     bit (float32: the reference's too)."""
-    from llmserve.loader.model_loader import load_model
-    from tests.models.test_llama_reference import per_op_logits
-    from tests.tiny_models import save_byte_tokenizer
+    from tests.models.test_llama_reference import check_native_stack
 
     if kind == "gemma2":
         reference = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
@@ -289,19 +287,8 @@ def test_tiny_gemma_runs_on_the_native_stack(tmp_path, kind, quantization):
         reference.eval()
     else:
         reference = _tiny_gemma3(tmp_path, softcap=kind.endswith("softcap"))
-    save_byte_tokenizer(tmp_path)
-    model = load_model(str(tmp_path), quantization=quantization).model
-    assert model.native_layers is not None
-    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(2)).tolist()
-    stacked = full_logits(model, ids)
-    assert torch.equal(stacked, per_op_logits(model, ids))
-    if quantization is None:
-        extra = {"softcap": 5.0} if kind == "gemma3-softcap" else {}
-        with torch.inference_mode():
-            ref = reference(torch.tensor([ids]), **extra).logits[0]
-        diff = (stacked - ref).abs().max().item()
-        print(f"{kind} on the native stack: max |logit diff| vs transformers = {diff:.2e}")
-        assert diff <= LOGIT_TOLERANCE
+    extra = {"softcap": 5.0} if kind == "gemma3-softcap" else {}
+    check_native_stack(tmp_path, reference, kind, quantization, **extra)
 
 
 def chunked_logits(model, token_ids: list[int], chunk: int) -> torch.Tensor:

@@ -193,19 +193,26 @@ def test_logits_match_reference_on_tiny_hf_folders(tmp_path, kind):
 def test_qwen_families_run_on_the_native_stack(tmp_path, kind, quantization):
     """Qwen2's qkv biases and Qwen3's per-head q/k norms run inside the one-call native
     stack: the same logits as the per-op path, bit for bit (float32: the reference's too)."""
+    check_native_stack(tmp_path, _tiny_folder(tmp_path, kind), kind, quantization)
+
+
+def check_native_stack(folder, reference, kind: str, quantization: str | None,
+                       **reference_args) -> None:
+    """The tiny checkpoint saved in `folder` (`reference`, a transformers model) loaded
+    with `quantization` runs on the one-call native stack with the per-op path's logits,
+    bit for bit; float32 also within LOGIT_TOLERANCE of the reference."""
     from llmserve.loader.model_loader import load_model
     from tests.tiny_models import save_byte_tokenizer
 
-    reference = _tiny_folder(tmp_path, kind)
-    save_byte_tokenizer(tmp_path)
-    model = load_model(str(tmp_path), quantization=quantization).model
+    save_byte_tokenizer(folder)
+    model = load_model(str(folder), quantization=quantization).model
     assert model.native_layers is not None
     ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(2)).tolist()
     stacked = full_logits(model, ids)
     assert torch.equal(stacked, per_op_logits(model, ids))
     if quantization is None:
         with torch.inference_mode():
-            ref = reference(torch.tensor([ids])).logits[0]
+            ref = reference(torch.tensor([ids]), **reference_args).logits[0]
         diff = (stacked - ref).abs().max().item()
         print(f"{kind} on the native stack: max |logit diff| vs transformers = {diff:.2e}")
         assert diff <= LOGIT_TOLERANCE

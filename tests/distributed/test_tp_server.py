@@ -18,7 +18,9 @@ import pytest
 
 from tests.entrypoints.openai.conftest import MODEL, RunningServer, run_server, wait_engine_idle
 
-TP2 = {"tensor_parallel_size": 2}
+# a longer context than the other servers' so that the disconnect test's answer cannot end
+# before the test looks at it, however slow a loaded machine runs it
+TP2 = {"tensor_parallel_size": 2, "max_model_len": 2048}
 CHATS = [[{"role": "user", "content": "Name three colours."}],
          [{"role": "system", "content": "You are a helpful assistant."},
           {"role": "user", "content": "What is the capital of France?"}],
@@ -124,7 +126,7 @@ def test_chat_logprobs_match_tp1(tp1, tp2):
 def test_disconnect_frees_the_request_on_every_rank(tp2):
     engine = tp2.engine.engine
     batch = engine.executor.runner.input_batch  # rank 0's persistent batch
-    body = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 400,
+    body = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 2000,
             "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=tp2.url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -164,7 +166,7 @@ class Killed:
 def _kill_the_worker_mid_answer(server: RunningServer, client: openai.OpenAI) -> Killed:
     """Two long answers in flight (one streamed, one whole), then the worker is killed."""
     engine = server.engine.engine
-    long = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 400,
+    long = {"model": MODEL, "prompt": "Write a long essay about the sea.", "max_tokens": 2000,
             "extra_body": {"ignore_eos": True}}
     stream = client.completions.create(stream=True, **long)
     next(iter(stream))

@@ -99,7 +99,8 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
     """Bytes the int8 or int4 path allocates: packed linears (int8: padded, int32 row sums,
     fp32 scales; int4: 320-byte records per 16 channels and group of 32), one int8 table
     for a tied embedding and head (an untied head packed as the linears, beside a float
-    embedding), a mixture's float routers, fp32 norms and rotary tables."""
+    embedding), a mixture's float routers, fp32 norms and rotary tables (Gemma: four norms
+    a layer, a second rotary base)."""
     from llmserve.quantization.int4 import packed_int4_bytes
     from llmserve.quantization.int8 import packed_int8_bytes
 
@@ -108,7 +109,8 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
               "int4-a8": packed_int4_bytes, "kquant": packed_int8_bytes}[method]
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    layer = packed(q + 2 * kv, h) + packed(h, q) + 4 * 2 * h
+    gemma = cfg.architecture in ("gemma2", "gemma3")  # four norms a layer, two rotary bases
+    layer = packed(q + 2 * kv, h) + packed(h, q) + 4 * (4 if gemma else 2) * h
     if cfg.attention_bias:
         layer += 4 * (q + 2 * kv)
     if cfg.qk_norm:
@@ -129,7 +131,7 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
     head = packed_int8_bytes(cfg.vocab_size, h) if cfg.tie_word_embeddings else \
         packed(cfg.vocab_size, h)
     embed = 0 if cfg.tie_word_embeddings else 4 * cfg.vocab_size * h
-    rotary = 2 * 4 * cfg.max_position_embeddings * d
+    rotary = (2 if gemma else 1) * 2 * 4 * cfg.max_position_embeddings * d
     return total + head + embed + 4 * h + rotary
 
 
@@ -138,8 +140,8 @@ def kquant_weight_bytes(cfg: ModelConfig, types: dict[str, Any]) -> int:
     name -> type): each linear whose parts are all K-quant packed in their own records
     (`packed_kquant_bytes`), the others at int8 (`KQUANT_FALLBACK`), the tied head on the
     embedding's blocks or int8, an untied embedding on its blocks where they pack; the rest
-    as `quantized_weight_bytes`. A mixture's experts
-    and fused file tensors (Phi-3) are counted at int8."""
+    as `quantized_weight_bytes`; a mixture's experts each on its slice of the file's 3-D
+    tensors, fused file tensors (Phi-3's) as one linear."""
     from llmserve.quantization.int8 import packed_int8_bytes
     from llmserve.quantization.kquant import packed_kquant_bytes
 
@@ -148,19 +150,33 @@ def kquant_weight_bytes(cfg: ModelConfig, types: dict[str, Any]) -> int:
         return kquant if kquant is not None else packed_int8_bytes(
             sum(rows for _, rows in parts), columns)
 
+    def mlp(blk: str, suffix: str, width: int) -> int:  # its bytes past int8's
+        gate_up = [(f"{blk}ffn_gate{suffix}.weight", width), (f"{blk}ffn_up{suffix}.weight", width)]
+        if gate_up[0][0] not in types:  # Phi-3's fused gate and up
+            gate_up = [(f"{blk}ffn_up{suffix}.weight", 2 * width)]
+        return (linear(gate_up, h) - packed_int8_bytes(2 * width, h)
+                + linear([(f"{blk}ffn_down{suffix}.weight", h)], width)
+                - packed_int8_bytes(h, width))
+
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     total = quantized_weight_bytes(cfg, "int8")
     int8_total = total
     for n in range(cfg.num_hidden_layers):
         blk = f"blk.{n}."
-        total += linear([(blk + "attn_q.weight", q), (blk + "attn_k.weight", kv),
-                         (blk + "attn_v.weight", kv)], h) - packed_int8_bytes(q + 2 * kv, h)
+        qkv = [(blk + "attn_q.weight", q), (blk + "attn_k.weight", kv),
+               (blk + "attn_v.weight", kv)]
+        if blk + "attn_qkv.weight" in types:  # Phi-3's fused projection
+            qkv = [(blk + "attn_qkv.weight", q + 2 * kv)]
+        total += linear(qkv, h) - packed_int8_bytes(q + 2 * kv, h)
         total += linear([(blk + "attn_output.weight", h)], q) - packed_int8_bytes(h, q)
         if not cfg.is_moe_layer(n):
-            total += linear([(blk + "ffn_gate.weight", i), (blk + "ffn_up.weight", i)], h) \
-                - packed_int8_bytes(2 * i, h)
-            total += linear([(blk + "ffn_down.weight", h)], i) - packed_int8_bytes(h, i)
+            total += mlp(blk, "", i)
+            continue
+        moe = cfg.moe  # each expert on its slice of the 3-D tensors, the shared expert's own
+        total += moe.num_experts * mlp(blk, "_exps", moe.intermediate_size)
+        if moe.shared_intermediate_size:
+            total += mlp(blk, "_shexp", moe.shared_intermediate_size)
     head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
     total += linear([(head, cfg.vocab_size)], h) - packed_int8_bytes(cfg.vocab_size, h)
     if not cfg.tie_word_embeddings:  # an untied embedding on its blocks, else float32

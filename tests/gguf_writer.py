@@ -145,8 +145,9 @@ def _add(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, qtype: QT) ->
         writer.add_tensor(name, array)
     elif qtype == QT.F16:
         writer.add_tensor(name, array.astype(np.float16))
-    elif qtype in K_QUANTIZERS:
-        writer.add_tensor(name, K_QUANTIZERS[qtype](array), raw_dtype=qtype)
+    elif qtype in K_QUANTIZERS:  # a 3-D tensor (experts) as its rows, then back
+        blocks = K_QUANTIZERS[qtype](array.reshape(-1, array.shape[-1]))
+        writer.add_tensor(name, blocks.reshape(*array.shape[:-1], -1), raw_dtype=qtype)
     else:
         writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
 

@@ -156,13 +156,13 @@ def measure_gemm(kind: str, device: torch.device | str = "cpu") -> float:
     sync = _sync_fn(device)
     n = _GEMM_SIZE
     if kind == "int8":  # int8 x int8 -> int32, the product the int8 path computes
-        a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
-        b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
-        seconds = _best_time(lambda: (torch._int_mm(a, b), sync()))
-        # on the CPU, the level's own dot product where that is faster (without VNNI or AMX
-        # `_int_mm` is a reference loop: no yardstick for the native int8 and int4 paths)
+        # on the CPU, the level's own dot product where that is faster: without VNNI or AMX
+        # `_int_mm` is a reference loop (no yardstick for the native int8 and int4 paths,
+        # and 110 s at this size on a 2-core Zen 3), so a small probe decides first
         peak = measure_int8_peak() if device.type == "cpu" else None
-        return max(2 * n**3 / seconds, peak or 0.0)
+        if peak is not None and _int_mm_rate(256, device) < peak / 2:
+            return peak
+        return max(_int_mm_rate(n, device), peak or 0.0)
     else:
         a = torch.randn(n, n, device=device).to(GEMM_DTYPES[kind])
         b = torch.randn(n, n, device=device).to(GEMM_DTYPES[kind])
@@ -170,6 +170,14 @@ def measure_gemm(kind: str, device: torch.device | str = "cpu") -> float:
         if kind == "fp32" and device.type == "cpu":  # the exact path's own GEMM, if faster
             seconds = min(seconds, _native_fp32_seconds(a, b))
     return 2 * n**3 / seconds
+
+
+def _int_mm_rate(n: int, device: torch.device) -> float:
+    """Integer operations per second of `torch._int_mm` on (n, n) int8 matrices."""
+    sync = _sync_fn(device)
+    a = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+    b = torch.randint(-127, 128, (n, n), dtype=torch.int8, device=device)
+    return 2 * n**3 / _best_time(lambda: (torch._int_mm(a, b), sync()))
 
 
 def measure_int8_peak() -> float | None:

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
-_ABI = 27
+_ABI = 28
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 
@@ -71,6 +71,9 @@ _SIGNATURES = {
     "llmserve_lora_apply": [_P, _I64, _I64, _P, _I64, _P, _I64, _P, _P],
     "llmserve_moe_experts": [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P,
                              _P],
+    "llmserve_moe_route": [_P, _I64, _I64, _I64, _I32, _P, _P],
+    "llmserve_moe_combine": [_P, _I64, _I64, _I64, _P, _P, _P],
+    "llmserve_moe_block": [_P, _I64, _I64, _P, _P, _P],
     "llmserve_pack_int8_weight": [_P, _I64, _I64, _P],
     "llmserve_int8_embedding": [_P, _I64, _I64, _P, _I64, _I64, _P, _P],
     "llmserve_int8_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P],

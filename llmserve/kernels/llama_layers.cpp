@@ -2,9 +2,10 @@
 // call: per layer RMSNorm, fused qkv (with its bias: Qwen2), q and k head norms (Qwen3,
 // Gemma 3), rotary (a layer's own tables: Gemma's local layers), KV-cache write, paged
 // attention (soft-capped: Gemma 2), o, [RMSNorm of the output: Gemma], residual, RMSNorm,
-// gate/up, SiLU*up (tanh-GELU*up: Gemma), down, [RMSNorm of the output: Gemma], residual. It calls the very kernels the per-op path calls, in the same order, so both
-// give the same bits; it only removes the Python and dispatch between them (~0.3 ms per
-// layer at batch 1, measured: most of a decode step).
+// gate/up, SiLU*up (tanh-GELU*up: Gemma), down (or a mixture of experts: moe.cpp),
+// [RMSNorm of the output: Gemma], residual. It calls the very kernels the per-op path
+// calls, in the same order, so both give the same bits; it only removes the Python and
+// dispatch between them (~0.3 ms per layer at batch 1, measured: most of a decode step).
 
 #include "packed_weight.h"
 
@@ -27,6 +28,7 @@ struct LlamaLayer {
   const float* mlp_out_norm;
   const float* cos_table;  // this layer's rotary tables; nullptr: the step's
   const float* sin_table;
+  const MoeLayer* moe;  // a mixture of experts in place of gate_up and down; nullptr: none
 };
 
 // A step's LoRA updates (lora/manager.py, kernels/lora.cpp): per layer and per linear (qkv,
@@ -131,6 +133,11 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
     lora(lora_step, i, 1, attn, T, H * D, delta, C);
     residual_add(x, delta, T, C, L.attention_out_norm, s.eps, h);
     llmserve_rms_norm(x, T, C, L.mlp_norm, s.eps, h);
+    if (L.moe != nullptr) {  // LoRA steps on a mixture run per op (models/llama_native.py)
+      llmserve_moe_block(h, T, C, L.moe, delta, qscratch);
+      residual_add(x, delta, T, C, L.mlp_out_norm, s.eps, h);
+      continue;
+    }
     linear(h, T, L.gate_up, gate_up, qscratch);
     lora(lora_step, i, 2, h, T, C, gate_up, 2 * s.intermediate);
     if (s.activation == kGeluTanh)

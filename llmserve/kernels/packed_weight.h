@@ -1,6 +1,7 @@
 // A packed linear weight as the native layer kernels take it (int8, int4 with 15- or 8-bit
 // activations, K-quant, or packed float32), and `linear`, which runs it on the kernel of its format:
-// the per-op path's kernels, so a fused layer gives the per-op path's bits.
+// the per-op path's kernels, so a fused layer gives the per-op path's bits; and a mixture
+// layer's weights (`MoeLayer`).
 #pragma once
 
 #include "kernels.h"
@@ -38,4 +39,23 @@ inline void linear(const float* x, int64_t M, const PackedWeight& w, float* y,
   }
 }
 
+// One mixture-of-experts layer's weights as the native calls take them (moe.cpp).
+struct MoeLayer {
+  PackedWeight router;          // (num_experts, C) float32
+  const PackedWeight* gate_up;  // the held experts', experts [first, first + num_held)
+  const PackedWeight* down;
+  int64_t num_experts, top_k, first, num_held, intermediate;
+  int32_t renormalize;  // the chosen experts' weights scaled to sum 1 (Qwen3-MoE, Mixtral)
+  PackedWeight shared_gate_up, shared_down;  // the shared expert (Qwen2-MoE); packed
+                                             // nullptr: none
+  PackedWeight shared_gate;                  // (1, C) float32: its sigmoid gate's logit
+  int64_t shared_intermediate;
+};
+
 }  // namespace
+
+extern "C" {
+// moe.cpp's: a mixture layer of x (T, C) into y (T, C), for the decoder stack
+void llmserve_moe_block(const float* x, int64_t T, int64_t C, const MoeLayer* moe, float* y,
+                        uint8_t* qscratch);
+}

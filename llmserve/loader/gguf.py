@@ -128,7 +128,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     dequantized.
 
     Matrices of the types the kernels run on their own blocks (KQUANT_TYPES) are kept as
-    blocks too (`LoadedWeights.blocks`, views of the file). `on_blocks(blocks)` names those
+    blocks too (`LoadedWeights.blocks`, views of the file; a mixture's experts each its
+    own, but under tensor parallelism). `on_blocks(blocks)` names those
     that will run on their blocks alone: they are not dequantized at all (an 8B Q4_K_M
     file would take 32 GB as float32).
 
@@ -146,6 +147,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     blocks: dict[str, RawBlocks] = {}
     for name, tensor in by_name.items():
         if _is_experts(name):
+            if slices is None:  # (under tensor parallelism a rank's experts are dequantized)
+                blocks |= _expert_blocks(name, tensor)
             continue
         canonical = hf_name(name, arch)
         rows, cols = slices(config, canonical) if slices is not None else (None, None)
@@ -160,7 +163,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in by_name.items():
         if _is_experts(name):
-            for canonical, weight in _experts_to_torch(name, tensor, config, slices):
+            for canonical, weight in _experts_to_torch(name, tensor, config, slices,
+                                                       blocks_only):
                 tensors[canonical] = weight.to(dtype)
             continue
         canonical = hf_name(name, arch)
@@ -230,16 +234,17 @@ def _expert_names(gguf_name: str, num_experts: int) -> list[str]:
 
 
 def _experts_to_torch(name: str, tensor: GGUFTensor, config: ModelConfig,
-                      slices: WeightSlices | None) -> list[tuple[str, torch.Tensor]]:
+                      slices: WeightSlices | None, skip: set[str] = frozenset()
+                      ) -> list[tuple[str, torch.Tensor]]:
     """Each expert of a 3-D tensor dequantized (experts are its outermost dimension, so each
-    is a contiguous run of whole rows); under tensor parallelism only this rank's experts
-    are read."""
+    is a contiguous run of whole rows), but those named in `skip` (they run on their
+    blocks alone); under tensor parallelism only this rank's experts are read."""
     num_experts, rows, cols = (int(d) for d in reversed(tensor.shape))
     per_expert = tensor.data.view(np.uint8).reshape(num_experts, -1)
     out = []
     for e, canonical in enumerate(_expert_names(name, num_experts)):
         held, _ = slices(config, canonical) if slices is not None else (None, None)
-        if held is not None:  # another rank's expert: nothing to read
+        if held is not None or canonical in skip:  # another rank's, or on its blocks
             continue
         raw = torch.from_numpy(np.array(per_expert[e]))  # a copy out of the memmap
         out.append((canonical, DEQUANTIZERS[tensor.tensor_type](raw).reshape(rows, cols)))
@@ -251,9 +256,9 @@ def stored_quantization(tensors) -> str | None:
     quantization/kquant.py) when any layer's linear weight is a K-quant type (Q4_K, Q5_K,
     Q6_K; the rest of the file runs on its blocks too where they are whole 256-value runs,
     else at int8), or when every one is a 2-D matrix of a legacy type (Q4_0, Q4_1, Q5_0,
-    Q5_1, Q8_0) over a multiple of 256 columns; otherwise "int4" when every one is Q4_0 or
-    Q4_1 (rows of 576 values, a mixture's 3-D experts), "int8" for other quantized files,
-    None for float files."""
+    Q5_1, Q8_0; a mixture's 3-D experts among them) over a multiple of 256 columns;
+    otherwise "int4" when every one is Q4_0 or Q4_1 (rows of 576 values), "int8" for other
+    quantized files, None for float files."""
     tensors = list(tensors)
     if all(t.tensor_type in FLOAT_TYPES for t in tensors):
         return None
@@ -263,8 +268,8 @@ def stored_quantization(tensors) -> str | None:
     if any(t.tensor_type in KQUANT_TYPES and t.tensor_type not in LEGACY_TYPES
            for t in linears):
         return "kquant"
-    if linears and all(t.tensor_type in LEGACY_TYPES and len(t.shape) == 2
-                       and int(t.shape[0]) % SUPER == 0 for t in linears):
+    if linears and all(t.tensor_type in LEGACY_TYPES and int(t.shape[0]) % SUPER == 0
+                       for t in linears):
         return "kquant"
     if linears and all(t.tensor_type in FOUR_BIT_TYPES for t in linears):
         return "int4"
@@ -281,7 +286,7 @@ def gguf_main_block_type(path: str | Path) -> str:
     of what `load_gguf` keeps as blocks), from its header alone."""
     size: dict[str, int] = {}
     for t in open_gguf(require_path(path, is_dir=False)).tensors:
-        if t.tensor_type in KQUANT_TYPES and len(t.shape) == 2:
+        if t.tensor_type in KQUANT_TYPES and len(t.shape) in (2, 3):
             size[t.tensor_type.name] = size.get(t.tensor_type.name, 0) + t.data.nbytes
     return max(size, key=size.get) if size else "Q4_K"
 
@@ -537,6 +542,18 @@ def _block_rows(tensor: GGUFTensor, num_rows: int, width: int, rows: slice | Non
     first = col_range.start // block_values * block_bytes
     picked = picked[:, first: first + len(col_range) // block_values * block_bytes]
     return picked, len(col_range), None
+
+
+def _expert_blocks(name: str, tensor: GGUFTensor) -> dict[str, RawBlocks]:
+    """Each expert of a 3-D tensor of a type the kernels run on its own blocks, as its
+    blocks (views of the file: an expert is a contiguous run of whole rows); {} for other
+    types."""
+    if tensor.tensor_type not in KQUANT_TYPES:
+        return {}
+    num_experts, rows, cols = (int(d) for d in reversed(tensor.shape))
+    per_expert = tensor.data.view(np.uint8).reshape(num_experts, rows, -1)
+    return {canonical: RawBlocks(tensor.tensor_type, per_expert[e], cols)
+            for e, canonical in enumerate(_expert_names(name, num_experts))}
 
 
 def _raw_blocks(tensor: GGUFTensor, rows: slice | None, cols: slice | None

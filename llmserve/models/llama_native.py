@@ -3,8 +3,9 @@
 norms), Phi-3, Gemma 2 and 3 (four norms a layer, tanh-GELU, soft-capped attention, local
 layers' own rotary tables).
 
-Used by `LlamaForCausalLM.forward` when every layer runs the int8, int4 (native layout),
-K-quant or packed float32 method, on the CPU with the native attention
+A mixture-of-experts layer (Qwen2/3-MoE, Mixtral) runs inside the stack as `models/moe.py`'s
+one-call layer. Used by `LlamaForCausalLM.forward` when every layer runs the int8, int4
+(native layout), K-quant or packed float32 method, on the CPU with the native attention
 backend and an fp32 residual stream. The kernels and their order are the per-op path's, so
 both paths give identical bits; this one only skips the Python between kernels. The ctypes
 structures mirror the C++ ones field by field and are built once per model (weights) and
@@ -41,7 +42,7 @@ class _LlamaLayer(ctypes.Structure):
                 ("key_cache", _P), ("value_cache", _P),
                 ("key_scales", _P), ("value_scales", _P), ("window", _I64),
                 ("attention_out_norm", _P), ("mlp_out_norm", _P),
-                ("cos_table", _P), ("sin_table", _P)]
+                ("cos_table", _P), ("sin_table", _P), ("moe", _P)]
 
 
 class _LoraLayer(ctypes.Structure):
@@ -77,9 +78,22 @@ def _address(obj: ctypes.Structure | ctypes.Array) -> int:
 
 
 def _linears(layer: nn.Module) -> tuple[nn.Module, ...]:
-    """A decoder layer's linears in the order of the C++ `LlamaLayer` fields."""
-    return (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-            layer.mlp.down_proj)
+    """A decoder layer's linears in the order of the C++ `LlamaLayer` fields (a mixture
+    layer: qkv and o; its experts are its `native_layer`'s)."""
+    attention = (layer.self_attn.qkv_proj, layer.self_attn.o_proj)
+    if _is_mixture(layer):
+        return attention
+    return (*attention, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+
+
+def _is_mixture(layer: nn.Module) -> bool:
+    return hasattr(layer.mlp, "native_layer")
+
+
+def float_weight(packed) -> NativeWeight:
+    """A `PackedFloatWeight` as the native calls read it (a router's)."""
+    return NativeWeight(_FLOAT32, ptr(packed.packed), None, None, packed.out_features,
+                        packed.in_features)
 
 
 def packed_weight(linear: nn.Module) -> NativeWeight | None:
@@ -133,11 +147,16 @@ class NativeLlamaLayers:
                                  cfg.rms_norm_eps, cfg.attention_scale or cfg.head_dim**-0.5,
                                  cfg.attn_logit_softcapping or 0.0,
                                  _ACTIVATIONS[cfg.hidden_act])
-        self.weights = []
+        self.weights = []  # per layer: qkv, o, gate_up, down (a mixture's: empty)
+        self.mixtures = []  # per layer: its NativeMoe, or None
         for layer in model.model.layers:
-            self.weights.append([packed_weight(m) for m in _linears(layer)])
-        self.k_pad = max(m.method.weight.k_pad for layer in model.model.layers
-                         for m in _linears(layer))
+            mixture = layer.mlp.native_layer() if _is_mixture(layer) else None
+            weights = [packed_weight(m) for m in _linears(layer)]
+            self.weights.append(weights + [NativeWeight(), NativeWeight()] * (mixture is not None))
+            self.mixtures.append(mixture)
+        self.k_pad = max(max(m.method.weight.k_pad for layer in model.model.layers
+                             for m in _linears(layer)),
+                         max((m.widest for m in self.mixtures if m is not None), default=0))
         self._cache_ref: weakref.ref | None = None
         self._layers = None
 
@@ -147,12 +166,14 @@ class NativeLlamaLayers:
         lib = native()
         cfg = model.config
         if (lib is None or cfg.qk_norm_across_heads or cfg.clip_qkv is not None
-                or cfg.hidden_act not in _ACTIVATIONS or cfg.moe is not None):
+                or cfg.hidden_act not in _ACTIVATIONS):
             return None
         if next(model.parameters()).device.type != "cpu":
             return None
         for layer in model.model.layers:
             if any(packed_weight(m) is None for m in _linears(layer)):
+                return None
+            if _is_mixture(layer) and layer.mlp.native_layer() is None:
                 return None
         return cls(model, lib)
 
@@ -179,11 +200,12 @@ class NativeLlamaLayers:
                           else None)  # Gemma's local layers: their own base
                 tables = (None, None) if rotary is None else (ptr(rotary.cos_cache),
                                                               ptr(rotary.sin_cache))
+                mixture = self.mixtures[i]
                 array[i] = _LlamaLayer(
                     ptr(layer.input_layernorm.weight), ptr(mlp_norm),
                     qkv, o, gate_up, down, q_norm, k_norm, ptr(cache.key), ptr(cache.value),
                     ptr(cache.key_scales), ptr(cache.value_scales), self.model.config.window(i),
-                    *out_norms, *tables)
+                    *out_norms, *tables, None if mixture is None else mixture.address)
             self._layers, self._cache_ref = array, weakref.ref(kv_cache)
         return self._layers
 
@@ -196,6 +218,8 @@ class NativeLlamaLayers:
         """A LoRA step (`lora/manager.py`'s LoRAStep) as the stack's `LoraStep` layers and
         the widest rank; None where an adapter's update is not packed (the per-op path
         then runs the step)."""
+        if any(m is not None for m in self.mixtures):
+            return None  # the experts' adapters run per op (models/moe.py)
         key = ("layers", id(self))
         if key in step.native_args:  # the same adapters as a step before
             return step.native_args[key]

@@ -142,3 +142,15 @@ def test_memory_counts_active_and_total_parameters(tmp_path, quantization):
     assert f"{active:,} of {total:,} parameters active a token" in report
     assert "1 of 3 layers: 2 of 6 experts of intermediate 32 a token + a shared expert of 48" \
         in report
+
+
+@pytest.mark.parametrize("kind,quantization", [("qwen3_moe", None), ("qwen2_moe", None),
+                                               ("mixtral", "int8"), ("qwen3_moe", "int4")])
+def test_mixtures_run_on_the_native_stack(tmp_path, kind, quantization):
+    """A mixture layer inside the one-call native stack (router, routing, experts, the
+    shared expert behind its gate: `kernels/moe.cpp`), dense layers among sparse ones: the
+    per-op path's logits bit for bit, and float32 the reference's within tolerance."""
+    from tests.models.test_llama_reference import check_native_stack
+
+    reference = save_tiny(tiny_moe(kind, vocab_size=320), tmp_path)
+    check_native_stack(tmp_path, reference, kind, quantization)

@@ -76,8 +76,8 @@ def memory_report(
                           "head",
                   "int4-a8": "int4-a8 linears (int4 groups of 32 with fp16 scales and "
                              "offsets, 8-bit activations; an int8 head",
-                  "kquant": "the file's K-quant blocks (Q4_K, Q5_K, Q6_K; other types "
-                            "at int8"}[method]
+                  "kquant": "the file's own blocks (K-quants, legacy types, IQ4_XS; "
+                            "other matrices at int8"}[method]
         wbytes_q = (kquant_weight_bytes(cfg, _tensor_types(source)) if method == "kquant"
                     else quantized_weight_bytes(cfg, method))
         weights_line = (f"{num_params:,} parameters as {layout}; fp32 norms and rotary "

@@ -66,6 +66,11 @@ class Shape:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     llama3_rope_factor: float | None = None  # Llama 3.1/3.2 rope scaling
+    # a mixture of experts (Qwen3-MoE) in every layer: its experts, those a token runs,
+    # and each expert's width (0: a dense MLP of intermediate_size)
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -74,6 +79,15 @@ class Shape:
     @property
     def num_params(self) -> int:
         return sum(math.prod(t.shape) for t in tensors(self))
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token runs (all but the unchosen experts)."""
+        if not self.experts:
+            return self.num_params
+        idle = self.experts - self.experts_per_token
+        return self.num_params - self.num_layers * idle * 3 * self.hidden_size * \
+            self.expert_intermediate
 
 
 SHAPES = {
@@ -91,6 +105,14 @@ SHAPES = {
                         32768, qkv_bias=True),
     "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936, True, 1000000.0, 1e-6,
                         40960, qk_norm=True),
+    # Qwen3-30B-A3B: 128 experts of 768, 8 a token; whole (17 GB at Q4_0), and its first 12
+    # of 48 layers (every layer as the real model's, a quarter of them: 4.4 GB at Q4_0)
+    "qwen3-30b-a3b": Shape("qwen3moe", 2048, 48, 32, 4, 128, 6144, 151936, False, 1000000.0,
+                           1e-6, 40960, qk_norm=True, experts=128, experts_per_token=8,
+                           expert_intermediate=768),
+    "qwen3-30b-a3b-12l": Shape("qwen3moe", 2048, 12, 32, 4, 128, 6144, 151936, False,
+                               1000000.0, 1e-6, 40960, qk_norm=True, experts=128,
+                               experts_per_token=8, expert_intermediate=768),
 }
 
 
@@ -98,7 +120,8 @@ SHAPES = {
 class TensorSpec:
     name: str  # llama.cpp's name
     shape: tuple[int, ...]  # numpy order: (rows, columns); GGUF lists it reversed
-    kind: str  # "weight" (random, in the file's type), "bias" (random, F32), "norm" (ones, F32)
+    kind: str  # "weight" (random, in the file's type), "bias" and "router" (random, F32),
+    # "norm" (ones, F32)
 
 
 def tensors(shape: Shape) -> Iterator[TensorSpec]:
@@ -119,6 +142,13 @@ def tensors(shape: Shape) -> Iterator[TensorSpec]:
             yield TensorSpec(blk + "attn_k_norm.weight", (shape.head_dim,), "norm")
         yield TensorSpec(blk + "attn_output.weight", (h, q), "weight")
         yield TensorSpec(blk + "ffn_norm.weight", (h,), "norm")
+        if shape.experts:  # the router, then each projection's experts as one 3-D tensor
+            e, width = shape.experts, shape.expert_intermediate
+            yield TensorSpec(blk + "ffn_gate_inp.weight", (e, h), "router")
+            yield TensorSpec(blk + "ffn_gate_exps.weight", (e, width, h), "weight")
+            yield TensorSpec(blk + "ffn_up_exps.weight", (e, width, h), "weight")
+            yield TensorSpec(blk + "ffn_down_exps.weight", (e, h, width), "weight")
+            continue
         yield TensorSpec(blk + "ffn_gate.weight", (shape.intermediate_size, h), "weight")
         yield TensorSpec(blk + "ffn_up.weight", (shape.intermediate_size, h), "weight")
         yield TensorSpec(blk + "ffn_down.weight", (h, shape.intermediate_size), "weight")
@@ -204,16 +234,17 @@ def _tensor_bytes(spec: TensorSpec, qt: Any, rng: np.random.Generator) -> np.nda
 
     if spec.kind == "norm":
         return np.ones(spec.shape, np.float32)
-    if spec.kind == "bias":
+    if spec.kind in ("bias", "router"):
         return rng.standard_normal(spec.shape, np.float32) * np.float32(WEIGHT_STD)
-    rows, cols = spec.shape
+    cols = spec.shape[-1]
+    rows = math.prod(spec.shape[:-1])  # a 3-D tensor's experts: their rows one after another
     step = max(1, CHUNK_ELEMENTS // cols)
     parts = []
     for start in range(0, rows, step):
         chunk = rng.standard_normal((min(step, rows - start), cols), np.float32)
         chunk *= np.float32(WEIGHT_STD)
         parts.append(gguf.quants.quantize(chunk, qt))  # (rows, cols) F16, or (rows, bytes)
-    return np.concatenate(parts)
+    return np.concatenate(parts).reshape(*spec.shape[:-1], -1)
 
 
 def write_metadata(writer: Any, shape: Shape, name: str, qtype: str) -> None:
@@ -236,6 +267,10 @@ def write_metadata(writer: Any, shape: Shape, name: str, qtype: str) -> None:
     writer.add_value_length(shape.head_dim)
     writer.add_vocab_size(shape.vocab_size)
     writer.add_rope_dimension_count(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_per_token)
+        writer.add_expert_feed_forward_length(shape.expert_intermediate)
     writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype}"])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, value in padded_tokenizer(shape.vocab_size).items():
@@ -285,11 +320,13 @@ def main() -> int:
     args = parser.parse_args()
     if args.list or args.shape is None:
         for name, shape in SHAPES.items():
-            print(f"{name:<14}{shape.arch:<7}{shape.num_params / 1e9:5.2f}B  hidden "
+            ffn = (f"{shape.experts} experts of {shape.expert_intermediate}, "
+                   f"{shape.experts_per_token} a token ({shape.active_params / 1e9:.2f}B "
+                   f"active)" if shape.experts else f"ffn {shape.intermediate_size}")
+            print(f"{name:<18}{shape.arch:<9}{shape.num_params / 1e9:6.2f}B  hidden "
                   f"{shape.hidden_size}, {shape.num_layers} layers, {shape.num_heads}/"
-                  f"{shape.num_kv_heads} heads of {shape.head_dim}, ffn "
-                  f"{shape.intermediate_size}, vocab {shape.vocab_size}"
-                  f"{', tied' if shape.tied_embeddings else ''}")
+                  f"{shape.num_kv_heads} heads of {shape.head_dim}, {ffn}, vocab "
+                  f"{shape.vocab_size}{', tied' if shape.tied_embeddings else ''}")
         return 0
     print(shape_gguf(args.shape, args.qtype, args.cache, args.llama_bin))
     return 0

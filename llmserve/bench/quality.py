@@ -11,10 +11,18 @@ text token is scored once, in the first window that reaches it::
 Per scored token t, with p the reference's and q the candidate's next-token distribution:
 perplexity = exp(mean -log q(t)), KL(p || q) = sum_v p(v) (log p(v) - log q(v)) averaged over
 tokens, and top-1 agreement = how often argmax p == argmax q.
+
+Side by side with llama.cpp (`--llama-perplexity BIN`, a GGUF model): its `llama-perplexity`
+runs the same file on the same text, and every path here is scored as it scores
+(`HalfWindowScoring`), so the perplexities compare directly.
 """
 
 import gc
 import importlib.resources
+import os
+import re
+import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -113,6 +121,7 @@ class QualityText:
     prefix: list[int]  # [BOS] when the tokenizer adds one, else []
     windows: list[Window]
     reference: list[torch.Tensor] = field(default_factory=list)  # (scored, V) per window
+    reference_half_window_perplexity: float | None = None  # scored as llama.cpp scores
 
     @classmethod
     def build(cls, llm: LLM, text: str, window: int, stride: int,
@@ -144,6 +153,73 @@ class QualityText:
 
 
 @dataclass(frozen=True)
+class HalfWindowScoring:
+    """llama.cpp's `llama-perplexity` scoring: the text tokenized with its special tokens,
+    cut into back-to-back windows of `window` tokens (a shorter tail dropped), each window's
+    first token replaced by BOS where the tokenizer adds one, and in each window only the
+    tokens of its second half scored (positions window/2 + 1 .. window - 1, each predicted
+    from everything before it in its window)."""
+
+    ids: list[int]
+    window: int
+    bos: int | None
+
+    @classmethod
+    def build(cls, llm: LLM, text: str, window: int) -> "HalfWindowScoring":
+        tokenizer = llm.tokenizer
+        ids = tokenizer.encode(text, add_special_tokens=True)
+        bos = tokenizer.bos_token_id
+        adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
+        if len(ids) < 2 * window:
+            raise LLMServeError(f"llama.cpp's scoring needs {2 * window} tokens of text (two "
+                                f"windows), the text has {len(ids)}: give a smaller window")
+        return cls(ids, window, bos if adds_bos else None)
+
+    @property
+    def num_windows(self) -> int:
+        return len(self.ids) // self.window
+
+    @property
+    def num_scored(self) -> int:
+        return self.num_windows * (self.window - self.window // 2 - 1)
+
+    def perplexity(self, llm: LLM) -> float:
+        w, first, nll = self.window, self.window // 2, 0.0
+        for i in range(self.num_windows):
+            chunk = self.ids[i * w:(i + 1) * w]
+            if self.bos is not None:
+                chunk = [self.bos, *chunk[1:]]
+            logprobs = full_logits(llm, chunk)[first:w - 1].log_softmax(dim=-1)
+            targets = torch.tensor(chunk[first + 1:w]).unsqueeze(1)
+            nll -= logprobs.gather(1, targets).double().sum().item()
+        return _exp(nll / self.num_scored)
+
+
+def llama_cpp_perplexity(binary: str, model_path: str, text: str, window: int,
+                         threads: int | None) -> dict[str, Any]:
+    """llama.cpp's `llama-perplexity` on `model_path` and `text`, windows of `window`:
+    {"perplexity", "stderr", "windows", "command"} (an LLMServeError if it fails)."""
+    with tempfile.TemporaryDirectory() as folder:
+        text_file = Path(folder) / "text.txt"
+        text_file.write_text(text, encoding="utf-8")
+        cmd = [binary, "-m", model_path, "-f", str(text_file), "-c", str(window), "-b",
+               str(window), "-t", str(threads or os.cpu_count() or 1)]
+        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)}
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise LLMServeError(f"--llama-perplexity: {e}") from None
+    log = done.stdout + done.stderr
+    final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", log)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
+    if done.returncode or final is None:
+        raise LLMServeError(f"--llama-perplexity exited {done.returncode}: {log[-1500:]}")
+    return {"perplexity": float(final.group(1)), "stderr": float(final.group(2)),
+            "windows": int(chunks.group(1)) if chunks else None,
+            "command": " ".join([Path(binary).name, "-m", "MODEL", "-f", "TEXT", *cmd[6:]])}
+
+
+@dataclass(frozen=True)
 class QualityResult:
     label: str
     options: dict[str, Any]  # what LLM(...) was given
@@ -153,6 +229,7 @@ class QualityResult:
     perplexity: float
     mean_kl: float  # KL(reference || candidate), nats per token
     top1_agreement: float
+    half_window_perplexity: float | None = None  # scored as llama.cpp scores
 
     @property
     def perplexity_change_pct(self) -> float:
@@ -163,8 +240,10 @@ class QualityResult:
 
 
 def evaluate(llm: LLM, text: QualityText, label: str = "candidate",
-             options: dict[str, Any] | None = None) -> QualityResult:
-    """Compare `llm` with the reference log-probs `text` holds, token by token."""
+             options: dict[str, Any] | None = None,
+             half: HalfWindowScoring | None = None) -> QualityResult:
+    """Compare `llm` with the reference log-probs `text` holds, token by token (and score
+    it as llama.cpp does where `half` is given)."""
     if not text.reference:
         raise ValueError("score the reference first (QualityText.score_reference)")
     ref_nll = nll = kl = agree = 0.0
@@ -181,7 +260,8 @@ def evaluate(llm: LLM, text: QualityText, label: str = "candidate",
         agree += (ref.argmax(dim=-1) == cand.argmax(dim=-1)).sum().item()
     n = text.num_scored
     return QualityResult(label, dict(options or {}), path_info(llm), n, _exp(ref_nll / n),
-                         _exp(nll / n), kl / n, agree / n)
+                         _exp(nll / n), kl / n, agree / n,
+                         None if half is None else half.perplexity(llm))
 
 
 def _exp(x: float) -> float:
@@ -203,21 +283,26 @@ def candidate_label(options: dict[str, Any]) -> str:
 
 def run_quality(model: str | None, candidates: list[dict[str, Any]],
                 common: dict[str, Any] | None = None, text: str | None = None,
-                window: int = 512, stride: int = 512,
-                max_tokens: int | None = None) -> tuple[QualityText, list[QualityResult]]:
+                window: int = 512, stride: int = 512, max_tokens: int | None = None,
+                half_windows: bool = False) -> tuple[QualityText, list[QualityResult]]:
     """Score the reference (`dtype="float32"`), then each candidate, one model in memory at
-    a time; `common` options (device, kv_cache_memory) go to every one of them."""
+    a time; `common` options (device, kv_cache_memory) go to every one of them.
+    `half_windows`: each is scored as llama.cpp scores too (`HalfWindowScoring`; the
+    reference's perplexity so is `QualityText.reference_half_window_perplexity`)."""
     common = common or {}
     reference = load_llm(model, {**common, **REFERENCE_OPTIONS})
-    scored = QualityText.build(reference, quality_text() if text is None else text, window,
-                               stride, max_tokens)
+    raw = quality_text() if text is None else text
+    scored = QualityText.build(reference, raw, window, stride, max_tokens)
     scored.score_reference(reference)
+    half = HalfWindowScoring.build(reference, raw, window) if half_windows else None
+    if half is not None:
+        scored.reference_half_window_perplexity = half.perplexity(reference)
     del reference
     results = []
     for options in candidates:
         gc.collect()
         llm = load_llm(model, {**common, **options})
-        results.append(evaluate(llm, scored, candidate_label(options), options))
+        results.append(evaluate(llm, scored, candidate_label(options), options, half))
         del llm
     return scored, results
 
@@ -243,6 +328,23 @@ def format_table(text: QualityText, results: list[QualityResult], window: int,
     return "\n".join(lines)
 
 
+def format_peer_table(text: QualityText, results: list[QualityResult], peer: dict[str, Any],
+                      window: int) -> str:
+    """The paths against llama.cpp's `llama-perplexity` on the same file, all scored as it
+    scores."""
+    lines = [f"side by side with llama.cpp ({peer['command']}): the second half of each of "
+             f"{peer['windows']} windows of {window} scored, as llama-perplexity scores",
+             f"{'path':<28}{'perplexity':>11}{'vs llama.cpp':>14}",
+             f"{'llama.cpp llama-perplexity':<28}{peer['perplexity']:>11.4f}{'':>14}"
+             f"  (+/- {peer['stderr']:.4f})"]
+    rows = [("llmserve float32 (exact)", text.reference_half_window_perplexity)]
+    rows += [(f"llmserve {_runs_as(r.path).split(',')[0]}", r.half_window_perplexity)
+             for r in results]
+    for label, ppl in rows:
+        lines.append(f"{label:<28}{ppl:>11.4f}{100 * (ppl / peer['perplexity'] - 1):>+13.2f}%")
+    return "\n".join(lines)
+
+
 def _runs_as(path: dict[str, Any]) -> str:
     """E.g. "float32 int8, KV bfloat16"."""
     weights = f"{path['dtype']} {path['quantization']}" if path["quantization"] else path["dtype"]
@@ -250,13 +352,15 @@ def _runs_as(path: dict[str, Any]) -> str:
 
 
 def report(model: str | None, text: QualityText, results: list[QualityResult], window: int,
-           stride: int, source: str, common: dict[str, Any]) -> dict[str, Any]:
+           stride: int, source: str, common: dict[str, Any],
+           peer: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"model": model, "machine": machine_info(), "text": source,
             "num_text_tokens": len(text.ids), "num_scored_tokens": text.num_scored,
             "window": window, "stride": stride, "common_options": common,
             "reference": {"options": REFERENCE_OPTIONS,
-                          "perplexity": results[0].reference_perplexity if results else None},
-            "candidates": [r.to_dict() for r in results]}
+                          "perplexity": results[0].reference_perplexity if results else None,
+                          "half_window_perplexity": text.reference_half_window_perplexity},
+            "candidates": [r.to_dict() for r in results], "llama.cpp": peer}
 
 
 def read_text_file(path: str) -> str:

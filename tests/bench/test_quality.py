@@ -107,3 +107,55 @@ def test_cli_rejected_option_is_one_line(tiny_folder, capsys):
     assert code == 1
     assert err.startswith("error: ") and "no_such_option" in err and err.count("\n") == 1
     assert "Traceback" not in err
+
+
+FAKE_LLAMA_PERPLEXITY = """#!{python}
+import sys
+args = sys.argv[1:]
+opts = dict(zip(args[::2], args[1::2]))
+assert opts["-c"] == opts["-b"] == "64", args
+text = open(opts["-f"], encoding="utf-8").read()
+assert text == open("{text}", encoding="utf-8").read() and opts["-m"] == "{model}"
+print("perplexity: calculating perplexity over 8 chunks, n_ctx=64, batch_size=64, n_seq=1",
+      file=sys.stderr)
+print("Final estimate: PPL = 12.3456 +/- 0.5000")
+"""
+
+
+def test_side_by_side_with_llama_perplexity(smollm2_gguf, tmp_path, capsys):
+    """--llama-perplexity runs the peer on the same file and text (a stand-in binary here:
+    it checks what it is given) and scores every path as it scores: the second half of each
+    back-to-back window."""
+    import sys
+
+    from llmserve.bench.quality import HalfWindowScoring
+
+    text = tmp_path / "text.txt"
+    text.write_text(quality_text()[:2400], encoding="utf-8")
+    binary = tmp_path / "llama-perplexity"
+    binary.write_text(FAKE_LLAMA_PERPLEXITY.format(python=sys.executable, text=text,
+                                                   model=smollm2_gguf))
+    binary.chmod(0o755)
+    out = tmp_path / "quality.json"
+    code = main(["bench", "quality", "--model", str(smollm2_gguf), "--window", "64",
+                 "--text", str(text), "--llama-perplexity", str(binary),
+                 "--kv-cache-memory", "16MiB", "--output-json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "llama.cpp llama-perplexity      12.3456" in printed
+    report = json.loads(out.read_text())
+    assert report["llama.cpp"]["perplexity"] == 12.3456 and report["llama.cpp"]["windows"] == 8
+    exact = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="16MiB")
+    half = HalfWindowScoring.build(exact, text.read_text(encoding="utf-8"), 64)
+    assert half.num_windows == 8 and half.num_scored == 8 * 31  # positions 33 .. 63
+    assert report["reference"]["half_window_perplexity"] == half.perplexity(exact)
+    (default,) = report["candidates"]
+    assert 1.0 < default["half_window_perplexity"] < 1.05 * half.perplexity(exact)
+    assert f"{default['half_window_perplexity']:.4f}" in printed
+
+
+def test_llama_perplexity_needs_a_gguf_file(tiny_folder, capsys):
+    code = main(["bench", "quality", "--model", str(tiny_folder), "--window", "8",
+                 "--llama-perplexity", "/nonexistent/llama-perplexity"])
+    err = capsys.readouterr().err
+    assert code == 1 and "runs a GGUF file" in err and err.count("\n") == 1

@@ -23,8 +23,11 @@ QUALITY_KV_CACHE_MEMORY = "256MiB"
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     from llmserve.bench.quality import (
         QUALITY_TEXT,
+        format_peer_table,
         format_table,
+        llama_cpp_perplexity,
         plan_windows,
+        quality_text,
         read_text_file,
         report,
         run_quality,
@@ -40,13 +43,32 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     text = read_text_file(args.text) if args.text else None
     source = args.text or f"llmserve/bench/{QUALITY_TEXT}"
     candidates = quality_candidates(args.quantization, candidate_options(args))
+    peer_model = _peer_model(args) if args.llama_perplexity else None
     scored, results = run_quality(args.model, candidates, common, text, args.window, stride,
-                                  args.max_tokens)
+                                  args.max_tokens, half_windows=peer_model is not None)
     print(format_table(scored, results, args.window, stride, source))
+    peer = None
+    if peer_model is not None:
+        peer = llama_cpp_perplexity(args.llama_perplexity, peer_model,
+                                    quality_text() if text is None else text, args.window,
+                                    args.num_threads)
+        print(format_peer_table(scored, results, peer, args.window))
     if args.output_json:
         write_json(args.output_json, report(args.model, scored, results, args.window, stride,
-                                            source, common))
+                                            source, common, peer))
     return 0
+
+
+def _peer_model(args: argparse.Namespace) -> str:
+    """The GGUF file llama.cpp's llama-perplexity runs (the one --model names)."""
+    from llmserve.loader.catalog import resolve_model
+
+    source = resolve_model(args.model)
+    if source.kind != "gguf":
+        raise ValueError("--llama-perplexity runs a GGUF file: give --model one")
+    if args.max_tokens is not None:
+        raise ValueError("--llama-perplexity scores the whole text: leave out --max-tokens")
+    return str(source.path)
 
 
 def candidate_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,6 +136,9 @@ def _quality_arguments(qa: argparse.ArgumentParser) -> None:
                     help="tokens between window starts (default --window: no overlap)")
     qa.add_argument("--max-tokens", type=int, help="score only the text's first N tokens")
     qa.add_argument("--text", metavar="FILE", help="another UTF-8 text to score instead")
+    qa.add_argument("--llama-perplexity", metavar="BIN",
+                    help="llama.cpp's llama-perplexity binary: run it on the same GGUF file "
+                    "and text, and score every path as it scores, side by side")
     qa.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
     add_threads_flag(qa)
 

@@ -216,7 +216,7 @@ def llama_cpp_perplexity(binary: str, model_path: str, text: str, window: int,
         raise LLMServeError(f"--llama-perplexity exited {done.returncode}: {log[-1500:]}")
     return {"perplexity": float(final.group(1)), "stderr": float(final.group(2)),
             "windows": int(chunks.group(1)) if chunks else None,
-            "command": " ".join([Path(binary).name, "-m", "MODEL", "-f", "TEXT", *cmd[6:]])}
+            "command": " ".join([Path(binary).name, "-m", "MODEL", "-f", "TEXT", *cmd[5:]])}
 
 
 @dataclass(frozen=True)

@@ -343,9 +343,12 @@ def shape_section(folder: Path, doc: Path, alone: bool = False) -> list[str]:
     title = f"{x['name']}, {x['qtype']}, at the {isa} level"
     flags = f"--shape {x['name']} --qtype {x['qtype']}" + ("" if isa == "native" else
                                                           f" --isa {isa}")
+    mlp = (f"{x['experts']} experts of {x['expert_intermediate']}, "
+           f"{x['experts_per_token']} a token" if x.get("experts")
+           else f"MLP {x['intermediate_size']}")
     layout = (f"{x['arch']}: hidden {x['hidden_size']}, {x['num_layers']} layers, "
-              f"{x['num_heads']} query / {x['num_kv_heads']} KV heads of {x['head_dim']}, MLP "
-              f"{x['intermediate_size']}, vocabulary {x['vocab_size']}"
+              f"{x['num_heads']} query / {x['num_kv_heads']} KV heads of {x['head_dim']}, "
+              f"{mlp}, vocabulary {x['vocab_size']}"
               + (", tied embeddings" if x["tied_embeddings"] else "")
               + (", QKV bias" if x.get("qkv_bias") else "")
               + (", Q/K norms" if x.get("qk_norm") else ""))

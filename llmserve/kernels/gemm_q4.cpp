@@ -170,9 +170,33 @@ inline uint16_t float_to_half_bits(float f) {
   return sign | static_cast<uint16_t>(h);
 }
 
+// A group of 32 that is a GGUF Q4_0 block (x = d (u - 8), d its value of largest magnitude
+// over -8, an fp16): its own codes u, d and m = -8 d (exact in fp16); false otherwise.
+bool q4_0_block(const float* x, uint8_t* codes, uint16_t* d, uint16_t* m) {
+  int first_largest = 0;
+  for (int i = 1; i < kGroup; ++i)
+    if (std::fabs(x[i]) > std::fabs(x[first_largest])) first_largest = i;
+  const float scale = x[first_largest] / -8.f, offset = -8.f * scale;
+  const uint16_t d_bits = float_to_half_bits(scale), m_bits = float_to_half_bits(offset);
+  if (scale == 0.f || simd::half_bits_to_float(d_bits) != scale ||
+      simd::half_bits_to_float(m_bits) != offset)
+    return false;
+  uint8_t u[kGroup];
+  for (int i = 0; i < kGroup; ++i) {
+    const float code = std::nearbyint(x[i] / scale) + 8.f;
+    if (!(code >= 0.f && code <= 15.f) || scale * (code - 8.f) != x[i]) return false;
+    u[i] = static_cast<uint8_t>(code);
+  }
+  std::memcpy(codes, u, kGroup);
+  *d = d_bits;
+  *m = m_bits;
+  return true;
+}
+
 // One row's groups of 32 (K a multiple of 32) -> codes, d, m as int4.py's quantize_groups
 // computes them in torch ops, bit for bit: d = half((max - min) / 15), m = half(min),
-// code = clamp(round((x - m) * (1 / d)), 0, 15) (0 where d is 0).
+// code = clamp(round((x - m) * (1 / d)), 0, 15) (0 where d is 0); where those do not give
+// the group back exactly and it is a Q4_0 block, the block's own (q4_0_block).
 void quantize_q4_row(const float* w, int64_t K, uint8_t* codes, uint16_t* d, uint16_t* m) {
   for (int64_t g = 0; g < K / kGroup; ++g) {
     const F16 a = simd::load(w + g * kGroup), b = simd::load(w + g * kGroup + 16);
@@ -188,6 +212,12 @@ void quantize_q4_row(const float* w, int64_t K, uint8_t* codes, uint16_t* d, uin
       const F16 code = simd::min(simd::max(t, simd::zero()), simd::set1(15.f));
       simd::store_u8(codes + g * kGroup + 16 * half, simd::to_int(code));
     }
+    const float* x = w + g * kGroup;
+    const float scale = simd::half_bits_to_float(d[g]), low = simd::half_bits_to_float(m[g]);
+    bool exact = true;
+    for (int i = 0; i < kGroup && exact; ++i)
+      exact = scale * static_cast<float>(codes[g * kGroup + i]) + low == x[i];
+    if (!exact) q4_0_block(x, codes + g * kGroup, d + g, m + g);
   }
 }
 

@@ -1,10 +1,14 @@
 """int4: 4-bit weights per group of 32, int8 activations in one or two parts, products in int32.
 
 A weight group of 32 values is `d * u + m` with codes u in [0, 15] and an fp16 scale d and
-offset m: a GGUF Q4_1 block exactly. Re-quantizing a Q4_1 checkpoint's dequantized weights
-gives back its own blocks (min and max of a block are its m and 15 * d + m), so the default
-path computes on the checkpoint's weights as stored, in 5 bits per weight. Other float
-weights get the nearest such blocks (asymmetric min/max, as llama.cpp's Q4_1 quantizer).
+offset m: a GGUF Q4_1 block exactly, and a Q4_0 block (d (u - 8)) with m = -8 d.
+Re-quantizing a Q4_1 checkpoint's dequantized weights gives back its own blocks (min and
+max of a block are its m and 15 * d + m); a Q4_0 block whose codes miss 15 would not come
+back so (its max is under 7 d: another step), so a group the min/max blocks do not give back
+exactly that is a Q4_0 block keeps the block's own d and codes. Either way the default path
+computes on the checkpoint's weights as stored, in 5 bits per weight (a SmolLM2-135M Q4_0
+file re-quantized by min/max lost 20 % of perplexity). Other float weights get the nearest
+blocks (asymmetric min/max, as llama.cpp's Q4_1 quantizer).
 
 Activations per group of 32 with one fp32 scale s = amax / 127, in one of two precisions:
 * "int4": two int8 parts, x ~ (hi + lo / 254) * s (about 15 bits);
@@ -50,8 +54,28 @@ def quantize_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     # in place on one temporary (these passes over every weight were a fifth of a warm
     # start); x * (1 / step) may round a code differently from x / step at a half: both are
     # within half a step, and a Q4_1 file's own blocks come back exactly either way
-    codes = torch.sub(groups, m.float()[..., None]).mul_(inverse[..., None])
-    return codes.round_().clamp_(0, 15).to(torch.uint8).reshape(n, k), d, m
+    codes = torch.sub(groups, m.float()[..., None]).mul_(inverse[..., None]).round_().clamp_(0, 15)
+    # a group those do not give back exactly that is a Q4_0 block keeps its own d, u
+    exact = (codes * step[..., None] + m.float()[..., None] == groups).all(dim=-1)
+    if not bool(exact.all()):
+        codes, d, m = _q4_0_blocks(groups, codes, d, m, ~exact)
+    return codes.to(torch.uint8).reshape(n, k), d, m
+
+
+def _q4_0_blocks(groups: torch.Tensor, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor,
+                 inexact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where `inexact` and a group is a GGUF Q4_0 block (x = d (u - 8), d its value of
+    largest magnitude over -8, an fp16), its own codes, d and m = -8 d (exact in fp16)."""
+    largest = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))[..., 0]
+    scale = largest / -8
+    offset = -8 * scale
+    safe = torch.where(scale != 0, scale, 1.0)[..., None]
+    u = torch.round(groups / safe) + 8
+    block = (inexact & (scale != 0) & (scale.half().float() == scale)
+             & (offset.half().float() == offset) & ((u >= 0) & (u <= 15)).all(dim=-1)
+             & (safe * (u - 8) == groups).all(dim=-1))
+    return (torch.where(block[..., None], u, codes), torch.where(block, scale.half(), d),
+            torch.where(block, offset.half(), m))
 
 
 def quantize_groups_native(lib, weight: torch.Tensor

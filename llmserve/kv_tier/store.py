@@ -24,12 +24,20 @@ restarted engine with the same layout indexes the files it finds (without readin
 and checks each one when it is loaded: a file that is truncated, flipped, another
 namespace's, another block's or of the wrong size is deleted and counted
 (`TierStats.rejected`), never loaded.
+
+The store never leaves its folder: no symlink is followed (a symlinked subfolder or block
+file is skipped at start, refused when asked for, never written or deleted through), and a
+filesystem error while scanning, reading or deleting (a read-only folder, a file vanishing
+under another engine, an unreadable entry) is contained: the block is a miss, the error
+counted, the request goes on.
 """
 
 import atexit
+import errno
 import json
 import logging
 import os
+import stat
 import struct
 import threading
 import time
@@ -214,7 +222,7 @@ class DiskBlockStore(BlockStore):
         with self._lock:
             if block_hash in self._pending or block_hash in self._files:
                 return True
-        if not self._path(block_hash).is_file():
+        if not _is_real_file(self._path(block_hash)):
             return False
         with self._lock:
             self._files[block_hash] = None
@@ -243,16 +251,20 @@ class DiskBlockStore(BlockStore):
                                "this engine's; deleted, not loaded", self.root, len(found))
                 self.stats.rejected["manifest"] += len(found)
                 for _, _, path in found:
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
                 found = []
             tmp = manifest.with_name(f"{MANIFEST}.tmp{os.getpid()}")
             tmp.write_text(json.dumps(ours, indent=1))
             os.replace(tmp, manifest)
         kept = []
         for mtime, block_hash, path in found:
-            if path.stat().st_size != self._file_bytes:
+            try:
+                size = path.lstat().st_size
+            except OSError:  # gone since the scan (another engine on the folder)
+                continue
+            if size != self._file_bytes:
                 self.stats.rejected["size"] += 1
-                path.unlink(missing_ok=True)
+                self._unlink(path)
             else:
                 kept.append((mtime, block_hash))
         for _, block_hash in sorted(kept):
@@ -261,31 +273,63 @@ class DiskBlockStore(BlockStore):
         logger.info("KV tier: %s, %d blocks of %d KiB from a previous run, cap %.1f GiB",
                     self.root, len(self._files), self.layout.block_bytes // 1024,
                     self.capacity_bytes / 2**30)
-        others = [p for p in self.root.parent.iterdir()
-                  if p != self.root and (p / MANIFEST).is_file()]
+        others = [p for p in self._entries(self.root.parent)
+                  if p != self.root and _is_real_dir(p) and (p / MANIFEST).is_file()]
         if others:  # another model, dtype, kernel level or release: never read from here
-            size = sum(f.stat().st_size for p in others for f in p.rglob(f"*{SUFFIX}"))
-            logger.info("KV tier: %d other layouts' folders beside it (%.1f GiB), left "
-                        "alone; delete those no server uses", len(others), size / 2**30)
+            logger.info("KV tier: %d other layouts' folders beside it, left alone; delete "
+                        "those no server uses", len(others))
 
     def _scan(self) -> list[tuple[float, bytes, Path]]:
-        """(mtime, hash, path) of each file named as a block; torn temporary files of an
-        earlier life are deleted."""
+        """(mtime, hash, path) of each regular file named as a block; torn temporary files
+        of an earlier life are deleted. Nothing is followed out of the folder: a symlinked
+        subfolder or file is skipped (and counted), never entered, read or deleted through;
+        an entry that cannot be read is skipped, not fatal."""
         found = []
-        for sub in self.root.iterdir():
-            if not sub.is_dir():
+        for sub in self._entries(self.root):
+            if not _is_real_dir(sub):
+                if sub.is_symlink():
+                    self.stats.rejected["symlink"] += 1
                 continue
-            for path in sub.iterdir():
+            for path in self._entries(sub):
                 name = path.name
                 try:
                     block_hash = bytes.fromhex(name.removesuffix(SUFFIX))
                 except ValueError:
                     block_hash = b""
-                if name.endswith(SUFFIX) and len(block_hash) == 32:
-                    found.append((path.stat().st_mtime, block_hash, path))
+                try:
+                    info = path.lstat()
+                except OSError:
+                    self.stats.rejected["unreadable"] += 1
+                    continue
+                if stat.S_ISLNK(info.st_mode):
+                    self.stats.rejected["symlink"] += 1
+                elif not stat.S_ISREG(info.st_mode):
+                    continue
+                elif name.endswith(SUFFIX) and len(block_hash) == 32:
+                    found.append((info.st_mtime, block_hash, path))
                 elif ".tmp" in name:
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
         return found
+
+    def _entries(self, folder: Path) -> list[Path]:
+        try:
+            return list(folder.iterdir())
+        except OSError:
+            self.stats.rejected["unreadable"] += 1
+            return []
+
+    def _unlink(self, path: Path) -> bool:
+        """Delete a file of the folder (a symlink itself, never what it points to); an error
+        (a read-only folder, a file gone under another engine) is counted and logged once,
+        never raised: the tier works on as a cache that could not forget one file."""
+        try:
+            path.unlink(missing_ok=True)
+            return True
+        except OSError as exc:
+            if not self.stats.rejected["undeletable"]:
+                logger.warning("KV tier: cannot delete %s (%s); left in place", path, exc)
+            self.stats.rejected["undeletable"] += 1
+            return False
 
     # ---- writes, on the writer thread ---------------------------------------------------
 
@@ -344,6 +388,8 @@ class DiskBlockStore(BlockStore):
                              zlib.crc32(payload))
         path = self._path(block_hash)
         path.parent.mkdir(exist_ok=True)
+        if not _is_real_dir(path.parent):  # a symlinked subfolder: never written through
+            raise OSError(f"{path.parent} is not a folder of the tier")
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         with tmp.open("wb") as f:
             f.write(header)
@@ -355,7 +401,7 @@ class DiskBlockStore(BlockStore):
         limit = self.capacity_bytes // self._file_bytes
         while len(self._files) > max(limit, 0):
             block_hash, _ = self._files.popitem(last=False)
-            self._path(block_hash).unlink(missing_ok=True)
+            self._unlink(self._path(block_hash))
             self.stats.evictions += 1
 
     def close(self) -> None:
@@ -418,7 +464,9 @@ class DiskBlockStore(BlockStore):
         """Read and check one block file into `row`; None, or why it is refused."""
         payload = row.numpy()
         try:
-            with self._path(block_hash).open("rb") as f:
+            # never through a symlink: a link named as a block may point anywhere
+            fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
                 header = f.read(HEADER.size)
                 if len(header) < HEADER.size:
                     return "truncated"
@@ -437,8 +485,8 @@ class DiskBlockStore(BlockStore):
                     return "size"
         except FileNotFoundError:
             return "missing"
-        except OSError:
-            return "unreadable"
+        except OSError as exc:
+            return "symlink" if exc.errno == errno.ELOOP else "unreadable"
         return None if zlib.crc32(payload) == crc else "checksum"
 
     def _path(self, block_hash: bytes) -> Path:
@@ -446,7 +494,23 @@ class DiskBlockStore(BlockStore):
         return self.root / name[:2] / f"{name}{SUFFIX}"
 
     def _delete(self, block_hash: bytes) -> None:
-        self._path(block_hash).unlink(missing_ok=True)
+        self._unlink(self._path(block_hash))
+
+
+def _is_real_dir(path: Path) -> bool:
+    """A folder itself, not a symlink to one (nor anything unreadable)."""
+    try:
+        return stat.S_ISDIR(path.lstat().st_mode)
+    except OSError:
+        return False
+
+
+def _is_real_file(path: Path) -> bool:
+    """A regular file itself, not a symlink to one (nor anything unreadable)."""
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except OSError:
+        return False
 
 
 # disk stores not closed yet: their queued blocks are written when the process exits

@@ -243,3 +243,58 @@ def test_engines_sharing_a_folder_find_each_others_blocks(tmp_path):
     second.save(src, [2], HASHES[:1])  # already on disk: not written again
     second.flush()
     assert second.stats.num_saved == 0
+
+
+def test_the_store_never_leaves_its_folder(tmp_path):
+    """Symlinks planted in the tier (a subfolder pointing elsewhere, a block-named link to a
+    valid block file outside, a dangling one, a loop) are never followed: start-up neither
+    fails nor deletes or reads anything outside the folder, and a linked block is a miss."""
+    lay, src = saved_store(tmp_path / "tier")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    store_root = tmp_path / "tier" / lay.namespace
+    paths = {h: p for h, p in ((bytes.fromhex(p.stem), p) for p in store_root.rglob("*.kvb"))}
+    # what a scan that followed the link would delete: a torn-looking file, a wrong-size block
+    bait = [outside / "notes.tmp1", outside / ("cd" * 32 + ".kvb")]
+    for path in bait:
+        path.write_bytes(b"precious")
+    (store_root / "cd").symlink_to(outside, target_is_directory=True)
+    # block 0's file moved outside, a link in its place; dangling and looping links
+    moved = outside / "block0"
+    os.replace(paths[HASHES[0]], moved)
+    paths[HASHES[0]].symlink_to(moved)
+    sub = paths[HASHES[1]].parent
+    (sub / ("ee" * 32 + ".kvb")).symlink_to(tmp_path / "nowhere")
+    loop = sub / ("ef" * 32 + ".kvb")
+    loop.symlink_to(loop)
+    store = DiskBlockStore(tmp_path / "tier", lay, 2**30)
+    assert all(path.read_bytes() == b"precious" for path in bait) and moved.exists()
+    assert store.stats.rejected["symlink"] == 4  # the folder link and the three file links
+    assert HASHES[0] not in store and HASHES[1] in store
+    dst = random_cache(lay.torch_kv_dtype, 2)
+    assert store.load(dst, [5], HASHES[:1]) == 0  # the link is a miss, not a read
+    assert store.load(dst, [6], HASHES[1:2]) == 1 and same_block(src, 1, dst, 6)
+    # a block saved now whose subfolder is the planted link is not written through it
+    store.save(src, [2], [bytes([0xCD]) * 32])
+    store.close()
+    assert sorted(p.name for p in outside.iterdir()) == sorted(["block0", *(p.name for p in bait)])
+
+
+def test_a_file_it_cannot_delete_fails_no_request(tmp_path, monkeypatch):
+    """A read-only folder (unlink raises): a damaged block is a miss, counted, and the load
+    goes on without an exception for the step (it was a 500 for every request)."""
+    from pathlib import Path
+
+    lay, src = saved_store(tmp_path)
+    store = DiskBlockStore(tmp_path, lay, 2**30)
+    flip_byte(files(store)[HASHES[1]], HEADER.size + 100)
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    dst = random_cache(torch.bfloat16, 2)
+    assert store.load(dst, [5, 6], HASHES[:2]) == 1
+    assert store.load(dst, [7], HASHES[2:3]) == 1 and same_block(src, 2, dst, 7)
+    assert store.stats.rejected == {"checksum": 1, "undeletable": 1}
+    assert HASHES[1] not in store._files

@@ -105,6 +105,14 @@ def test_adapters_over_http(folders, offline):
             missing = http.post("/v1/unload_lora_adapter", headers=auth,
                                 json={"lora_name": "nope"})
             assert missing.status_code == 404
+            for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                # a lone surrogate, as JSON can spell it: a 400 naming the field (was a 500)
+                body = '{"lora_name": "\\ud800", "lora_path": "x"}'
+                if route.endswith("unload_lora_adapter"):
+                    body = '{"lora_name": "\\ud800"}'
+                lone = http.post(route, headers={**auth, "content-type": "application/json"},
+                                 content=body)
+                assert lone.status_code == 400 and "lora_name" in lone.text, lone.text
         assert {m.id for m in client.models.list().data} == {MODEL, "a1"}
 
 

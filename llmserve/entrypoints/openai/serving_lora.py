@@ -21,15 +21,19 @@ from llmserve.entrypoints.openai.protocol import BadRequest
 from llmserve.lora.adapter import LoRAError, load_adapter
 from llmserve.lora_request import LoRARequest
 
+# str_max_length: pydantic checks a string is valid Unicode (no lone surrogate, which
+# JSON can spell) only where its length is bounded; the body cap is the real bound
+_STRICT = ConfigDict(extra="forbid", str_max_length=2**40)
+
 
 class LoadLoRARequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     lora_name: str
     lora_path: str
 
 
 class UnloadLoRARequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     lora_name: str
     lora_int_id: int | None = None
 

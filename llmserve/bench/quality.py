@@ -87,6 +87,13 @@ def full_logits(llm: LLM, token_ids: Sequence[int]) -> torch.Tensor:
         return runner.model.compute_logits(captured[0]).float().cpu()
 
 
+def added_bos(tokenizer) -> int | None:
+    """The BOS token id where the tokenizer puts one before a text, else None."""
+    bos = tokenizer.bos_token_id
+    adds = bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
+    return bos if adds else None
+
+
 @dataclass(frozen=True)
 class Window:
     """Text tokens [start, end) run together; [first_scored, end) are scored here."""
@@ -128,9 +135,8 @@ class QualityText:
               max_tokens: int | None = None) -> "QualityText":
         tokenizer = llm.tokenizer
         ids = tokenizer.encode(text, add_special_tokens=False)[:max_tokens]
-        bos = tokenizer.bos_token_id
-        with_specials = tokenizer.encode("a", add_special_tokens=True)
-        prefix = [bos] if bos is not None and with_specials[:1] == [bos] else []
+        bos = added_bos(tokenizer)
+        prefix = [] if bos is None else [bos]
         if len(ids) < 2:
             raise ValueError("the text is shorter than 2 tokens")
         return cls(ids, prefix, plan_windows(len(ids), window, stride, bool(prefix)))
@@ -166,14 +172,11 @@ class HalfWindowScoring:
 
     @classmethod
     def build(cls, llm: LLM, text: str, window: int) -> "HalfWindowScoring":
-        tokenizer = llm.tokenizer
-        ids = tokenizer.encode(text, add_special_tokens=True)
-        bos = tokenizer.bos_token_id
-        adds_bos = bos is not None and tokenizer.encode("a", add_special_tokens=True)[:1] == [bos]
+        ids = llm.tokenizer.encode(text, add_special_tokens=True)
         if len(ids) < 2 * window:
             raise LLMServeError(f"llama.cpp's scoring needs {2 * window} tokens of text (two "
                                 f"windows), the text has {len(ids)}: give a smaller window")
-        return cls(ids, window, bos if adds_bos else None)
+        return cls(ids, window, added_bos(llm.tokenizer))
 
     @property
     def num_windows(self) -> int:

@@ -119,10 +119,6 @@ void llmserve_moe_experts(const float* x, int64_t T, int64_t C, int64_t I,
   }
 }
 
-}  // extern "C"
-
-extern "C" {
-
 // y (T, C) = the mixture layer `moe` of x (T, C): router, routing, experts, shared expert,
 // combined. qscratch: the GEMMs' workspace for T rows of the widest input.
 void llmserve_moe_block(const float* x, int64_t T, int64_t C, const MoeLayer* moe, float* y,

@@ -97,8 +97,8 @@ class NativeMoe:
             block.shared_expert.intermediate_size if shared is not None else 0)
         methods = [getattr(m.method, "base", m.method)  # under a LoRA wrapper: its own
                    for m in block.modules() if isinstance(m, Linear)]
-        self.k_pad = max(getattr(m.weight, "k_pad", 0) for m in methods)
-        self.widest = max(self.k_pad, block.gate.weight.shape[1], block.intermediate_size,
+        k_pad = max(getattr(m.weight, "k_pad", 0) for m in methods)
+        self.widest = max(k_pad, block.gate.weight.shape[1], block.intermediate_size,
                           self.layer.shared_intermediate)
 
     @property

@@ -13,6 +13,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 ATTENTION_BACKEND_CHOICES = ("auto", "native", "flex", "torch")
 # queued requests a server admits before answering 429 (`--max-num-waiting`)
 DEFAULT_MAX_NUM_WAITING = 1024
+DEFAULT_GRAMMAR_TIMEOUT_S = 10.0  # to compile a request's constraint (the server refuses past it)
 # fcfs and priority batch continuously; static runs each admitted batch to completion
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 # how a preempted request's KV comes back (core/preemption.py): by measured cost, always

@@ -17,7 +17,14 @@ Faults and overload:
 * `max_num_waiting` caps queued requests (`QueueFull`: 429); `request_timeout` ends a
   request that outlives it (`RequestTimeout`), freeing its KV blocks;
 * a stream whose reader falls behind keeps a bounded number of outputs (`request_stream.py`):
-  older ones are merged into one, so a slow reader holds its own request's output, no more.
+  older ones are merged into one, so a slow reader holds its own request's output, no more;
+* a structured-output constraint is compiled, and its matchers made ready, on the grammar
+  pool before the request reaches the engine thread (one thread, at the lowest CPU
+  priority: the engine's threads come first), under `grammar_timeout`; past it, or over the
+  parser's budget, the request is refused naming the field (`RequestRejected`: a 400), and
+  a client that goes away while it waits cancels the wait. A constraint that fails while
+  generating ends its request with `ConstraintFailed` (a 400, or an error event), never
+  with text that breaks it.
 
 The engine always reports deltas (`RequestOutputKind.DELTA`): the engine thread does no
 per-step copying, the metrics see each step's new tokens, and a stream whose caller asked
@@ -26,6 +33,7 @@ for FINAL_ONLY or CUMULATIVE outputs sums the deltas on its own event loop.
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import defaultdict
@@ -34,8 +42,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from llmserve.config.engine import DEFAULT_MAX_NUM_WAITING
+from llmserve.config.engine import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_NUM_WAITING
 from llmserve.engine.engine import Engine
+from llmserve.engine.input_processor import RequestRejected
 from llmserve.engine.request_stream import (
     RequestStream,
     call_soon,
@@ -77,6 +86,24 @@ class RequestTimeout(LLMServeError):
     """The request outlived the server's request timeout; its KV blocks were freed."""
 
 
+class ConstraintFailed(LLMServeError):
+    """The request's structured-output constraint could not be followed while generating
+    (its parser budget spent); the message names the field (`structured_outputs.regex`)."""
+
+
+GRAMMAR_NICE = 19  # the grammar pool's thread: runs on what the engine's threads leave
+
+
+def _lower_priority() -> None:
+    """Make the calling thread the machine's least urgent (Linux: a thread's nice value is
+    its own). A constraint that takes seconds to compile then takes them from idle cores,
+    not from the engine's step."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GRAMMAR_NICE)
+    except (AttributeError, OSError):  # not Linux, or not allowed: it runs at the default
+        pass
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -88,6 +115,7 @@ class _Add:
     stream: "RequestStream"
     kv_transfer: Any = None
     lora_request: Any = None
+    grammars: list | None = None
 
 
 class AsyncEngine:
@@ -101,13 +129,17 @@ class AsyncEngine:
 
     def __init__(self, engine: Engine, max_num_waiting: int | None = DEFAULT_MAX_NUM_WAITING,
                  metrics: EngineMetrics | None = None, request_timeout: float | None = None,
-                 on_fatal: Callable[[BaseException], None] | None = None) -> None:
+                 on_fatal: Callable[[BaseException], None] | None = None,
+                 grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S) -> None:
         if max_num_waiting is not None and max_num_waiting < 0:
             raise ValueError(f"max_num_waiting must be >= 0, got {max_num_waiting}")
         if request_timeout is not None and request_timeout <= 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {request_timeout}")
+        if grammar_timeout <= 0:
+            raise ValueError(f"grammar_timeout must be > 0 seconds, got {grammar_timeout}")
         self.engine = engine
         self.request_timeout = request_timeout
+        self.grammar_timeout = grammar_timeout
         self.on_fatal = on_fatal
         self.fatal: BaseException | None = None  # what killed the engine thread, if it died
         self.tokenizer = engine.tokenizer
@@ -128,6 +160,9 @@ class AsyncEngine:
         self._idle = threading.Event()
         self._thread = threading.Thread(target=self._run, name="llmserve-engine", daemon=True)
         self._executor = ThreadPoolExecutor(2, thread_name_prefix="llmserve-tokenize")
+        self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar-compile",
+                                                initializer=_lower_priority)
+        self._num_compiling = 0  # constraints queued or compiling on the grammar pool
         self._next_id = 0
 
     # ---- the caller's side (event loop) -----------------------------------------------
@@ -155,6 +190,9 @@ class AsyncEngine:
         Raises `QueueFull`, `EngineShutdown`, or the engine's `RequestRejected`/`ValueError`.
         """
         loop = asyncio.get_running_loop()
+        grammars = None
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            grammars = await self._prepare_grammars(params)
         deltas, kind = params, RequestOutputKind.DELTA  # a pooling request: one output
         if isinstance(params, SamplingParams):
             kind = params.output_kind
@@ -176,7 +214,8 @@ class AsyncEngine:
                 deadline = time.monotonic() + self.request_timeout
             stream = RequestStream(request_id, loop, self, kind, deadline)
             self._adds.append(_Add(request_id, prompt, deltas, arrival_time or time.time(),
-                                   priority, cache_salt, stream, kv_transfer, lora_request))
+                                   priority, cache_salt, stream, kv_transfer, lora_request,
+                                   grammars))
             self._idle.clear()
         self._wakeup.set()
         try:
@@ -185,6 +224,36 @@ class AsyncEngine:
             stream.abort()
             raise
         return stream
+
+    async def _prepare_grammars(self, params: SamplingParams) -> list:
+        """The request's grammar matchers (one per sequence), made ready on the grammar
+        pool within `grammar_timeout`; `RequestRejected` naming the field if the
+        constraint is invalid, over the parser's budget, or slower than that. Cancelling
+        (the client went away) drops a job not yet started; one already compiling runs to
+        its end (the parser's budget bounds it) and is discarded."""
+        constraint = params.structured_outputs
+        with self._lock:
+            if self.max_num_waiting is not None and self._num_compiling >= self.max_num_waiting:
+                raise QueueFull(f"too many constraints waiting to compile "
+                                f"({self._num_compiling}); retry later")
+            self._num_compiling += 1
+        job = self._grammar_pool.submit(self.engine.structured.prepare, constraint,
+                                        max(params.n, params.best_of or 1))
+        job.add_done_callback(self._compiled)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(job), self.grammar_timeout)
+        except TimeoutError:
+            job.cancel()
+            raise RequestRejected(
+                f"structured_outputs.{constraint.kind} took longer than "
+                f"{self.grammar_timeout:g} s to compile (the server's grammar budget); "
+                "simplify the constraint") from None
+        except ValueError as e:
+            raise RequestRejected(str(e)) from None
+
+    def _compiled(self, _job: Any) -> None:
+        with self._lock:
+            self._num_compiling -= 1
 
     async def generate(self, prompt: Any, params: SamplingParams,
                        **options: Any) -> AsyncIterator[RequestOutput]:
@@ -230,6 +299,7 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
         self._executor.shutdown(wait=False)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()  # the other tensor-parallel ranks
 
     def _busy(self) -> bool:
@@ -326,7 +396,7 @@ class AsyncEngine:
         try:
             self.engine.add_request(add.prompt, add.params, add.request_id, add.priority,
                                     add.arrival_time, add.cache_salt, add.kv_transfer,
-                                    add.lora_request)
+                                    add.lora_request, add.grammars)
         except Exception as e:
             add.stream.loop.call_soon_threadsafe(set_exception, add.stream.admitted, e)
             return
@@ -340,6 +410,12 @@ class AsyncEngine:
 
         Metrics are recorded first, so a client that has its answer finds it counted.
         """
+        failures = self.engine.output_processor.failures
+        if failures:
+            outputs = [out for out in outputs if out.request_id not in failures]
+            for request_id, message in failures.items():
+                if request_id in self._streams:
+                    self._fail({request_id}, ConstraintFailed(message))
         self.metrics.observe(outputs)
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for output in outputs:

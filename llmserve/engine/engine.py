@@ -169,6 +169,7 @@ class Engine:
         cache_salt: str | None = None,
         kv_transfer: "str | TransferredKV | None" = None,
         lora_request: LoRARequest | None = None,
+        grammars: list | None = None,
     ) -> str:
         """Queue a prompt (text, token ids, or {"prompt_token_ids": [...]}); returns its id.
 
@@ -182,6 +183,8 @@ class Engine:
         (`KVConnector.wait_for`) it continues from.
         `PoolingParams` (the pooling runner): one prefill of the prompt, whose output is a
         `PoolingRequestOutput` (an embedding, or class scores).
+        `grammars`: the structured-output matchers of its sequences, made ready off this
+        thread (`StructuredOutputManager.prepare`); None: compiled here.
         """
         if isinstance(params, PoolingParams) or self.pooler is not None:
             return self._add_pooling(prompt, params, request_id, priority, arrival_time,
@@ -189,7 +192,7 @@ class Engine:
         params = params or SamplingParams()
         self._check_lora(lora_request)
         new = self.input_processor.process(prompt, params, priority, arrival_time,
-                                           cache_salt, kv_transfer)
+                                           cache_salt, kv_transfer, grammars)
         new.lora_request = lora_request
         request_id = request_id or f"req-{next(self._ids)}"
         if self.output_processor.in_use(request_id):
@@ -228,7 +231,8 @@ class Engine:
         elif kv_transfer is not None:
             request.remote_kv = kv_transfer
         if params.structured_outputs is not None:
-            request.grammar = self.structured.matcher(params.structured_outputs)
+            request.grammar = new.grammars.pop() if new.grammars else \
+                self.structured.matcher(params.structured_outputs)
         detok = IncrementalDetokenizer(
             self.tokenizer, new.ids, params.skip_special_tokens, params.stop,
             params.include_stop_str_in_output, params.detokenize,

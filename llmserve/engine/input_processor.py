@@ -35,6 +35,9 @@ class NewRequest:
     cache_salt: str | None
     bad_words_token_ids: list[list[int]]
     lora_request: Any = None  # its LoRA adapter (a LoRARequest), set by the engine
+    # its sequences' grammar matchers, prepared off the engine thread (the server's grammar
+    # pool: `StructuredOutputManager.prepare`); None: compiled as each sequence is added
+    grammars: list | None = None
 
 
 class InputProcessor:
@@ -50,7 +53,8 @@ class InputProcessor:
 
     def process(self, prompt: str | list[int] | dict, params: SamplingParams, priority: int,
                 arrival_time: float | None, cache_salt: str | None,
-                kv_transfer: "str | TransferredKV | None") -> NewRequest:
+                kv_transfer: "str | TransferredKV | None",
+                grammars: list | None = None) -> NewRequest:
         text, ids = self._tokenize(prompt)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:
@@ -65,13 +69,14 @@ class InputProcessor:
             self._check_kv_transfer(kv_transfer, ids, params)
         max_tokens = self._check_length(len(ids), params)
         self._check_token_ids(params)
-        if params.structured_outputs is not None:
+        if params.structured_outputs is not None and grammars is None:
             try:  # compile now (cached): an invalid constraint is refused before it queues
                 self.structured.backend.compile(params.structured_outputs)
             except ValueError as e:
                 raise RequestRejected(str(e)) from None
         return NewRequest(text, ids, max_tokens, priority, arrival_time or time.time(),
-                          cache_salt, self._bad_words_token_ids(params.bad_words or []))
+                          cache_salt, self._bad_words_token_ids(params.bad_words or []),
+                          grammars=grammars)
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

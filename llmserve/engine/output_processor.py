@@ -29,6 +29,10 @@ class OutputProcessor:
         self.logprobs_decoder = LogprobsDecoder(tokenizer)
         self.states: dict[str, RequestState] = {}  # by engine request id
         self.parents: dict[str, Parent] = {}  # by the caller's request id
+        # the latest step's requests whose constraint failed while generating (its parser
+        # budget spent): caller's request id -> why, naming the field; the caller gets that
+        # error instead of text that breaks the constraint
+        self.failures: dict[str, str] = {}
 
     def has_unfinished(self) -> bool:
         return bool(self.states or self.parents)
@@ -68,6 +72,7 @@ class OutputProcessor:
         caller's request id."""
         outputs: list[RequestOutput] = []
         touched: dict[str, Parent] = {}  # parents with a child output this step
+        self.failures = {}
         for update in updates:
             state = self.states.get(update.request.request_id)
             if state is None:
@@ -145,10 +150,15 @@ class OutputProcessor:
         stop strings have had their say)."""
         if request.grammar.accept_token(token):
             return True
-        # the mask allowed only valid tokens, so this is a backend fault: end the request
-        # rather than return text that breaks the constraint
-        logger.error("request %s: grammar rejected token %d (%s); finishing it",
-                     request.request_id, token, getattr(request.grammar, "error", None))
+        # the mask allowed only valid tokens, so the parser spent its budget (a constraint
+        # too complex to follow) or failed: end the request rather than return text that
+        # breaks the constraint
+        error = request.grammar.error or "the parser refused a token its mask allowed"
+        kind = request.sampling_params.structured_outputs.kind
+        self.failures[self.caller_of(request.request_id)] = (
+            f"structured_outputs.{kind} could not be followed while generating: {error}")
+        logger.warning("request %s: constraint failed at output token %d (%s); ending it",
+                       request.request_id, request.num_output_tokens, error)
         if not request.status.finished:
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
         return False

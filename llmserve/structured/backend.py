@@ -36,6 +36,12 @@ class GrammarMatcher:
         """The grammar is complete and allows no further token: the request ends here."""
         raise NotImplementedError
 
+    @property
+    def error(self) -> str | None:
+        """Why the matcher stopped working (its budget spent, a backend fault), one line;
+        None while it works."""
+        return None
+
 
 class GrammarBackend:
     """Compiles constraints for one tokenizer and vocabulary; makes matchers."""

@@ -1,13 +1,13 @@
 """llguidance as the grammar backend."""
 
 import json
+import re
 from functools import lru_cache
 
 import llguidance
 import torch
 from llguidance import regex_to_lark
 from llguidance.gbnf_to_lark import gbnf_to_lark
-from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from llmserve.sampling_params import StructuredOutputsParams
 from llmserve.structured.backend import GrammarBackend, GrammarMatcher
@@ -30,6 +30,14 @@ DATE_TIME = (DATE + r"T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,9}
              r"(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
 _FORMAT_PATTERNS = {"date": DATE, "date-time": DATE_TIME}
 
+# The grammar budget (llguidance's parser limits): its defaults, but for the fuel that
+# builds the lexer's first expressions, which is checked far more slowly than its ~50k/ms
+# (a nested repeat, `((a{100}){100}){100}`, spent 1.9 s of a core on its first mask at the
+# default 1,000,000; 0.16 s at this); and errors never quote the grammar (they are
+# returned to the client and logged)
+LIMITS = {"initial_lexer_fuel": 200_000, "verbose_errors": False}
+MAX_ERROR_CHARS = 200  # of a compiler or matcher error, in a reply or the log
+
 
 def strict_date_formats(schema: object) -> object:
     """`schema` with every string `format` of "date" / "date-time" (without a `pattern`)
@@ -46,12 +54,40 @@ def strict_date_formats(schema: object) -> object:
     return out
 
 
+def one_line(message: str) -> str:
+    """A grammar error as one short line: its lines joined, without those quoting the
+    grammar (`   1 | start: ...`), the middle cut where it is longer than MAX_ERROR_CHARS
+    (its start says where, its end what: "error: unclosed character class")."""
+    lines = [line.strip() for line in message.splitlines()]
+    text = " ".join(line for line in lines if line and not _QUOTED.match(line))
+    if len(text) <= MAX_ERROR_CHARS:
+        return text
+    half = MAX_ERROR_CHARS // 2
+    return f"{text[:half]} ... {text[-half:]}"
+
+
+_QUOTED = re.compile(r"^\d+ \|")  # a line of the grammar, as the compiler quotes it
+
+
+def choice_regex(choice: tuple[str, ...]) -> str:
+    """A regex matching exactly the strings of `choice`: every ASCII character that is not
+    a letter or digit escaped as `\\x{..}`. One alternation is one lexeme: compiling it
+    grows about linearly in its size, where a Lark rule of one string per alternative grows
+    about quadratically (20,000 choices: 0.2 s against 1.4 s)."""
+    def escape(c: str) -> str:
+        return c if c.isalnum() or ord(c) > 127 else f"\\x{{{ord(c):x}}}"
+
+    return "|".join("".join(escape(c) for c in text) for text in choice)
+
+
 class LLGuidanceMatcher(GrammarMatcher):
     def __init__(self, matcher: llguidance.LLMatcher) -> None:
         self.matcher = matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        fill_next_token_bitmask(self.matcher, bitmask, row)
+        # llguidance.torch's helper does this; importing it costs ~3 s (torch.compile)
+        words = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
 
     def accept_token(self, token_id: int) -> bool:
         return self.matcher.consume_token(token_id)
@@ -68,7 +104,7 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     @property
     def error(self) -> str | None:
-        return self.matcher.get_error() if self.matcher.is_error() else None
+        return one_line(self.matcher.get_error()) if self.matcher.is_error() else None
 
 
 class LLGuidanceBackend(GrammarBackend):
@@ -78,6 +114,7 @@ class LLGuidanceBackend(GrammarBackend):
             tokenizer.backend.to_str(), n_vocab=vocab_size,
             eos_token=sorted(tokenizer.stop_token_ids))
         self.executor = llguidance.LLExecutor()
+        self.limits = llguidance.LLParserLimits(**LIMITS)
         self._compile = lru_cache(maxsize=256)(self._compile_uncached)
 
     def compile(self, params: StructuredOutputsParams) -> str:
@@ -105,21 +142,21 @@ class LLGuidanceBackend(GrammarBackend):
                 # expect (llguidance's default is any Unicode digit)
                 text = llguidance.LLMatcher.grammar_from_regex(regex_to_lark(regex, "d"))
             elif kind == "choice":
-                text = llguidance.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c) for c in choice))
+                text = llguidance.LLMatcher.grammar_from_regex(choice_regex(choice))
             else:
                 lark = gbnf_to_lark(grammar) if "::=" in grammar else grammar
                 text = llguidance.LLMatcher.grammar_from_lark(lark)
         except Exception as exc:  # noqa: BLE001 - not JSON, not an object, a GBNF error
-            raise ValueError(f"{field}: {exc}") from None
+            raise ValueError(f"{field}: {one_line(str(exc))}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            text, self.tokenizer)
+            text, self.tokenizer, limits=self.limits)
         if is_error:
-            raise ValueError(f"{field} cannot be enforced: {messages[0]}")
+            raise ValueError(f"{field} cannot be enforced: {one_line(messages[0])}")
         return text
 
     def matcher(self, grammar: str) -> LLGuidanceMatcher:
-        return LLGuidanceMatcher(llguidance.LLMatcher(self.tokenizer, grammar, log_level=0))
+        return LLGuidanceMatcher(llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
+                                                      limits=self.limits))
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor,
                       parallel: bool = False) -> None:
@@ -130,5 +167,7 @@ class LLGuidanceBackend(GrammarBackend):
             return
         # llguidance's executor spreads the rows over its threads (a hand-off to them costs
         # ~0.1 ms: worth it for many rows with cores to spare); it releases the GIL
-        fill_next_token_bitmask_par(
-            self.executor, [(m.matcher, row) for row, m in enumerate(matchers)], bitmask)
+        assert bitmask.is_contiguous() and bitmask.dtype == torch.int32
+        self.executor.unsafe_compute_mask_ptr(
+            [(m.matcher, row) for row, m in enumerate(matchers)], bitmask.data_ptr(),
+            bitmask.shape[1] * 4, bitmask.shape[0])

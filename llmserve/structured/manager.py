@@ -2,6 +2,7 @@
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -68,21 +69,48 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self._backend: GrammarBackend | None = None
         self._thread: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # the backend is built once, from whichever thread
 
     @property
     def backend(self) -> GrammarBackend:
-        if self._backend is None:  # built on the first constrained request (~0.2 s)
-            from llmserve.structured.llguidance_backend import LLGuidanceBackend
+        with self._lock:
+            if self._backend is None:  # built on the first constrained request (~0.2 s)
+                from llmserve.structured.llguidance_backend import LLGuidanceBackend
 
-            self._backend = LLGuidanceBackend(self.tokenizer, self.vocab_size)
-            self._thread = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
-        return self._backend
+                self._backend = LLGuidanceBackend(self.tokenizer, self.vocab_size)
+                self._thread = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar")
+            return self._backend
+
+    def prepare(self, params: StructuredOutputsParams, count: int = 1
+                ) -> list[GrammarMatcher]:
+        """`count` matchers for a new request (one per sequence), ready to run: the
+        constraint compiled and each matcher's first mask computed, where a hostile
+        constraint's work is (its lexer built, its first expressions derived). The server
+        calls this on its grammar pool, under a time budget, so that none of that work
+        runs on the engine thread; `ValueError` naming the field if the constraint is
+        invalid, cannot be enforced, or is over the parser's budget."""
+        grammar = self.backend.compile(params)
+        scratch = torch.zeros(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        matchers = []
+        for _ in range(count):
+            inner = self.backend.matcher(grammar)
+            inner.fill_bitmask(scratch, 0)
+            error = getattr(inner, "error", None)
+            if error is not None:
+                raise ValueError(f"structured_outputs.{params.kind} cannot be enforced: "
+                                 f"{error}")
+            matchers.append(self._deferred(inner, params))
+        return matchers
 
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher for a new request; `ValueError` naming the problem if the
-        constraint is invalid or cannot be enforced. With `starts_after`, the constraint
-        waits for that text in the output (`DeferredMatcher`)."""
-        matcher = self.backend.matcher(self.backend.compile(params))
+        """A fresh matcher for a new request, compiled on the calling thread (`prepare`
+        does it off the engine thread); `ValueError` naming the problem if the constraint
+        is invalid or cannot be enforced. With `starts_after`, the constraint waits for
+        that text in the output (`DeferredMatcher`)."""
+        return self._deferred(self.backend.matcher(self.backend.compile(params)), params)
+
+    def _deferred(self, matcher: GrammarMatcher,
+                  params: StructuredOutputsParams) -> GrammarMatcher:
         if params.starts_after:
             from llmserve.structured.deferred import DeferredMatcher
 

@@ -3,7 +3,7 @@ behind a router, optionally one side of disaggregated prefill/decode."""
 
 import argparse
 
-from llmserve.config.engine import DEFAULT_MAX_NUM_WAITING
+from llmserve.config.engine import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_NUM_WAITING
 from llmserve.entrypoints.cli.args import (
     ENGINE_FLAGS,
     add_engine_flags,
@@ -46,6 +46,11 @@ def _arguments(serve: argparse.ArgumentParser) -> None:
     net.add_argument("--request-timeout", type=float, metavar="SECONDS",
                      help="end a request that runs longer than this from its arrival, with "
                           "an error (its KV blocks are freed at once; default: no limit)")
+    net.add_argument("--grammar-timeout", type=float, metavar="SECONDS",
+                     default=DEFAULT_GRAMMAR_TIMEOUT_S,
+                     help="refuse (400) a structured-output constraint that takes longer than "
+                          "this to compile (compiled off the engine thread, at the lowest "
+                          f"CPU priority; default: {DEFAULT_GRAMMAR_TIMEOUT_S:g})")
     add_engine_flags(serve)
     dp = serve.add_argument_group("data parallelism")
     dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
@@ -69,6 +74,8 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--role and --kv-transfer-address go together")
     if args.kv_role is not None and args.data_parallel_size > 1:
         parser.error("--role does not combine with --data-parallel-size")
+    if args.grammar_timeout <= 0:
+        parser.error(f"--grammar-timeout must be > 0 seconds, got {args.grammar_timeout}")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
 

@@ -319,7 +319,8 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
     sock = listening_socket(args.host, args.port)  # before loading: a busy port fails fast
     max_num_waiting = None if args.max_num_waiting < 0 else args.max_num_waiting
     async_engine = AsyncEngine(Engine(EngineConfig(model=model, **engine_options)),
-                               max_num_waiting, request_timeout=args.request_timeout)
+                               max_num_waiting, request_timeout=args.request_timeout,
+                               grammar_timeout=args.grammar_timeout)
     app = build_app(async_engine, settings)
     config = uvicorn.Config(app, log_config=None, access_log=args.verbose,
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s))

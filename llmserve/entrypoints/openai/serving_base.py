@@ -14,7 +14,12 @@ from typing import Any
 
 from starlette.responses import StreamingResponse
 
-from llmserve.engine.async_engine import AsyncEngine, EngineUnavailable, RequestStream
+from llmserve.engine.async_engine import (
+    AsyncEngine,
+    ConstraintFailed,
+    EngineUnavailable,
+    RequestStream,
+)
 from llmserve.engine.input_processor import RequestRejected
 from llmserve.entrypoints.openai.protocol import (
     SAMPLING_FIELDS,
@@ -94,6 +99,8 @@ class OpenAIServing:
         except BaseException:
             _abort_all(streams)
             raise
+        if constraint is not None:
+            return [_ConstraintErrors(stream, constraint) for stream in streams]
         return streams
 
     async def kv_transfer(self, options: dict[str, Any], num_prompts: int) -> Any:
@@ -200,6 +207,10 @@ async def stream_response(streams: list[RequestStream], formatter: ChunkFormatte
                 bodies[-1]["metrics"] = tally.metrics()
             for body in bodies:
                 yield sse(body)
+    except BadRequest as e:  # the constraint failed while generating: the field named
+        yield sse({"error": {"message": str(e), "type": "invalid_request_error",
+                             "param": e.param, "code": e.status}})
+        return_metrics = False
     except Exception as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None,
                              "code": 500}})
@@ -260,6 +271,27 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         for task in tasks:
             task.cancel()
         _abort_all(streams)
+
+
+class _ConstraintErrors:
+    """A constrained request's stream whose `ConstraintFailed` (its parser budget spent
+    while generating) is a `BadRequest` naming the field the user set: a 400, or an error
+    event in a stream."""
+
+    def __init__(self, stream: RequestStream, constraint: Constraint) -> None:
+        self.stream = stream
+        self.field = constraint.error_field
+
+    def abort(self) -> None:
+        self.stream.abort()
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            async for output in self.stream:
+                yield output
+        except ConstraintFailed as e:
+            raise BadRequest(rename_engine_error(str(e), self.field),
+                             param=self.field) from None
 
 
 def _abort_all(streams: list[RequestStream]) -> None:

@@ -13,7 +13,7 @@ import openai
 import pytest
 import uvicorn
 
-from llmserve.config.engine import EngineConfig
+from llmserve.config.engine import DEFAULT_GRAMMAR_TIMEOUT_S, EngineConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.engine import Engine
 from llmserve.entrypoints.openai.server import ServerSettings, build_app, listening_socket
@@ -65,10 +65,12 @@ def _engine_config(gguf: Any, loaded: Any, **options: Any) -> EngineConfig:
 @contextmanager
 def run_server(gguf: Any, loaded: Any, max_num_waiting: int | None = None,
                engine_options: dict | None = None, request_timeout: float | None = None,
+               grammar_timeout: float = DEFAULT_GRAMMAR_TIMEOUT_S,
                **settings: Any) -> Iterator[RunningServer]:
     """A real server on a free port; stopped (gracefully) on exit."""
     engine = Engine(_engine_config(gguf, loaded, **(engine_options or {})), loaded=loaded)
-    async_engine = AsyncEngine(engine, max_num_waiting, request_timeout=request_timeout)
+    async_engine = AsyncEngine(engine, max_num_waiting, request_timeout=request_timeout,
+                               grammar_timeout=grammar_timeout)
     app = build_app(async_engine, ServerSettings(model_name=MODEL, **settings))
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
                                            timeout_graceful_shutdown=5))

@@ -15,7 +15,7 @@ import jinja2
 from tokenizers import Tokenizer as HFTokenizer
 
 from llmserve.chat_template import ChatTemplateError, compile_chat_template, has_lone_surrogate
-from llmserve.errors import ModelFormatError, ModelNotFoundError
+from llmserve.errors import LLMServeError, ModelFormatError, ModelNotFoundError
 from llmserve.gguf_meta import open_gguf, read_metadata
 from llmserve.gguf_vocab import gguf_backend
 
@@ -25,6 +25,19 @@ __all__ = ["ChatTemplateError", "Tokenizer"]
 _TURN_TERMINATORS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 # End-of-document tokens: a model that emits one is done, whatever its metadata's eos says.
 _DOCUMENT_TERMINATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+
+
+_PIECE_CHARS = 8192  # of a long prompt, tokenized in turn while counting against a limit
+_SEAM_TOKENS = 4  # tokens a cut between two pieces can add, at most
+
+
+class PromptTooLong(LLMServeError, ValueError):
+    """A prompt with more tokens than the model's context can take (`limit`)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the prompt has more than {limit} tokens; the model's context is "
+                         f"{limit} tokens and at least one must be left to generate")
+        self.limit = limit
 
 
 class Tokenizer:
@@ -104,10 +117,38 @@ class Tokenizer:
 
     # ---- encode / decode ----------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True,
+               limit: int | None = None) -> list[int]:
         """Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become
-        their ids, as in transformers and llama.cpp's server."""
+        their ids, as in transformers and llama.cpp's server.
+
+        `limit`: a text with certainly more tokens than that raises `PromptTooLong` once
+        about `limit` tokens of it are tokenized, not after all of it (a 4 MB prompt is a
+        million tokens: 2-3 s of a core and ~350 MB, for a prompt the model cannot take)."""
+        if limit is not None and self._exceeds(text, limit):
+            raise PromptTooLong(limit)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def _exceeds(self, text: str, limit: int) -> bool:
+        """Whether `text` has more than `limit` tokens for certain, found by tokenizing it
+        in pieces of `_PIECE_CHARS`, cut before a space, and stopping as soon as their
+        tokens pass `limit` by more than the seams between pieces can add (a seam stops a
+        merge across it: a token or two). False: it may fit (the caller tokenizes it whole,
+        and the engine counts exactly)."""
+        if len(text) <= 2 * _PIECE_CHARS:
+            return False
+        total = start = seams = 0
+        while start < len(text):
+            end = min(len(text), start + _PIECE_CHARS)
+            if end < len(text):
+                space = text.rfind(" ", start + 1, end)
+                end = space if space > start else end
+            total += len(self.backend.encode(text[start:end], add_special_tokens=False).ids)
+            if total > limit + _SEAM_TOKENS * seams:
+                return True
+            seams += 1
+            start = end
+        return False
 
     def encode_pair(self, first: str, second: str) -> list[int]:
         """Token ids of a text pair as one input (a cross-encoder's query and document),

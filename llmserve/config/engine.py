@@ -13,6 +13,10 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "float32", "bfloat16", "int8")
 ATTENTION_BACKEND_CHOICES = ("auto", "native", "flex", "torch")
 # queued requests a server admits before answering 429 (`--max-num-waiting`)
 DEFAULT_MAX_NUM_WAITING = 1024
+# the HTTP edge (a server's and a router's)
+DEFAULT_HEADER_TIMEOUT_S = 10.0  # for a request's headers, from its first byte
+DEFAULT_BODY_TIMEOUT_S = 30.0  # for its whole body, from the end of its headers
+DEFAULT_MAX_CONNECTIONS = 1024  # open connections or requests in flight (503 beyond)
 DEFAULT_GRAMMAR_TIMEOUT_S = 10.0  # to compile a request's constraint (the server refuses past it)
 # fcfs and priority batch continuously; static runs each admitted batch to completion
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")

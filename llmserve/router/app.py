@@ -23,8 +23,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from llmserve import __version__
 from llmserve.entrypoints.openai.http_layer import (
+    edge_settings,
     install_error_handlers,
     install_middleware,
+    uvicorn_config,
 )
 from llmserve.entrypoints.openai.protocol import error_body
 from llmserve.entrypoints.openai.server import API_KEY_ENV, serve_announced
@@ -158,6 +160,7 @@ def router_settings(args: Any) -> RouterSettings:
         max_request_bytes=args.max_request_bytes,
         prefix_chars=args.route_prefix_chars,
         shutdown_timeout_s=args.shutdown_timeout,
+        **edge_settings(args),
     )
 
 
@@ -167,7 +170,7 @@ def run_router(app: FastAPI, settings: RouterSettings, sock: socket.socket, bann
     once it listens ("llmserve: {banner} at http://host:port/v1")."""
     import uvicorn
 
-    config = uvicorn.Config(app, log_config=None, access_log=access_log,
+    config = uvicorn_config(app, settings, log_config=None, access_log=access_log,
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s))
     server = uvicorn.Server(config)
     # uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done; this

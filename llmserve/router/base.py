@@ -18,7 +18,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from llmserve.entrypoints.openai.http_layer import error_response
+from llmserve.entrypoints.openai.http_layer import EdgeSettings, error_response
 from llmserve.entrypoints.openai.server import DEFAULT_MAX_REQUEST_BYTES
 from llmserve.entrypoints.openai.web_ui import PAGE_PATHS
 from llmserve.router.metrics import RouterMetrics
@@ -28,7 +28,7 @@ from llmserve.router.replicas import HEALTH_INTERVAL_S, HEALTH_TIMEOUT_S, Health
 
 
 @dataclass(frozen=True)
-class RouterSettings:
+class RouterSettings(EdgeSettings):
     """How the router faces the network and watches its backends."""
 
     api_key: str | None = None  # checked here, and forwarded to the backends

@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 from llmserve.config.engine import (
     ATTENTION_BACKEND_CHOICES,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
     DISTRIBUTED_EXECUTOR_BACKENDS,
     KV_CACHE_DTYPE_CHOICES,
     PREEMPTION_MODES,
@@ -185,6 +188,21 @@ def add_network_flags(group: Any) -> None:
                        help="largest request body; larger ones get 413 (default 4 MiB)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish on SIGTERM (default 30)")
+    group.add_argument("--header-timeout", type=positive_seconds,
+                       default=DEFAULT_HEADER_TIMEOUT_S, metavar="SECONDS",
+                       help="close a connection whose request headers are not complete this "
+                       f"long after their first byte (default {DEFAULT_HEADER_TIMEOUT_S:g})")
+    group.add_argument("--body-timeout", type=positive_seconds, default=DEFAULT_BODY_TIMEOUT_S,
+                       metavar="SECONDS", help="answer 408 to a request whose body has not "
+                       f"all arrived this long after its headers (default "
+                       f"{DEFAULT_BODY_TIMEOUT_S:g})")
+    group.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                       metavar="N", help="open connections or requests in flight at most; "
+                       f"beyond it answer 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    group.add_argument("--allowed-hosts", action="append", metavar="HOSTS",
+                       help="answer only requests whose Host header names one of these "
+                       "(comma-separated or repeated; *.example.com for subdomains): guards "
+                       "a keyless local server against DNS rebinding (default: any)")
 
 
 def add_route_prefix_flag(group: Any) -> None:
@@ -199,6 +217,13 @@ def add_threads_flag(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- argument types ----------------------------------------------------------------------
+
+
+def positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
 
 
 def kv_cache_memory(text: str) -> str | float:

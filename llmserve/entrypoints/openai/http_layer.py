@@ -5,11 +5,14 @@ The middlewares are plain ASGI (not `BaseHTTPMiddleware`), so streamed responses
 through untouched and a client's disconnect still reaches the route.
 """
 
+import asyncio
 import logging
 import secrets
 import time
+from dataclasses import dataclass
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -18,6 +21,11 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from llmserve.config.engine import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_CONNECTIONS,
+)
 from llmserve.engine.async_engine import (
     EngineShutdown,
     EngineStepError,
@@ -35,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 404: "not_found_error", 405: "invalid_request_error",
+                408: "timeout_error",
                 413: "invalid_request_error", 429: "rate_limit_error",
                 503: "service_unavailable_error", 504: "timeout_error"}
 
@@ -89,6 +98,25 @@ def exception_error(exc: Exception) -> tuple[int, dict[str, Any]]:
     return status, error_body(message, _ERROR_TYPES.get(status, "server_error"), param, code)
 
 
+@dataclass(frozen=True, kw_only=True)
+class EdgeSettings:
+    """How long a client may take to send a request, how many may be open at once, and
+    which Host names the server answers to (a server's and a router's alike)."""
+
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    allowed_hosts: tuple[str, ...] = ()  # empty: any Host header
+
+
+def edge_settings(args: Any) -> dict[str, Any]:
+    """`EdgeSettings`' fields from the command line's network flags."""
+    return {"header_timeout_s": args.header_timeout, "body_timeout_s": args.body_timeout,
+            "max_connections": args.max_connections,
+            "allowed_hosts": tuple(h for v in args.allowed_hosts or ()
+                                   for h in v.split(",") if h)}
+
+
 def install_middleware(app: FastAPI, settings: Any) -> None:
     """API key, CORS and the request-size cap, as `settings` (a server's or a router's:
     `api_key`, `open_paths`, `allowed_origins`, `max_request_bytes`) asks."""
@@ -100,7 +128,69 @@ def install_middleware(app: FastAPI, settings: Any) -> None:
     if settings.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
                            allow_methods=["*"], allow_headers=["*"])
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
+                       timeout_s=settings.body_timeout_s)
+    if settings.allowed_hosts:  # outermost: a foreign Host header gets nothing else
+        app.add_middleware(HostCheckMiddleware, allowed_hosts=settings.allowed_hosts)
+
+
+def uvicorn_config(app: ASGIApp, settings: Any, **options: Any) -> uvicorn.Config:
+    """uvicorn's configuration for `app` with the edge `settings` (a server's or a
+    router's) asks: request headers complete within `header_timeout_s` of their first
+    byte (`bounded_protocol`), and at most `max_connections` connections or requests at
+    once (uvicorn answers 503 beyond)."""
+    return uvicorn.Config(app, http=bounded_protocol(settings.header_timeout_s),
+                          limit_concurrency=settings.max_connections, **options)
+
+
+def bounded_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (httptools where installed, else h11, as its "auto") with a
+    header timeout: a connection whose next request's headers are not complete within
+    `header_timeout_s` of its first byte (or of the connection's start) is closed.
+    uvicorn's own keep-alive timeout stops at the first byte, so a client sending its
+    headers a byte at a time (slowloris) would otherwise hold the connection forever."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:  # httptools is optional
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    class HeaderTimeoutProtocol(Base):
+        _timer: asyncio.TimerHandle | None = None
+        _timed_cycle: Any = None  # the request cycle current when the timer started
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._start_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if self._awaiting_headers() and (self._timer is None
+                                             or self._timed_cycle is not self.cycle):
+                self._start_timer()  # the first byte of a new request
+            super().data_received(data)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            super().connection_lost(exc)
+
+        def _awaiting_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _start_timer(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timed_cycle = self.cycle
+            self._timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _headers_late(self) -> None:
+            self._timer = None
+            # no request's headers completed since the timer started (uvicorn makes a new
+            # cycle for each request when its headers are complete)
+            if self.cycle is self._timed_cycle and self._awaiting_headers() \
+                    and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
 
 
 def install_openapi(app: FastAPI, settings: Any) -> None:
@@ -258,9 +348,10 @@ class BodyLimitMiddleware:
     passes through, so the app still hears of a client's disconnect.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s  # for the whole body to arrive (None: no limit)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -272,8 +363,17 @@ class BodyLimitMiddleware:
             await self._too_large(scope, receive, send)
             return
         chunks, size = [], 0
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(
+                    receive(), None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                response = error_response(
+                    408, f"the request body did not arrive within {self.timeout_s:g} s",
+                    code="request_timeout", path=scope["path"], headers={"Connection": "close"})
+                await response(scope, receive, send)
+                return
             if message["type"] != "http.request":
                 chunks.append(message)  # a disconnect: replay it as it came
                 break
@@ -291,6 +391,42 @@ class BodyLimitMiddleware:
                                   f"of {self.max_bytes} bytes", code="request_too_large",
                                   path=scope["path"])
         await response(scope, receive, send)
+
+
+class HostCheckMiddleware:
+    """Answer only requests whose Host header names this server (`allowed_hosts`, as
+    `--allowed-hosts` lists them; `*.example.com` matches its subdomains, `*` any): a web
+    page that rebinds its own name to 127.0.0.1 (DNS rebinding) reaches a keyless
+    loopback server with its own name in the Host header, and gets 400."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...]) -> None:
+        self.app = app
+        self.allowed = tuple(h.lower() for h in allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1").lower()
+        name = host.rsplit(":", 1)[0] if host.rsplit(":", 1)[-1].isdigit() else host
+        if any(allowed_host(name, pattern) for pattern in self.allowed):
+            await self.app(scope, receive, send)
+            return
+        response = error_response(400, f"the Host header {host!r} is not one this server "
+                                  "answers to (--allowed-hosts)", param="Host",
+                                  code="invalid_host", path=scope.get("path", ""))
+        await response(scope, receive, send)
+
+
+def allowed_host(name: str, pattern: str) -> bool:
+    """Whether a Host header's name (its port cut) matches an `--allowed-hosts` entry (an
+    IPv6 address with or without its brackets)."""
+    name, pattern = name.strip("[]"), pattern.strip("[]")
+    if pattern == "*":
+        return True
+    if pattern.startswith("*."):
+        return name == pattern[2:] or name.endswith(pattern[1:])
+    return name == pattern
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

@@ -27,9 +27,12 @@ from llmserve import __version__
 from llmserve.cpu_info import set_thread_policy
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.entrypoints.openai.http_layer import (
+    EdgeSettings,
+    edge_settings,
     install_error_handlers,
     install_middleware,
     install_openapi,
+    uvicorn_config,
 )
 from llmserve.entrypoints.openai.protocol import (
     BadRequest,
@@ -79,7 +82,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class ServerSettings:
+class ServerSettings(EdgeSettings):
     """How the server faces the network (the engine's own settings live in EngineConfig)."""
 
     model_name: str
@@ -315,6 +318,7 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         reasoning_parser=args.reasoning_parser,
         lora_modules=tuple(parse_lora_modules(getattr(args, "lora_modules", None))),
+        **edge_settings(args),
     )
     sock = listening_socket(args.host, args.port)  # before loading: a busy port fails fast
     max_num_waiting = None if args.max_num_waiting < 0 else args.max_num_waiting
@@ -322,7 +326,7 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
                                max_num_waiting, request_timeout=args.request_timeout,
                                grammar_timeout=args.grammar_timeout)
     app = build_app(async_engine, settings)
-    config = uvicorn.Config(app, log_config=None, access_log=args.verbose,
+    config = uvicorn_config(app, settings, log_config=None, access_log=args.verbose,
                             timeout_graceful_shutdown=int(settings.shutdown_timeout_s))
     server = uvicorn.Server(config)
     # the engine thread dying ends the server (exit 1), for a supervisor to restart it;

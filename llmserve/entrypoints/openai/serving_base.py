@@ -165,6 +165,15 @@ class ChunkFormatter(ABC):
         """The chunk choices (each goes out in its own chunk) for one choice's delta."""
 
 
+def prompt_limit(engine: AsyncEngine, request: Any) -> int | None:
+    """The most tokens a request's prompt may have (a longer one is refused while it is
+    tokenized, `Tokenizer.encode`); None where `truncate_prompt_tokens` keeps the prompt's
+    last tokens, so that the whole prompt is needed."""
+    if getattr(request, "truncate_prompt_tokens", None) is not None:
+        return None
+    return engine.max_model_len
+
+
 def stream_usage(options: Any) -> tuple[bool, bool]:
     """(a usage chunk at the end, the usage so far in every chunk) as `stream_options`
     asks."""

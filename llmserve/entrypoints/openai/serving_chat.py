@@ -28,6 +28,7 @@ from llmserve.entrypoints.openai.serving_base import (
     OpenAIServing,
     final_outputs,
     output_kind,
+    prompt_limit,
     prompt_logprobs_json,
     response_metrics,
     stream_response,
@@ -51,6 +52,7 @@ from llmserve.entrypoints.openai.tool_parsers import Extracted, ToolCallExtracto
 from llmserve.errors import LLMServeError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
+from llmserve.tokenizer import PromptTooLong
 
 Extractors = Callable[[], ToolCallExtractor] | None
 
@@ -125,7 +127,7 @@ class OpenAIServingChat(OpenAIServing):
         prompt_ids = await self.engine.run_blocking(
             self.prompt_ids, request.messages, plan.tools, request.add_generation_prompt,
             _template_variables(request), request.continue_final_message,
-            request.add_special_tokens)
+            request.add_special_tokens, prompt_limit(self.engine, request))
         echo = _echoed(request)
         reasoning = self._reasoning(request, prompt_ids)
         if reasoning is not None and reasoning.thinking and constraint is not None:
@@ -192,14 +194,15 @@ class OpenAIServingChat(OpenAIServing):
                    add_generation_prompt: bool = True,
                    template_kwargs: dict[str, Any] | None = None,
                    continue_final_message: bool = False,
-                   add_special_tokens: bool = False) -> list[int]:
+                   add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
         """The prompt's token ids: the messages (and tools) rendered with the model's chat
         template, what it cannot render written in as its tool format writes it.
 
         `continue_final_message`: the text ends right after the last message's content (what
         the template writes after it, its end of turn, is cut), so the answer continues it,
         as transformers does. `add_special_tokens`: the tokenizer's own BOS/EOS are added
-        around the text (templates write theirs, hence off by default)."""
+        around the text (templates write theirs, hence off by default). `limit`: a prompt
+        of certainly more tokens is a 400 as soon as that is known (`Tokenizer.encode`)."""
         template = self.tokenizer.chat_template
         dicts = messages_to_dicts(messages)
         rendered = template_messages(dicts, tools, template, tool_format_for(template))
@@ -211,7 +214,11 @@ class OpenAIServingChat(OpenAIServing):
             raise BadRequest(str(e), param="messages") from None
         if continue_final_message:
             text = _cut_after_final_message(text, dicts[-1]["content"])
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                         limit=limit)
+        except PromptTooLong as e:
+            raise BadRequest(str(e), param="messages") from None
 
     def _reasoning(self, request: ChatCompletionRequest,
                    prompt_ids: list[int]) -> ReasoningStart | None:

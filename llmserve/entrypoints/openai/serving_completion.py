@@ -26,6 +26,7 @@ from llmserve.entrypoints.openai.serving_base import (
     OpenAIServing,
     final_outputs,
     output_kind,
+    prompt_limit,
     prompt_logprobs_json,
     response_metrics,
     stream_response,
@@ -36,6 +37,7 @@ from llmserve.entrypoints.openai.serving_base import (
 )
 from llmserve.entrypoints.openai.structured import request_constraints, single_constraint
 from llmserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from llmserve.tokenizer import PromptTooLong
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -64,7 +66,8 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = _prompt_list(request.prompt)
         _check_token_ids(prompts, self.engine.engine.loaded.config.vocab_size)
         token_ids = await self.engine.run_blocking(self._tokenize, prompts,
-                                                   request.add_special_tokens)
+                                                   request.add_special_tokens,
+                                                   prompt_limit(self.engine, request))
         echoes = [""] * len(prompts)
         if request.echo:
             echoes = await self.engine.run_blocking(self._prompt_texts, prompts)
@@ -102,9 +105,13 @@ class OpenAIServingCompletion(OpenAIServing):
             body["metrics"] = response_metrics(finals)
         return body
 
-    def _tokenize(self, prompts: list[str | list[int]], add_special: bool) -> list[list[int]]:
-        return [self.tokenizer.encode(p, add_special_tokens=add_special) if isinstance(p, str)
-                else p for p in prompts]
+    def _tokenize(self, prompts: list[str | list[int]], add_special: bool,
+                  limit: int | None) -> list[list[int]]:
+        try:
+            return [self.tokenizer.encode(p, add_special_tokens=add_special, limit=limit)
+                    if isinstance(p, str) else p for p in prompts]
+        except PromptTooLong as e:
+            raise BadRequest(str(e), param="prompt") from None
 
     def _prompt_texts(self, prompts: list[str | list[int]]) -> list[str]:
         return [p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts]

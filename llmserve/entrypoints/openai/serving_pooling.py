@@ -28,6 +28,7 @@ from llmserve.entrypoints.openai.serving_base import OpenAIServing
 from llmserve.outputs import PoolingRequestOutput
 from llmserve.pooling_params import PoolingParams
 from llmserve.scoring import classifier_score, cosine, cross_encoder_prompt, pair_up
+from llmserve.tokenizer import PromptTooLong
 
 MAX_INPUTS = 2048  # inputs (texts, token lists, documents) in one request
 # vLLM's pooling request fields that would change the answer and are not served here:
@@ -188,8 +189,8 @@ class OpenAIServingPooling(OpenAIServing):
         return [cosine(vectors[a], vectors[b]) for a, b in pairs], outputs
 
     async def _inputs(self, body: EmbeddingRequest | ClassificationRequest) -> list[Any]:
-        """The request's inputs as engine prompts (strings tokenized here when special
-        tokens are to be left out)."""
+        """The request's inputs as engine prompts (strings without special tokens
+        tokenized here; `_run` tokenizes the others)."""
         prompts = _inputs(body.input, "input")
         if body.add_special_tokens:
             return prompts
@@ -197,11 +198,29 @@ class OpenAIServingPooling(OpenAIServing):
             {"prompt_token_ids": self.tokenizer.encode(p, add_special_tokens=False)}
             if isinstance(p, str) else p for p in prompts])
 
+    def _tokenized(self, prompts: list[Any], field: str, limit: int | None) -> list[Any]:
+        """Text prompts as token ids (with the tokenizer's special tokens, as the engine
+        adds them), a text certainly longer than `limit` tokens refused as soon as that
+        is known."""
+        tokenized = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                try:
+                    prompt = {"prompt_token_ids": self.tokenizer.encode(prompt, limit=limit)}
+                except PromptTooLong as e:
+                    raise BadRequest(f"{field}[{i}]: {e}", param=field) from None
+            tokenized.append(prompt)
+        return tokenized
+
     async def _run(self, prompts: list[Any], params: PoolingParams, field: str,
                    body: PoolingRequest, arrival_time: float) -> list[PoolingRequestOutput]:
         """Admit every input, then wait for all; a refused one aborts the others."""
         if len(prompts) > MAX_INPUTS:
             raise BadRequest(f"at most {MAX_INPUTS} inputs a request", param=field)
+        if any(isinstance(p, str) for p in prompts):  # tokenized here, not by the engine
+            limit = None if body.truncate_prompt_tokens is not None else \
+                self.engine.max_model_len
+            prompts = await self.engine.run_blocking(self._tokenized, prompts, field, limit)
         request_id = _id("pool")
         streams = []
         try:

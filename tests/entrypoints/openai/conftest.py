@@ -16,6 +16,7 @@ import uvicorn
 from llmserve.config.engine import DEFAULT_GRAMMAR_TIMEOUT_S, EngineConfig
 from llmserve.engine.async_engine import AsyncEngine
 from llmserve.engine.engine import Engine
+from llmserve.entrypoints.openai.http_layer import uvicorn_config
 from llmserve.entrypoints.openai.server import ServerSettings, build_app, listening_socket
 
 MODEL = "smollm2-test"
@@ -71,9 +72,10 @@ def run_server(gguf: Any, loaded: Any, max_num_waiting: int | None = None,
     engine = Engine(_engine_config(gguf, loaded, **(engine_options or {})), loaded=loaded)
     async_engine = AsyncEngine(engine, max_num_waiting, request_timeout=request_timeout,
                                grammar_timeout=grammar_timeout)
-    app = build_app(async_engine, ServerSettings(model_name=MODEL, **settings))
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, access_log=False,
-                                           timeout_graceful_shutdown=5))
+    server_settings = ServerSettings(model_name=MODEL, **settings)
+    app = build_app(async_engine, server_settings)
+    server = uvicorn.Server(uvicorn_config(app, server_settings, log_config=None,
+                                           access_log=False, timeout_graceful_shutdown=5))
     sock = listening_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),),

@@ -12,16 +12,24 @@ columns, zeros elsewhere: one shrink and one expand GEMM per adapter and linear,
 rows no target touches get exactly + 0. Anything the adapter asks that the model cannot do
 is refused by name at load: a module the model lacks, a shape that does not fit, a rank
 above `max_lora_rank`, DoRA, trained biases, `modules_to_save`, per-module rank patterns.
+
+Files are read only if they are regular files (a FIFO or a device is refused at once, never
+waited on). Given a `root` (the server's `--lora-dir`), a file is read only if it lies under
+root once resolved, and it is then opened one component at a time from root with no symlink
+followed: a link inside root to inside root works, one leading out never does, not even one
+swapped in between the check and the open.
 """
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from llmserve.errors import LLMServeError
@@ -37,6 +45,11 @@ PEFT_PREFIX = "base_model.model."
 
 class LoRAError(LLMServeError, ValueError):
     """An adapter that cannot run on this model (named in the message)."""
+
+
+class AdapterNotFound(LoRAError):
+    """No adapter file can be read there: missing, not a regular file, outside the root,
+    unreadable (a server tells a client no more than that; the message is the operator's)."""
 
 
 @dataclass
@@ -83,10 +96,14 @@ class LoRAAdapter:
         return self.request.lora_int_id
 
 
-def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAAdapter:
-    """Read `request`'s folder and fit it to `model` (LoRAError naming what does not fit)."""
+def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int,
+                 root: str | None = None) -> LoRAAdapter:
+    """Read `request`'s folder and fit it to `model` (LoRAError naming what does not fit;
+    AdapterNotFound where a file cannot be read). `root`: read only from under this
+    resolved folder (see the module's docstring)."""
     folder = Path(request.lora_path)
-    config = _read_config(folder)
+    root_path = None if root is None else Path(root)
+    config = _read_config(folder, root_path)
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if not isinstance(rank, int) or rank < 1:
         raise LoRAError(f"adapter {request.lora_name}: r must be a positive integer, got "
@@ -97,7 +114,7 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAA
     if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise LoRAError(f"adapter {request.lora_name}: lora_alpha must be a number")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = _read_tensors(folder, request.lora_name)
+    tensors = _read_tensors(folder, request.lora_name, root_path)
     pieces: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor]]] = {}
     for name in sorted(tensors):
         if not name.endswith(".lora_A.weight"):
@@ -125,13 +142,12 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAA
     return LoRAAdapter(request, rank, updates)
 
 
-def _read_config(folder: Path) -> dict:
+def _read_config(folder: Path, root: Path | None) -> dict:
     path = folder / "adapter_config.json"
+    data = _read_file(path, root)
     try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise LoRAError(f"no adapter_config.json in {folder}") from None
-    except (OSError, ValueError) as e:
+        config = json.loads(data)
+    except ValueError as e:
         raise LoRAError(f"cannot read {path}: {e}") from None
     if not isinstance(config, dict):
         raise LoRAError(f"{path} is not a JSON object")
@@ -151,17 +167,65 @@ def _read_config(folder: Path) -> dict:
     return config
 
 
-def _read_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+def _read_tensors(folder: Path, name: str, root: Path | None) -> dict[str, torch.Tensor]:
     path = folder / "adapter_model.safetensors"
-    if not path.is_file():
-        if (folder / "adapter_model.bin").is_file():
-            raise LoRAError(f"adapter {name}: adapter_model.bin is not read (save the "
-                            f"adapter as safetensors)")
-        raise LoRAError(f"adapter {name}: no adapter_model.safetensors in {folder}")
     try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:
+        data = _read_file(path, root)
+    except AdapterNotFound:
+        try:
+            os.close(_open_regular(folder / "adapter_model.bin", root))
+        except AdapterNotFound:
+            raise AdapterNotFound(f"adapter {name}: no adapter_model.safetensors in "
+                                  f"{folder}") from None
+        raise LoRAError(f"adapter {name}: adapter_model.bin is not read (save the adapter "
+                        f"as safetensors)") from None
+    try:
+        return load_safetensors(data)
+    except SafetensorError as e:
         raise LoRAError(f"adapter {name}: cannot read {path}: {e}") from None
+
+
+def _read_file(path: Path, root: Path | None = None) -> bytes:
+    """The bytes of the regular file at `path` (under `root` when given); AdapterNotFound
+    where there is none to read."""
+    with open(_open_regular(path, root), "rb", closefd=True) as f:
+        return f.read()
+
+
+def _open_regular(path: Path, root: Path | None) -> int:
+    # O_NONBLOCK: opening a FIFO returns at once (to be refused) instead of waiting for a
+    # writer; it changes nothing for a regular file's reads
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags) if root is None else _open_under(root, path, flags)
+    except FileNotFoundError:
+        raise AdapterNotFound(f"no {path.name} in {path.parent}") from None
+    except (OSError, ValueError) as e:  # ValueError: a NUL in the path
+        raise AdapterNotFound(f"cannot open {path}: {getattr(e, 'strerror', None) or e}"
+                              ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise AdapterNotFound(f"{path} is not a regular file")
+    return fd
+
+
+def _open_under(root: Path, path: Path, flags: int) -> int:
+    """`path` opened from `root` one component at a time, never through a symlink; only
+    if it resolves to a path under root (a link inside root to inside root is fine)."""
+    real = Path(os.path.realpath(path))
+    if not real.is_relative_to(root):
+        raise FileNotFoundError(path)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    parts = real.relative_to(root).parts
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        try:
+            next_fd = os.open(part, flags | os.O_NOFOLLOW | (0 if last else os.O_DIRECTORY),
+                              dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = next_fd
+    return fd
 
 
 def _target(model: nn.Module, module: str, name: str) -> tuple[str, slice, Linear]:

@@ -12,7 +12,10 @@ any batch.
 
 Adapters load on first use from their folder (`adapter.py`) and stay, up to `max_cpu_loras`
 (the least recently used one not in the current step goes first); `max_loras`, the most
-adapters one step may hold, is the scheduler's to keep.
+adapters one step may hold, is the scheduler's to keep. A server reads and fits an adapter
+off the engine thread when it is registered and `offer`s it: its first use takes it without
+touching the disk; only a reload after eviction reads on the engine thread (from under the
+root it was offered with, if any).
 """
 
 import ctypes
@@ -145,6 +148,11 @@ class LoRAManager:
         # adapter loads or goes
         self._native_args: dict[tuple[int, ...], dict] = {}
         self.load_seconds = 0.0
+        # written by the server's thread, read by the engine's (single dict operations):
+        # adapters fitted off the engine thread, not used yet (at most max_cpu_loras, the
+        # oldest dropped: it then loads on first use); and the --lora-dir they came from
+        self._offered: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._roots: dict[int, str] = {}
         for name, module in model.named_modules():
             if isinstance(module, Linear) and not isinstance(module.method, LoRALinearMethod):
                 module.method = LoRALinearMethod(module.method, self.context, name)
@@ -159,9 +167,12 @@ class LoRAManager:
                                 f"{adapter.request.lora_name}, not {request.lora_name}")
             self.adapters.move_to_end(request.lora_int_id)
             return adapter
-        start = time.perf_counter()
-        adapter = load_adapter(request, self.model, self.max_lora_rank)
-        self.load_seconds += time.perf_counter() - start
+        adapter = self._offered.pop(request.lora_int_id, None)
+        if adapter is None or adapter.request != request:
+            start = time.perf_counter()
+            adapter = load_adapter(request, self.model, self.max_lora_rank,
+                                   self._roots.get(request.lora_int_id))
+            self.load_seconds += time.perf_counter() - start
         self.adapters[request.lora_int_id] = adapter
         self._native_args.clear()
         while len(self.adapters) > self.max_cpu_loras:
@@ -171,6 +182,22 @@ class LoRAManager:
                 break
             del self.adapters[victim]
         return adapter
+
+    def offer(self, adapter: LoRAAdapter, root: str | None = None) -> None:
+        """`adapter`, read and fitted elsewhere, for its first `get` to take; `root`: the
+        folder its reloads must read from under."""
+        if root is not None:
+            self._roots[adapter.lora_int_id] = root
+        self._offered[adapter.lora_int_id] = adapter
+        while len(self._offered) > self.max_cpu_loras:
+            try:
+                self._offered.popitem(last=False)
+            except KeyError:  # the engine took the last one meanwhile
+                break
+
+    def withdraw(self, lora_int_id: int) -> None:
+        """An offered adapter is no longer served (unloaded before, or after, its use)."""
+        self._offered.pop(lora_int_id, None)
 
     def remove(self, lora_int_id: int) -> bool:
         self._native_args.clear()

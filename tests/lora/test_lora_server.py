@@ -1,15 +1,23 @@
 """LoRA over HTTP, with the openai SDK and raw requests: `--lora-modules` at start, the
 request's `model` naming an adapter, `/v1/models` listing adapters under their base,
 adapters loaded and unloaded through `/v1/load_lora_adapter` / `/v1/unload_lora_adapter`
-(behind the API key) while requests run, and no output changed for the others."""
+(behind the API key) while requests run, and no output changed for the others. Runtime
+loading only when asked (`--allow-runtime-lora`), only from under `--lora-dir`, on its own
+bounded pool under a timeout."""
 
+import os
+import shutil
+import statistics
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
 from llmserve import LLM, SamplingParams
+from llmserve.entrypoints.openai import serving_lora
+from llmserve.lora.adapter import LoRAError
 from tests.entrypoints.openai.conftest import MODEL, run_server
 from tests.lora.adapters import base_folder, lora, make_adapter
 
@@ -58,7 +66,7 @@ def test_adapters_over_http(folders, offline):
     options = {"enable_lora": True, "max_loras": 4, "kv_cache_memory": "16MiB",
                "max_model_len": 256}
     with run_server(root / "base", None, engine_options=options, api_key=KEY,
-                    lora_modules=(("a0", str(paths[0])),)) as server:
+                    lora_modules=(("a0", str(paths[0])),), lora_dir=str(root)) as server:
         client = server.client(api_key=KEY)
         auth = {"Authorization": f"Bearer {KEY}"}
         models = {m.id: m for m in client.models.list().data}
@@ -125,3 +133,175 @@ def test_a_server_without_lora_refuses_the_routes_and_adapter_names(folders):
                                                             "lora_path": "/x"}).status_code == 404
         with pytest.raises(openai.NotFoundError):
             complete(server.client(), "a0", max_tokens=2)
+
+
+OPTIONS = {"enable_lora": True, "max_loras": 4, "kv_cache_memory": "16MiB",
+           "max_model_len": 256}
+
+
+@pytest.fixture(scope="module")
+def lora_dir(folders):
+    """A --lora-dir: a real adapter (a copy of a1), a link to it, and what must not load:
+    links to a real adapter outside (the folder, or its files), a FIFO (as the folder and
+    as its config), a plain file. a2 lies outside, next to the folder."""
+    root, paths = folders
+    folder = root / "dir"
+    shutil.copytree(paths[1], folder / "inside")
+    (folder / "alias").symlink_to("inside")
+    (folder / "out").symlink_to(paths[2])
+    (folder / "half").mkdir()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        (folder / "half" / name).symlink_to(paths[2] / name)
+    os.mkfifo(folder / "fifo")
+    (folder / "fifo-config").mkdir()
+    os.mkfifo(folder / "fifo-config" / "adapter_config.json")
+    shutil.copy(paths[1] / "adapter_model.safetensors", folder / "fifo-config")
+    (folder / "notes.txt").write_text("not an adapter")
+    return folder
+
+
+def load(http: httpx.Client, name: str, path: str) -> httpx.Response:
+    return http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+
+
+def test_runtime_loading_is_off_without_the_opt_in(folders, offline):
+    root, paths = folders
+    with run_server(root / "base", None, engine_options=OPTIONS,
+                    lora_modules=(("a0", str(paths[0])),)) as server:
+        with server.http() as http:
+            for route, body in [("/v1/load_lora_adapter",
+                                 {"lora_name": "a1", "lora_path": str(paths[1])}),
+                                ("/v1/unload_lora_adapter", {"lora_name": "a0"})]:
+                refused = http.post(route, json=body)
+                assert refused.status_code == 404, refused.text
+                error = refused.json()["error"]
+                assert error["code"] == "runtime_lora_disabled"
+                assert "--allow-runtime-lora --lora-dir DIR" in error["message"]
+        assert complete(server.client(), "a0") == offline["a0"]  # --lora-modules still serve
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--allow-runtime-lora", "--lora-dir", "."], "--allow-runtime-lora needs --enable-lora"),
+    (["--enable-lora", "--allow-runtime-lora"], "go together"),
+    (["--enable-lora", "--lora-dir", "."], "go together"),
+])
+def test_allow_runtime_lora_needs_enable_lora_and_lora_dir(capsys, flags, error):
+    from llmserve.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", *flags])
+    assert exit_info.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+def test_runtime_loads_never_leave_lora_dir(folders, offline, lora_dir):
+    root, paths = folders
+    outside = [
+        "../a2", "inside/../../a2", str(paths[2]),  # a real adapter outside
+        str(root / "nowhere"), "../nowhere", "/etc/passwd", "/etc", "/dev/zero",
+        "out", "half",  # links inside leading to a real adapter outside
+        "missing", "notes.txt", "fifo", "fifo-config", ".", "a\x00b",  # no adapter inside
+    ]
+    with run_server(root / "base", None, engine_options=OPTIONS,
+                    lora_dir=str(lora_dir)) as server, server.http() as http:
+        messages = set()
+        for i, path in enumerate(outside):
+            # 400 at once: a FIFO is never waited on (a wait would end in the timeout's 504)
+            refused = load(http, f"x{i}", path)
+            assert refused.status_code == 400, (path, refused.text)
+            error = refused.json()["error"]
+            assert error["param"] == "lora_path"
+            assert "Errno" not in error["message"] and str(root) not in \
+                error["message"].replace(repr(path), "")
+            messages.add(error["message"].replace(repr(path), "<path>"))
+        # the same words whether the path exists, is an adapter, a file, a FIFO or nothing
+        assert messages == {"lora_path: no LoRA adapter at <path> under --lora-dir"}
+        lone = http.post("/v1/load_lora_adapter", headers={"content-type": "application/json"},
+                         content='{"lora_name": "x", "lora_path": "\\ud800"}')
+        assert lone.status_code == 400 and lone.json()["error"]["param"] == "lora_path", \
+            lone.text
+
+        for name, path in [("inside", "inside"), ("aliased", str(lora_dir / "alias"))]:
+            loaded = load(http, name, path)
+            assert loaded.status_code == 200, loaded.text
+        client = server.client()
+        assert complete(client, "inside") == offline["a1"]
+        assert complete(client, "aliased") == offline["a1"]
+        # the engine thread read nothing: the load pool's fitted adapters were handed over
+        assert server.engine.engine.lora.load_seconds == 0
+        assert http.post("/v1/unload_lora_adapter",
+                         json={"lora_name": "inside"}).status_code == 200
+    assert not any(t.name.startswith("llmserve-lora-load") and t.is_alive() and
+                   not t.daemon for t in threading.enumerate())
+
+
+def test_a_hung_load_times_out_and_slows_no_request(folders, lora_dir, tmp_path,
+                                                    monkeypatch):
+    """Reads that never return (a read of a FIFO with no writer, as a hung network
+    filesystem's) fill the load pool: they answer 504 after the timeout, loads beyond the
+    pool's queue 429, and a request beside them takes no longer than alone."""
+    root, _ = folders
+    fifo = tmp_path / "hung"
+    os.mkfifo(fifo)
+    started = threading.Semaphore(0)
+
+    def hung_read(*_):
+        started.release()
+        with open(fifo, "rb") as f:  # blocks until a writer comes
+            f.read()
+        raise LoRAError("the hung read ended")
+
+    def timed_completion(client: openai.OpenAI) -> float:
+        start = time.perf_counter()
+        complete(client, MODEL, max_tokens=64)
+        return time.perf_counter() - start
+
+    with run_server(root / "base", None, engine_options=OPTIONS, lora_dir=str(lora_dir),
+                    lora_load_timeout_s=1.0) as server, server.http() as http:
+        client = server.client()
+        timed_completion(client)  # warm-up
+        alone = [timed_completion(client) for _ in range(5)]
+        monkeypatch.setattr(serving_lora, "load_adapter", hung_read)
+        answers: dict[str, httpx.Response] = {}
+
+        def post(name: str) -> None:
+            answers[name] = load(http, name, "inside")
+
+        stuck = [threading.Thread(target=post, args=(f"h{i}",)) for i in range(2)]
+        for t in stuck:
+            t.start()
+        for _ in stuck:
+            assert started.acquire(timeout=30)
+        beside = [timed_completion(client) for _ in range(5)]
+        queued = [threading.Thread(target=post, args=(f"q{i}",)) for i in range(2)]
+        for t in queued:
+            t.start()
+        registry = server.server.config.app.state.loras
+        deadline = time.monotonic() + 30
+        while len(registry._loading & {"q0", "q1"}) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        full = load(http, "full", "inside")  # 2 reading, 2 queued: no more
+        assert full.status_code == 429 and "Retry-After" in full.headers, full.text
+        for t in stuck + queued:
+            t.join(60)
+        for name in ("h0", "h1", "q0", "q1"):
+            assert answers[name].status_code == 504, answers[name].text
+            error = answers[name].json()["error"]
+            assert error["param"] == "lora_path" and "took longer than 1 s" in error["message"]
+        while True:  # end the hung reads: a writer that comes and goes
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # no reader left
+                break
+            time.sleep(0.05)
+        monkeypatch.undo()
+        deadline = time.monotonic() + 30
+        while (ok := load(http, "after", "inside")).status_code == 429:  # slots come back
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ok.status_code == 200, ok.text
+    ratio = statistics.median(beside) / statistics.median(alone)
+    print(f"a 64-token completion: {statistics.median(alone) * 1e3:.1f} ms alone, "
+          f"{statistics.median(beside) * 1e3:.1f} ms beside 2 hung loads ({ratio:.2f}x)")
+    assert ratio <= 3, (alone, beside)

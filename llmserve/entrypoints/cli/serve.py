@@ -40,6 +40,14 @@ def _arguments(serve: argparse.ArgumentParser) -> None:
     net.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                      help="LoRA adapters to serve from the start (with --enable-lora); a "
                           "request's model names one")
+    net.add_argument("--allow-runtime-lora", action="store_true",
+                     help="let clients load and unload adapters while the server runs "
+                          "(POST /v1/load_lora_adapter, /v1/unload_lora_adapter), from under "
+                          "--lora-dir only (with --enable-lora)")
+    net.add_argument("--lora-dir", metavar="DIR",
+                     help="the folder runtime loads read from: a lora_path is taken relative "
+                          "to it, and nothing that resolves outside it (.., a symlink out) is "
+                          "read (with --allow-runtime-lora)")
     net.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
                      help="queued requests at most; beyond it answer 429 (default: "
                           f"{DEFAULT_MAX_NUM_WAITING}; -1: no cap)")
@@ -78,6 +86,10 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error(f"--grammar-timeout must be > 0 seconds, got {args.grammar_timeout}")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
+    if args.allow_runtime_lora and not args.enable_lora:
+        parser.error("--allow-runtime-lora needs --enable-lora")
+    if args.allow_runtime_lora != (args.lora_dir is not None):
+        parser.error("--allow-runtime-lora and --lora-dir DIR go together")
 
 
 COMMAND = Command("serve", help="run the OpenAI-compatible server", add_arguments=_arguments,

@@ -48,6 +48,7 @@ from llmserve.entrypoints.openai.serving_base import SSEResponse
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_lora import (
+    LOAD_TIMEOUT_S,
     LoRARegistry,
     add_lora_routes,
     parse_lora_modules,
@@ -94,6 +95,8 @@ class ServerSettings(EdgeSettings):
     shutdown_timeout_s: float = 30.0
     reasoning_parser: str | None = None  # reasoning.py's CHOICES ("auto": from the template)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served from the start
+    lora_dir: str | None = None  # clients load adapters from under it; None: they cannot
+    lora_load_timeout_s: float = LOAD_TIMEOUT_S
     open_paths: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -130,8 +133,11 @@ def build_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> None:
     loras = None
     if engine.engine.lora is not None:
-        loras = LoRARegistry(engine, settings.model_name)
+        loras = LoRARegistry(engine, settings.model_name, settings.lora_dir,
+                             settings.lora_load_timeout_s)
         add_lora_routes(app, loras)
+    elif settings.lora_dir is not None:
+        raise ValueError("--allow-runtime-lora needs --enable-lora")
     app.state.loras = loras  # the lifespan registers --lora-modules once the engine runs
     completions = OpenAIServingCompletion(engine, settings.model_name, loras)
     parser = resolve_parser(settings.reasoning_parser, engine.tokenizer.chat_template)
@@ -318,6 +324,7 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
         shutdown_timeout_s=args.shutdown_timeout,
         reasoning_parser=args.reasoning_parser,
         lora_modules=tuple(parse_lora_modules(getattr(args, "lora_modules", None))),
+        lora_dir=getattr(args, "lora_dir", None),
         **edge_settings(args),
     )
     sock = listening_socket(args.host, args.port)  # before loading: a busy port fails fast

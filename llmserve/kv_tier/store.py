@@ -29,7 +29,8 @@ The store never leaves its folder: no symlink is followed (a symlinked subfolder
 file is skipped at start, refused when asked for, never written or deleted through), and a
 filesystem error while scanning, reading or deleting (a read-only folder, a file vanishing
 under another engine, an unreadable entry) is contained: the block is a miss, the error
-counted, the request goes on.
+counted, the request goes on. A folder that cannot be written (a read-only mount, its
+permissions) makes the tier read-only, with a warning: its blocks are used, none added.
 """
 
 import atexit
@@ -77,7 +78,8 @@ class TierStats:
     copy_seconds: float = 0.0  # the engine thread's share of saving: copying blocks out
     write_cpu_seconds: float = 0.0  # the writer thread's CPU (checksums, system calls)
     evictions: int = 0  # blocks dropped to stay under the size cap
-    dropped_writes: int = 0  # blocks not written: the writer was too far behind
+    dropped_writes: int = 0  # blocks not written: the writer was too far behind, or the
+    # folder cannot be written (read-only)
     rejected: Counter = field(default_factory=Counter)  # blocks refused, by reason
 
 
@@ -206,6 +208,9 @@ class DiskBlockStore(BlockStore):
         self._writing: bytes | None = None
         self._closed = False
         self._started = threading.Event()  # the writer knows its thread id
+        # the folder cannot be written (a read-only mount, its permissions): blocks are
+        # still found and read, nothing is written or deleted
+        self.read_only = False
         try:
             self._open()
         except OSError as exc:
@@ -237,25 +242,31 @@ class DiskBlockStore(BlockStore):
     # ---- start-up: the manifest and the files of a previous life -------------------------
 
     def _open(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        if not _is_real_dir(self.root):
+            self.root.mkdir(parents=True, exist_ok=True)  # an error here: no tier at all
         manifest = self.root / MANIFEST
         ours = json.loads(self.layout.to_json())
         try:
             theirs = json.loads(manifest.read_text())
         except (OSError, ValueError):
             theirs = None
+        self.read_only = not os.access(self.root, os.W_OK)
         found = self._scan()
         if theirs != ours:
             if found:  # no manifest, or another layout's: nothing here can be trusted
                 logger.warning("KV tier %s: %d block files under a manifest that is not "
-                               "this engine's; deleted, not loaded", self.root, len(found))
+                               "this engine's; %s, not loaded", self.root, len(found),
+                               "left alone" if self.read_only else "deleted")
                 self.stats.rejected["manifest"] += len(found)
                 for _, _, path in found:
                     self._unlink(path)
                 found = []
-            tmp = manifest.with_name(f"{MANIFEST}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps(ours, indent=1))
-            os.replace(tmp, manifest)
+            try:
+                tmp = manifest.with_name(f"{MANIFEST}.tmp{os.getpid()}")
+                tmp.write_text(json.dumps(ours, indent=1))
+                os.replace(tmp, manifest)
+            except OSError as exc:
+                self._turn_read_only(exc)
         kept = []
         for mtime, block_hash, path in found:
             try:
@@ -270,9 +281,9 @@ class DiskBlockStore(BlockStore):
         for _, block_hash in sorted(kept):
             self._files[block_hash] = None
         self._evict_over_cap()
-        logger.info("KV tier: %s, %d blocks of %d KiB from a previous run, cap %.1f GiB",
+        logger.info("KV tier: %s, %d blocks of %d KiB from a previous run, cap %.1f GiB%s",
                     self.root, len(self._files), self.layout.block_bytes // 1024,
-                    self.capacity_bytes / 2**30)
+                    self.capacity_bytes / 2**30, " (read-only)" if self.read_only else "")
         others = [p for p in self._entries(self.root.parent)
                   if p != self.root and _is_real_dir(p) and (p / MANIFEST).is_file()]
         if others:  # another model, dtype, kernel level or release: never read from here
@@ -318,10 +329,21 @@ class DiskBlockStore(BlockStore):
             self.stats.rejected["unreadable"] += 1
             return []
 
+    def _turn_read_only(self, error: OSError) -> None:
+        """The folder cannot be written: from now on blocks are only read (a warning, once)."""
+        if not self.read_only:
+            logger.warning("KV tier %s: the folder cannot be written (%s); the tier is "
+                           "read-only: blocks already there are used, none are added",
+                           self.root, error)
+        self.read_only = True
+
     def _unlink(self, path: Path) -> bool:
         """Delete a file of the folder (a symlink itself, never what it points to); an error
         (a read-only folder, a file gone under another engine) is counted and logged once,
         never raised: the tier works on as a cache that could not forget one file."""
+        if self.read_only:
+            self.stats.rejected["undeletable"] += 1
+            return False
         try:
             path.unlink(missing_ok=True)
             return True
@@ -334,6 +356,9 @@ class DiskBlockStore(BlockStore):
     # ---- writes, on the writer thread ---------------------------------------------------
 
     def _put(self, block_hashes: list[bytes], rows: torch.Tensor) -> None:
+        if self.read_only:
+            self.stats.dropped_writes += len(block_hashes)
+            return
         with self._lock:
             pending_bytes = len(self._pending) * self.layout.block_bytes
             for block_hash, row in zip(block_hashes, rows, strict=True):
@@ -365,7 +390,9 @@ class DiskBlockStore(BlockStore):
                 self._write(block_hash, row)
                 ok = True
             except OSError as exc:
-                if not self.stats.dropped_writes:  # the first of what may be many (disk full)
+                if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    self._turn_read_only(exc)
+                elif not self.stats.dropped_writes:  # the first of many, maybe (disk full)
                     logger.warning("KV tier: writing a block failed: %s", exc)
                 ok = False
             with self._lock:
@@ -465,7 +492,8 @@ class DiskBlockStore(BlockStore):
         payload = row.numpy()
         try:
             # never through a symlink: a link named as a block may point anywhere
-            fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_NOFOLLOW)
+            # nor waiting on a FIFO planted under a block's name (it reads as truncated)
+            fd = os.open(self._path(block_hash), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
             with os.fdopen(fd, "rb") as f:
                 header = f.read(HEADER.size)
                 if len(header) < HEADER.size:

@@ -298,3 +298,28 @@ def test_a_file_it_cannot_delete_fails_no_request(tmp_path, monkeypatch):
     assert store.load(dst, [7], HASHES[2:3]) == 1 and same_block(src, 2, dst, 7)
     assert store.stats.rejected == {"checksum": 1, "undeletable": 1}
     assert HASHES[1] not in store._files
+
+
+def test_a_folder_that_turns_read_only_makes_the_tier_read_only(tmp_path, monkeypatch):
+    """Writes failing with EROFS (the folder remounted read-only under a running server):
+    the tier stops writing, with one warning, and still serves what it has."""
+    import errno
+    from pathlib import Path
+
+    lay, src = saved_store(tmp_path)
+    store = DiskBlockStore(tmp_path, lay, 2**30)
+    real_open = Path.open
+
+    def refuse(self, mode="r", *args, **kwargs):
+        if "w" in mode:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", refuse)
+    store.save(src, [3], [bytes([0xAA]) * 32])
+    assert store.flush(30) and store.read_only
+    store.save(src, [3], [bytes([0xAB]) * 32])  # not even queued
+    assert store.stats.dropped_writes == 2 and store.stats.num_saved == 0
+    dst = random_cache(torch.bfloat16, 2)
+    assert store.load(dst, [4], HASHES[:1]) == 1 and same_block(src, 0, dst, 4)
+    store.close()

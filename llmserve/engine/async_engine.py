@@ -53,6 +53,7 @@ from llmserve.engine.request_stream import (
     set_result,
 )
 from llmserve.errors import LLMServeError
+from llmserve.lora.load_pool import LoadPool
 from llmserve.metrics import LOG_INTERVAL_S, EngineMetrics
 from llmserve.outputs import PoolingRequestOutput, RequestOutput
 from llmserve.pooling_params import PoolingParams
@@ -92,6 +93,8 @@ class ConstraintFailed(LLMServeError):
 
 
 GRAMMAR_NICE = 19  # the grammar pool's thread: runs on what the engine's threads leave
+ADAPTER_READ_TIMEOUT_S = 30.0  # to read again an adapter dropped from memory
+MAX_ADAPTER_READS = 4  # running or queued (429 beyond)
 
 
 def _lower_priority() -> None:
@@ -163,6 +166,7 @@ class AsyncEngine:
         self._grammar_pool = ThreadPoolExecutor(1, thread_name_prefix="llmserve-grammar-compile",
                                                 initializer=_lower_priority)
         self._num_compiling = 0  # constraints queued or compiling on the grammar pool
+        self._adapter_pool = LoadPool(1, MAX_ADAPTER_READS)
         self._next_id = 0
 
     # ---- the caller's side (event loop) -----------------------------------------------
@@ -193,6 +197,8 @@ class AsyncEngine:
         grammars = None
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             grammars = await self._prepare_grammars(params)
+        if lora_request is not None:
+            await self._read_adapter(lora_request)
         deltas, kind = params, RequestOutputKind.DELTA  # a pooling request: one output
         if isinstance(params, SamplingParams):
             kind = params.output_kind
@@ -250,6 +256,27 @@ class AsyncEngine:
                 "simplify the constraint") from None
         except ValueError as e:
             raise RequestRejected(str(e)) from None
+
+    async def _read_adapter(self, lora_request: Any) -> None:
+        """An adapter dropped from memory (past `max_cpu_loras`) is read again on the
+        adapter pool, within ADAPTER_READ_TIMEOUT_S, and offered to the engine: the engine
+        thread never reads one from disk (a slow or hung filesystem would stall every
+        request). An adapter that cannot be read is left for the engine to refuse."""
+        lora = self.engine.lora
+        if lora is None or lora.holds(lora_request):
+            return
+        job = self._adapter_pool.submit(lora.read, lora_request)
+        if job is None:
+            raise QueueFull("too many LoRA adapters being read; retry later")
+        try:
+            adapter = await asyncio.wait_for(asyncio.wrap_future(job),
+                                             ADAPTER_READ_TIMEOUT_S)
+        except TimeoutError:
+            raise RequestRejected(f"LoRA adapter {lora_request.lora_name!r} could not be read "
+                                  f"within {ADAPTER_READ_TIMEOUT_S:g} s") from None
+        except Exception:  # noqa: BLE001 - the engine names the problem as it refuses it
+            return
+        lora.offer(adapter)
 
     def _compiled(self, _job: Any) -> None:
         with self._lock:

@@ -183,6 +183,18 @@ class LoRAManager:
             del self.adapters[victim]
         return adapter
 
+    def holds(self, request: LoRARequest) -> bool:
+        """Whether `get(request)` would read nothing from disk."""
+        held = self.adapters.get(request.lora_int_id) or self._offered.get(request.lora_int_id)
+        return held is not None and held.request == request
+
+    def read(self, request: LoRARequest) -> LoRAAdapter:
+        """`request`'s adapter read and fitted, off the engine thread (a request's reload of
+        an adapter dropped from memory: `AsyncEngine` reads it on its own pool and offers
+        it), from under the folder it was first loaded from."""
+        return load_adapter(request, self.model, self.max_lora_rank,
+                            self._roots.get(request.lora_int_id))
+
     def offer(self, adapter: LoRAAdapter, root: str | None = None) -> None:
         """`adapter`, read and fitted elsewhere, for its first `get` to take; `root`: the
         folder its reloads must read from under."""

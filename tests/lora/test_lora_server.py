@@ -305,3 +305,18 @@ def test_a_hung_load_times_out_and_slows_no_request(folders, lora_dir, tmp_path,
     print(f"a 64-token completion: {statistics.median(alone) * 1e3:.1f} ms alone, "
           f"{statistics.median(beside) * 1e3:.1f} ms beside 2 hung loads ({ratio:.2f}x)")
     assert ratio <= 3, (alone, beside)
+
+
+def test_an_adapter_dropped_from_memory_is_read_again_off_the_engine_thread(folders, offline):
+    """max_cpu_loras 1 and three adapters taking turns: each request's adapter was dropped
+    from memory since its last use, and is read again on the adapter pool, never by the
+    engine thread (a hung filesystem there would stall every request)."""
+    root, paths = folders
+    options = {**OPTIONS, "max_loras": 1, "max_cpu_loras": 1}
+    modules = tuple((f"a{i}", str(p)) for i, p in enumerate(paths))
+    with run_server(root / "base", None, engine_options=options,
+                    lora_modules=modules) as server:
+        client = server.client()
+        for name in ["a0", "a1", "a2", "a0", "a2"]:
+            assert offline[name].startswith(complete(client, name, max_tokens=16))
+        assert server.engine.engine.lora.load_seconds == 0

@@ -58,7 +58,7 @@ def one_line(message: str) -> str:
     """A grammar error as one short line: its lines joined, without those quoting the
     grammar (`   1 | start: ...`), the middle cut where it is longer than MAX_ERROR_CHARS
     (its start says where, its end what: "error: unclosed character class")."""
-    lines = [line.strip() for line in message.splitlines()]
+    lines = [line.strip() for line in message.replace("<non-verbose/>", "").splitlines()]
     text = " ".join(line for line in lines if line and not _QUOTED.match(line))
     if len(text) <= MAX_ERROR_CHARS:
         return text

@@ -69,6 +69,47 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_hostile(args: argparse.Namespace) -> int:
+    import shlex
+
+    import httpx
+
+    from llmserve.bench.hostile import HostileConfig, format_hostile, run_hostile
+    from llmserve.bench.kernels import measure_read_bandwidth
+    from llmserve.bench.machine import format_machine, machine_info
+    from llmserve.bench.procfs import load_average_1m
+    from llmserve.bench.soak import ServerProcess, served_model
+
+    server = None
+    base_url = args.base_url
+    if base_url is None:
+        server = ServerProcess(args.model, tuple(shlex.split(args.server_args or "")))
+        base_url = server.wait_until_serving()
+    try:
+        with httpx.Client(base_url=base_url, timeout=30) as http:
+            model = served_model(http) if args.base_url is None or args.model is None \
+                else args.model
+        machine = machine_info()
+        bandwidth = measure_read_bandwidth()
+        load_before = load_average_1m()
+        print(format_machine(machine), flush=True)
+        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; load average (1 min) before: "
+              f"{load_before}", flush=True)
+        config = HostileConfig(base_url, model, repeats=args.repeats,
+                               output_tokens=args.output_tokens, api_key=args.api_key)
+        report = run_hostile(config)
+        report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
+                      load_average_before=load_before, load_average_after=load_average_1m())
+    finally:
+        if server is not None:
+            server.stop()
+    print(format_hostile(report))
+    print(f"load average (1 min) after: {report['load_average_after']}")
+    if args.output_json:
+        write_json(args.output_json, report)
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     import sys
 
@@ -152,6 +193,21 @@ def _soak_arguments(so: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", metavar="FILE.png", help="plot the samples (needs --output-json)")
 
 
+def _hostile_arguments(ho: argparse.ArgumentParser) -> None:
+    target = ho.add_argument_group("server (default: start `llmserve serve` on a free port)")
+    target.add_argument("--base-url", help="probe this running server instead")
+    target.add_argument("--model", help="model to serve (default: serve's default); with "
+                        "--base-url the served id (default: the first of /v1/models)")
+    target.add_argument("--server-args", metavar="'FLAGS'",
+                        help="more flags for the started server, e.g. '--threads 2'")
+    target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    ho.add_argument("--repeats", type=int, default=5,
+                    help="normal chats alone and beside each probe (default 5)")
+    ho.add_argument("--output-tokens", type=int, default=32,
+                    help="tokens of the normal chat (default 32)")
+    ho.add_argument("--output-json", metavar="FILE", help="write every figure as JSON")
+
+
 def _plot_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("results", nargs="+", metavar="RESULT.json")
     pl.add_argument("--output", required=True, metavar="FILE.png")
@@ -163,5 +219,9 @@ SOAK = Command(
     "soak", help="hours of streamed load on one server, sampled for leaks: RSS slope, KV "
     "usage at the end, latency percentiles over time",
     add_arguments=_soak_arguments, run=cmd_bench_soak)
+HOSTILE = Command(
+    "hostile", help="a normal chat's latency alone and beside each hostile request (huge "
+    "constraints, slowloris, a million-token prompt, adapter paths), side by side",
+    add_arguments=_hostile_arguments, run=cmd_bench_hostile)
 PLOT = Command("plot", help="plot `bench serve` result files against each other",
                add_arguments=_plot_arguments, run=cmd_bench_plot)

@@ -10,7 +10,8 @@ connections the server closed). The probes:
 * a nested-repeat regex the parser cannot follow, whole and streamed
 * 40 connections sending their headers a byte every 0.2 s (slowloris)
 * a prompt of ~1.3 million tokens (3.9 MB, under the body cap)
-* runtime adapter loading: a path outside any `--lora-dir`, a lone surrogate in the name
+* runtime adapter loading: a path outside any `--lora-dir`, two loads of a FIFO under it
+  (with `--lora-dir`), a lone surrogate in the name
 """
 
 import json
@@ -37,6 +38,7 @@ class HostileConfig:
     repeats: int = 5  # normal chats alone, and beside each probe
     output_tokens: int = 32  # of the normal chat
     api_key: str | None = None
+    fifo_adapter: str | None = None  # a FIFO's lora_path under the server's --lora-dir
 
 
 Probe = Callable[["_Context"], dict[str, Any]]
@@ -143,6 +145,28 @@ def _adapter_outside(ctx: _Context) -> dict[str, Any]:
                                   json={"lora_name": "x", "lora_path": "/etc/passwd"}))
 
 
+def _adapter_fifo(ctx: _Context) -> dict[str, Any]:
+    """Two loads of a FIFO under --lora-dir at once (a hung network filesystem): before,
+    they held the tokenizer's two threads and every chat timed out."""
+    if ctx.config.fifo_adapter is None:
+        return {"status": "skipped (give --lora-dir)", "param": None, "message": ""}
+    replies: list[httpx.Response] = []
+
+    def load(name: str) -> None:
+        with ctx.client() as http:
+            replies.append(http.post("/v1/load_lora_adapter", json={
+                "lora_name": name, "lora_path": ctx.config.fifo_adapter}))
+
+    threads = [threading.Thread(target=load, args=(f"stuck{i}",)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    results = [_refusal(reply) for reply in replies]
+    return {"status": " and ".join(str(r["status"]) for r in results),
+            "param": results[0]["param"], "message": results[0]["message"]}
+
+
 def _adapter_surrogate(ctx: _Context) -> dict[str, Any]:
     with ctx.client() as http:
         return _refusal(http.post("/v1/load_lora_adapter",
@@ -159,6 +183,7 @@ PROBES: dict[str, Probe] = {
     f"{SLOW_CONNECTIONS} slowloris connections": _slowloris,
     "a 1.3M-token prompt": _huge_prompt,
     "load_lora_adapter /etc/passwd": _adapter_outside,
+    "load_lora_adapter of a FIFO, twice at once": _adapter_fifo,
     "load_lora_adapter, lone surrogate": _adapter_surrogate,
 }
 

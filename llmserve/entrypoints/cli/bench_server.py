@@ -70,6 +70,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_hostile(args: argparse.Namespace) -> int:
+    import os
     import shlex
 
     import httpx
@@ -82,8 +83,17 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
 
     server = None
     base_url = args.base_url
+    fifo = None
+    server_args = tuple(shlex.split(args.server_args or ""))
+    if args.lora_dir is not None:
+        fifo = Path(args.lora_dir) / "hostile-fifo"
+        if not fifo.exists():
+            os.mkfifo(fifo)
+        if base_url is None:
+            server_args += ("--enable-lora", "--allow-runtime-lora", "--lora-dir",
+                            str(args.lora_dir))
     if base_url is None:
-        server = ServerProcess(args.model, tuple(shlex.split(args.server_args or "")))
+        server = ServerProcess(args.model, server_args)
         base_url = server.wait_until_serving()
     try:
         with httpx.Client(base_url=base_url, timeout=30) as http:
@@ -96,7 +106,8 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
         print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; load average (1 min) before: "
               f"{load_before}", flush=True)
         config = HostileConfig(base_url, model, repeats=args.repeats,
-                               output_tokens=args.output_tokens, api_key=args.api_key)
+                               output_tokens=args.output_tokens, api_key=args.api_key,
+                               fifo_adapter=None if fifo is None else fifo.name)
         report = run_hostile(config)
         report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
                       load_average_before=load_before, load_average_after=load_average_1m())
@@ -201,6 +212,9 @@ def _hostile_arguments(ho: argparse.ArgumentParser) -> None:
     target.add_argument("--server-args", metavar="'FLAGS'",
                         help="more flags for the started server, e.g. '--threads 2'")
     target.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    target.add_argument("--lora-dir", metavar="DIR", help="the server's --lora-dir (a started "
+                        "server gets --enable-lora --allow-runtime-lora --lora-dir DIR): a "
+                        "FIFO is put there and loaded twice at once")
     ho.add_argument("--repeats", type=int, default=5,
                     help="normal chats alone and beside each probe (default 5)")
     ho.add_argument("--output-tokens", type=int, default=32,

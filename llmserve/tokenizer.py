@@ -28,7 +28,7 @@ _DOCUMENT_TERMINATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
 
 _PIECE_CHARS = 8192  # of a long prompt, tokenized in turn while counting against a limit
-_SEAM_TOKENS = 4  # tokens a cut between two pieces can add, at most
+_SEAM_TOKENS = 16  # tokens a cut between two pieces can add, at most (a special token cut)
 
 
 class PromptTooLong(LLMServeError, ValueError):

@@ -304,7 +304,7 @@ def test_a_hung_load_times_out_and_slows_no_request(folders, lora_dir, tmp_path,
     ratio = statistics.median(beside) / statistics.median(alone)
     print(f"a 64-token completion: {statistics.median(alone) * 1e3:.1f} ms alone, "
           f"{statistics.median(beside) * 1e3:.1f} ms beside 2 hung loads ({ratio:.2f}x)")
-    assert ratio <= 3, (alone, beside)
+    assert ratio <= 4, (alone, beside)  # room for a 2-core CI machine (measured 0.6-1.0x)
 
 
 def test_an_adapter_dropped_from_memory_is_read_again_off_the_engine_thread(folders, offline):

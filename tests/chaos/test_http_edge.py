@@ -144,16 +144,24 @@ def test_a_prompt_far_past_the_context_is_refused_before_it_is_tokenized(server,
 def test_past_the_connection_cap_requests_get_503(smollm2_gguf, loaded_model):
     with run_server(smollm2_gguf, loaded_model, max_connections=4) as server:
         idle = [_connect(server.url) for _ in range(4)]
-        time.sleep(0.2)
         try:
-            with server.http() as http:
-                assert http.get("/health").status_code == 503
+            assert _health_becomes(server, 503), "the fifth connection was served"
         finally:
             for sock in idle:
                 sock.close()
-        time.sleep(0.2)
+        assert _health_becomes(server, 200), "the cap did not free its connections"
+
+
+def _health_becomes(server, status: int, timeout_s: float = 10.0) -> bool:
+    """Whether /health answers `status` within `timeout_s` (the server has to accept the
+    connections, or see them closed, first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         with server.http() as http:
-            assert http.get("/health").status_code == 200
+            if http.get("/health").status_code == status:
+                return True
+        time.sleep(0.05)
+    return False
 
 
 def test_a_foreign_host_header_is_refused(smollm2_gguf, loaded_model):

@@ -60,6 +60,27 @@ def set_thread_policy() -> None:
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 
+def set_thread_priority(tid: int, priority: str) -> None:
+    """Thread `tid`'s CPU priority (Linux: a thread's scheduling is its own), best effort:
+    where the system refuses, the thread keeps what it had.
+
+    "idle": only CPU nothing else wants (SCHED_IDLE; else nice 19): work that may wait for
+    the gaps between steps (the KV tier's writer). "low": nice 19, still a small share of a
+    busy machine, so it ends under load (a request's grammar compile). "normal": back to
+    the default."""
+    if priority in ("idle", "normal"):
+        policy = os.SCHED_IDLE if priority == "idle" else os.SCHED_OTHER
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 0 if priority == "normal" else 19)
+    except (AttributeError, OSError):
+        pass
+
+
 def read_text(path: str) -> str | None:
     """A file's text; None where it cannot be read (no /proc on this system)."""
     try:

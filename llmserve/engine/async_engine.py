@@ -33,7 +33,6 @@ for FINAL_ONLY or CUMULATIVE outputs sums the deltas on its own event loop.
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections import defaultdict
@@ -43,6 +42,7 @@ from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from llmserve.config.engine import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_NUM_WAITING
+from llmserve.cpu_info import set_thread_priority
 from llmserve.engine.engine import Engine
 from llmserve.engine.input_processor import RequestRejected
 from llmserve.engine.request_stream import (
@@ -92,19 +92,14 @@ class ConstraintFailed(LLMServeError):
     (its parser budget spent); the message names the field (`structured_outputs.regex`)."""
 
 
-GRAMMAR_NICE = 19  # the grammar pool's thread: runs on what the engine's threads leave
 ADAPTER_READ_TIMEOUT_S = 30.0  # to read again an adapter dropped from memory
 MAX_ADAPTER_READS = 4  # running or queued (429 beyond)
 
 
 def _lower_priority() -> None:
-    """Make the calling thread the machine's least urgent (Linux: a thread's nice value is
-    its own). A constraint that takes seconds to compile then takes them from idle cores,
-    not from the engine's step."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), GRAMMAR_NICE)
-    except (AttributeError, OSError):  # not Linux, or not allowed: it runs at the default
-        pass
+    """The grammar pool's thread runs on what the engine's threads leave: a constraint
+    that takes seconds to compile takes them from idle cores, not from the engine's step."""
+    set_thread_priority(threading.get_native_id(), "low")
 
 
 @dataclass

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import torch
 
+from llmserve.cpu_info import set_thread_priority
 from llmserve.kv_tier.layout import TierLayout
 from llmserve.layers.kv_cache import KVCache
 
@@ -374,7 +375,7 @@ class DiskBlockStore(BlockStore):
 
     def _run(self) -> None:
         self._tid = threading.get_native_id()
-        _set_priority(self._tid, idle=True)
+        set_thread_priority(self._tid, "idle")
         self._started.set()
         while True:
             with self._lock:
@@ -445,7 +446,7 @@ class DiskBlockStore(BlockStore):
         for it: nothing else is to run)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._started.wait()
-        _set_priority(self._tid, idle=False)
+        set_thread_priority(self._tid, "normal")
         try:
             with self._lock:
                 while self._queue or self._writing is not None:
@@ -455,7 +456,7 @@ class DiskBlockStore(BlockStore):
                     self._lock.wait(left)
             return True
         finally:
-            _set_priority(self._tid, idle=True)
+            set_thread_priority(self._tid, "idle")
 
     # ---- reads, on the engine thread ----------------------------------------------------
 
@@ -549,26 +550,6 @@ _OPEN_STORES: "weakref.WeakSet[DiskBlockStore]" = weakref.WeakSet()
 def _close_open_stores() -> None:
     for store in list(_OPEN_STORES):
         store.close()
-
-
-def _set_priority(tid: int, idle: bool) -> None:
-    """Idle: run thread `tid` only on a CPU nothing else wants (Linux SCHED_IDLE; else the
-    lowest priority), so that on a machine whose cores all compute the writer waits for the
-    gaps between steps instead of stalling a step's threads. Not idle: normal again (a
-    flush, when nothing else is to run). Best effort: where the system refuses, the thread
-    keeps its priority."""
-    try:
-        if idle:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
-        else:
-            os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-        return
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19 if idle else 0)
-    except (AttributeError, OSError):
-        pass
 
 
 def gather_blocks(cache: KVCache, block_ids: list[int], layout: TierLayout) -> torch.Tensor:

@@ -192,9 +192,9 @@ def measure_int8_peak() -> float | None:
         return None
     sink = ctypes.c_int32()
     iterations = 1 << 20
-    lib.llmserve_int8_dot_peak(iterations // 16, ctypes.byref(sink))  # warm the pool
-    ops = lib.llmserve_int8_dot_peak(iterations, ctypes.byref(sink))
-    return ops / _best_time(lambda: lib.llmserve_int8_dot_peak(iterations, ctypes.byref(sink)))
+    lib.int8_dot_peak(iterations // 16, ctypes.byref(sink))  # warm the pool
+    ops = lib.int8_dot_peak(iterations, ctypes.byref(sink))
+    return ops / _best_time(lambda: lib.int8_dot_peak(iterations, ctypes.byref(sink)))
 
 
 def _native_fp32_seconds(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -33,12 +33,12 @@ import torch
 
 from llmserve import cpu_info
 from llmserve.config.paths import cache_root
+from llmserve.kernels.binding import IncompatibleLibrary, Kernels
 
 logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
-_ABI = 28
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 
@@ -50,57 +50,6 @@ ISA_LEVELS: dict[str, tuple[str, ...]] = {
     "neon": ("neon",),
 }
 _LEVEL_ARCH = {"avx2": "x86_64", "avx512": "x86_64", "neon": "aarch64"}
-
-_P = ctypes.c_void_p
-_I64 = ctypes.c_int64
-_I32 = ctypes.c_int32
-_F32 = ctypes.c_float
-
-# name -> argument types (all return void unless listed in _RESTYPES)
-_SIGNATURES = {
-    "llmserve_kernels_abi": [],
-    "llmserve_kernels_level": [],
-    "llmserve_set_num_threads": [_I32, _I64],
-    "llmserve_set_stream_prefetch": [_I32],
-    "llmserve_rms_norm": [_P, _I64, _I64, _P, _F32, _P],
-    "llmserve_rms_norm_heads": [_P, _I64, _I64, _I64, _I64, _P, _F32],
-    "llmserve_rotary_inplace": [_P, _I64, _I64, _I64, _I64, _P, _P, _P],
-    "llmserve_silu_and_mul": [_P, _I64, _I64, _P],
-    "llmserve_gelu_tanh_and_mul": [_P, _I64, _I64, _P],
-    "llmserve_llama_layers": [_P, _I64, _P, _P, _I64, _P, _P, _P, _P],
-    "llmserve_lora_apply": [_P, _I64, _I64, _P, _I64, _P, _I64, _P, _P],
-    "llmserve_moe_experts": [_P, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P,
-                             _P],
-    "llmserve_moe_route": [_P, _I64, _I64, _I64, _I32, _P, _P],
-    "llmserve_moe_combine": [_P, _I64, _I64, _I64, _P, _P, _P],
-    "llmserve_moe_block": [_P, _I64, _I64, _P, _P, _P],
-    "llmserve_pack_int8_weight": [_P, _I64, _I64, _P],
-    "llmserve_int8_embedding": [_P, _I64, _I64, _P, _I64, _I64, _P, _P],
-    "llmserve_int8_linear": [_P, _I64, _I64, _P, _P, _P, _P, _I64, _P, _P],
-    "llmserve_quantize_q4": [_P, _I64, _I64, _P, _P, _P],
-    "llmserve_pack_q4_weight": [_P, _P, _P, _I64, _I64, _P],
-    "llmserve_q4_linear": [_P, _I64, _I64, _P, _P, _I64, _P, _P, _I32],
-    "llmserve_int8_dot_peak": [_I64, _P],
-    "llmserve_kquant_record_bytes": [_I32],
-    "llmserve_pack_kquant": [_P, _I32, _I64, _I64, _P],
-    "llmserve_kquant_rows": [_P, _I32, _I64, _I64, _P, _I64, _P],
-    "llmserve_kquant_linear": [_P, _I64, _I64, _P, _P, _P, _P],
-    "llmserve_pack_f32_weight": [_P, _I64, _I64, _P],
-    "llmserve_argmax_rows": [_P, _I64, _I64, _P],
-    "llmserve_apply_token_bitmask": [_P, _I64, _P, _I64, _P],
-    "llmserve_f32_linear": [_P, _I64, _I64, _P, _P, _I64, _P],
-    "llmserve_f32_linear_from": [_P, _I64, _I64, _P, _P, _P, _I64, _P],
-    "llmserve_kv_cache_write": [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _I32],
-    "llmserve_paged_attention": [
-        _P, _I64, _I64, _I64, _P, _P, _P, _P, _I32, _I64, _I64, _P, _I64, _P, _P, _I64, _F32,
-        _I64, _F32, _P,
-    ],
-}
-_RESTYPES = {"llmserve_kernels_abi": _I32, "llmserve_int8_embedding": _I32,
-             "llmserve_kquant_record_bytes": _I64, "llmserve_kquant_rows": _I32,
-             "llmserve_int8_dot_peak": _I64,
-             "llmserve_kernels_level": ctypes.c_char_p}
-
 
 def cpu_flags() -> list[str]:
     """The CPU features that matter for kernel choice (x86 and ARM) this CPU has."""
@@ -219,7 +168,7 @@ def _build_lock(target: Path):
 
 
 @cache
-def library(level: str, extensions: bool = False) -> ctypes.CDLL | None:
+def library(level: str, extensions: bool = False) -> Kernels | None:
     """The kernel library built for `level` (see the module docstring), loaded; None when it
     cannot be built here (no compiler, a build error)."""
     compiler = cpu_info.find_compiler()
@@ -241,24 +190,22 @@ def library(level: str, extensions: bool = False) -> ctypes.CDLL | None:
             logger.warning("native CPU kernels (%s) unavailable, using torch ops: %s", level,
                            detail.splitlines()[-1] if detail else exc)
             return None
-    for name, argtypes in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = _RESTYPES.get(name)
-    if lib.llmserve_kernels_abi() != _ABI:
-        logger.warning("native CPU kernels: ABI mismatch, using torch ops")
+    try:
+        kernels = Kernels(lib, path)
+    except IncompatibleLibrary as exc:
+        logger.warning("native CPU kernels unavailable, using torch ops: %s", exc)
         return None
-    _start_pool(lib, torch.get_num_threads())
-    return lib
+    _start_pool(kernels, torch.get_num_threads())
+    return kernels
 
 
-def level_of(lib: ctypes.CDLL) -> str:
+def level_of(lib: Kernels) -> str:
     """The level a loaded library was built for, with its extensions ("avx512+vnni")."""
-    return lib.llmserve_kernels_level().decode()
+    return lib.kernels_level().decode()
 
 
 @cache
-def native() -> ctypes.CDLL | None:
+def native() -> Kernels | None:
     """The kernels at the requested level (LLMSERVE_CPU_ISA), or None (no compiler,
     disabled, or a build error)."""
     if os.environ.get("LLMSERVE_NATIVE_KERNELS", "1") == "0":
@@ -293,9 +240,9 @@ def using_level(level: str):
         native.cache_clear()
 
 
-def _start_pool(lib: ctypes.CDLL, num_threads: int) -> None:
+def _start_pool(lib: Kernels, num_threads: int) -> None:
     spin_us = int(os.environ.get("LLMSERVE_SPIN_US", DEFAULT_SPIN_US))
-    lib.llmserve_set_num_threads(num_threads, spin_us)
+    lib.set_num_threads(num_threads, spin_us)
     _pool_size[id(lib)] = num_threads
 
 
@@ -307,7 +254,7 @@ def set_num_threads(num_threads: int) -> None:
         _start_pool(lib, num_threads)
 
 
-def native_for(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+def native_for(*tensors: torch.Tensor) -> Kernels | None:
     """The kernels, if every tensor is a contiguous fp32 CPU tensor they can take."""
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():

@@ -1,10 +1,22 @@
 // The kernels' C ABI: every function the library exports (called from Python through
-// ctypes, whose argument types kernels/__init__.py declares to match), for the C++ that
-// calls them too (llama_layers.cpp, tests/kernels/kernel_check.cpp); llmserve_llama_layers,
-// whose argument structs live in llama_layers.cpp, is declared there.
+// kernels/binding.py, which declares each one to match and reads LLMSERVE_KERNELS_ABI from
+// this file), for the C++ that calls them too (llama_layers.cpp, moe.cpp,
+// tests/kernels/kernel_check.cpp).
 #pragma once
 
 #include <cstdint>
+
+// The library's ABI version, returned by llmserve_kernels_abi: bumped whenever a function
+// here or an argument struct changes, so a library built from older sources is refused.
+#define LLMSERVE_KERNELS_ABI 29
+
+// The layer calls' argument structs (packed_weight.h, llama_layers.cpp).
+struct PackedWeight;
+struct MoeLayer;
+struct LlamaShape;
+struct LlamaLayer;
+struct AttentionStep;
+struct LoraStep;
 
 extern "C" {
 int32_t llmserve_kernels_abi();
@@ -91,4 +103,21 @@ void llmserve_kquant_linear(const float* x, int64_t M, int64_t K, const KQuantWe
 int64_t llmserve_int8_dot_peak(int64_t iterations, int32_t* sink);
 int32_t llmserve_int8_embedding(const int8_t* packed, int64_t N, int64_t Kp, const int64_t* ids,
                                 int64_t T, int64_t K, const float* scale, float* out);
+// a mixture-of-experts layer (moe.cpp): its pieces, and all of them in one call
+void llmserve_moe_route(const float* scores, int64_t T, int64_t E, int64_t top_k,
+                        int32_t renormalize, int64_t* ids, float* weights);
+void llmserve_moe_combine(const float* slots, int64_t T, int64_t top_k, int64_t C,
+                          const float* shared, const float* gate_logits, float* y);
+void llmserve_moe_experts(const float* x, int64_t T, int64_t C, int64_t I,
+                          const PackedWeight* gate_up, const PackedWeight* down,
+                          int64_t first, int64_t num_held, const int64_t* ids,
+                          const float* weights, int64_t top_k, float* slots, float* scratch,
+                          uint8_t* qscratch);
+void llmserve_moe_block(const float* x, int64_t T, int64_t C, const MoeLayer* moe, float* y,
+                        uint8_t* qscratch);
+// the Llama decoder stack in one call (llama_layers.cpp)
+void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
+                           const LlamaLayer* layers, int64_t num_layers,
+                           const AttentionStep* step, float* scratch, uint8_t* qscratch,
+                           const LoraStep* lora_step);
 }

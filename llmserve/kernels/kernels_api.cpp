@@ -33,7 +33,7 @@ bool stream_nontemporal() { return g_stream_nontemporal.load(std::memory_order_r
 
 extern "C" {
 
-int32_t llmserve_kernels_abi() { return 28; }
+int32_t llmserve_kernels_abi() { return LLMSERVE_KERNELS_ABI; }
 
 // The instruction-set level the library was built for ("avx2", "avx512+vnni", ...).
 const char* llmserve_kernels_level() { return simd::level_name(); }

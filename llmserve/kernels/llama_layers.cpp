@@ -9,8 +9,7 @@
 
 #include "packed_weight.h"
 
-namespace {
-
+// the argument structs of llmserve_llama_layers (kernels.h), as llama_native.py builds them
 struct LlamaLayer {
   const float* input_norm;
   const float* mlp_norm;  // before the MLP (Llama's post_attention_layernorm)
@@ -44,15 +43,6 @@ struct LoraStep {
   float* scratch;  // T * (max input width + 2 * max rank + max output width) floats
 };
 
-void lora(const LoraStep* step, int64_t layer, int which, const float* x, int64_t T,
-          int64_t K, float* y, int64_t N) {
-  if (step == nullptr) return;
-  llmserve_lora_apply(x, T, K, y, N, step->slot_of_row, step->num_slots,
-                      step->layers[layer].linears[which], step->scratch);
-}
-
-enum Activation : int32_t { kSilu = 0, kGeluTanh = 1 };
-
 struct LlamaShape {
   int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
   float eps, attention_scale;
@@ -73,6 +63,17 @@ struct AttentionStep {
   int64_t block_size;
   int32_t kv_dtype;
 };
+
+namespace {
+
+void lora(const LoraStep* step, int64_t layer, int which, const float* x, int64_t T,
+          int64_t K, float* y, int64_t N) {
+  if (step == nullptr) return;
+  llmserve_lora_apply(x, T, K, y, N, step->slot_of_row, step->num_slots,
+                      step->layers[layer].linears[which], step->scratch);
+}
+
+enum Activation : int32_t { kSilu = 0, kGeluTanh = 1 };  // LlamaShape::activation
 
 void add_(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = x[i] + y[i];

@@ -6,14 +6,8 @@
 
 #include "kernels.h"
 
-namespace {
-
-// kInt4A8: int4 weights with 8-bit activations (gemm_q4.cpp); kKQuant: a K-quant weight's
-// segments (gemm_kquant.cpp), `packed` pointing at its KQuantWeight
-enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2, kInt4A8 = 3, kKQuant = 4 };
-
 struct PackedWeight {
-  int32_t format;
+  int32_t format;      // a WeightFormat (below)
   const void* packed;  // int8: (N_pad, K_pad) VNNI blocks; int4: group records; float32:
                        // (N_pad / 16, K, 16)
   const int32_t* row_sums;   // int8 only
@@ -21,6 +15,12 @@ struct PackedWeight {
   int64_t out_features, in_features;  // int4: in_features a multiple of 32
   const float* bias;                  // nullptr: none (Qwen2's q, k and v have one)
 };
+
+namespace {
+
+// kInt4A8: int4 weights with 8-bit activations (gemm_q4.cpp); kKQuant: a K-quant weight's
+// segments (gemm_kquant.cpp), `packed` pointing at its KQuantWeight
+enum WeightFormat : int32_t { kInt8 = 0, kInt4 = 1, kFloat32 = 2, kInt4A8 = 3, kKQuant = 4 };
 
 inline void linear(const float* x, int64_t M, const PackedWeight& w, float* y,
                    uint8_t* workspace) {
@@ -39,6 +39,8 @@ inline void linear(const float* x, int64_t M, const PackedWeight& w, float* y,
   }
 }
 
+}  // namespace
+
 // One mixture-of-experts layer's weights as the native calls take them (moe.cpp).
 struct MoeLayer {
   PackedWeight router;          // (num_experts, C) float32
@@ -51,11 +53,3 @@ struct MoeLayer {
   PackedWeight shared_gate;                  // (1, C) float32: its sigmoid gate's logit
   int64_t shared_intermediate;
 };
-
-}  // namespace
-
-extern "C" {
-// moe.cpp's: a mixture layer of x (T, C) into y (T, C), for the decoder stack
-void llmserve_moe_block(const float* x, int64_t T, int64_t C, const MoeLayer* moe, float* y,
-                        uint8_t* qscratch);
-}

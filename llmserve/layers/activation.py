@@ -9,7 +9,7 @@ from llmserve.kernels import native_for, ptr
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2I) = [gate | up] -> silu(gate) * up, (T, I)."""
-    out = _native(gate_up, "llmserve_silu_and_mul")
+    out = _native(gate_up, "silu_and_mul")
     if out is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -18,7 +18,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """(T, 2I) = [gate | up] -> gelu_tanh(gate) * up, (T, I) (Gemma's GeGLU)."""
-    out = _native(gate_up, "llmserve_gelu_tanh_and_mul")
+    out = _native(gate_up, "gelu_tanh_and_mul")
     if out is None:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up

@@ -20,8 +20,7 @@ class RMSNorm(nn.Module):
         lib = native_for(x, self.weight) if use_native else None
         if lib is not None:  # one pass instead of seven ops
             out = torch.empty_like(x)
-            lib.llmserve_rms_norm(ptr(x), x.shape[0], x.shape[1], ptr(self.weight), self.eps,
-                                  ptr(out))
+            lib.rms_norm(ptr(x), x.shape[0], x.shape[1], ptr(self.weight), self.eps, ptr(out))
             return out
         return self._torch_forward(x)
 
@@ -32,9 +31,9 @@ class RMSNorm(nn.Module):
         lib = None if torch.compiler.is_compiling() else native_for(qkv, self.weight)
         if lib is None or qkv.dim() != 2:
             return False
-        lib.llmserve_rms_norm_heads(qkv.data_ptr() + 4 * first * head_dim, qkv.shape[0],
-                                    qkv.shape[1], num_heads, head_dim, ptr(self.weight),
-                                    self.eps)
+        lib.rms_norm_heads(qkv.data_ptr() + 4 * first * head_dim, qkv.shape[0],
+                           qkv.shape[1], num_heads, head_dim, ptr(self.weight),
+                           self.eps)
         return True
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:

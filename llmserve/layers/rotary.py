@@ -121,7 +121,7 @@ class RotaryPositions:
         lib = None if torch.compiler.is_compiling() else native_for(qkv, self.cos_cache)
         if lib is None or qkv.dim() != 2 or self.positions.dtype != torch.long:
             return False
-        lib.llmserve_rotary_inplace(
+        lib.rotary_inplace(
             ptr(qkv), qkv.shape[0], qkv.shape[1], num_rotated_heads, head_dim,
             ptr(self.positions), ptr(self.cos_cache), ptr(self.sin_cache))
         return True

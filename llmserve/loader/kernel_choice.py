@@ -109,12 +109,12 @@ def choose_quantization(stored: str | None, config: ModelConfig, block_type: str
     # the int formats re-read memory each call here: int4 timed 11.9 ms at batch 1 against
     # float32's 8.1 on a 480 MiB-L3 Xeon). The model's own prefetch is chosen after it
     # loads (choose_stream_prefetch).
-    native().llmserve_set_stream_prefetch(0)
+    native().set_stream_prefetch(0)
     start = time.perf_counter()
     try:
         ms = time_candidates(candidates, shapes, block_type)
     finally:
-        native().llmserve_set_stream_prefetch(1)
+        native().set_stream_prefetch(1)
     choice = KernelChoice(pick(candidates, ms), ms, cached=False)
     logger.info("timed the linear kernels in %.1f s", time.perf_counter() - start)
     _write_atomically(path, {"quantization": choice.quantization, "ms": ms})
@@ -370,7 +370,7 @@ def choose_stream_prefetch(model: torch.nn.Module) -> str | None:
         source = "measured"
         _write_atomically(path, {"seconds": seconds})
     nontemporal = int(seconds[1] <= seconds[0])
-    lib.llmserve_set_stream_prefetch(nontemporal)
+    lib.set_stream_prefetch(nontemporal)
     return (f"decode prefetch: {'non-temporal' if nontemporal else 'into the caches'} "
             f"({source}; one pass over the weights {seconds[1] * 1e3:.2f} ms non-temporal, "
             f"{seconds[0] * 1e3:.2f} ms cached)")
@@ -385,7 +385,7 @@ def _time_stream_prefetch(lib, linears) -> dict[int, float]:
 
     seconds: dict[int, float] = {}
     for nontemporal in (1, 0, 1, 0):  # interleaved: drift hits both alike
-        lib.llmserve_set_stream_prefetch(nontemporal)
+        lib.set_stream_prefetch(nontemporal)
         one_pass()  # the first pass after a switch finds the caches as the other left them
         taken = best_seconds(one_pass, 0.0, max_calls=1, repeats=3)
         seconds[nontemporal] = min(seconds.get(nontemporal, float("inf")), taken)

@@ -119,9 +119,9 @@ class LoRALinearMethod(LinearMethod):
             if top:
                 t, k, n = x.shape[0], x.shape[1], y.shape[1]
                 scratch = torch.empty(t * (k + 2 * top + n))
-                lib.llmserve_lora_apply(ptr(x), t, k, ptr(y), n, ptr(step.slot_of_row),
-                                        len(step.groups), ctypes.addressof(slots),
-                                        ptr(scratch))
+                lib.lora_apply(ptr(x), t, k, ptr(y), n, ptr(step.slot_of_row),
+                               len(step.groups), ctypes.addressof(slots),
+                               ptr(scratch))
             return y
         for adapter, rows in step.groups:
             update = adapter.updates.get(self.path)

@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch import nn
 
-from llmserve.kernels import native, ptr
+from llmserve.kernels import Kernels, native, ptr
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.attention.native import NativeCPUBackend
 from llmserve.layers.kv_cache import KERNEL_KV_DTYPES, KVCache
@@ -138,7 +138,7 @@ def _packed_weight(linear: nn.Module) -> NativeWeight | None:
 class NativeLlamaLayers:
     """The decoder layers of one model as native structures; `forward` runs them all."""
 
-    def __init__(self, model: nn.Module, lib: ctypes.CDLL) -> None:
+    def __init__(self, model: nn.Module, lib: Kernels) -> None:
         cfg = model.config
         self.lib = lib
         self.model = model
@@ -265,10 +265,10 @@ class NativeLlamaLayers:
             lora_scratch = torch.empty(t * (widest + 2 * top + outputs))
             lora = _LoraStep(ptr(lora_step.slot_of_row), len(lora_step.groups),
                              _address(lora_layers), ptr(lora_scratch))
-        self.lib.llmserve_llama_layers(
+        self.lib.llama_layers(
             ptr(x), t, _address(self.shape), _address(layers), len(layers), _address(step),
             ptr(scratch), ptr(qscratch), None if lora is None else _address(lora))
         norm = self.model.model.norm
         out = torch.empty_like(x)
-        self.lib.llmserve_rms_norm(ptr(x), t, s.hidden, ptr(norm.weight), norm.eps, ptr(out))
+        self.lib.rms_norm(ptr(x), t, s.hidden, ptr(norm.weight), norm.eps, ptr(out))
         return out

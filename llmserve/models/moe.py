@@ -32,7 +32,7 @@ from torch import nn
 
 from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
-from llmserve.kernels import native, ptr
+from llmserve.kernels import Kernels, native, ptr
 from llmserve.layers.linear import Linear
 from llmserve.models.llama_native import NativeWeight, float_weight, packed_weight
 from llmserve.models.mlp import LlamaMLP
@@ -81,7 +81,7 @@ class NativeMoe:
     """A mixture layer's weights as the native calls take them (`kernels/moe.cpp`), built
     once its weights are packed; the ctypes arrays are kept alive here."""
 
-    def __init__(self, block: "SparseMoeBlock", lib: ctypes.CDLL,
+    def __init__(self, block: "SparseMoeBlock", lib: Kernels,
                  experts: list[tuple[NativeWeight, NativeWeight]],
                  shared: tuple[NativeWeight, NativeWeight] | None) -> None:
         self.lib = lib
@@ -143,8 +143,8 @@ class SparseMoeBlock(nn.Module):
             t, scores = x.shape[0], scores.contiguous()  # (held: ptr keeps no reference)
             experts = torch.empty(t, self.top_k, dtype=torch.long)
             weights = torch.empty(t, self.top_k)
-            lib.llmserve_moe_route(ptr(scores), t, self.num_experts, self.top_k,
-                                   int(self.renormalize), ptr(experts), ptr(weights))
+            lib.moe_route(ptr(scores), t, self.num_experts, self.top_k,
+                          int(self.renormalize), ptr(experts), ptr(weights))
             return experts, weights
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
@@ -159,8 +159,7 @@ class SparseMoeBlock(nn.Module):
         if native is not None and not self._lora_active():
             if self.tp.size == 1:  # the whole layer in one call, as the decoder stack runs it
                 x, y, qscratch = x.contiguous(), torch.empty_like(x), native.qscratch(t)
-                native.lib.llmserve_moe_block(ptr(x), t, hidden, native.address, ptr(y),
-                                              ptr(qscratch))
+                native.lib.moe_block(ptr(x), t, hidden, native.address, ptr(y), ptr(qscratch))
                 return y
             experts, weights = self.route(x)
             slots = self._run_native(native, x, experts, weights)
@@ -216,7 +215,7 @@ class SparseMoeBlock(nn.Module):
         slots = torch.empty(t * self.top_k, hidden)
         scratch = torch.empty(t * (2 * hidden + 3 * self.intermediate_size))
         qscratch = native.qscratch(t)
-        native.lib.llmserve_moe_experts(
+        native.lib.moe_experts(
             ptr(x), t, hidden, self.intermediate_size, ctypes.addressof(native.gate_up),
             ctypes.addressof(native.down), self.held.start, len(self.held), ptr(ids),
             ptr(weights), self.top_k, ptr(slots), ptr(scratch), ptr(qscratch))
@@ -243,8 +242,7 @@ class SparseMoeBlock(nn.Module):
             slots, y = slots.contiguous(), torch.empty(t, hidden)
             if shared is not None:
                 shared, gate = shared.contiguous(), gate.contiguous()
-            lib.llmserve_moe_combine(ptr(slots), t, self.top_k, hidden, ptr(shared), ptr(gate),
-                                     ptr(y))
+            lib.moe_combine(ptr(slots), t, self.top_k, hidden, ptr(shared), ptr(gate), ptr(y))
             return y
         y = slots[:, 0]
         for slot in range(1, self.top_k):
@@ -254,7 +252,7 @@ class SparseMoeBlock(nn.Module):
         return y
 
 
-def _native_lib(x: torch.Tensor) -> ctypes.CDLL | None:
+def _native_lib(x: torch.Tensor) -> Kernels | None:
     """The native library where x's routing and sums run natively (float32 on the CPU)."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return None

@@ -85,8 +85,8 @@ def quantize_groups_native(lib, weight: torch.Tensor
     codes = torch.empty(n, k, dtype=torch.uint8)
     d = torch.empty(n, k // GROUP, dtype=torch.float16)
     m = torch.empty(n, k // GROUP, dtype=torch.float16)
-    lib.llmserve_quantize_q4(ptr(weight), n, k, ptr(codes), ptr(d.view(torch.int16)),
-                             ptr(m.view(torch.int16)))
+    lib.quantize_q4(ptr(weight), n, k, ptr(codes), ptr(d.view(torch.int16)),
+                    ptr(m.view(torch.int16)))
     return codes, d, m
 
 
@@ -140,9 +140,9 @@ class PackedInt4Weight:
         n_pad = -(-n // _N_ALIGN) * _N_ALIGN
         self.packed = torch.empty(n_pad // _N_ALIGN, self.k_pad // GROUP, _RECORD,
                                   dtype=torch.uint8)
-        lib.llmserve_pack_q4_weight(ptr(codes), ptr(self.d.view(torch.int16)),
-                                    ptr(self.m.view(torch.int16)), n, self.k_pad,
-                                    ptr(self.packed))
+        lib.pack_q4_weight(ptr(codes), ptr(self.d.view(torch.int16)),
+                           ptr(self.m.view(torch.int16)), n, self.k_pad,
+                           ptr(self.packed))
         self.codes = None
         self.d = self.m = None  # they live inside the packed records
 
@@ -176,8 +176,8 @@ def _int4_linear_native(lib, x: torch.Tensor, w: PackedInt4Weight, bias) -> torc
     m, k = x.shape
     y = torch.empty(m, w.out_features)
     workspace = torch.empty(2 * m * k + 8 * m * (k // GROUP), dtype=torch.uint8)
-    lib.llmserve_q4_linear(ptr(x), m, k, ptr(w.packed), ptr(bias), w.out_features, ptr(y),
-                           ptr(workspace), w.activation_bits)
+    lib.q4_linear(ptr(x), m, k, ptr(w.packed), ptr(bias), w.out_features, ptr(y),
+                  ptr(workspace), w.activation_bits)
     return y
 
 

@@ -52,7 +52,7 @@ class PackedInt8Weight:
         k_pad = -(-k // _K_ALIGN) * _K_ALIGN
         n_pad = -(-n // _N_ALIGN) * _N_ALIGN
         self.packed = torch.empty(n_pad, k_pad, dtype=torch.int8)
-        lib.llmserve_pack_int8_weight(ptr(qweight.contiguous()), n, k, ptr(self.packed))
+        lib.pack_int8_weight(ptr(qweight.contiguous()), n, k, ptr(self.packed))
 
     @property
     def k_pad(self) -> int:
@@ -69,7 +69,7 @@ class PackedInt8Weight:
             # decode step in torch ops)
             ids = ids.contiguous()
             out = torch.empty(ids.numel(), self.in_features)
-            if native().llmserve_int8_embedding(
+            if native().int8_embedding(
                     ptr(self.packed), self.out_features, self.packed.shape[1], ptr(ids),
                     ids.numel(), self.in_features, ptr(self.scale), ptr(out)):
                 raise IndexError(f"token id out of range [0, {self.out_features})")
@@ -117,8 +117,8 @@ def _int8_linear_native(lib, x: torch.Tensor, w: PackedInt8Weight, bias) -> torc
     k_pad = w.packed.shape[1]
     y = torch.empty(m, w.out_features)
     workspace = torch.empty(m * 2 * k_pad + 4 * m, dtype=torch.uint8)
-    lib.llmserve_int8_linear(ptr(x), m, k, ptr(w.packed), ptr(w.row_sums), ptr(w.scale),
-                             ptr(bias), w.out_features, ptr(y), ptr(workspace))
+    lib.int8_linear(ptr(x), m, k, ptr(w.packed), ptr(w.row_sums), ptr(w.scale),
+                    ptr(bias), w.out_features, ptr(y), ptr(workspace))
     return y
 
 

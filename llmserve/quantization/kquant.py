@@ -140,8 +140,7 @@ class PackedKQuantWeight:
             blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate([p.data for p in run])))
             packed = torch.empty(-(-rows // _N_ALIGN), self.in_features // SUPER,
                                  RECORD_BYTES[qtype], dtype=torch.uint8)
-            lib.llmserve_pack_kquant(ptr(blocks), KQUANT_TYPES[qtype], rows,
-                                     self.in_features, ptr(packed))
+            lib.pack_kquant(ptr(blocks), KQUANT_TYPES[qtype], rows, self.in_features, ptr(packed))
             self.types.append(qtype)
             self.rows.append(rows)
             self.segments.append(packed)
@@ -176,8 +175,8 @@ class PackedKQuantWeight:
             if bool(mine.any()):
                 local = (ids[mine] - start).contiguous()
                 part = torch.empty(local.numel(), self.in_features)
-                lib.llmserve_kquant_rows(ptr(packed), KQUANT_TYPES[qtype], rows,
-                                         self.in_features, ptr(local), local.numel(), ptr(part))
+                lib.kquant_rows(ptr(packed), KQUANT_TYPES[qtype], rows,
+                                self.in_features, ptr(local), local.numel(), ptr(part))
                 out[mine] = part
             start += rows
         return out
@@ -216,8 +215,7 @@ def kquant_linear(x: torch.Tensor, w: PackedKQuantWeight, bias: torch.Tensor | N
     y = torch.empty(m, w.out_features)
     workspace = torch.empty(workspace_bytes(m, k), dtype=torch.uint8)
     bias = None if bias is None else bias.float().contiguous()
-    native().llmserve_kquant_linear(ptr(rows), m, k, w.address, ptr(bias), ptr(y),
-                                    ptr(workspace))
+    native().kquant_linear(ptr(rows), m, k, w.address, ptr(bias), ptr(y), ptr(workspace))
     return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
 

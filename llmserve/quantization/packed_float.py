@@ -34,8 +34,7 @@ class PackedFloatWeight:
         self.k_pad = k
         n_pad = -(-n // _N_ALIGN) * _N_ALIGN
         self.packed = torch.empty(n_pad // _N_ALIGN, k, _N_ALIGN)
-        native().llmserve_pack_f32_weight(ptr(weight.float().contiguous()), n, k,
-                                          ptr(self.packed))
+        native().pack_f32_weight(ptr(weight.float().contiguous()), n, k, ptr(self.packed))
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed_weight": self.packed}
@@ -58,8 +57,8 @@ def float_linear(x: torch.Tensor, w: PackedFloatWeight, bias: torch.Tensor | Non
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     y = torch.empty(rows.shape[0], w.out_features)
     start = None if init is None else init.reshape(-1, w.out_features).contiguous()
-    native().llmserve_f32_linear_from(ptr(rows), rows.shape[0], w.in_features, ptr(w.packed),
-                                      ptr(bias), ptr(start), w.out_features, ptr(y))
+    native().f32_linear_from(ptr(rows), rows.shape[0], w.in_features, ptr(w.packed),
+                             ptr(bias), ptr(start), w.out_features, ptr(y))
     return y.reshape(*x.shape[:-1], w.out_features)
 
 

@@ -47,8 +47,8 @@ class GrammarStep:
             # worker then competes with the native kernels' threads (measured: the batch-1
             # step 3.1 -> 8 ms with a constrained request)
             masked = torch.from_numpy(logits.numpy().copy()) if copy else logits
-            lib.llmserve_apply_token_bitmask(ptr(masked), masked.shape[1], ptr(self.bitmask),
-                                             len(rows), ptr(rows))
+            lib.apply_token_bitmask(ptr(masked), masked.shape[1], ptr(self.bitmask),
+                                    len(rows), ptr(rows))
             return masked
         # torch: bit t % 32 of word t // 32 is token t, the little-endian bits of the bytes
         bits = np.unpackbits(self.bitmask.numpy().view(np.uint8), axis=1,

@@ -97,7 +97,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     if lib is None:
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.long)
-    lib.llmserve_argmax_rows(ptr(logits), logits.shape[0], logits.shape[1], ptr(out))
+    lib.argmax_rows(ptr(logits), logits.shape[0], logits.shape[1], ptr(out))
     if out.numpy().min() < 0:  # numpy: cheaper than torch ops for a handful of ids
         nan_rows = out < 0
         out[nan_rows] = logits[nan_rows].argmax(dim=-1)

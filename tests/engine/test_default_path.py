@@ -250,7 +250,7 @@ def test_decode_prefetch_is_chosen_by_timing_the_models_own_weights(default_llm,
     from llmserve.kernels import native  # the library the model's kernels run in
 
     for nontemporal in (0, 1):
-        native().llmserve_set_stream_prefetch(nontemporal)
+        native().set_stream_prefetch(nontemporal)
         after = default_llm.generate("The ocean is", params, use_tqdm=False)
         assert token_ids(after) == token_ids(before)
     assert choose_stream_prefetch(nn.Linear(4, 4)) is None  # nothing packed to time

@@ -62,7 +62,7 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 def test_rows_are_the_files_values(qtype):
     from llmserve.quantization.kquant import KQUANT_TYPES, RECORD_BYTES
 
-    assert RECORD_BYTES[qtype] == native().llmserve_kquant_record_bytes(KQUANT_TYPES[qtype])
+    assert RECORD_BYTES[qtype] == native().kquant_record_bytes(KQUANT_TYPES[qtype])
     parts = [random_blocks(qtype, 37, 768, np.random.default_rng(1))]
     weight = PackedKQuantWeight(parts)
     ids = torch.tensor([36, 0, 17, 16, 15])

@@ -46,7 +46,7 @@ def _kv_cache_write(lib, k, v, slot_mapping, key_cache, value_cache, key_scales,
     k, v = _rows_of_heads(k), _rows_of_heads(v)
     if k.stride(0) != v.stride(0):
         k, v = k.contiguous(), v.contiguous()
-    lib.llmserve_kv_cache_write(
+    lib.kv_cache_write(
         ptr(k), ptr(v), k.stride(0), t, num_kv_heads, d, ptr(slot_mapping), ptr(key_cache),
         ptr(value_cache), ptr(key_scales), ptr(value_scales), KERNEL_KV_DTYPES[key_cache.dtype],
     )
@@ -61,7 +61,7 @@ def _paged_attention(lib, q, key_cache, value_cache, key_scales, value_scales, b
     dtype = q.dtype
     q = _rows_of_heads(q)
     out = torch.empty(t, h, d)
-    lib.llmserve_paged_attention(
+    lib.paged_attention(
         ptr(q), q.stride(0), h, d, ptr(key_cache), ptr(value_cache), ptr(key_scales),
         ptr(value_scales), KERNEL_KV_DTYPES[key_cache.dtype], block_size, key_cache.shape[2],
         ptr(block_tables), block_tables.shape[1], ptr(query_start), ptr(context_lens),

@@ -20,6 +20,8 @@ from tests.engines import llm_on  # noqa: E402
 
 set_thread_policy()  # as the CLI does, before any test imports torch (OpenMP)
 
+from llmserve.kernels.build import LEVEL_FEATURES  # noqa: E402  (imports torch)
+
 # Under pytest-xdist (addopts: -n 2) each worker process takes its share of the cores, and
 # the kernels' pool does not spin after a kernel (a spinning pool takes the core the other
 # worker needs; subprocess servers inherit this): the workers then share the machine
@@ -137,7 +139,7 @@ def default_llm(default_model):
     return llm_on(default_model, kv_cache_memory="128MiB")
 
 
-@pytest.fixture(params=["generic", "avx2", "avx512", "neon"])
+@pytest.fixture(params=list(LEVEL_FEATURES))  # the package's one table of levels
 def kernel_level(request):
     """Runs a test with `native()` built for each instruction-set level in turn; a level this
     CPU cannot execute is skipped with the features it lacks (CI prints the skips)."""

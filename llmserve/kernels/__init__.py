@@ -1,8 +1,10 @@
-"""Native CPU kernels, built on first use for one instruction-set level.
+"""Native CPU kernels for one instruction-set level, loaded with ctypes.
 
 The C++ sources (`*.cpp`, written once on `simd.h`'s 16-lane values; no torch headers) are
-compiled by the system C++ compiler into the llmserve cache, one build per source, level
-and compiler flags, and loaded with ctypes. The level is `LLMSERVE_CPU_ISA`:
+built for every level of the platform when the package is built (the wheel ships them), or
+else by the system C++ compiler into the llmserve cache on first use (`build.py`: the table
+of levels and where a library is found), and loaded through `binding.py` (every function
+declared once, typed; the ABI checked at load). The level is `LLMSERVE_CPU_ISA`:
 
 * `auto` (the default): the best level this CPU runs, with the extensions it has
   (AVX-512 VNNI, AVX-VNNI, ARM dotprod);
@@ -13,57 +15,39 @@ and compiler flags, and loaded with ctypes. The level is `LLMSERVE_CPU_ISA`:
 
 Its threads are its own spin-then-sleep pool (`thread_pool.h`), sized like torch's
 (`set_num_threads`); `LLMSERVE_SPIN_US` (default 1000) is how long an idle worker spins
-before it sleeps. When no compiler is present (or `LLMSERVE_NATIVE_KERNELS=0`), `native()`
-returns None and callers fall back to plain torch ops: slower, never wrong.
+before it sleeps. When no library can be had (none shipped or cached and no compiler, or
+`LLMSERVE_NATIVE_KERNELS=0`), `native()` returns None and callers fall back to plain torch
+ops: slower, never wrong.
 """
 
 import contextlib
 import ctypes
-import fcntl
-import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 import threading
 from functools import cache
-from pathlib import Path
 
 import torch
 
 from llmserve import cpu_info
-from llmserve.config.paths import cache_root
+from llmserve.kernels import build
 from llmserve.kernels.binding import IncompatibleLibrary, Kernels
 
 logger = logging.getLogger(__name__)
 
-_DIR = Path(__file__).parent
 DEFAULT_SPIN_US = 1000
 _LOCK = threading.Lock()
 _pool_size: dict[int, int] = {}  # id(library) -> threads of its current pool
 
-# level -> the CPU features it needs (Linux names, as cpu_info reports them)
-ISA_LEVELS: dict[str, tuple[str, ...]] = {
-    "generic": (),
-    "avx2": ("avx2", "fma", "f16c"),
-    "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl"),
-    "neon": ("neon",),
-}
-_LEVEL_ARCH = {"avx2": "x86_64", "avx512": "x86_64", "neon": "aarch64"}
+ISA_LEVELS = build.LEVEL_FEATURES  # level -> the CPU features it needs
+missing_features = build.missing_features
+
 
 def cpu_flags() -> list[str]:
     """The CPU features that matter for kernel choice (x86 and ARM) this CPU has."""
     present = cpu_info.cpu_features()
     return [flag for flag in cpu_info.KERNEL_FLAGS if flag in present]
-
-
-def missing_features(level: str) -> list[str]:
-    """What this CPU lacks to run `level` (its architecture included); [] if it runs it."""
-    arch = _LEVEL_ARCH.get(level)
-    if arch is not None and cpu_info.machine_arch() != arch:
-        return [arch]
-    present = cpu_info.cpu_features()
-    return [f for f in ISA_LEVELS[level] if f not in present]
 
 
 def supported_levels() -> list[str]:
@@ -74,7 +58,7 @@ def supported_levels() -> list[str]:
 def auto_level() -> str:
     """The best level this CPU executes."""
     levels = supported_levels()
-    return max(levels, key=lambda lv: ("generic", "neon", "avx2", "avx512").index(lv))
+    return levels[-1]  # BUILDS lists each platform's levels lowest first
 
 
 def requested_level() -> tuple[str, bool]:
@@ -96,107 +80,39 @@ def requested_level() -> tuple[str, bool]:
 def compile_flags(level: str, extensions: bool) -> list[str]:
     """The compiler flags that build `level`; `extensions`: also this CPU's extensions of it
     (dot-product instructions), as `auto` builds."""
-    features = cpu_info.cpu_features() if extensions else frozenset()
-    if level == "avx512":
-        return ["-march=x86-64-v4", *(["-mavx512vnni"] if "avx512_vnni" in features else [])]
-    if level == "avx2":
-        return ["-march=x86-64-v3", *(["-mavxvnni"] if "avx_vnni" in features else [])]
-    if level == "neon":
-        if cpu_info.is_darwin():
-            return ["-mcpu=apple-m1"]  # every Apple Silicon core has dotprod
-        return ["-march=armv8.2-a+dotprod" if "dotprod" in features else "-march=armv8-a"]
-    arch = {"x86_64": ["-march=x86-64"], "aarch64": ["-march=armv8-a"]}
-    flags = [] if cpu_info.is_darwin() else arch.get(cpu_info.machine_arch(), [])
-    return [*flags, "-DLLMSERVE_FORCE_GENERIC"]
-
-
-def _sources() -> list[Path]:
-    return sorted(p for p in _DIR.iterdir() if p.suffix in (".cpp", ".h"))
-
-
-def _build_dir() -> Path:
-    return cache_root() / "kernels"
-
-
-def _library_path(level: str, flags: list[str], compiler: str) -> Path:
-    key = hashlib.sha256()
-    for source in _sources():
-        key.update(source.name.encode() + source.read_bytes())
-    key.update(" ".join([compiler, *flags]).encode())
-    name = f"cpu_kernels-{level}-{key.hexdigest()[:16]}{cpu_info.shared_library_suffix()}"
-    return _build_dir() / name
-
-
-def _compile(target: Path, compiler: str, flags: list[str]) -> None:
-    """Each source to an object in parallel (one per core), then one link."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # -ffp-contract=off: no fused multiply-adds but the ones written (simd::fmadd), so
-    # results match torch's elementwise ops and every level's lane arithmetic is the same
-    common = [compiler, "-O3", "-std=c++17", "-fPIC", "-pthread", "-ffp-contract=off",
-              "-DNDEBUG", *flags]
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects, jobs = [], []
-        for source in (p for p in _sources() if p.suffix == ".cpp"):
-            obj = Path(tmp) / f"{source.stem}.o"
-            objects.append(str(obj))
-            jobs.append(subprocess.Popen([*common, "-c", str(source), "-o", str(obj)],
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True))
-        for job in jobs:
-            _, err = job.communicate(timeout=300)
-            if job.returncode:
-                raise subprocess.CalledProcessError(job.returncode, job.args, stderr=err)
-        partial = Path(tmp) / target.name
-        link = [compiler, "-shared", "-pthread", *objects, "-o", str(partial)]
-        if cpu_info.is_darwin():
-            link.insert(1, "-dynamiclib")
-        subprocess.run(link, check=True, capture_output=True, text=True, timeout=120)
-        partial.replace(target)
-
-
-@contextlib.contextmanager
-def _build_lock(target: Path):
-    """Held by one process at a time for `target`'s build (server workers, test workers and
-    CLI commands started together build each level once)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_suffix(".lock"), "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return build.flags_for(build.build_for(level, extensions))
 
 
 @cache
 def library(level: str, extensions: bool = False) -> Kernels | None:
-    """The kernel library built for `level` (see the module docstring), loaded; None when it
-    cannot be built here (no compiler, a build error)."""
-    compiler = cpu_info.find_compiler()
-    if compiler is None:
-        logger.warning("native CPU kernels unavailable (no C++ compiler; set CXX), "
-                       "using torch ops")
-        return None
-    flags = compile_flags(level, extensions)
+    """The kernel library for `level` (see the module docstring), loaded; None when there is
+    none here (none shipped or cached and no compiler, a build error)."""
+    chosen = build.build_for(level, extensions)
     with _LOCK:
-        path = _library_path(level, flags, compiler)
         try:
-            if not path.exists():
-                with _build_lock(path):  # another process may be building it: wait for it
-                    if not path.exists():
-                        _compile(path, compiler, flags)
+            path, origin = build.find_library(chosen)
+            if path is None:
+                logger.warning("native CPU kernels unavailable, using torch ops: %s", origin)
+                return None
             lib = ctypes.CDLL(str(path))
         except (OSError, subprocess.SubprocessError) as exc:
             detail = (getattr(exc, "stderr", "") or str(exc)).strip()
-            logger.warning("native CPU kernels (%s) unavailable, using torch ops: %s", level,
-                           detail.splitlines()[-1] if detail else exc)
+            logger.warning("native CPU kernels (%s) unavailable, using torch ops: %s",
+                           chosen.name, detail.splitlines()[-1] if detail else exc)
             return None
     try:
         kernels = Kernels(lib, path)
     except IncompatibleLibrary as exc:
         logger.warning("native CPU kernels unavailable, using torch ops: %s", exc)
         return None
+    kernels.origin = origin
     _start_pool(kernels, torch.get_num_threads())
     return kernels
+
+
+def origin_of(lib: Kernels) -> str:
+    """Where a loaded library's file came from ("prebuilt", "cached" or "built"): its path."""
+    return f"{lib.origin}: {lib.path}"
 
 
 def level_of(lib: Kernels) -> str:

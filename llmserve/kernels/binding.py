@@ -52,6 +52,7 @@ class Kernels:
         """Binds `cdll`, loaded from `path`; raises IncompatibleLibrary, naming the file and
         the mismatch, if its ABI is not kernels.h's or it lacks a declared function."""
         self.path = Path(path)
+        self.origin = "loaded"  # where the loader found the file: "prebuilt", "cached", "built"
         self._bind(cdll, "kernels_abi")
         if (abi := self.kernels_abi()) != ABI:
             raise IncompatibleLibrary(f"{self.path}: its ABI is {abi}, this llmserve's is {ABI} "

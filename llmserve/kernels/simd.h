@@ -7,8 +7,9 @@
 //   avx2     two ymm                    (x86-64-v3: AVX2, FMA, F16C; AVX-VNNI where present)
 //   neon     four 128-bit q registers   (aarch64: NEON; dotprod where present)
 //   generic  plain arrays with loops    (any C++17 compiler; what the compiler vectorises)
-// The level is what the compiler was told (`-march=...`, chosen by LLMSERVE_CPU_ISA;
-// -DLLMSERVE_FORCE_GENERIC for generic), not a run-time branch. Lane-wise arithmetic (fused
+// The level is the build's -DLLMSERVE_LEVEL_* define, beside the -march flags that let the
+// compiler emit its instructions (both from build.py's BUILDS, the one table of levels; the
+// loader picks a build by LLMSERVE_CPU_ISA), not a run-time branch. Lane-wise arithmetic (fused
 // multiply-add, IEEE division, rounding to nearest even, power-of-two scaling) is the same at
 // every level, and the one horizontal float sum below has a fixed tree, so a kernel built
 // only from these gives the same bits at every level (but generic on an x86 CPU without FMA,
@@ -20,20 +21,19 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(LLMSERVE_FORCE_GENERIC)  // the generic level on a CPU that has more
+#if defined(LLMSERVE_LEVEL_GENERIC)
 #define LLMSERVE_SIMD_GENERIC 1
-#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
-    defined(__AVX512VL__)
+#elif defined(LLMSERVE_LEVEL_AVX512)
 #define LLMSERVE_SIMD_AVX512 1
 #include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(LLMSERVE_LEVEL_AVX2)
 #define LLMSERVE_SIMD_AVX2 1
 #include <immintrin.h>
-#elif defined(__aarch64__) && defined(__ARM_NEON)
+#elif defined(LLMSERVE_LEVEL_NEON)
 #define LLMSERVE_SIMD_NEON 1
 #include <arm_neon.h>
 #else
-#define LLMSERVE_SIMD_GENERIC 1
+#error "build with one level's flags from llmserve/kernels/build.py (BUILDS)"
 #endif
 
 // int8 dot products of unsigned activations (value + 128) by signed weights in one
@@ -68,29 +68,12 @@ inline float half_bits_to_float(uint16_t h) {
 }
 
 // The level's name, as LLMSERVE_CPU_ISA spells it (with its int8 dot-product extension).
-inline const char* level_name() {
-#if defined(LLMSERVE_SIMD_AVX512)
-#if defined(__AVX512VNNI__)
-  return "avx512+vnni";
-#else
-  return "avx512";
+#define LLMSERVE_STRINGIFY_(x) #x
+#define LLMSERVE_STRINGIFY(x) LLMSERVE_STRINGIFY_(x)
+#if !defined(LLMSERVE_BUILD_NAME)
+#error "build with a build's flags from llmserve/kernels/build.py (Build.compiler_flags)"
 #endif
-#elif defined(LLMSERVE_SIMD_AVX2)
-#if defined(__AVXVNNI__)
-  return "avx2+avxvnni";
-#else
-  return "avx2";
-#endif
-#elif defined(LLMSERVE_SIMD_NEON)
-#if defined(__ARM_FEATURE_DOTPROD)
-  return "neon+dotprod";
-#else
-  return "neon";
-#endif
-#else
-  return "generic";
-#endif
-}
+inline const char* level_name() { return LLMSERVE_STRINGIFY(LLMSERVE_BUILD_NAME); }
 
 // Prefetches one cache line for reading; `kStream`: non-temporal (a single pass).
 template <bool kStream>

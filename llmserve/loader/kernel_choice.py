@@ -317,15 +317,15 @@ def time_attention(config: ModelConfig, kv_dtype: torch.dtype) -> dict[str, dict
 def _cache_path(kind: str, parts: list[str]) -> Path:
     """Where a decision of `kind` ("choice", "attention") is cached, keyed by this machine,
     the kernel build, torch, the threads, `parts` and the sources that time and decide."""
-    from llmserve.kernels import _build_dir, _sources, level_of, native
+    from llmserve.kernels import build, level_of, native
 
     key = hashlib.sha256()
     for part in (cpu_info.cpu_model_name(), " ".join(sorted(cpu_info.cpu_features())),
                  level_of(native()), torch.__version__, str(torch.get_num_threads()), *parts):
         key.update(part.encode() + b"\0")
-    for source in (*_sources(), Path(__file__)):  # the kernels, and the rule choosing
+    for source in (*build.sources(), Path(__file__)):  # the kernels, and the rule choosing
         key.update(source.read_bytes())
-    return _build_dir() / f"{kind}-{key.hexdigest()[:16]}.json"
+    return build.build_dir() / f"{kind}-{key.hexdigest()[:16]}.json"
 
 
 def _write_atomically(path: Path, data: dict) -> None:

@@ -36,7 +36,9 @@ import numpy as np
 import pytest
 import torch
 
+from llmserve import cpu_info
 from llmserve.config.paths import cache_root
+from llmserve.kernels.build import BUILDS
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "llmserve" / "kernels"
@@ -47,36 +49,28 @@ KERNEL_SOURCES = [KERNELS / f"{name}.cpp"
 CXXFLAGS = ["-O2", "-std=c++17", "-pthread", "-ffp-contract=off"]
 CROSS_CXX, QEMU, AARCH64_ROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-linux-gnu"
 HOST = platform.machine()
-X86_V3 = ("avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
-X86_V4 = X86_V3 + ("avx512f", "avx512bw", "avx512dq", "avx512vl")
-GENERIC = "-DLLMSERVE_FORCE_GENERIC"
-
-
 @dataclass(frozen=True)
 class Level:
     id: str
     name: str  # what llmserve_kernels_level() reports
     arch: str  # "x86_64" or "aarch64"
     flags: tuple[str, ...]
-    cpu_flags: tuple[str, ...] = ()  # /proc/cpuinfo features a native run needs
+    cpu_flags: tuple[str, ...] = ()  # the CPU features (cpu_info's names) a native run needs
     fused: bool = True  # simd::fmadd rounds once
 
 
-LEVELS = [
-    Level("x86_64-generic+fma", "generic", "x86_64", ("-march=x86-64", "-mfma", GENERIC),
-          ("fma",)),
-    Level("x86_64-generic", "generic", "x86_64", ("-march=x86-64", GENERIC), fused=False),
-    Level("x86_64-avx2", "avx2", "x86_64", ("-march=x86-64-v3",), X86_V3),
-    Level("x86_64-avx2+avxvnni", "avx2+avxvnni", "x86_64", ("-march=x86-64-v3", "-mavxvnni"),
-          X86_V3 + ("avx_vnni",)),
-    Level("x86_64-avx512", "avx512", "x86_64", ("-march=x86-64-v4",), X86_V4),
-    Level("x86_64-avx512+vnni", "avx512+vnni", "x86_64", ("-march=x86-64-v4", "-mavx512vnni"),
-          X86_V4 + ("avx512_vnni",)),
-    Level("aarch64-neon", "neon", "aarch64", ("-march=armv8-a",)),
-    Level("aarch64-neon+dotprod", "neon+dotprod", "aarch64", ("-march=armv8.2-a+dotprod",),
-          ("asimddp",)),
-    Level("aarch64-generic", "generic", "aarch64", ("-march=armv8-a", GENERIC)),
-]
+def _levels() -> list[Level]:
+    """The package's builds (its one table of levels, build.BUILDS), and the baseline:
+    x86-64's generic level with fused multiply-adds."""
+    levels = [Level(f"{b.arch}-{b.name}", b.name, b.arch, b.compiler_flags, b.features,
+                    fused=b.arch != "x86_64" or b.level != "generic") for b in BUILDS]
+    x86_generic = next(lv for lv in levels if lv.id == "x86_64-generic")
+    fused = Level("x86_64-generic+fma", "generic", "x86_64", (*x86_generic.flags, "-mfma"),
+                  ("fma",))
+    return [fused, *levels]
+
+
+LEVELS = _levels()
 BASELINE = next((lv for lv in LEVELS if lv.name == "generic" and lv.arch == HOST and lv.fused),
                 None)
 if BASELINE is None:
@@ -130,20 +124,14 @@ class Run:
     raw: dict[str, bytes]
 
 
-def cpu_features() -> set[str]:
-    """x86 `flags` or aarch64 `Features` of /proc/cpuinfo."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    lines = re.findall(r"^(?:flags|Features)\s*:(.*)$", text, re.MULTILINE)
-    return set(lines[0].split()) if lines else set()
-
-
 def compiler(arch: str) -> tuple[str, list[str]]:
     """The C++ compiler for `arch` and the command prefix that runs its programs here."""
     if arch == HOST:
-        return os.environ.get("CXX", "g++"), []
+        cxx = cpu_info.find_compiler()
+        if cxx is None or shutil.which(cxx) is None:
+            raise Unavailable("no C++ compiler here (an installed wheel's kernels are checked "
+                              "by the tests that load them)")
+        return cxx, []
     if arch == "aarch64" and HOST == "x86_64":
         missing = [tool for tool in (CROSS_CXX, QEMU) if shutil.which(tool) is None]
         if missing:
@@ -154,7 +142,8 @@ def compiler(arch: str) -> tuple[str, list[str]]:
 
 
 def check_cpu(level: Level) -> None:
-    missing = [f for f in level.cpu_flags if f not in cpu_features()] if level.arch == HOST else []
+    present = cpu_info.cpu_features()
+    missing = [f for f in level.cpu_flags if f not in present] if level.arch == HOST else []
     if missing:
         raise Unavailable(f"this CPU lacks {' '.join(missing)}")
 

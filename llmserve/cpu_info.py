@@ -1,5 +1,5 @@
 """What this CPU and machine are: instruction-set features, model name, architecture, memory,
-and the C++ toolchain the native kernels are built with.
+how busy it is, and the C++ toolchain the native kernels are built with.
 
 Linux answers from /proc, macOS from `sysctl`; anywhere else (Windows, a sandbox without
 /proc) a question gets an empty or None answer, never an exception. Every read goes through
@@ -15,6 +15,7 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 # /proc/cpuinfo's aarch64 names that differ from the common ones; the rest are kept as is
 _ARM_LINUX_NAMES = {"asimd": "neon", "asimddp": "dotprod"}
@@ -220,12 +221,67 @@ def _from_meminfo(meminfo: str) -> tuple[int | None, int | None]:
 
 
 def _psutil_memory() -> tuple[int, int] | None:
+    psutil = psutil_module()
+    if psutil is None:
+        return None
+    memory = psutil.virtual_memory()
+    return memory.total, memory.available
+
+
+def psutil_module() -> ModuleType | None:
+    """psutil where it is installed (what /proc and `sysctl` do not answer elsewhere)."""
     try:
         import psutil
     except ImportError:
         return None
-    memory = psutil.virtual_memory()
-    return memory.total, memory.available
+    return psutil
+
+
+def load_average_1m() -> float | None:
+    """The 1-minute load average (runnable + uninterruptible tasks); None where neither
+    the OS (Windows) nor psutil gives one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        psutil = psutil_module()
+        return psutil.getloadavg()[0] if psutil is not None else None
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy since boot, its CPUs added up: user,
+    nice, system, interrupts and steal (a VM's neighbours), all but idle and I/O wait. Over
+    an interval, less this process's own CPU time, it is what everything else used. None
+    where the system does not say (no /proc/stat and no psutil)."""
+    if platform.system() == "Linux":
+        busy = busy_seconds_from_stat(read_text("/proc/stat") or "", _clock_ticks())
+        if busy is not None:
+            return busy
+    psutil = psutil_module()
+    if psutil is None:
+        return None
+    times = psutil.cpu_times()
+    return sum(getattr(times, name, 0.0)
+               for name in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
+def busy_seconds_from_stat(stat: str, ticks_per_s: int) -> float | None:
+    """The busy seconds in a /proc/stat text: its first line, "cpu  user nice system idle
+    iowait irq softirq steal guest guest_nice" in clock ticks (guest time is already in
+    user)."""
+    for line in stat.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu" and len(fields) >= 8:
+            user, nice, system, _idle, _iowait, irq, softirq, *rest = map(int, fields[1:])
+            steal = rest[0] if rest else 0
+            return (user + nice + system + irq + softirq + steal) / ticks_per_s
+    return None
+
+
+def _clock_ticks() -> int:
+    try:
+        return os.sysconf("SC_CLK_TCK")
+    except (AttributeError, ValueError, OSError):
+        return 100  # USER_HZ on every Linux architecture
 
 
 def _sysconf_bytes(pages_name: str) -> int | None:

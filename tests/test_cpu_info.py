@@ -1,6 +1,7 @@
 """`cpu_info` on each platform, faked: Linux x86 and aarch64 read /proc, macOS arm64 and x86
 run `sysctl`, Windows and a system with nothing readable answer empty or None, never raise."""
 
+import os
 import platform
 import shutil
 from pathlib import Path
@@ -73,6 +74,7 @@ def fake_platform(monkeypatch, system: str, machine: str, files: dict[str, str] 
     monkeypatch.setattr(cpu_info, "read_text", files.get)
     monkeypatch.setattr(cpu_info, "run", lambda cmd: commands.get(" ".join(cmd)))
     monkeypatch.setattr(cpu_info, "_psutil_memory", lambda: None)
+    monkeypatch.setattr(cpu_info, "psutil_module", lambda: None)
     monkeypatch.setattr(cpu_info, "_sysconf_bytes", lambda name: None)
     monkeypatch.setattr(shutil, "which",
                         lambda name: f"/usr/bin/{name}" if name in on_path else None)
@@ -89,6 +91,19 @@ def test_linux_x86(monkeypatch):
     assert cpu_info.memory_bytes() == (65842104 * 1024, 40000000 * 1024)
     assert cpu_info.find_compiler() == "/usr/bin/g++"
     assert cpu_info.shared_library_suffix() == ".so"
+
+
+def test_the_machines_busy_time_from_proc_stat(monkeypatch):
+    stat = ("cpu  6212068 12865 536122 1717857 30718 0 6482 23774 0 0\n"
+            "cpu0 3106034 6432 268061 858928 15359 0 3241 11887 0 0\nintr 12345\n")
+    fake_platform(monkeypatch, "Linux", "x86_64", files={"/proc/stat": stat})
+    # user, nice, system, irq, softirq and steal (a VM's neighbours); not idle, I/O wait,
+    # nor guest (already in user)
+    busy = 6212068 + 12865 + 536122 + 0 + 6482 + 23774
+    assert cpu_info.busy_cpu_seconds() == pytest.approx(busy / os.sysconf("SC_CLK_TCK"))
+    # an old kernel's line without steal
+    assert cpu_info.busy_seconds_from_stat("cpu  10 0 5 100 3 1 1\n", 100) == 0.17
+    assert cpu_info.busy_seconds_from_stat("intr 1\n", 100) is None
 
 
 def test_linux_aarch64(monkeypatch):
@@ -146,6 +161,7 @@ def test_windows(monkeypatch):
     assert cpu_info.cpu_model_name() == processor
     assert cpu_info.machine_arch() == "x86_64"
     assert cpu_info.memory_bytes() == (None, None)
+    assert cpu_info.busy_cpu_seconds() is None
     assert cpu_info.shared_library_suffix() == ".dll"
     monkeypatch.setattr(cpu_info, "_psutil_memory", lambda: (32 * 2**30, 20 * 2**30))
     assert cpu_info.memory_bytes() == (32 * 2**30, 20 * 2**30)
@@ -157,6 +173,7 @@ def test_nothing_readable_is_empty_not_an_error(monkeypatch, system):
     assert cpu_info.cpu_features() == frozenset()
     assert cpu_info.cpu_model_name() == "unknown"
     assert cpu_info.memory_bytes() == (None, None)
+    assert cpu_info.busy_cpu_seconds() is None
     assert cpu_info.find_compiler() is None
 
 

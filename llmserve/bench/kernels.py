@@ -11,7 +11,11 @@ LM head), the best of a few repeats. The table says which candidate the engine r
 default and for `--dtype float32`; a default slower than float32 at a batch size is flagged
 (the default path must never be). Then the attention backends, prefill and decode, for the
 default path's bfloat16 cache and the exact path's float32 one, and which one "auto" runs
-(`kernel_choice.choose_attention`).
+(`attention_choice.choose_attention`).
+
+The default is the engine's decision (`kernel_choice.choose_quantization`: cached, or timed
+now), printed with its timings; `retime` decides again now, the linears' format and the
+attention backends alike, and replaces the cached decisions unless the machine is busy.
 """
 
 from collections.abc import Callable
@@ -24,14 +28,15 @@ import torch.nn.functional as F
 from llmserve.bench.latency import measure_int8_peak
 from llmserve.config.model import ModelConfig
 from llmserve.kernels import cpu_flags, level_of, native
-from llmserve.loader.kernel_choice import (
+from llmserve.loader.attention_choice import (
     ATTENTION_DECODE,
     ATTENTION_PREFILL,
-    best_seconds,
-    linear_shapes,
+    choose_attention,
     pick_attention,
     time_attention,
 )
+from llmserve.loader.kernel_choice import BATCHES, choose_quantization, linear_shapes
+from llmserve.loader.quiet_timing import best_seconds
 
 
 @dataclass
@@ -179,14 +184,16 @@ def time_step(candidate: Candidate, shapes, batch: int) -> float | str:
 
 
 def run_kernels(config: ModelConfig, batches: tuple[int, ...], stored: str | None = "int4",
-                block_type: str = "Q4_K") -> dict[str, Any]:
+                block_type: str = "Q4_K", retime: bool = False) -> dict[str, Any]:
     """Every candidate timed on `config`'s shapes at each batch; `stored`: the format the
     model's file keeps ("int4", "kquant", "int8"; as `gguf_stored_quantization`; for
     "kquant", `block_type` the GGUF type of most of its blocks), for which one the engine
-    runs by default."""
+    runs by default; `retime`: the engine's decisions made again now (module docstring)."""
     from llmserve.bench.machine import machine_info
-    from llmserve.loader.model_loader import auto_quantization
 
+    lib = native()
+    # the decision first: the table's timings below take a while, a cached decision none
+    choice = choose_quantization(stored, config, block_type, retime) if lib else None
     shapes = linear_shapes(config)
     bandwidth, peak = measure_read_bandwidth(), measure_int8_peak()
     rows = []
@@ -197,18 +204,58 @@ def run_kernels(config: ModelConfig, batches: tuple[int, ...], stored: str | Non
             step_bytes = sum(candidate.weight_bytes(n, k) * count for n, k, count in shapes)
         rows.append({"kernel": candidate.name, "run_as": candidate.run_as, "ms": times,
                      "bytes": step_bytes, "integer": candidate.integer})
-    default = auto_quantization(stored, torch.device("cpu"), config, block_type) or "float32"
-    lib = native()
+    default = "float32" if lib is None else (stored if choice is None
+                                             else choice.quantization) or "float32"
     attention = None
     if lib is not None:  # the default path's bfloat16 cache, and the exact path's float32
-        attention = {str(dtype).removeprefix("torch."): {
-            "ms": ms, "engine": pick_attention(ms)}
-            for dtype in (torch.bfloat16, torch.float32)
-            for ms in [time_attention(config, dtype)]}
+        attention = {str(dtype).removeprefix("torch."): _attention_entry(config, dtype, retime)
+                     for dtype in (torch.bfloat16, torch.float32)}
+    decision = None if choice is None else {
+        "quantization": choice.quantization, "source": choice.source, "why": choice.why,
+        "ms": choice.ms, "describe": choice.describe()}
     return {"machine": machine_info(), "level": level_of(lib) if lib else None,
             "batches": list(batches), "shapes": shapes, "rows": rows,
             "read_bandwidth_bytes_per_s": bandwidth, "int8_peak_ops_per_s": peak,
-            "default": default, "attention": attention}
+            "default": default, "decision": decision, "attention": attention}
+
+
+def _attention_entry(config: ModelConfig, dtype: torch.dtype, retime: bool) -> dict[str, Any]:
+    """The backends' ms and which one the engine runs: timed now and the rule applied, or
+    (`retime`) decided again now, as a start would."""
+    if retime:
+        choice = choose_attention(config, dtype, retime=True)
+        return {"ms": choice.ms, "engine": choice.backend, "source": choice.source,
+                "describe": choice.describe()}
+    timing = time_attention(config, dtype)
+    return {"ms": timing.best(), "engine": pick_attention(timing)}
+
+
+def decided_while_busy(result: dict[str, Any]) -> bool:
+    """Whether a decision in `result` was left to the default because the machine was busy
+    (under `retime`: the cached decisions were left as they were)."""
+    decisions = [result["decision"], *(result["attention"] or {}).values()]
+    return any(d is not None and d.get("source") == "busy" for d in decisions)
+
+
+def decision_lines(result: dict[str, Any]) -> list[str]:
+    """The engine's decision for the linears (and, where retimed, the attention backends):
+    its source, each candidate's best ms a step against the checkpoint's own format, and
+    the rule's reason."""
+    decision = result.get("decision")
+    if decision is None:
+        return []
+    ms = decision["ms"]
+    own = next(iter(ms))  # the checkpoint's own format, timed first
+    lines = [f"decision: {decision['describe']}",
+             f"  {'candidate':12s}" + "".join(f"{'batch ' + str(b):>12s}" for b in BATCHES)
+             + "".join(f"{'vs ' + own + ' at ' + str(b):>18s}" for b in BATCHES)]
+    for name, times in ms.items():
+        lines.append(f"  {name:12s}" + "".join(f"{times[b]:12.2f}" for b in BATCHES)
+                     + "".join(f"{ms[own][b] / times[b]:17.2f}x" for b in BATCHES))
+    for kv, entry in (result.get("attention") or {}).items():
+        if "describe" in entry:
+            lines.append(f"decision ({kv} KV cache): {entry['describe']}")
+    return lines
 
 
 def roofline_lines(result: dict[str, Any]) -> list[str]:
@@ -273,6 +320,7 @@ def format_kernels(result: dict[str, Any]) -> str:
             lines.append(f"batch {b}: default {d:.2f} ms vs float32 {f:.2f} ms "
                          f"({f / d:.2f}x): {verdict}")
     lines.append("* the fastest at that batch size")
+    lines += decision_lines(result)
     if result.get("read_bandwidth_bytes_per_s"):
         lines += roofline_lines(result)
     if result.get("attention"):

@@ -25,7 +25,7 @@ from llmserve.kv_tier import (
 )
 from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 from llmserve.layers.pooler import Pooler
-from llmserve.loader.kernel_choice import choose_attention
+from llmserve.loader.attention_choice import choose_attention
 from llmserve.loader.model_loader import LoadedModel
 from llmserve.memory import parse_size
 from llmserve.spec_decode.cost import measure_step_costs
@@ -81,7 +81,7 @@ def kv_budget(config: EngineConfig, device: torch.device) -> int:
 def attention_backend_name(config: EngineConfig, device: torch.device, dtype: torch.dtype,
                            loaded: LoadedModel) -> str:
     """config's backend; "auto" on the CPU with the native kernels is chosen by timing
-    (`kernel_choice.choose_attention`) where the KV dtype leaves a choice."""
+    (`attention_choice.choose_attention`) where the KV dtype leaves a choice."""
     name = config.attention_backend
     if name != "auto" or device.type != "cpu" or native() is None:
         return name
@@ -90,7 +90,8 @@ def attention_backend_name(config: EngineConfig, device: torch.device, dtype: to
     if kv_dtype == torch.int8:  # only the native kernel reads int8 entries
         return "native"
     choice = choose_attention(loaded.config, kv_dtype)
-    logger.info("%s", choice.describe())
+    logger.log(logging.WARNING if choice.source == "busy" else logging.INFO, "%s",
+               choice.describe())
     return choice.backend
 
 

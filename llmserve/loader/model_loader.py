@@ -59,7 +59,9 @@ def auto_quantization(stored: str | None, device: torch.device,
     choice = choose_quantization(stored, config, block_type)
     if choice is None:
         return stored
-    logger.info("%s", choice.describe())
+    # a busy start's own format may be slower than what a quiet one picks: said louder
+    logger.log(logging.WARNING if choice.source == "busy" else logging.INFO, "%s",
+               choice.describe())
     return choice.quantization
 
 

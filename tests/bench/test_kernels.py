@@ -28,3 +28,33 @@ def test_bench_kernels_times_every_candidate(tmp_path, monkeypatch, kernel_level
     assert "read bandwidth" in table and "int8 dot-product peak" in table
     int4 = next(line for line in table.splitlines()[-20:] if line.startswith("llmserve int4 "))
     assert "%" in int4  # its MBU at batch 1 and share of the peak at batch 4
+
+
+def test_retime_decides_again_and_a_busy_machine_is_refused(tmp_path, monkeypatch):
+    import json
+
+    from llmserve.bench import kernels
+    from llmserve.bench.kernels import decided_while_busy
+    from llmserve.loader.kernel_choice import choose_quantization
+    from tests.loader.test_kernel_choice import decisions_in, machine
+
+    decisions_in(monkeypatch, tmp_path)
+    for probe in ("measure_read_bandwidth", "measure_int8_peak"):  # the decisions alone
+        monkeypatch.setattr(kernels, probe, lambda: None)
+    monkeypatch.setattr(kernels, "candidates", lambda block_type: [])
+    machine(monkeypatch, 0.1)
+    choose_quantization("int4", TINY)
+    (entry,) = (tmp_path / "kernels").glob("choice-*.json")
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "quantization": "stale"}))
+    result = run_kernels(TINY, (1,), retime=True)
+    assert result["decision"]["source"] == "measured" and not decided_while_busy(result)
+    decided = result["decision"]["quantization"]
+    assert json.loads(entry.read_text())["quantization"] == decided != "stale"
+    assert {e["source"] for e in result["attention"].values()} == {"measured"}
+    table = format_kernels(result)
+    assert f"decision: auto runs {result['default']} (measured; " in table
+    assert "vs int4 at 32" in table and "decision (bfloat16 KV cache): attention: " in table
+    machine(monkeypatch, 1.5)
+    busy = run_kernels(TINY, (1,), retime=True)
+    assert decided_while_busy(busy) and busy["default"] == "int4"
+    assert json.loads(entry.read_text())["quantization"] == decided  # left as it was

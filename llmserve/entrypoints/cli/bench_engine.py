@@ -2,6 +2,7 @@
 model in this process, and where the time goes."""
 
 import argparse
+import sys
 
 from llmserve.entrypoints.cli.args import add_engine_flags, add_model_flag, int_list, make_llm
 from llmserve.entrypoints.cli.command import Command
@@ -68,7 +69,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
-    from llmserve.bench.kernels import format_kernels, run_kernels
+    from llmserve.bench.kernels import decided_while_busy, format_kernels, run_kernels
     from llmserve.entrypoints.cli.memory_report import read_model_config
     from llmserve.loader.catalog import resolve_model
 
@@ -81,10 +82,16 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
 
         stored = gguf_stored_quantization(source.path) or "int4"
         block_type = gguf_main_block_type(source.path)
-    result = run_kernels(read_model_config(source), tuple(args.batch), stored, block_type)
+    result = run_kernels(read_model_config(source), tuple(args.batch), stored, block_type,
+                         retime=args.retime)
     print(format_kernels(result))
     if args.output_json:
         write_json(args.output_json, result)
+    if args.retime and decided_while_busy(result):
+        print("--retime: the machine was busy while timing; what it decided then was not "
+              "cached (the cached decisions stand): run it again when the machine is quiet",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -141,6 +148,10 @@ def _kernels_arguments(kn: argparse.ArgumentParser) -> None:
     kn.add_argument("--batch", type=int_list, default=(1, 32),
                     help="batch sizes (default 1,32: decode alone and a serving batch)")
     kn.add_argument("--output-json", metavar="FILE", help="write the results as JSON")
+    kn.add_argument("--retime", action="store_true",
+                    help="decide again now what the engine runs for this model (the linears' "
+                         "format, the attention backend) and replace the cached decisions; "
+                         "refused while the machine is busy")
 
 
 def _scaling_arguments(sc: argparse.ArgumentParser) -> None:

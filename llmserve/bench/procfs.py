@@ -1,34 +1,26 @@
-"""Memory of a process tree and the machine's load, read from /proc (Linux), else from
-psutil where it is installed (macOS, Windows), else not at all (`rss_source()` is None and
-`tree_rss_bytes` None: the soak says so and samples the rest).
+"""Memory of a process tree, read from /proc (Linux), else from psutil where it is installed
+(macOS, Windows), else not at all (`rss_source()` is None and `tree_rss_bytes` None: the soak
+says so and samples the rest). The machine's load is `cpu_info.load_average_1m`.
 
 A server's resident memory is its own VmRSS plus that of every descendant (tensor-parallel
 ranks, compile workers): pages shared between them count once per process, so the sum is an
 upper bound, but it moves only when one of them grows or shrinks.
 """
 
-import os
 from pathlib import Path
-from types import ModuleType
+
+from llmserve import cpu_info
 
 PROC = Path("/proc")
 NO_RSS_SOURCE = ("this system has no /proc and psutil is not installed, so the server's RSS "
                  "is not sampled (pip install psutil to sample it)")
 
 
-def _psutil() -> ModuleType | None:
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return psutil
-
-
 def rss_source(proc: Path = PROC) -> str | None:
     """Where `tree_rss_bytes` reads from here: "/proc", "psutil", or None (nowhere)."""
     if proc.is_dir():
         return "/proc"
-    return "psutil" if _psutil() is not None else None
+    return "psutil" if cpu_info.psutil_module() is not None else None
 
 
 def parent_pids(proc: Path = PROC) -> dict[int, int]:
@@ -97,7 +89,7 @@ def tree_rss_bytes(pid: int, proc: Path = PROC) -> tuple[int, int] | None:
 
 
 def _psutil_tree_rss_bytes(pid: int) -> tuple[int, int] | None:
-    psutil = _psutil()
+    psutil = cpu_info.psutil_module()
     try:
         root = psutil.Process(pid)
         members = [root, *root.children(recursive=True)]
@@ -112,12 +104,3 @@ def _psutil_tree_rss_bytes(pid: int) -> tuple[int, int] | None:
             continue
     return (total, count) if count else None
 
-
-def load_average_1m() -> float | None:
-    """The 1-minute load average (runnable + uninterruptible tasks); None where neither
-    the OS (Windows) nor psutil gives one."""
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):
-        psutil = _psutil()
-        return psutil.getloadavg()[0] if psutil is not None else None

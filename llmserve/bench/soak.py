@@ -33,10 +33,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmserve.bench.machine import machine_info
-from llmserve.bench.procfs import NO_RSS_SOURCE, load_average_1m, rss_source, tree_rss_bytes
+from llmserve.bench.procfs import NO_RSS_SOURCE, rss_source, tree_rss_bytes
 from llmserve.bench.soak_clients import Tally, plan_request, stream_once
 from llmserve.bench.soak_report import format_sample, summarize_soak
 from llmserve.bench.workloads import LocalTokenizer, PromptTokenizer, ServerTokenizer
+from llmserve.cpu_info import load_average_1m
 from llmserve.errors import LLMServeError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*$")
@@ -264,16 +265,21 @@ class ServerProcess:
     """`llmserve serve` started for the soak, on a free port; its log relayed to stderr as
     `[server] ...`, the URL read from the line it prints once it listens."""
 
-    def __init__(self, model: str | None, server_args: tuple[str, ...]) -> None:
+    def __init__(self, model: str | None, server_args: tuple[str, ...],
+                 python: str = sys.executable, env: dict[str, str] | None = None) -> None:
+        """`python`: the interpreter to run it with (another install's); `env`: variables
+        over this process's environment."""
         from llmserve.router.launcher import spawn
 
-        self.command = [sys.executable, "-m", "llmserve.entrypoints.cli", "serve",
+        self.command = [python, "-m", "llmserve.entrypoints.cli", "serve",
                         "--port", "0", *(["--model", model] if model else []), *server_args]
-        self.process = spawn(self.command, {**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.process = spawn(self.command, {**os.environ, **(env or {}),
+                                            "PYTHONUNBUFFERED": "1"})
         self.pid = self.process.pid
         self.url: str | None = None
         self.model_name = ""
         self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.startup_log: list[str] = []  # every line until it serves
         threading.Thread(target=self._relay, daemon=True, name="soak-server-log").start()
 
     def _relay(self) -> None:
@@ -281,6 +287,8 @@ class ServerProcess:
 
         for line in self.process.stdout:
             self.log_tail.append(line.rstrip("\n"))
+            if self.url is None:
+                self.startup_log.append(line.rstrip("\n"))
             sys.stderr.write(f"[server] {line}")
             match = SERVING_LINE.match(line.rstrip())
             if match and self.url is None:

@@ -9,9 +9,8 @@ import sys
 import matplotlib  # noqa: F401  (a test dependency: the plot must really be drawn)
 import pytest
 
-from llmserve.bench import procfs
+from llmserve import cpu_info
 from llmserve.bench.procfs import (
-    load_average_1m,
     process_tree,
     rss_bytes,
     rss_source,
@@ -19,6 +18,7 @@ from llmserve.bench.procfs import (
 )
 from llmserve.bench.soak import SoakConfig, parse_duration, parse_metrics
 from llmserve.bench.soak_report import format_sample, least_squares_slope, rss_trend
+from llmserve.cpu_info import load_average_1m
 from llmserve.entrypoints.cli import main
 
 
@@ -110,7 +110,7 @@ def test_without_proc_the_rss_comes_from_psutil(tmp_path):
 
 
 def test_without_proc_or_psutil_nothing_is_sampled_and_nothing_raises(tmp_path, monkeypatch):
-    monkeypatch.setattr(procfs, "_psutil", lambda: None)
+    monkeypatch.setattr(cpu_info, "psutil_module", lambda: None)
     no_proc = tmp_path / "no-proc"
     assert rss_source(no_proc) is None
     assert tree_rss_bytes(os.getpid(), no_proc) is None

@@ -6,11 +6,11 @@ import argparse
 from llmserve.entrypoints.cli.bench_embed import EMBED
 from llmserve.entrypoints.cli.bench_engine import KERNELS, LATENCY, SCALING, THROUGHPUT
 from llmserve.entrypoints.cli.bench_quality import QUALITY, SPEC
-from llmserve.entrypoints.cli.bench_server import HOSTILE, PLOT, SERVE, SOAK
+from llmserve.entrypoints.cli.bench_server import HOSTILE, PLOT, SERVE, SOAK, STARTUP
 from llmserve.entrypoints.cli.command import Command, add_commands
 
 BENCHMARKS = (THROUGHPUT, SERVE, LATENCY, KERNELS, QUALITY, SPEC, SCALING, SOAK, EMBED,
-              HOSTILE, PLOT)
+              HOSTILE, STARTUP, PLOT)
 
 
 def _arguments(bench: argparse.ArgumentParser) -> None:

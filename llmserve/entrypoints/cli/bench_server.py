@@ -78,8 +78,8 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
     from llmserve.bench.hostile import HostileConfig, format_hostile, run_hostile
     from llmserve.bench.kernels import measure_read_bandwidth
     from llmserve.bench.machine import format_machine, machine_info
-    from llmserve.bench.procfs import load_average_1m
     from llmserve.bench.soak import ServerProcess, served_model
+    from llmserve.cpu_info import load_average_1m
 
     server = None
     base_url = args.base_url
@@ -115,6 +115,43 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
         if server is not None:
             server.stop()
     print(format_hostile(report))
+    print(f"load average (1 min) after: {report['load_average_after']}")
+    if args.output_json:
+        write_json(args.output_json, report)
+    return 0
+
+
+def cmd_bench_startup(args: argparse.Namespace) -> int:
+    import shlex
+
+    from llmserve.bench.kernels import measure_read_bandwidth
+    from llmserve.bench.machine import format_machine, machine_info
+    from llmserve.bench.startup import (
+        StartupConfig,
+        format_startup,
+        run_startup,
+        this_install,
+        wheel_install,
+    )
+    from llmserve.cpu_info import load_average_1m
+
+    installs = [this_install()]
+    if args.wheel_dir:
+        installs.append(wheel_install(Path(args.wheel_dir)))
+    config = StartupConfig(models=tuple(args.model), installs=tuple(installs), busy=args.busy,
+                           server_args=tuple(shlex.split(args.server_args or "")),
+                           single_prompts=args.single_prompts, input_len=args.input_len,
+                           output_len=args.output_len)
+    machine = machine_info()
+    bandwidth = measure_read_bandwidth()
+    load_before = load_average_1m()
+    print(format_machine(machine), flush=True)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; load average (1 min) before: "
+          f"{load_before}", flush=True)
+    report = run_startup(config)
+    report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
+                  load_average_before=load_before, load_average_after=load_average_1m())
+    print(format_startup(report))
     print(f"load average (1 min) after: {report['load_average_after']}")
     if args.output_json:
         write_json(args.output_json, report)
@@ -222,6 +259,23 @@ def _hostile_arguments(ho: argparse.ArgumentParser) -> None:
     ho.add_argument("--output-json", metavar="FILE", help="write every figure as JSON")
 
 
+def _startup_arguments(st: argparse.ArgumentParser) -> None:
+    st.add_argument("--model", action="append", required=True, metavar="MODEL",
+                    help="a catalog name or a model file (repeat for several)")
+    st.add_argument("--wheel-dir", metavar="DIR", help="also the package as a wheel built "
+                    "from this source tree and installed in a fresh virtual environment in DIR "
+                    "(made once), run with no compiler on PATH")
+    st.add_argument("--busy", type=int, default=4,
+                    help="spinning processes beside the busy first start (default 4)")
+    st.add_argument("--server-args", metavar="'FLAGS'",
+                    help="more flags for every started server, e.g. '--threads 2'")
+    st.add_argument("--single-prompts", type=int, default=8,
+                    help="requests at one stream (default 8; 32 at 32 streams)")
+    st.add_argument("--input-len", type=int, default=128)
+    st.add_argument("--output-len", type=int, default=64)
+    st.add_argument("--output-json", metavar="FILE", help="write every figure as JSON")
+
+
 def _plot_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("results", nargs="+", metavar="RESULT.json")
     pl.add_argument("--output", required=True, metavar="FILE.png")
@@ -237,5 +291,9 @@ HOSTILE = Command(
     "hostile", help="a normal chat's latency alone and beside each hostile request (huge "
     "constraints, slowloris, a million-token prompt, adapter paths), side by side",
     add_arguments=_hostile_arguments, run=cmd_bench_hostile)
+STARTUP = Command(
+    "startup", help="first and warm start-up and 1/32-stream speed per install (this one, a "
+    "wheel without a compiler) and first start (quiet, beside busy processes), side by side",
+    add_arguments=_startup_arguments, run=cmd_bench_startup)
 PLOT = Command("plot", help="plot `bench serve` result files against each other",
                add_arguments=_plot_arguments, run=cmd_bench_plot)

@@ -1,0 +1,200 @@
+"""`llmserve bench startup`: what a user gets from each way of installing and first starting
+llmserve, side by side in one run.
+
+For every model, every install and every kind of first start, one row:
+
+* installs: this one (an editable install: a C++ compiler builds the kernels it lacks) and,
+  with `--wheel-dir`, the package built as a wheel and installed in a fresh virtual
+  environment there, run with no compiler on PATH (`CXX` empty), as a user without build
+  tools runs it;
+* first starts: on the quiet machine, and beside `--busy` spinning processes (the machine
+  busy installing or compiling), killed once the server is healthy.
+
+Each row starts `llmserve serve` on a cache of its own (the models and built kernels of this
+machine's cache linked in, no cached kernel decisions: a first start), takes the time to
+healthy and the format "auto" picked (and why, from the log), measures streamed output
+tokens a second at 1 and at 32 concurrent streams on that same server, then starts it again
+for the warm start's time. The same format in every row, at the same speed within noise,
+is what the busy-machine-proof choice and the shipped kernels promise.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmserve.bench.serve import ServeBenchConfig, run_serve_bench
+from llmserve.bench.soak import ServerProcess
+from llmserve.config.paths import cache_root
+from llmserve.errors import LLMServeError
+
+CHOICE_LINE = re.compile(r"auto runs .*")
+NATIVE_LINE = re.compile(r"native CPU kernels (loaded: .*|unavailable.*)")
+
+
+@dataclass(frozen=True)
+class Install:
+    label: str
+    python: str
+    env: dict[str, str] = field(default_factory=dict)  # over this process's environment
+
+
+@dataclass(frozen=True)
+class StartupConfig:
+    models: tuple[str, ...]
+    installs: tuple[Install, ...]
+    busy: int = 4  # spinning processes beside a busy first start
+    server_args: tuple[str, ...] = ()
+    single_prompts: int = 8  # requests at one stream
+    input_len: int = 128
+    output_len: int = 64
+
+
+def this_install() -> Install:
+    return Install("this install (C++ compiler present)", sys.executable)
+
+
+def wheel_install(directory: Path) -> Install:
+    """The package built as a wheel from this (editable) install's source tree and installed
+    in a virtual environment at `directory` (made once; reused when there); the test and
+    bench dependencies come from this interpreter's site-packages. Run with no compiler."""
+    venv = directory / "venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        source = Path(__file__).resolve().parents[2]
+        if not (source / "setup.py").exists():
+            raise LLMServeError(f"--wheel-dir builds the wheel from the source tree; {source} "
+                                "is not one (an installed wheel: pass its venv's python)")
+        dist = directory / "dist"
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w",
+                        str(dist), str(source)], check=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
+                               "get_paths()['purelib'])"], check=True, capture_output=True,
+                              text=True).stdout.strip()
+        Path(site, "llmserve-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        wheel = next(dist.glob("llmserve-*.whl"))
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
+                        "--quiet", "--no-deps", str(wheel)], check=True)
+    return Install("wheel, no compiler", str(python),
+                   {"PATH": str(venv / "bin"), "CXX": ""})
+
+
+def first_start_cache(root: Path) -> Path:
+    """A cache folder at `root` with this machine's models and kernel libraries linked in
+    and no kernel decisions: a server started on it decides afresh."""
+    root.mkdir(parents=True)
+    for entry in cache_root().iterdir():
+        if entry.name != "kernels":
+            (root / entry.name).symlink_to(entry)
+    (root / "kernels").mkdir()
+    suffixes = (".so", ".dylib")
+    for library in (cache_root() / "kernels").glob("cpu_kernels-*"):
+        if library.suffix in suffixes:
+            (root / "kernels" / library.name).symlink_to(library)
+    return root
+
+
+def spin(count: int) -> list[subprocess.Popen]:
+    """`count` processes each keeping a core busy."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+
+
+def stop(processes: list[subprocess.Popen]) -> None:
+    for process in processes:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+
+
+def started(install: Install, model: str, cache: Path, server_args: tuple[str, ...]
+            ) -> tuple[ServerProcess, str, float]:
+    env = {**install.env, "LLMSERVE_CACHE": str(cache)}
+    start = time.monotonic()
+    server = ServerProcess(model, server_args, python=install.python, env=env)
+    url = server.wait_until_serving()
+    return server, url, time.monotonic() - start
+
+
+def tokens_per_second(url: str, model: str, concurrency: int, prompts: int,
+                      config: StartupConfig) -> float:
+    bench = ServeBenchConfig(url, model, concurrencies=(concurrency,), num_prompts=prompts,
+                             input_len=config.input_len, output_len=config.output_len,
+                             label=f"{concurrency} streams")
+    return run_serve_bench(bench, use_tqdm=False)["runs"][0]["output_throughput"]
+
+
+def run_row(install: Install, model: str, busy: bool, config: StartupConfig,
+            scratch: Path) -> dict[str, Any]:
+    cache = first_start_cache(scratch / f"cache-{len(list(scratch.iterdir()))}")
+    load_before = os.getloadavg()[0]
+    spinners = spin(config.busy) if busy else []
+    try:
+        server, url, first_s = started(install, model, cache, config.server_args)
+    finally:
+        stop(spinners)
+    try:
+        log = "\n".join(server.startup_log)
+        choice = CHOICE_LINE.search(log)
+        native = NATIVE_LINE.search(log)
+        served = server.model_name or model
+        time.sleep(2)  # the spinners' load gone before timing
+        single = tokens_per_second(url, served, 1, config.single_prompts, config)
+        many = tokens_per_second(url, served, 32, 32, config)
+    finally:
+        server.stop()
+    warm, _, warm_s = started(install, model, cache, config.server_args)
+    warm_log = "\n".join(warm.startup_log)
+    warm.stop()
+    warm_choice = CHOICE_LINE.search(warm_log)
+    return {"model": model, "install": install.label, "first_start": "busy" if busy else "quiet",
+            "busy_processes": config.busy if busy else 0, "load_average_before": load_before,
+            "choice": choice.group(0) if choice else None,
+            "format": _format(choice.group(0)) if choice else None,
+            "kernels": native.group(0) if native else None,
+            "first_start_s": first_s, "warm_start_s": warm_s,
+            "warm_choice": warm_choice.group(0) if warm_choice else None,
+            "tok_s_1": single, "tok_s_32": many}
+
+
+def _format(choice: str) -> str:
+    return choice.removeprefix("auto runs ").split()[0].rstrip(":;,")
+
+
+def run_startup(config: StartupConfig) -> dict[str, Any]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="llmserve-startup-") as tmp:
+        for model in config.models:
+            for install in config.installs:
+                for busy in (False, True):
+                    rows.append(run_row(install, model, busy, config, Path(tmp)))
+                    print(format_row(rows[-1]), flush=True)
+    return {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows,
+            "config": {"busy": config.busy, "single_prompts": config.single_prompts,
+                       "input_len": config.input_len, "output_len": config.output_len,
+                       "server_args": list(config.server_args)}}
+
+
+HEADER = (f"{'model':<28}{'install':<38}{'first start':<13}{'format':<9}{'first s':>8}"
+          f"{'warm s':>8}{'1 stream':>10}{'32 streams':>11}")
+
+
+def format_row(row: dict[str, Any]) -> str:
+    return (f"{Path(row['model']).name[:27]:<28}{row['install'][:37]:<38}"
+            f"{row['first_start']:<13}{row['format'] or '-':<9}{row['first_start_s']:>8.1f}"
+            f"{row['warm_start_s']:>8.1f}{row['tok_s_1']:>10.1f}{row['tok_s_32']:>11.1f}")
+
+
+def format_startup(report: dict[str, Any]) -> str:
+    lines = [HEADER, *map(format_row, report["rows"]),
+             "(seconds to healthy; output tokens a second, streamed)", "", "why, per row:"]
+    for row in report["rows"]:
+        lines.append(f"  {Path(row['model']).name} / {row['install']} / {row['first_start']}: "
+                     f"{row['kernels'] or 'no native kernels line'}; {row['choice']}")
+    return "\n".join(lines)

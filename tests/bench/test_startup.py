@@ -1,0 +1,40 @@
+"""`llmserve bench startup`'s parts that need no server: the first-start cache (models and
+kernel libraries linked, no decisions), reading the choice from a start-up log, the table."""
+
+from llmserve.bench import startup
+
+
+def test_a_first_start_cache_links_models_and_libraries_but_no_decisions(tmp_path,
+                                                                          monkeypatch):
+    home = tmp_path / "home"
+    (home / "smollm2-135m").mkdir(parents=True)
+    (home / "kernels").mkdir()
+    (home / "kernels" / "cpu_kernels-avx2-0123-4567-89ab.so").write_bytes(b"elf")
+    (home / "kernels" / "choice-0123.json").write_text("{}")
+    (home / "kernels" / "attention-0123.json").write_text("{}")
+    monkeypatch.setenv("LLMSERVE_CACHE", str(home))
+    cache = startup.first_start_cache(tmp_path / "first")
+    assert (cache / "smollm2-135m").resolve() == home / "smollm2-135m"
+    assert sorted(p.name for p in (cache / "kernels").iterdir()) == [
+        "cpu_kernels-avx2-0123-4567-89ab.so"]
+
+
+def test_the_choice_is_read_from_the_log():
+    log = ("INFO native CPU kernels loaded: avx2 (CPU: avx2 fma f16c)\n"
+           "WARNING auto runs int4: the machine was busy while timing (others used 1.8 of 2 "
+           "cores): running the checkpoint's own format int4; not cached")
+    choice = startup.CHOICE_LINE.search(log).group(0)
+    assert startup._format(choice) == "int4"
+    assert startup.NATIVE_LINE.search(log).group(0) == "native CPU kernels loaded: avx2 (CPU: "\
+        "avx2 fma f16c)"
+    assert startup._format("auto runs int4-a8 (cached; ...)") == "int4-a8"
+
+
+def test_the_table_has_a_row_per_start():
+    row = {"model": "/x/llama-3.2-1b.Q4_0.gguf", "install": "wheel, no compiler",
+           "first_start": "busy", "format": "int4", "first_start_s": 9.25, "warm_start_s": 2.5,
+           "tok_s_1": 30.0, "tok_s_32": 61.5, "kernels": "native CPU kernels loaded: avx2",
+           "choice": "auto runs int4 (measured; ...)"}
+    text = startup.format_startup({"rows": [row]})
+    assert "llama-3.2-1b.Q4_0.gguf" in text and "wheel, no compiler" in text
+    assert "9.2" in text and "61.5" in text and "auto runs int4 (measured" in text

@@ -84,7 +84,7 @@ def wheel_install(directory: Path) -> Install:
         subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
                         "--quiet", "--no-deps", str(wheel)], check=True)
     return Install("wheel, no compiler", str(python),
-                   {"PATH": str(venv / "bin"), "CXX": ""})
+                   {"PATH": str(venv / "bin"), "CXX": "", "PYTHONPATH": ""})
 
 
 def first_start_cache(root: Path) -> Path:

@@ -30,12 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmserve import cpu_info
 from llmserve.bench.serve import ServeBenchConfig, run_serve_bench
 from llmserve.bench.soak import ServerProcess
 from llmserve.config.paths import cache_root
 from llmserve.errors import LLMServeError
 
 CHOICE_LINE = re.compile(r"auto runs .*")
+QUIET_CORES = 0.3  # the machine counts as quiet below this many busy cores (a second's)
+QUIET_WAIT_S = 180.0
 NATIVE_LINE = re.compile(r"native CPU kernels (loaded: .*|unavailable.*)")
 
 
@@ -130,9 +133,32 @@ def tokens_per_second(url: str, model: str, concurrency: int, prompts: int,
     return run_serve_bench(bench, use_tqdm=False)["runs"][0]["output_throughput"]
 
 
+def machine_cores_busy(seconds: float = 1.0) -> float | None:
+    """The cores the whole machine kept busy over the next `seconds` (None: unknown)."""
+    before = cpu_info.busy_cpu_seconds()
+    time.sleep(seconds)
+    after = cpu_info.busy_cpu_seconds()
+    return None if before is None or after is None else (after - before) / seconds
+
+
+def wait_until_quiet(limit_s: float = QUIET_WAIT_S) -> float | None:
+    """Waits (up to `limit_s`) until the machine keeps under QUIET_CORES busy for a second
+    and its 1-minute load average is under half its cores (a start judges the machine busy
+    above its cores, and the average lags a busy row by a minute or two); the last second's
+    busy cores."""
+    deadline = time.monotonic() + limit_s
+    cores = os.cpu_count() or 1
+    while True:
+        busy = machine_cores_busy()
+        quiet = (busy is None or busy < QUIET_CORES) and os.getloadavg()[0] < cores / 2
+        if quiet or time.monotonic() >= deadline:
+            return busy
+
+
 def run_row(install: Install, model: str, busy: bool, config: StartupConfig,
             scratch: Path) -> dict[str, Any]:
     cache = first_start_cache(scratch / f"cache-{len(list(scratch.iterdir()))}")
+    quiet_before = wait_until_quiet()
     load_before = os.getloadavg()[0]
     spinners = spin(config.busy) if busy else []
     try:
@@ -144,9 +170,13 @@ def run_row(install: Install, model: str, busy: bool, config: StartupConfig,
         choice = CHOICE_LINE.search(log)
         native = NATIVE_LINE.search(log)
         served = server.model_name or model
-        time.sleep(2)  # the spinners' load gone before timing
+        quiet_after_start = wait_until_quiet()  # the spinners gone before the speed runs
+        start_busy = cpu_info.busy_cpu_seconds()
+        start_wall = time.monotonic()
         single = tokens_per_second(url, served, 1, config.single_prompts, config)
         many = tokens_per_second(url, served, 32, 32, config)
+        speed_busy = (None if start_busy is None else (cpu_info.busy_cpu_seconds() - start_busy)
+                      / (time.monotonic() - start_wall))
     finally:
         server.stop()
     warm, _, warm_s = started(install, model, cache, config.server_args)
@@ -155,6 +185,8 @@ def run_row(install: Install, model: str, busy: bool, config: StartupConfig,
     warm_choice = CHOICE_LINE.search(warm_log)
     return {"model": model, "install": install.label, "first_start": "busy" if busy else "quiet",
             "busy_processes": config.busy if busy else 0, "load_average_before": load_before,
+            "cores_busy_before": quiet_before, "cores_busy_before_speed": quiet_after_start,
+            "cores_busy_during_speed": speed_busy,
             "choice": choice.group(0) if choice else None,
             "format": _format(choice.group(0)) if choice else None,
             "kernels": native.group(0) if native else None,
@@ -195,6 +227,10 @@ def format_startup(report: dict[str, Any]) -> str:
     lines = [HEADER, *map(format_row, report["rows"]),
              "(seconds to healthy; output tokens a second, streamed)", "", "why, per row:"]
     for row in report["rows"]:
+        during = row.get("cores_busy_during_speed")
         lines.append(f"  {Path(row['model']).name} / {row['install']} / {row['first_start']}: "
-                     f"{row['kernels'] or 'no native kernels line'}; {row['choice']}")
+                     f"{row['kernels'] or 'no native kernels line'}; {row['choice']}; "
+                     f"machine busy during the speed runs: "
+                     f"{'unknown' if during is None else f'{during:.2f} cores'} "
+                     "(the server and the client included)")
     return "\n".join(lines)

@@ -181,6 +181,13 @@ def _why(candidates: tuple[str | None, ...], timing: Timing) -> str:
             f"{BATCH1_TOLERANCE:.0%}")
 
 
+# The rows a matrix is timed on at most: an LM head of a 128k vocabulary (Llama 3's) is
+# timed on its first quarter, still far past the caches (256 MB in float32, 64 MB in int8)
+# as the whole is; making and packing all of it in float32, int8 and a K-quant was most of
+# a 1B model's first start.
+MAX_TIMED_ROWS = 32768
+
+
 def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, int, int]],
                     block_type: str = "Q4_K") -> Timing:
     """Milliseconds for one step's linears per candidate and batch, in rounds
@@ -188,11 +195,14 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
     format (the LM head is int8 under every int format: QUANTIZED_HEADS), then every
     (candidate, batch, shape) is timed in every round and counted once per layer that runs
     it. Making and packing the weights cost more than the timing itself (1.3 s of 3.0 when
-    each timing made its own)."""
+    each timing made its own). A matrix taller than MAX_TIMED_ROWS is timed on that many
+    rows and counted in proportion."""
     generator = torch.Generator().manual_seed(0)
     units = []
     for i, (n, k, count) in enumerate(shapes):
-        w = torch.empty(n, k).uniform_(-0.1, 0.1, generator=generator)
+        timed = min(n, MAX_TIMED_ROWS)
+        count *= n / timed
+        w = torch.empty(timed, k).uniform_(-0.1, 0.1, generator=generator)
         rows = {b: torch.empty(b, k).uniform_(-1, 1, generator=generator) for b in BATCHES}
         head = i == len(shapes) - 1
         kernels = {}

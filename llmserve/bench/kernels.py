@@ -239,13 +239,13 @@ def decided_while_busy(result: dict[str, Any]) -> bool:
 
 def decision_lines(result: dict[str, Any]) -> list[str]:
     """The engine's decision for the linears (and, where retimed, the attention backends):
-    its source, each candidate's best ms a step against the checkpoint's own format, and
+    its source, each candidate's best ms a step against the checkpoint's default format, and
     the rule's reason."""
     decision = result.get("decision")
     if decision is None:
         return []
     ms = decision["ms"]
-    own = next(iter(ms))  # the checkpoint's own format, timed first
+    own = next(iter(ms))  # the checkpoint's default format, timed first
     lines = [f"decision: {decision['describe']}",
              f"  {'candidate':12s}" + "".join(f"{'batch ' + str(b):>12s}" for b in BATCHES)
              + "".join(f"{'vs ' + own + ' at ' + str(b):>18s}" for b in BATCHES)]

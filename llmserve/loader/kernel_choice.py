@@ -1,20 +1,21 @@
 """What `quantization="auto"` runs on this CPU, and where decodes prefetch their weights:
 chosen by timing, not by CPU flags (the attention backend: attention_choice.py).
 
-A quantized checkpoint could run its linears in its own format (int4, int8) on the native
-kernels, in another (int4-a8, int8) or as float32. The first start of a model on a machine
-times each candidate on the model's own shapes (every layer's qkv, o, gate_up and down, and
-the LM head in the format the engine gives it) at batch 1 (decode alone) and at batch 32 (a
-serving batch), in interleaved rounds on the wall and CPU clocks (`quiet_timing.py`), and
-keeps the checkpoint's own format unless another is clearly faster at the serving batch in
-every round and not slower at batch 1 (`pick`). The decision is cached beside the kernel
+A quantized checkpoint could run its linears in its own format (a 4-bit one as int4-a8 or
+int4, int8, a GGUF file's own blocks) on the native kernels, in another (int8) or as
+float32. The first start of a model on a machine times each candidate on the model's own
+shapes (every layer's qkv, o, gate_up and down, and the LM head in the format the engine
+gives it) at batch 1 (decode alone) and at batch 32 (a serving batch), in interleaved rounds
+on the wall and CPU clocks (`quiet_timing.py`), and keeps the default for the checkpoint's
+format (CANDIDATES' first) unless another is clearly faster at the serving batch in every
+round and not slower at batch 1 (`pick`). The decision is cached beside the kernel
 builds, keyed by the CPU, its flags, the kernel level and sources, torch's version and the
 shapes: a warm start reads it and times nothing.
 
 A timing taken while the machine was busy decides nothing (a first start beside a compile
-job once cached float32, 3-4x slower, for good): that start runs the checkpoint's own format
-(attention: native; decode prefetch: the library's default), caches nothing, and a later
-quiet start decides; within the process the busy answer holds (decision_cache.py). Every
+job once cached float32, 3-4x slower, for good): that start runs that default (attention:
+native; decode prefetch: the library's default), caches nothing, and a later quiet start
+decides; within the process the busy answer holds (decision_cache.py). Every
 decision is logged at start with its source (measured, cached, busy); `llmserve bench
 kernels` prints every kernel's times, and `--retime` decides again by hand.
 """
@@ -36,9 +37,11 @@ from llmserve.loader.quiet_timing import Timing, Unit, time_rounds
 logger = logging.getLogger(__name__)
 
 BATCHES = (1, 32)
-# candidates for a checkpoint stored as int4 / int8, its own format first, then the others
-# in the order they are preferred (None: float32)
-CANDIDATES: dict[str, tuple[str | None, ...]] = {"int4": ("int4", "int4-a8", "int8", None),
+# candidates for a checkpoint stored as int4 / kquant / int8, its default first (what a busy
+# start runs), then the others in the order they are preferred (None: float32). A 4-bit
+# checkpoint's default is int4-a8, 8-bit activations as llama.cpp's, not int4's 15 bits: see
+# SERVING_MARGIN for why, and why the order is not left to the timing.
+CANDIDATES: dict[str, tuple[str | None, ...]] = {"int4": ("int4-a8", "int4", "int8", None),
                                                  "kquant": ("kquant", "int8", None),
                                                  "int8": ("int8", None)}
 # Another format replaces the checkpoint's own only where it is at least SERVING_MARGIN
@@ -51,11 +54,14 @@ CANDIDATES: dict[str, tuple[str | None, ...]] = {"int4": ("int4", "int4-a8", "in
 # - int4-a8's quality: 8-bit activations cost +0.35-0.44 % perplexity against float32
 #   where int4's 15 bits give -0.01 % (quantization/int4.py), worth it only for a clear
 #   gain. Half the integer work: it timed 1.67x int4 at AVX2 without VNNI (28.8 vs 48.1 ms
-#   a step at batch 32) and 1.56x at avx512+vnni (12.1 vs 18.9), both far above the
-#   margin, so the choice does not sit on it: int4-a8 at both. (The rule before compared
-#   int4 with float32 instead: it kept int4 at avx512+vnni, 1.8x float32, and flipped
-#   between the two where int4 timed near 1.25x float32, float32's flattery moving it
-#   across from one first start to the next.)
+#   a step at batch 32) and 1.56x at avx512+vnni (12.1 vs 18.9), but on the default model's
+#   shapes at AVX2 (Zen 3) 1.31x in its best times and 1.02-1.3x in its worst round: on the
+#   margin, and first starts there flipped between the two (`llmserve bench startup`, two
+#   runs). So int4-a8 is the 4-bit default, never slower at batch 1 (3.50 vs 3.51 ms at
+#   avx512+vnni, 3.46 vs 4.35 at AVX2) and faster at every serving batch timed, and int4
+#   would replace it only where it led by the margin (nowhere timed): the same format on
+#   every start of a machine, busy or quiet. (The rule before compared int4 with float32:
+#   it kept int4 at avx512+vnni and flipped between the two at AVX2.)
 SERVING_MARGIN = 1.25
 # ...and not slower at batch 1 than the own format by more than this in its best times
 # (both clocks). The int4 variants stream the same bytes there and time alike (int4-a8
@@ -86,7 +92,7 @@ class KernelChoice:
         figures = f"ms a step's linears at batch {' / '.join(map(str, BATCHES))}: {cells}"
         if self.source == "busy":
             return (f"auto runs {self.quantization}: the machine was busy while timing "
-                    f"({self.why}): running the checkpoint's own format "
+                    f"({self.why}): running the default for the checkpoint's format, "
                     f"{self.quantization}; not cached, a quiet start decides ({figures})")
         return (f"auto runs {self.quantization or 'float32'} ({self.source}; {self.why}; "
                 f"{figures})")
@@ -148,7 +154,7 @@ def choose_quantization(stored: str | None, config: ModelConfig, block_type: str
     logger.info("timed the linear kernels in %.1f s (%s)", time.perf_counter() - start,
                 timing.summary())
     if (busy := timing.busy_reason()) is not None:
-        choice = KernelChoice(stored, timing.best(), "busy", busy)
+        choice = KernelChoice(candidates[0], timing.best(), "busy", busy)
         return choice if retime else decision_cache.hold_busy(path, choice)
     chosen = pick(candidates, timing)
     choice = KernelChoice(chosen, timing.best(), "measured", _why(candidates, timing))
@@ -157,10 +163,10 @@ def choose_quantization(stored: str | None, config: ModelConfig, block_type: str
 
 
 def pick(candidates: tuple[str | None, ...], timing: Timing) -> str | None:
-    """The checkpoint's own format (the first candidate) unless another is clearly faster:
-    SERVING_MARGIN times as fast at the serving batch in every round on both clocks, and
-    within BATCH1_TOLERANCE of it at batch 1 in the best times; the first such, in
-    CANDIDATES' order. One rule for every format, float32 included."""
+    """The default for the checkpoint's format (the first candidate) unless another is
+    clearly faster: SERVING_MARGIN times as fast at the serving batch in every round on
+    both clocks, and within BATCH1_TOLERANCE of it at batch 1 in the best times; the first
+    such, in CANDIDATES' order. One rule for every format, float32 included."""
     own = _name(candidates[0])
     serving = BATCHES[-1]
 

@@ -5,7 +5,7 @@ measured.
 A round times every unit (a candidate at a batch size or phase, or one matrix of a
 candidate's step) one after the other; the next round does it all again, so a neighbour that
 starts or stops mid-way slows the candidates of a round alike. Rounds go on until every row's
-best time as a ratio to the reference row's (the checkpoint's own format, the native
+best time as a ratio to the reference row's (the checkpoint's default format, the native
 backend) moved by under STABLE in the last round, at least MIN_ROUNDS and at most
 MAX_ROUNDS, and stop after MIN_ROUNDS where the machine is busy. A decision drawn from a
 `Timing` must hold in every round on both clocks (`Timing.samples`), not only in the best

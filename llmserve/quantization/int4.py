@@ -14,9 +14,10 @@ Activations per group of 32 with one fp32 scale s = amax / 127, in one of two pr
 * "int4": two int8 parts, x ~ (hi + lo / 254) * s (about 15 bits);
 * "int4-a8": one, x ~ hi * s (8 bits, llama.cpp's Q8 activations): half the integer work.
   On the default model against float32 (`llmserve bench quality`): perplexity +0.35 % (15
-  bits: -0.01 %), mean KL 3.3e-3 (1.2e-3), top-1 95.6 % (97.0 %). "auto" takes it only where
-  the 15 bits leave int4 no faster than float32 at a serving batch (`kernel_choice.py`: CPUs
-  without a one-instruction int8 dot product, such as AVX2 without VNNI).
+  bits: -0.01 %), mean KL 3.3e-3 (1.2e-3), top-1 95.6 % (97.0 %). It is what "auto" runs a
+  4-bit checkpoint in (`kernel_choice.py`: faster at every serving batch timed, never slower
+  at one stream, and not a choice a timing's noise can flip); `quantization="int4"` keeps
+  the 15 bits.
 
     y[t, o] = sum over groups g of (d[o, g] * s[t, g] / 254) * (254 u[o, g] . hi + u . lo)
                                    + m[o, g] * sum of x's dequantized group

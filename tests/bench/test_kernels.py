@@ -53,8 +53,8 @@ def test_retime_decides_again_and_a_busy_machine_is_refused(tmp_path, monkeypatc
     assert {e["source"] for e in result["attention"].values()} == {"measured"}
     table = format_kernels(result)
     assert f"decision: auto runs {result['default']} (measured; " in table
-    assert "vs int4 at 32" in table and "decision (bfloat16 KV cache): attention: " in table
+    assert "vs int4-a8 at 32" in table and "decision (bfloat16 KV cache): attention: " in table
     machine(monkeypatch, 1.5)
     busy = run_kernels(TINY, (1,), retime=True)
-    assert decided_while_busy(busy) and busy["default"] == "int4"
+    assert decided_while_busy(busy) and busy["default"] == "int4-a8"
     assert json.loads(entry.read_text())["quantization"] == decided  # left as it was

@@ -22,7 +22,7 @@ def test_a_first_start_cache_links_models_and_libraries_but_no_decisions(tmp_pat
 def test_the_choice_is_read_from_the_log():
     log = ("INFO native CPU kernels loaded: avx2 (CPU: avx2 fma f16c)\n"
            "WARNING auto runs int4: the machine was busy while timing (others used 1.8 of 2 "
-           "cores): running the checkpoint's own format int4; not cached")
+           "cores): running the default for the checkpoint's format, int4; not cached")
     choice = startup.CHOICE_LINE.search(log).group(0)
     assert startup._format(choice) == "int4"
     assert startup.NATIVE_LINE.search(log).group(0) == "native CPU kernels loaded: avx2 (CPU: "\

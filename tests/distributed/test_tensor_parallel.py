@@ -109,12 +109,16 @@ def test_quantized_shards_keep_the_checkpoint_groups(tp2_logits, default_model, 
     """The default path (the file's Q4_1 groups on the int4 kernel) at TP=2: each rank packs
     its share of the quantized weights (the MLP split falls on 32-wide groups, so they are
     the checkpoint's own); partial sums are added across ranks (not chained), so logits
-    move by float rounding only: same argmax at every position, within 0.05."""
+    move by float rounding only: same argmax at every position, within 0.05 with int4's
+    15-bit activations. int4-a8 (the default now) rounds each activation to 8 bits, so a
+    float-rounding difference that lands on a rounding boundary becomes a whole grid step,
+    carried through the layers: measured 1.43 at most (logits span about +-30 on this
+    chat), the argmax still equal at all 64 positions; bounded at 2."""
     ours = tp2_logits[default_model.quantization]
     single = _logits(default_model.model, chat_ids)
     diff = (ours - single).abs().max().item()
-    print(f"int4 TP=2: max |logit diff| vs TP=1 = {diff:.2e}")
-    assert diff <= 0.05
+    print(f"{default_model.quantization} TP=2: max |logit diff| vs TP=1 = {diff:.2e}")
+    assert diff <= (2.0 if default_model.quantization == "int4-a8" else 0.05)
     assert torch.equal(ours.argmax(-1), single.argmax(-1))
 
 

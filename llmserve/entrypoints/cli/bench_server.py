@@ -69,6 +69,22 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     return 0
 
 
+def _machine_header() -> tuple[dict, float, float | None]:
+    """The machine, its read bandwidth and its load average, printed above a server
+    benchmark's table (and returned for its JSON)."""
+    from llmserve.bench.kernels import measure_read_bandwidth
+    from llmserve.bench.machine import format_machine, machine_info
+    from llmserve.cpu_info import load_average_1m
+
+    machine = machine_info()
+    bandwidth = measure_read_bandwidth()
+    load_before = load_average_1m()
+    print(format_machine(machine), flush=True)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; load average (1 min) before: "
+          f"{load_before}", flush=True)
+    return machine, bandwidth, load_before
+
+
 def cmd_bench_hostile(args: argparse.Namespace) -> int:
     import os
     import shlex
@@ -76,8 +92,6 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
     import httpx
 
     from llmserve.bench.hostile import HostileConfig, format_hostile, run_hostile
-    from llmserve.bench.kernels import measure_read_bandwidth
-    from llmserve.bench.machine import format_machine, machine_info
     from llmserve.bench.soak import ServerProcess, served_model
     from llmserve.cpu_info import load_average_1m
 
@@ -99,12 +113,7 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
         with httpx.Client(base_url=base_url, timeout=30) as http:
             model = served_model(http) if args.base_url is None or args.model is None \
                 else args.model
-        machine = machine_info()
-        bandwidth = measure_read_bandwidth()
-        load_before = load_average_1m()
-        print(format_machine(machine), flush=True)
-        print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; load average (1 min) before: "
-              f"{load_before}", flush=True)
+        machine, bandwidth, load_before = _machine_header()
         config = HostileConfig(base_url, model, repeats=args.repeats,
                                output_tokens=args.output_tokens, api_key=args.api_key,
                                fifo_adapter=None if fifo is None else fifo.name)
@@ -124,8 +133,6 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
 def cmd_bench_startup(args: argparse.Namespace) -> int:
     import shlex
 
-    from llmserve.bench.kernels import measure_read_bandwidth
-    from llmserve.bench.machine import format_machine, machine_info
     from llmserve.bench.startup import (
         StartupConfig,
         format_startup,
@@ -142,12 +149,7 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
                            server_args=tuple(shlex.split(args.server_args or "")),
                            single_prompts=args.single_prompts, input_len=args.input_len,
                            output_len=args.output_len)
-    machine = machine_info()
-    bandwidth = measure_read_bandwidth()
-    load_before = load_average_1m()
-    print(format_machine(machine), flush=True)
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; load average (1 min) before: "
-          f"{load_before}", flush=True)
+    machine, bandwidth, load_before = _machine_header()
     report = run_startup(config)
     report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
                   load_average_before=load_before, load_average_after=load_average_1m())

@@ -36,6 +36,9 @@ if _WORKERS > 1:
 # Engines in tests run eagerly: a cold torch.compile of a model takes a minute on 2 cores.
 # The compiled step has its own tests (tests/models/test_compile.py), which lift this.
 os.environ.setdefault("LLMSERVE_ENFORCE_EAGER", "1")
+# Models load from their files in tests: a kept packed copy (loader/weight_cache.py) would
+# skip the loading a test means to exercise; tests/loader/test_weight_cache.py turns it on.
+os.environ.setdefault("LLMSERVE_WEIGHT_CACHE", "0")
 
 
 @pytest.fixture(scope="session")

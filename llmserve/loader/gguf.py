@@ -153,7 +153,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         canonical = hf_name(name, arch)
         rows, cols = slices(config, canonical) if slices is not None else (None, None)
         raw = _raw_blocks(tensor, rows, cols)
-        if raw is not None and arch in ROTARY_PERMUTED_ARCHITECTURES:
+        if raw is not None and arch in ROTARY_PERMUTED_ARCHITECTURES and _is_qk(name):
             raw = raw.take_rows(_unpermute_qk(name, torch.arange(raw.rows), config).numpy())
         if raw is not None:
             blocks[canonical] = raw
@@ -568,9 +568,14 @@ def _raw_blocks(tensor: GGUFTensor, rows: slice | None, cols: slice | None
     return None if cols_left is not None else RawBlocks(tensor.tensor_type, picked, width)
 
 
+def _is_qk(name: str) -> bool:
+    """Whether GGUF tensor `name` is a Q or K projection (rows permuted by llama.cpp)."""
+    return ".attn_q." in name or ".attn_k." in name
+
+
 def _unpermute_qk(name: str, weight: torch.Tensor, config: ModelConfig) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation: per head, rows (d/2, 2) -> (2, d/2)."""
-    if ".attn_q." not in name and ".attn_k." not in name:
+    if not _is_qk(name):
         return weight
     num_heads = weight.shape[0] // config.head_dim  # a rank's share holds whole heads
     half = weight.shape[0] // num_heads // 2

@@ -80,6 +80,7 @@ class KernelChoice:
     ms: dict[str, dict[int, float]]  # candidate ("float32" for None) -> batch -> best ms a step
     source: str  # "measured", "cached", or "busy" (the own format, not cached)
     why: str  # the rule's reason, or the machine's load when busy
+    decision_file: Path | None = None  # where it is cached (None: busy, not cached)
 
     @property
     def cached(self) -> bool:
@@ -133,11 +134,8 @@ def choose_quantization(stored: str | None, config: ModelConfig, block_type: str
     if not retime:
         if (held := decision_cache.busy_decision(path)) is not None:
             return held
-        saved = decision_cache.read(path)
-        if saved is not None and {"quantization", "ms", "why"} <= saved.keys():
-            ms = {name: {int(b): t for b, t in times.items()}
-                  for name, times in saved["ms"].items()}
-            return KernelChoice(saved["quantization"], ms, "cached", saved["why"])
+        if (cached := cached_choice(path)) is not None:
+            return cached
     from llmserve.kernels import native
 
     # Each matrix is timed over and over: with the decode's weights prefetched into the
@@ -157,9 +155,18 @@ def choose_quantization(stored: str | None, config: ModelConfig, block_type: str
         choice = KernelChoice(candidates[0], timing.best(), "busy", busy)
         return choice if retime else decision_cache.hold_busy(path, choice)
     chosen = pick(candidates, timing)
-    choice = KernelChoice(chosen, timing.best(), "measured", _why(candidates, timing))
+    choice = KernelChoice(chosen, timing.best(), "measured", _why(candidates, timing), path)
     decision_cache.write(path, {"quantization": chosen, "ms": choice.ms, "why": choice.why})
     return choice
+
+
+def cached_choice(path: Path) -> KernelChoice | None:
+    """The decision cached at `path`, if one is."""
+    saved = decision_cache.read(path)
+    if saved is None or not {"quantization", "ms", "why"} <= saved.keys():
+        return None
+    ms = {name: {int(b): t for b, t in times.items()} for name, times in saved["ms"].items()}
+    return KernelChoice(saved["quantization"], ms, "cached", saved["why"], path)
 
 
 def pick(candidates: tuple[str | None, ...], timing: Timing) -> str | None:
@@ -208,7 +215,8 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
     for i, (n, k, count) in enumerate(shapes):
         timed = min(n, MAX_TIMED_ROWS)
         count *= n / timed
-        w = torch.empty(timed, k).uniform_(-0.1, 0.1, generator=generator)
+        base = torch.empty(min(timed, _RANDOM_ROWS), k).uniform_(-0.1, 0.1, generator=generator)
+        w = _tiled(base, timed)
         rows = {b: torch.empty(b, k).uniform_(-1, 1, generator=generator) for b in BATCHES}
         head = i == len(shapes) - 1
         kernels = {}
@@ -217,17 +225,30 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
             if kind == "kquant" and k % 256:
                 kind = "int8"  # a file stores such a matrix in another type: the fallback
             if kind not in kernels:
-                kernels[kind] = _kernel(kind, w, block_type)
+                kernels[kind] = _kernel(kind, w, block_type, base)
             units += [Unit(_name(candidate), b, functools.partial(kernels[kind], rows[b]), count)
                       for b in BATCHES]
     return time_rounds(units, _name(candidates[0]), _TIME_PER_UNIT_S)
 
 
-def _kernel(quantization: str | None, w: torch.Tensor, block_type: str = "Q4_K"):
+# A timed weight is this many random rows repeated (the kernels' speed does not depend on
+# the values): drawing and quantizing every row of a 1B model's shapes took 1.4 s of its
+# first start's 3.7 s of timing.
+_RANDOM_ROWS = 512
+
+
+def _tiled(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """`rows` repeated down to `n` rows."""
+    return rows.repeat(-(-n // rows.shape[0]), *(1,) * (rows.dim() - 1))[:n].contiguous()
+
+
+def _kernel(quantization: str | None, w: torch.Tensor, block_type: str = "Q4_K",
+            base: torch.Tensor | None = None):
     """x -> y for weight `w` packed in `quantization`'s format ("kquant": random blocks of
-    GGUF type `block_type` of its shape)."""
+    GGUF type `block_type` of its shape). `base`: where `w` is these rows repeated (int8
+    then quantizes only them)."""
     from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
-    from llmserve.quantization.int8 import PackedInt8Weight, int8_linear
+    from llmserve.quantization.int8 import PackedInt8Weight, int8_linear, quantize_rows
     from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
 
     if quantization == "kquant":
@@ -243,7 +264,11 @@ def _kernel(quantization: str | None, w: torch.Tensor, block_type: str = "Q4_K")
         packed = PackedInt4Weight(w, activation_bits=8 if quantization == "int4-a8" else 15)
         return lambda x: int4_linear(x, packed)
     if quantization == "int8":
-        packed = PackedInt8Weight(w)
+        if base is None:
+            packed = PackedInt8Weight(w)
+        else:
+            codes, scale = quantize_rows(base)
+            packed = PackedInt8Weight.from_codes(_tiled(codes, len(w)), _tiled(scale, len(w)))
         return lambda x: int8_linear(x, packed)
     packed = PackedFloatWeight(w)
     return lambda x: float_linear(x, packed)

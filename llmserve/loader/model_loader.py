@@ -3,6 +3,7 @@
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from llmserve.distributed.parallel import ShardPlan, TensorParallel
 from llmserve.errors import UnsupportedModelError
 from llmserve.kernels import native
 from llmserve.layers.linear import Linear
+from llmserve.loader import weight_cache
 from llmserve.loader.catalog import ModelSource, resolve_model
 from llmserve.loader.gguf import (
     gguf_main_block_type,
@@ -20,7 +22,12 @@ from llmserve.loader.gguf import (
     read_gguf_config,
 )
 from llmserve.loader.hf import load_hf_folder
-from llmserve.loader.kernel_choice import choose_quantization, choose_stream_prefetch
+from llmserve.loader.kernel_choice import (
+    KernelChoice,
+    cached_choice,
+    choose_quantization,
+    choose_stream_prefetch,
+)
 from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
 from llmserve.models.llama import STACKED_PARAMS
@@ -52,17 +59,23 @@ def auto_quantization(stored: str | None, device: torch.device,
     kernels, its own format or another, by timing them on `config`'s shapes against float32
     (`kernel_choice.py`; without a config, its own format); float elsewhere (other devices,
     no compiler: torch's float GEMM beats torch ops emulating the integer kernels)."""
+    return _auto_choice(stored, device, config, block_type)[0]
+
+
+def _auto_choice(stored: str | None, device: torch.device, config: ModelConfig | None,
+                 block_type: str) -> tuple[str | None, KernelChoice | None]:
+    """`auto_quantization`, and the timed or cached decision behind it (None: none)."""
     if stored is None or device.type != "cpu" or native() is None:
-        return None
+        return None, None
     if config is None:
-        return stored
+        return stored, None
     choice = choose_quantization(stored, config, block_type)
     if choice is None:
-        return stored
+        return stored, None
     # a busy start's own format may be slower than what a quiet one picks: said louder
     logger.log(logging.WARNING if choice.source == "busy" else logging.INFO, "%s",
                choice.describe())
-    return choice.quantization
+    return choice.quantization, choice
 
 
 def load_model(
@@ -82,18 +95,65 @@ def load_model(
     Float weights get a compiled step unless `enforce_eager` (`models/compile.py`).
     With `tp` (a rank of a tensor-parallel group of size > 1) the model is that rank's
     share, and only that share of each weight is read from the file.
+    A quantized model on the CPU is kept on disk once loaded and mapped from there by the
+    next start of the same request (`weight_cache.py`).
     """
     start = time.perf_counter()
     source = resolve_model(spec)
     sharded = tp is not None and tp.size > 1
+    entry = None
+    if quantization is not None and device_is_cpu(device):
+        rank = (tp.rank, tp.size) if sharded else (0, 1)
+        entry = weight_cache.entry_for(source, quantization, dtype, device, rank)
+    kept = weight_cache.load(entry) if entry is not None else None
+    if kept is not None:
+        if kept["decision_file"] is not None:  # what "auto" chose, said as a start says it
+            choice = cached_choice(Path(kept["decision_file"]))
+            logger.info("%s", choice.describe() if choice else "auto: the cached decision")
+        loaded = LoadedModel(kept["model"], kept["tokenizer"], kept["config"], source,
+                             kept["quantization"], kept["classifier"], kept["has_lm_head"])
+    else:
+        loaded, choice = _load_files(source, dtype, device, quantization, tp)
+        if entry is not None and loaded.quantization is not None and (
+                choice is None or choice.source != "busy"):  # a busy choice is not kept
+            decision_file = None if choice is None else choice.decision_file
+            weight_cache.store(entry, {
+                "model": loaded.model, "tokenizer": loaded.tokenizer, "config": loaded.config,
+                "quantization": loaded.quantization, "classifier": loaded.classifier,
+                "has_lm_head": loaded.has_lm_head,
+                "decision_file": None if decision_file is None else str(decision_file)},
+                decision_file)
+    model, quantization = loaded.model, loaded.quantization
+    if quantization is not None and device_is_cpu(device):
+        if (prefetch := choose_stream_prefetch(model)) is not None:
+            logger.info("%s", prefetch)
+    if quantization is None and can_pack(model, dtype):
+        pack_float_model(model)  # the exact path on the native float32 GEMM
+    if hasattr(model, "enable_native_layers"):
+        model.enable_native_layers()
+    model.eval()
+    # under tensor parallelism the step stays eager: its all-reduces are not traced
+    compile_model(model, device, quantization, enforce_eager or sharded)
+    logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
+                quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)
+    return loaded
+
+
+def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.device,
+                quantization: str | None, tp: TensorParallel | None
+                ) -> tuple[LoadedModel, KernelChoice | None]:
+    """The model read from its files, its linears in their format (not yet enabled for the
+    native stack nor compiled), and the kernel decision "auto" followed (None: none)."""
+    sharded = tp is not None and tp.size > 1
     slices = _rank_slices(tp) if sharded else None
     from_blocks: frozenset[str] = frozenset()
+    choice = None
     if source.kind == "gguf":
         # the model and its linears' format first, from the header: the matrices that run
         # on the file's own blocks are then never dequantized
         config = read_gguf_config(source.path)
         if quantization == "auto":
-            quantization = auto_quantization(
+            quantization, choice = _auto_choice(
                 gguf_stored_quantization(source.path), torch.device(device), config,
                 gguf_main_block_type(source.path))
         model = _new_model(config, tp, device, dtype)
@@ -113,25 +173,13 @@ def load_model(
     model.load_weights(weights.tensors, from_blocks)
     weights.tensors.clear()  # the model holds the only copy now: lower peak memory
     if quantization == "auto":
-        quantization = auto_quantization(weights.quantization, torch.device(device),
-                                         weights.config, main_block_type(weights.blocks))
+        quantization, choice = _auto_choice(weights.quantization, torch.device(device),
+                                            weights.config, main_block_type(weights.blocks))
     quantize_model(model, quantization, linear_blocks(model, weights.blocks))
     weights.blocks.clear()  # views of the file: the packed copies are the model's
-    if quantization is not None and device_is_cpu(device):
-        if (prefetch := choose_stream_prefetch(model)) is not None:
-            logger.info("%s", prefetch)
-    if quantization is None and can_pack(model, dtype):
-        pack_float_model(model)  # the exact path on the native float32 GEMM
-    if hasattr(model, "enable_native_layers"):
-        model.enable_native_layers()
-    model.eval()
-    # under tensor parallelism the step stays eager: its all-reduces are not traced
-    compile_model(model, device, quantization, enforce_eager or sharded)
-    logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
-                quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)
     classifier = None if weights.classifier is None else weights.classifier.to(device)
     return LoadedModel(model, tokenizer, weights.config, source, quantization, classifier,
-                       weights.has_lm_head)
+                       weights.has_lm_head), choice
 
 
 def _new_model(config: ModelConfig, tp: TensorParallel | None, device, dtype) -> nn.Module:

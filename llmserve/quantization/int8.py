@@ -38,13 +38,24 @@ class PackedInt8Weight:
     """
 
     def __init__(self, weight: torch.Tensor, layout: str | None = None) -> None:
-        qweight, scale = quantize_rows(weight.float())
+        self._pack(*quantize_rows(weight.float()), layout)
+
+    @classmethod
+    def from_codes(cls, qweight: torch.Tensor, scale: torch.Tensor,
+                   layout: str | None = None) -> "PackedInt8Weight":
+        """The weight of int8 codes `qweight` (N, K) and scales `scale` (N, 1), quantized
+        already."""
+        packed = cls.__new__(cls)
+        packed._pack(qweight, scale, layout)
+        return packed
+
+    def _pack(self, qweight: torch.Tensor, scale: torch.Tensor, layout: str | None) -> None:
         n, k = qweight.shape
         self.out_features, self.in_features = n, k
         self._within: torch.Tensor | None = None
         self.row_sums = qweight.sum(dim=1, dtype=torch.int32)
         self.scale = scale.reshape(-1).float().contiguous()  # (N,)
-        lib = native() if weight.device.type == "cpu" else None
+        lib = native() if qweight.device.type == "cpu" else None
         self.layout = layout or ("vnni" if lib is not None else "plain")
         if self.layout == "plain":
             self.packed = qweight.contiguous()

@@ -137,18 +137,35 @@ class PackedKQuantWeight:
         self.segments: list[torch.Tensor] = []
         for run in _runs(parts):
             qtype, rows = run[0].qtype, sum(p.rows for p in run)
-            blocks = torch.from_numpy(np.ascontiguousarray(np.concatenate([p.data for p in run])))
+            # one part is read where it lies (a view of the file: no copy of it first)
+            blocks = np.ascontiguousarray(
+                run[0].data if len(run) == 1 else np.concatenate([p.data for p in run]))
             packed = torch.empty(-(-rows // _N_ALIGN), self.in_features // SUPER,
                                  RECORD_BYTES[qtype], dtype=torch.uint8)
-            lib.pack_kquant(ptr(blocks), KQUANT_TYPES[qtype], rows, self.in_features, ptr(packed))
+            lib.pack_kquant(blocks.ctypes.data, KQUANT_TYPES[qtype], rows, self.in_features,
+                            ptr(packed))
             self.types.append(qtype)
             self.rows.append(rows)
             self.segments.append(packed)
-        self.struct = _Weight(len(self.segments))
-        self.struct.out_features, self.struct.in_features = self.out_features, self.in_features
+        self.struct = self._struct()
+
+    def _struct(self) -> _Weight:
+        """The kernel's view of the segments (pointers into them)."""
+        struct = _Weight(len(self.segments))
+        struct.out_features, struct.in_features = self.out_features, self.in_features
         for i, (qtype, rows, packed) in enumerate(
                 zip(self.types, self.rows, self.segments, strict=True)):
-            self.struct.segments[i] = _Segment(KQUANT_TYPES[qtype], rows, ptr(packed))
+            struct.segments[i] = _Segment(KQUANT_TYPES[qtype], rows, ptr(packed))
+        return struct
+
+    # pickled (a loaded model kept on disk, loader/weight_cache.py) without the pointers,
+    # which are made again over the tensors as they are loaded
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "struct"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.struct = self._struct()
 
     @property
     def address(self) -> int:

@@ -1,0 +1,215 @@
+"""Loaded models kept on disk in the kernels' layout, so that a warm start maps them.
+
+Loading a quantized model costs more than reading it: a GGUF file's blocks are re-laid
+for the kernels, float or 4-bit weights are quantized again, the vocabulary is parsed
+(2.8 s for a 1B Q4_K_M file on a 2-core Zen 3, 1.9 s for the 135M default model). The
+first load writes what it made (the model with its packed weights, the tokenizer, the
+config) with `torch.save`; a later start with the same request loads it with
+`torch.load(mmap=True)`: the tensors are pages of that file, mapped, not copied, and
+shared with the page cache and every other process serving the same model.
+
+An entry answers one request (the model's files by path, size and modification time;
+the quantization asked for; dtype, device, tensor-parallel rank) made by one build (the
+package's Python sources, the kernel sources, torch's version, the CPU and its kernel
+level). Where "auto" chose the format, the entry also names the cached decision it
+followed and is used only while that decision stands (`llmserve bench kernels --retime`
+that changes it, or a quiet start replacing it, means a fresh load). A choice a busy
+machine made is not cached (kernel_choice.py) and neither is the model loaded under
+it. One entry is kept per request (a newer one replaces it); an entry is not
+written where it would leave the disk with less than MIN_FREE_FRACTION free; one that
+cannot be read is removed and the model loaded from its files. Only quantized models
+on the CPU are kept (a float copy would be the checkpoint's size again and more).
+`LLMSERVE_WEIGHT_CACHE=0` turns the cache off.
+"""
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from llmserve.config.paths import cache_root
+from llmserve.loader.catalog import ModelSource
+
+logger = logging.getLogger(__name__)
+
+ENV = "LLMSERVE_WEIGHT_CACHE"
+MIN_FREE_FRACTION = 0.10  # of the file system, left free after an entry is written
+_FORMAT = 1  # what an entry holds; a change makes every older entry a miss
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def folder() -> Path:
+    return cache_root() / "weights"
+
+
+@functools.lru_cache(maxsize=1)
+def _package_digest() -> str:
+    """The package's Python sources and the kernel sources, and torch's version: what
+    decides the classes an entry holds and the layout of their packed weights."""
+    from llmserve.kernels import build
+
+    root = Path(__file__).resolve().parents[1]  # the package
+    key = hashlib.sha256(f"{_FORMAT}\0{torch.__version__}\0".encode())
+    for source in sorted(root.rglob("*.py")):
+        key.update(str(source.relative_to(root)).encode() + b"\0" + source.read_bytes())
+    key.update(build.sources_digest().encode())
+    return key.hexdigest()
+
+
+def _machine() -> str:
+    """The CPU and the kernel level loaded now (a packed layout may be the level's)."""
+    from llmserve import cpu_info
+    from llmserve.kernels import level_of, native
+
+    return "\0".join([cpu_info.cpu_model_name(), " ".join(sorted(cpu_info.cpu_features())),
+                      level_of(native())])
+
+
+def _source_files(source: ModelSource) -> list[Path]:
+    if source.path.is_file():
+        return [source.path]
+    return sorted(p for p in source.path.rglob("*") if p.is_file())
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str  # the request and the files and build it was made from
+    request: str  # the request alone: a newer entry for it replaces the older
+    source: ModelSource
+
+
+def entry_for(source: ModelSource, quantization: str | None, dtype: torch.dtype,
+              device: str | torch.device, rank: tuple[int, int]) -> Entry:
+    """The entry for this request of `source`'s files as they are now."""
+    request = json.dumps([source.kind, str(source.path.resolve()), source.name,
+                          quantization, str(dtype), str(device), list(rank)])
+    key = hashlib.sha256((_package_digest() + _machine() + request).encode())
+    for path in _source_files(source):
+        stat = path.stat()
+        key.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return Entry(key.hexdigest()[:24], request, source)
+
+
+def _file_digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def load(entry: Entry) -> dict[str, Any] | None:
+    """The loaded parts kept for `entry` (what `store` was given), or None: none kept, the
+    decision it followed changed, or the entry unreadable (then removed)."""
+    if not enabled():
+        return None
+    key = entry.key
+    meta_path, data_path = folder() / f"{key}.json", folder() / f"{key}.pt"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        return None
+    decision = meta.get("decision")
+    if decision is not None and _file_digest(Path(decision["file"])) != decision["sha256"]:
+        logger.info("the kept %s was loaded under another kernel decision: loading it "
+                    "again", meta.get("source"))
+        return None
+    start = time.perf_counter()
+    try:
+        parts = torch.load(data_path, mmap=True, weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - a damaged entry: load from the files
+        logger.warning("cannot read the kept weights %s (%s): loading from the model's "
+                       "files", data_path, exc)
+        _remove(key)
+        return None
+    logger.info("weights mapped from the cache in %.2f s (%s, %d MiB)",
+                time.perf_counter() - start, data_path.name, data_path.stat().st_size >> 20)
+    return parts
+
+
+def store(entry: Entry, parts: dict[str, Any], decision_file: Path | None) -> None:
+    """Keep `parts` (the model and what goes with it) for `entry`; `decision_file`: the
+    cached kernel decision they were loaded under, if "auto" chose. Replaces the request's
+    earlier entries; skipped (and logged) where the disk is short or the parts cannot be
+    written."""
+    if not enabled():
+        return
+    key, source = entry.key, entry.source
+    decision = None
+    if decision_file is not None:
+        if (sha := _file_digest(decision_file)) is None:
+            return  # the decision was not cached (a read-only cache): nothing to follow
+        decision = {"file": str(decision_file), "sha256": sha}
+    target = folder()
+    start = time.perf_counter()
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        tmp = target / f"{key}.{os.getpid()}.tmp"
+        _save(parts, tmp)
+        size = tmp.stat().st_size
+        usage = shutil.disk_usage(target)
+        if usage.free < usage.total * MIN_FREE_FRACTION:
+            tmp.unlink()
+            logger.info("not keeping the packed weights (%d MiB): under %.0f%% of the disk "
+                        "is free", size >> 20, MIN_FREE_FRACTION * 100)
+            return
+        for old in _entries_for(entry.request):
+            if old != key:
+                _remove(old)
+        tmp.replace(target / f"{key}.pt")
+        _write_json(target / f"{key}.json", {
+            "request": entry.request, "source": str(source.path), "bytes": size,
+            "decision": decision, "written": time.time()})
+    except Exception as exc:  # noqa: BLE001 - pickling or disk: the server runs without it
+        logger.warning("cannot keep the packed weights in %s: %s", target, exc)
+        for leftover in target.glob(f"{key}.*.tmp"):
+            leftover.unlink(missing_ok=True)
+        return
+    logger.info("kept the packed weights for the next start in %.2f s (%d MiB, %s)",
+                time.perf_counter() - start, size >> 20, target)
+
+
+def _save(parts: dict[str, Any], path: Path) -> None:
+    # no CRC over the records (0.23 s of the 0.95 s a 1B Q4_K_M model took here): a mapped
+    # load never checks it; an entry's key already names what made it
+    from torch.utils.serialization import config
+
+    crc = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        torch.save(parts, path)
+    finally:
+        config.save.compute_crc32 = crc
+
+
+def _entries_for(request: str) -> list[str]:
+    keys = []
+    for meta_path in folder().glob("*.json"):
+        try:
+            if json.loads(meta_path.read_text()).get("request") == request:
+                keys.append(meta_path.stem)
+        except (OSError, ValueError):
+            continue
+    return keys
+
+
+def _remove(key: str) -> None:
+    # a process that mapped the entry keeps its pages: unlinking never truncates them
+    for suffix in (".json", ".pt"):
+        (folder() / f"{key}{suffix}").unlink(missing_ok=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.jtmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)

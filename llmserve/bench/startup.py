@@ -14,13 +14,16 @@ Each row starts `llmserve serve` on a cache of its own (the models and built ker
 machine's cache linked in, no cached kernel decisions: a first start), takes the time to
 healthy and the format "auto" picked (and why, from the log), measures streamed output
 tokens a second at 1 and at 32 concurrent streams on that same server, then starts it again
-for the warm start's time. The same format in every row, at the same speed within noise,
-is what the busy-machine-proof choice and the shipped kernels promise.
+for the warm start's time; the speed runs and the warm start are repeated (`--repeats`), and
+the busy row's median speed is set against the quiet row's with the runs' spread as the
+noise. The same format in every row, at the same speed within noise, is what the
+busy-machine-proof choice and the shipped kernels promise.
 """
 
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -40,6 +43,7 @@ CHOICE_LINE = re.compile(r"auto runs .*")
 QUIET_CORES = 0.3  # the machine counts as quiet below this many busy cores (a second's)
 QUIET_WAIT_S = 180.0
 NATIVE_LINE = re.compile(r"native CPU kernels (loaded: .*|unavailable.*)")
+FIRST_START_EXCLUDES = ("kernels", "weights")  # decisions, kept weights: a first has none
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class StartupConfig:
     busy: int = 4  # spinning processes beside a busy first start
     server_args: tuple[str, ...] = ()
     single_prompts: int = 8  # requests at one stream
+    repeats: int = 3  # speed runs (1 and 32 streams, in turn) and warm starts per row
     input_len: int = 128
     output_len: int = 64
 
@@ -91,11 +96,12 @@ def wheel_install(directory: Path) -> Install:
 
 
 def first_start_cache(root: Path) -> Path:
-    """A cache folder at `root` with this machine's models and kernel libraries linked in
-    and no kernel decisions: a server started on it decides afresh."""
+    """A cache folder at `root` with this machine's models and kernel libraries linked in,
+    no kernel decisions and no kept weights: a server started on it decides and loads
+    afresh."""
     root.mkdir(parents=True)
     for entry in cache_root().iterdir():
-        if entry.name != "kernels":
+        if entry.name not in FIRST_START_EXCLUDES:
             (root / entry.name).symlink_to(entry)
     (root / "kernels").mkdir()
     suffixes = (".so", ".dylib")
@@ -173,15 +179,20 @@ def run_row(install: Install, model: str, busy: bool, config: StartupConfig,
         quiet_after_start = wait_until_quiet()  # the spinners gone before the speed runs
         start_busy = cpu_info.busy_cpu_seconds()
         start_wall = time.monotonic()
-        single = tokens_per_second(url, served, 1, config.single_prompts, config)
-        many = tokens_per_second(url, served, 32, 32, config)
+        single, many = [], []
+        for _ in range(config.repeats):
+            single.append(tokens_per_second(url, served, 1, config.single_prompts, config))
+            many.append(tokens_per_second(url, served, 32, 32, config))
         speed_busy = (None if start_busy is None else (cpu_info.busy_cpu_seconds() - start_busy)
                       / (time.monotonic() - start_wall))
     finally:
         server.stop()
-    warm, _, warm_s = started(install, model, cache, config.server_args)
-    warm_log = "\n".join(warm.startup_log)
-    warm.stop()
+    warm_s = []
+    for _ in range(config.repeats):
+        warm, _, seconds = started(install, model, cache, config.server_args)
+        warm_log = "\n".join(warm.startup_log)
+        warm.stop()
+        warm_s.append(seconds)
     warm_choice = CHOICE_LINE.search(warm_log)
     return {"model": model, "install": install.label, "first_start": "busy" if busy else "quiet",
             "busy_processes": config.busy if busy else 0, "load_average_before": load_before,
@@ -190,9 +201,31 @@ def run_row(install: Install, model: str, busy: bool, config: StartupConfig,
             "choice": choice.group(0) if choice else None,
             "format": _format(choice.group(0)) if choice else None,
             "kernels": native.group(0) if native else None,
-            "first_start_s": first_s, "warm_start_s": warm_s,
+            "first_start_s": first_s, "warm_start_s": statistics.median(warm_s),
+            "warm_start_runs": warm_s,
             "warm_choice": warm_choice.group(0) if warm_choice else None,
-            "tok_s_1": single, "tok_s_32": many}
+            "tok_s_1": statistics.median(single), "tok_s_1_runs": single,
+            "tok_s_32": statistics.median(many), "tok_s_32_runs": many}
+
+
+def spread(runs: list[float]) -> float:
+    """How far a row's runs lie apart: (largest - smallest) / median."""
+    return (max(runs) - min(runs)) / statistics.median(runs) if runs else 0.0
+
+
+def same_speed(quiet: dict[str, Any], busy: dict[str, Any]) -> list[str]:
+    """Per stream count, the busy-started server's median speed against the quiet-started
+    one's, and whether the gap lies within the noise: the larger of the two rows' spreads
+    (a row measured once has none, and no verdict)."""
+    lines = []
+    for key, label in (("tok_s_1", "1 stream"), ("tok_s_32", "32 streams")):
+        noise = max(spread(quiet.get(f"{key}_runs", [])), spread(busy.get(f"{key}_runs", [])))
+        ratio = busy[key] / quiet[key]
+        verdict = ("no repeats, no verdict" if noise == 0 else
+                   "the same speed within noise" if abs(ratio - 1) <= noise else
+                   "**a different speed**: outside the noise")
+        lines.append(f"{label} {ratio:.2f}x (runs' spread {noise:.0%}): {verdict}")
+    return lines
 
 
 def _format(choice: str) -> str:
@@ -209,6 +242,7 @@ def run_startup(config: StartupConfig) -> dict[str, Any]:
                     print(format_row(rows[-1]), flush=True)
     return {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows,
             "config": {"busy": config.busy, "single_prompts": config.single_prompts,
+                       "repeats": config.repeats,
                        "input_len": config.input_len, "output_len": config.output_len,
                        "server_args": list(config.server_args)}}
 
@@ -225,7 +259,19 @@ def format_row(row: dict[str, Any]) -> str:
 
 def format_startup(report: dict[str, Any]) -> str:
     lines = [HEADER, *map(format_row, report["rows"]),
-             "(seconds to healthy; output tokens a second, streamed)", "", "why, per row:"]
+             "(seconds to healthy, warm the median of the row's starts; output tokens a "
+             "second, streamed, the median of the row's runs)", "",
+             "a busy first start against a quiet one (same model and install), speed by "
+             "speed:"]
+    rows = report["rows"]
+    for quiet, busy in zip(rows, rows[1:], strict=False):
+        if (quiet["first_start"], busy["first_start"]) == ("quiet", "busy") and \
+                (quiet["model"], quiet["install"]) == (busy["model"], busy["install"]):
+            same_format = "same format" if quiet["format"] == busy["format"] else \
+                f"**another format** ({quiet['format']} vs {busy['format']})"
+            lines.append(f"  {Path(quiet['model']).name} / {quiet['install']}: {same_format}; "
+                         + "; ".join(same_speed(quiet, busy)))
+    lines += ["", "why, per row:"]
     for row in report["rows"]:
         during = row.get("cores_busy_during_speed")
         lines.append(f"  {Path(row['model']).name} / {row['install']} / {row['first_start']}: "

@@ -12,9 +12,12 @@ def test_a_first_start_cache_links_models_and_libraries_but_no_decisions(tmp_pat
     (home / "kernels" / "cpu_kernels-avx2-0123-4567-89ab.so").write_bytes(b"elf")
     (home / "kernels" / "choice-0123.json").write_text("{}")
     (home / "kernels" / "attention-0123.json").write_text("{}")
+    (home / "weights").mkdir()  # kept packed weights: a first start loads the files
+    (home / "weights" / "0123.pt").write_bytes(b"kept")
     monkeypatch.setenv("LLMSERVE_CACHE", str(home))
     cache = startup.first_start_cache(tmp_path / "first")
     assert (cache / "smollm2-135m").resolve() == home / "smollm2-135m"
+    assert not (cache / "weights").exists()
     assert sorted(p.name for p in (cache / "kernels").iterdir()) == [
         "cpu_kernels-avx2-0123-4567-89ab.so"]
 
@@ -38,3 +41,21 @@ def test_the_table_has_a_row_per_start():
     text = startup.format_startup({"rows": [row]})
     assert "llama-3.2-1b.Q4_0.gguf" in text and "wheel, no compiler" in text
     assert "9.2" in text and "61.5" in text and "auto runs int4 (measured" in text
+
+
+def test_a_busy_start_is_judged_against_the_quiet_one_with_the_runs_spread_as_noise():
+    quiet = {"model": "m", "install": "this", "first_start": "quiet", "format": "int4-a8",
+             "first_start_s": 6.0, "warm_start_s": 2.6, "kernels": None, "choice": "c",
+             "tok_s_1": 100.0, "tok_s_1_runs": [90.0, 100.0, 110.0],
+             "tok_s_32": 250.0, "tok_s_32_runs": [245.0, 250.0, 255.0]}
+    busy = quiet | {"first_start": "busy", "tok_s_1": 105.0, "tok_s_1_runs": [104.0, 105.0, 106.0],
+                    "tok_s_32": 200.0, "tok_s_32_runs": [199.0, 200.0, 201.0]}
+    assert startup.spread([90.0, 100.0, 110.0]) == 0.2
+    one, many = startup.same_speed(quiet, busy)
+    assert one == "1 stream 1.05x (runs' spread 20%): the same speed within noise"
+    assert many.startswith("32 streams 0.80x (runs' spread 4%): **a different speed**")
+    text = startup.format_startup({"rows": [quiet, busy]})
+    assert "m / this: same format; 1 stream 1.05x" in text
+    other = busy | {"format": "float32"}
+    assert "**another format** (int4-a8 vs float32)" in startup.format_startup(
+        {"rows": [quiet, other]})

@@ -148,7 +148,7 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
     config = StartupConfig(models=tuple(args.model), installs=tuple(installs), busy=args.busy,
                            server_args=tuple(shlex.split(args.server_args or "")),
                            single_prompts=args.single_prompts, input_len=args.input_len,
-                           output_len=args.output_len)
+                           output_len=args.output_len, repeats=args.repeats)
     machine, bandwidth, load_before = _machine_header()
     report = run_startup(config)
     report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
@@ -273,6 +273,9 @@ def _startup_arguments(st: argparse.ArgumentParser) -> None:
                     help="more flags for every started server, e.g. '--threads 2'")
     st.add_argument("--single-prompts", type=int, default=8,
                     help="requests at one stream (default 8; 32 at 32 streams)")
+    st.add_argument("--repeats", type=int, default=3,
+                    help="speed runs and warm starts per row (default 3): their spread is "
+                    "the noise a busy start's speed is judged against")
     st.add_argument("--input-len", type=int, default=128)
     st.add_argument("--output-len", type=int, default=64)
     st.add_argument("--output-json", metavar="FILE", help="write every figure as JSON")

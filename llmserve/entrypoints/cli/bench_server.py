@@ -274,8 +274,9 @@ def _startup_arguments(st: argparse.ArgumentParser) -> None:
     st.add_argument("--single-prompts", type=int, default=8,
                     help="requests at one stream (default 8; 32 at 32 streams)")
     st.add_argument("--repeats", type=int, default=3,
-                    help="speed runs and warm starts per row (default 3): their spread is "
-                    "the noise a busy start's speed is judged against")
+                    help="speed runs and warm starts per row (default 3; the first speed "
+                    "run is the server's warm-up): their spread is the noise a busy start's "
+                    "speed is judged against")
     st.add_argument("--input-len", type=int, default=128)
     st.add_argument("--output-len", type=int, default=64)
     st.add_argument("--output-json", metavar="FILE", help="write every figure as JSON")

@@ -11,12 +11,13 @@ For every model, every install and every kind of first start, one row:
   busy installing or compiling), killed once the server is healthy.
 
 Each row starts `llmserve serve` on a cache of its own (the models and built kernels of this
-machine's cache linked in, no cached kernel decisions: a first start), takes the time to
-healthy and the format "auto" picked (and why, from the log), measures streamed output
-tokens a second at 1 and at 32 concurrent streams on that same server, then starts it again
-for the warm start's time; the speed runs and the warm start are repeated (`--repeats`), and
-the busy row's median speed (the first run, the fresh server's warm-up, left out) is set
-against the quiet row's with the runs' spread as the noise. The same format in every row,
+machine's cache linked in, no cached kernel decisions or kept weights: a first start) and
+takes the time to healthy and the format "auto" picked (and why, from the log). The quiet
+and the busy first start of a model and install are kept serving together and their
+streamed output tokens a second measured in turn, at 1 and at 32 concurrent streams,
+`--repeats` times; then each is started again for the warm start's time (as often). A
+busy row's speed is set against the quiet row's run by run (the first run, the fresh
+server's warm-up, left out), with the runs' spread as the noise. The same format in every row,
 at the same speed within noise, is what the busy-machine-proof choice and the shipped
 kernels promise.
 """
@@ -162,51 +163,92 @@ def wait_until_quiet(limit_s: float = QUIET_WAIT_S) -> float | None:
             return busy
 
 
-def run_row(install: Install, model: str, busy: bool, config: StartupConfig,
-            scratch: Path) -> dict[str, Any]:
+@dataclass
+class FirstStart:
+    """A server as one first start left it, and what that start took."""
+
+    busy: bool
+    cache: Path
+    server: ServerProcess
+    url: str
+    seconds: float
+    load_before: float
+    cores_busy_before: float | None
+    single: list[float] = field(default_factory=list)
+    many: list[float] = field(default_factory=list)
+
+
+def first_start(install: Install, model: str, busy: bool, config: StartupConfig,
+                scratch: Path) -> FirstStart:
+    """A first start on a cache of its own, on the quiet machine or beside the spinners
+    (stopped once it serves)."""
     cache = first_start_cache(scratch / f"cache-{len(list(scratch.iterdir()))}")
     quiet_before = wait_until_quiet()
     load_before = os.getloadavg()[0]
     spinners = spin(config.busy) if busy else []
     try:
-        server, url, first_s = started(install, model, cache, config.server_args)
+        server, url, seconds = started(install, model, cache, config.server_args)
     finally:
         stop(spinners)
+    return FirstStart(busy, cache, server, url, seconds, load_before, quiet_before)
+
+
+def run_pair(install: Install, model: str, config: StartupConfig,
+             scratch: Path) -> list[dict[str, Any]]:
+    """The quiet and the busy first start of `model` from `install`, both servers kept
+    until their speed is measured in turn (1 stream on each, then 32 streams on each, each
+    repeat): the machine's own drift (a VM slower by a third for minutes) lands on both
+    alike. Then each cache's warm starts. One row each."""
+    starts: list[FirstStart] = []
     try:
-        log = "\n".join(server.startup_log)
-        choice = CHOICE_LINE.search(log)
-        native = NATIVE_LINE.search(log)
-        served = server.model_name or model
+        for busy in (False, True):
+            starts.append(first_start(install, model, busy, config, scratch))
         quiet_after_start = wait_until_quiet()  # the spinners gone before the speed runs
         start_busy = cpu_info.busy_cpu_seconds()
         start_wall = time.monotonic()
-        single, many = [], []
         for _ in range(config.repeats):
-            single.append(tokens_per_second(url, served, 1, config.single_prompts, config))
-            many.append(tokens_per_second(url, served, 32, 32, config))
+            for start in starts:
+                start.single.append(tokens_per_second(
+                    start.url, start.server.model_name or model, 1, config.single_prompts,
+                    config))
+            for start in starts:
+                start.many.append(tokens_per_second(
+                    start.url, start.server.model_name or model, 32, 32, config))
         speed_busy = (None if start_busy is None else (cpu_info.busy_cpu_seconds() - start_busy)
                       / (time.monotonic() - start_wall))
     finally:
-        server.stop()
+        for start in starts:
+            start.server.stop()
+    return [_row(install, model, start, config, quiet_after_start, speed_busy)
+            for start in starts]
+
+
+def _row(install: Install, model: str, start: FirstStart, config: StartupConfig,
+         quiet_after_start: float | None, speed_busy: float | None) -> dict[str, Any]:
+    log = "\n".join(start.server.startup_log)
+    choice = CHOICE_LINE.search(log)
+    native = NATIVE_LINE.search(log)
     warm_s = []
     for _ in range(config.repeats):
-        warm, _, seconds = started(install, model, cache, config.server_args)
+        warm, _, seconds = started(install, model, start.cache, config.server_args)
         warm_log = "\n".join(warm.startup_log)
         warm.stop()
         warm_s.append(seconds)
     warm_choice = CHOICE_LINE.search(warm_log)
+    busy = start.busy
     return {"model": model, "install": install.label, "first_start": "busy" if busy else "quiet",
-            "busy_processes": config.busy if busy else 0, "load_average_before": load_before,
-            "cores_busy_before": quiet_before, "cores_busy_before_speed": quiet_after_start,
+            "busy_processes": config.busy if busy else 0, "load_average_before": start.load_before,
+            "cores_busy_before": start.cores_busy_before,
+            "cores_busy_before_speed": quiet_after_start,
             "cores_busy_during_speed": speed_busy,
             "choice": choice.group(0) if choice else None,
             "format": _format(choice.group(0)) if choice else None,
             "kernels": native.group(0) if native else None,
-            "first_start_s": first_s, "warm_start_s": statistics.median(warm_s),
+            "first_start_s": start.seconds, "warm_start_s": statistics.median(warm_s),
             "warm_start_runs": warm_s,
             "warm_choice": warm_choice.group(0) if warm_choice else None,
-            "tok_s_1": statistics.median(judged(single)), "tok_s_1_runs": single,
-            "tok_s_32": statistics.median(judged(many)), "tok_s_32_runs": many}
+            "tok_s_1": statistics.median(judged(start.single)), "tok_s_1_runs": start.single,
+            "tok_s_32": statistics.median(judged(start.many)), "tok_s_32_runs": start.many}
 
 
 def judged(runs: list[float]) -> list[float]:
@@ -223,17 +265,25 @@ def spread(runs: list[float]) -> float:
 
 
 def same_speed(quiet: dict[str, Any], busy: dict[str, Any]) -> list[str]:
-    """Per stream count, the busy-started server's median speed against the quiet-started
-    one's, and whether the gap lies within the noise: the larger of the two rows' spreads
-    (a row measured once has none, and no verdict)."""
+    """Per stream count, the busy-started server's speed against the quiet-started one's,
+    run by run (the two measured in turn): the median ratio, and whether the gap lies
+    within the noise: the ratios fall on both sides of 1, or the gap is within the larger
+    of the two rows' spreads (fewer than two judged runs: no verdict)."""
     lines = []
     for key, label in (("tok_s_1", "1 stream"), ("tok_s_32", "32 streams")):
-        noise = max(spread(quiet.get(f"{key}_runs", [])), spread(busy.get(f"{key}_runs", [])))
-        ratio = busy[key] / quiet[key]
-        verdict = ("no repeats, no verdict" if noise == 0 else
-                   "the same speed within noise" if abs(ratio - 1) <= noise else
-                   "**a different speed**: outside the noise")
-        lines.append(f"{label} {ratio:.2f}x (runs' spread {noise:.0%}): {verdict}")
+        pairs = list(zip(judged(quiet.get(f"{key}_runs", [])),
+                         judged(busy.get(f"{key}_runs", [])), strict=False))
+        if len(pairs) < 2:
+            lines.append(f"{label} {busy[key] / quiet[key]:.2f}x: too few runs for a verdict")
+            continue
+        ratios = [b / q for q, b in pairs]
+        ratio = statistics.median(ratios)
+        noise = max(spread(quiet[f"{key}_runs"]), spread(busy[f"{key}_runs"]))
+        within = min(ratios) <= 1 <= max(ratios) or abs(ratio - 1) <= noise
+        lines.append(f"{label} {ratio:.2f}x (runs {min(ratios):.2f}-{max(ratios):.2f}x; "
+                     f"runs' spread {noise:.0%}): "
+                     + ("the same speed within noise" if within
+                        else "**a different speed**: outside the noise"))
     return lines
 
 
@@ -246,9 +296,9 @@ def run_startup(config: StartupConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="llmserve-startup-") as tmp:
         for model in config.models:
             for install in config.installs:
-                for busy in (False, True):
-                    rows.append(run_row(install, model, busy, config, Path(tmp)))
-                    print(format_row(rows[-1]), flush=True)
+                for row in run_pair(install, model, config, Path(tmp)):
+                    rows.append(row)
+                    print(format_row(row), flush=True)
     return {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows,
             "config": {"busy": config.busy, "single_prompts": config.single_prompts,
                        "repeats": config.repeats,

@@ -73,11 +73,11 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        ranks = start_ranks(config, loaded, self.device, self.dtype)
+        ranks, quantization = start_ranks(config, loaded, self.device, self.dtype)
         if config.num_threads is not None:
             set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(
-            config.model, self.dtype, self.device, config.weight_quantization,
+            config.model, self.dtype, self.device, quantization,
             # adapters change which ops a step runs: no compiled step under them
             config.enforce_eager or config.enable_lora, tp=ranks.tp if ranks else None,
         )

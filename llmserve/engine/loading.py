@@ -26,7 +26,7 @@ from llmserve.kv_tier import (
 from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 from llmserve.layers.pooler import Pooler
 from llmserve.loader.attention_choice import choose_attention
-from llmserve.loader.model_loader import LoadedModel
+from llmserve.loader.model_loader import LoadedModel, decide_auto
 from llmserve.memory import parse_size
 from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
@@ -96,12 +96,15 @@ def attention_backend_name(config: EngineConfig, device: torch.device, dtype: to
 
 
 def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.device,
-                dtype: torch.dtype) -> TensorParallelExecutor | None:
+                dtype: torch.dtype) -> tuple[TensorParallelExecutor | None, str | None]:
     """Under tensor parallelism: start (or meet) the other ranks and tell them what to
-    load; they load their shares while this rank loads its own."""
+    load; they load their shares while this rank loads its own. Returns them and the
+    weights' format every rank loads ("auto" decided once, here, before they start:
+    `decide_auto`); without tensor parallelism (None, the configured format)."""
     size = config.tensor_parallel_size
+    quantization = config.weight_quantization
     if size == 1:
-        return None
+        return None, quantization
     if loaded is not None:
         raise ValueError("tensor_parallel_size > 1 loads its own shards; it cannot take "
                          "an already loaded model")
@@ -109,11 +112,13 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
     if config.num_threads is None:
         set_num_threads(threads)
+    if quantization == "auto":
+        quantization = decide_auto(config.model, device)
     executor = make_executor(config.distributed_executor_backend, size, device, threads)
-    executor.start_workers(WorkerSpec(config.model, dtype, str(device),
-                                      config.weight_quantization, threads, config.seed))
+    executor.start_workers(WorkerSpec(config.model, dtype, str(device), quantization, threads,
+                                      config.seed))
     logger.info("tensor parallel: %d ranks, %d threads each", size, threads)
-    return executor
+    return executor, quantization
 
 
 def build_speculator(config: EngineConfig, loaded: LoadedModel, device: torch.device,

@@ -62,6 +62,19 @@ def auto_quantization(stored: str | None, device: torch.device,
     return _auto_choice(stored, device, config, block_type)[0]
 
 
+def decide_auto(spec: str | None, device: str | torch.device) -> str | None:
+    """What "auto" runs for model `spec` on `device`, decided before any rank loads it
+    (tensor parallelism: one decision, timed while this process runs alone, for every
+    rank; timed by each beside the others loading, every rank judged the machine busy and
+    none cached it). A Hugging Face folder's stored format is known once loaded: "auto"
+    is returned and each rank decides at load, as before."""
+    source = resolve_model(spec)
+    if source.kind != "gguf":
+        return "auto"
+    return _auto_choice(gguf_stored_quantization(source.path), torch.device(device),
+                        read_gguf_config(source.path), gguf_main_block_type(source.path))[0]
+
+
 def _auto_choice(stored: str | None, device: torch.device, config: ModelConfig | None,
                  block_type: str) -> tuple[str | None, KernelChoice | None]:
     """`auto_quantization`, and the timed or cached decision behind it (None: none)."""

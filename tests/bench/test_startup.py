@@ -43,21 +43,25 @@ def test_the_table_has_a_row_per_start():
     assert "9.2" in text and "61.5" in text and "auto runs int4 (measured" in text
 
 
-def test_a_busy_start_is_judged_against_the_quiet_one_with_the_runs_spread_as_noise():
+def test_a_busy_start_is_judged_against_the_quiet_one_run_by_run():
     quiet = {"model": "m", "install": "this", "first_start": "quiet", "format": "int4-a8",
              "first_start_s": 6.0, "warm_start_s": 2.6, "kernels": None, "choice": "c",
              "tok_s_1": 100.0, "tok_s_1_runs": [50.0, 90.0, 110.0],
              "tok_s_32": 250.0, "tok_s_32_runs": [100.0, 245.0, 255.0]}
-    busy = quiet | {"first_start": "busy", "tok_s_1": 105.0, "tok_s_1_runs": [60.0, 104.0, 106.0],
+    # run by run, 1 stream: 1.16x and 0.95x (either side of 1); 32 streams: 0.81x and 0.79x,
+    # both below 1 and 20 % off, where the runs lie 4 % apart
+    busy = quiet | {"first_start": "busy", "tok_s_1": 99.0, "tok_s_1_runs": [60.0, 104.0, 104.5],
                     "tok_s_32": 200.0, "tok_s_32_runs": [90.0, 199.0, 201.0]}
     # the first run is the fresh server's warm-up: neither the speed nor the noise
     assert startup.judged([50.0, 90.0, 110.0]) == [90.0, 110.0]
     assert startup.spread([50.0, 90.0, 110.0]) == 0.2
     one, many = startup.same_speed(quiet, busy)
-    assert one == "1 stream 1.05x (runs' spread 20%): the same speed within noise"
-    assert many.startswith("32 streams 0.80x (runs' spread 4%): **a different speed**")
+    assert one == "1 stream 1.05x (runs 0.95-1.16x; runs' spread 20%): the same speed within noise"
+    assert many.startswith("32 streams 0.80x (runs 0.79-0.81x; runs' spread 4%): **a different")
     text = startup.format_startup({"rows": [quiet, busy]})
     assert "m / this: same format; 1 stream 1.05x" in text
     other = busy | {"format": "float32"}
     assert "**another format** (int4-a8 vs float32)" in startup.format_startup(
         {"rows": [quiet, other]})
+    once = {"tok_s_1_runs": [100.0], "tok_s_32_runs": [100.0], "tok_s_1": 100.0, "tok_s_32": 1.0}
+    assert startup.same_speed(once, once)[0] == "1 stream 1.00x: too few runs for a verdict"

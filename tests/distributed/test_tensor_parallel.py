@@ -220,3 +220,36 @@ def test_speculative_decoding_under_tp_is_lossless(smollm2_gguf, smollm2_llm):
         assert llm.engine.speculator.stats.num_accepted_tokens > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_auto_is_decided_once_for_every_rank(smollm2_gguf, monkeypatch):
+    """Under tensor parallelism "auto" is decided by rank 0 before the others start, and
+    every rank loads that format (timed by each rank beside the others loading, every one
+    judged the machine busy: nothing was ever cached, and ranks could differ)."""
+    from llmserve.config.engine import EngineConfig
+    from llmserve.engine import loading
+    from llmserve.loader import model_loader
+    from llmserve.loader.kernel_choice import KernelChoice
+
+    timed = []
+
+    def choose(stored, config, block_type="Q4_K", retime=False):
+        timed.append(stored)
+        return KernelChoice("int4", {}, "cached", "in a test")
+
+    class Ranks:
+        specs = []
+
+        def start_workers(self, spec):
+            self.specs.append(spec)
+
+    monkeypatch.setattr(model_loader, "choose_quantization", choose)
+    monkeypatch.setattr(loading, "make_executor", lambda *args: Ranks())
+    monkeypatch.setattr(loading, "set_num_threads", lambda threads: None)
+    cpu = torch.device("cpu")
+    config = EngineConfig(model=str(smollm2_gguf), tensor_parallel_size=2)
+    ranks, quantization = loading.start_ranks(config, None, cpu, torch.float32)
+    assert quantization == "int4" and timed == ["int4"]  # a Q4_1 file, decided once
+    assert [spec.quantization for spec in ranks.specs] == ["int4"]
+    alone = EngineConfig(model=str(smollm2_gguf))
+    assert loading.start_ranks(alone, None, cpu, torch.float32) == (None, "auto")

@@ -15,7 +15,9 @@ level). Where "auto" chose the format, the entry also names the cached decision 
 followed and is used only while that decision stands (`llmserve bench kernels --retime`
 that changes it, or a quiet start replacing it, means a fresh load). A choice a busy
 machine made is not cached (kernel_choice.py) and neither is the model loaded under
-it. One entry is kept per request (a newer one replaces it); an entry is not
+it. An entry is a pickle the server wrote: it is read only where this user owns it, its
+folder and the cache folder, and no other user may write to them (SECURITY.md). One
+entry is kept per request (a newer one replaces it); an entry is not
 written where it would leave the disk with less than MIN_FREE_FRACTION free; one that
 cannot be read is removed and the model loaded from its files. Only quantized models
 on the CPU are kept (a float copy would be the checkpoint's size again and more).
@@ -124,8 +126,13 @@ def load(entry: Entry) -> dict[str, Any] | None:
         logger.info("the kept %s was loaded under another kernel decision: loading it "
                     "again", meta.get("source"))
         return None
+    if (unsafe := _unsafe(data_path)) is not None:
+        logger.warning("not reading the kept weights %s: %s", data_path, unsafe)
+        return None
     start = time.perf_counter()
     try:
+        # pickled, by this package: read only from this user's own folder (`_unsafe`),
+        # trusted as the kernel library it loads from beside it is (SECURITY.md)
         parts = torch.load(data_path, mmap=True, weights_only=False)
     except Exception as exc:  # noqa: BLE001 - a damaged entry: load from the files
         logger.warning("cannot read the kept weights %s (%s): loading from the model's "
@@ -135,6 +142,23 @@ def load(entry: Entry) -> dict[str, Any] | None:
     logger.info("weights mapped from the cache in %.2f s (%s, %d MiB)",
                 time.perf_counter() - start, data_path.name, data_path.stat().st_size >> 20)
     return parts
+
+
+def _unsafe(path: Path) -> str | None:
+    """Why an entry must not be read (None: it may): it, its folder or the cache folder
+    above is not this user's, or any user may write to it (group write is left to the
+    user's group, as a umask of 002 makes every folder). An entry is a pickle: whoever can
+    write one runs code in the server, as whoever can write the kernel library beside it."""
+    for item in (path, path.parent, path.parent.parent):
+        try:
+            info = item.stat()
+        except OSError as exc:
+            return f"cannot check {item}: {exc}"
+        if hasattr(os, "getuid") and info.st_uid != os.getuid():
+            return f"{item} belongs to another user"
+        if info.st_mode & 0o002:
+            return f"others may write to {item}"
+    return None
 
 
 def store(entry: Entry, parts: dict[str, Any], decision_file: Path | None) -> None:
@@ -153,9 +177,10 @@ def store(entry: Entry, parts: dict[str, Any], decision_file: Path | None) -> No
     target = folder()
     start = time.perf_counter()
     try:
-        target.mkdir(parents=True, exist_ok=True)
+        target.mkdir(mode=0o755, parents=True, exist_ok=True)
         tmp = target / f"{key}.{os.getpid()}.tmp"
         _save(parts, tmp)
+        tmp.chmod(0o644)
         size = tmp.stat().st_size
         usage = shutil.disk_usage(target)
         if usage.free < usage.total * MIN_FREE_FRACTION:

@@ -166,3 +166,19 @@ def test_turned_off_it_keeps_nothing(smollm2_gguf, cache, loads, monkeypatch):
     load_model(str(smollm2_gguf), quantization="int8")
     load_model(str(smollm2_gguf), quantization="int8")
     assert loads == ["miss", "miss"] and _entries(cache) == []
+
+
+def test_an_entry_others_may_write_is_not_read(smollm2_gguf, cache, loads, caplog):
+    """An entry is a pickle: one that another user could have written is never read."""
+    load_model(str(smollm2_gguf), quantization="int8")
+    [entry] = _entries(cache)
+    for item, mode in ((entry, 0o666), (cache, 0o777)):
+        before = item.stat().st_mode
+        item.chmod(mode)
+        with caplog.at_level(logging.WARNING, logger="llmserve.loader.weight_cache"):
+            load_model(str(smollm2_gguf), quantization="int8")
+        item.chmod(before)
+        assert loads[-1] == "miss"
+        assert f"others may write to {item}" in caplog.records[-1].getMessage()
+    load_model(str(smollm2_gguf), quantization="int8")
+    assert loads[-1] == "hit"

@@ -50,8 +50,12 @@ def _entries(folder) -> list:
     return sorted(folder.glob("*.pt")) if folder.exists() else []
 
 
-@pytest.mark.parametrize(("family", "qtype"), [("llama", "Q4_K_M"), ("phi3", "Q8_0"),
-                                               ("gemma2", "Q4_K_M"), ("qwen3moe", "Q4_K_M")])
+# a K-quant mix and a mixture's experts in the default tier; an untied embedding on its own
+# blocks (Phi-3) and Gemma 2's norms and soft-capping under -m slow
+@pytest.mark.parametrize(("family", "qtype"), [
+    ("llama", "Q4_K_M"), ("qwen3moe", "Q4_K_M"),
+    pytest.param("phi3", "Q8_0", marks=pytest.mark.slow),
+    pytest.param("gemma2", "Q4_K_M", marks=pytest.mark.slow)])
 def test_a_kept_model_runs_the_bits_of_a_loaded_one(family, qtype, tmp_path, smollm2_gguf,
                                                     cache, loads):
     path = str(_family_file(family, qtype, tmp_path, smollm2_gguf))

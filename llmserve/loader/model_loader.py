@@ -71,8 +71,14 @@ def decide_auto(spec: str | None, device: str | torch.device) -> str | None:
     source = resolve_model(spec)
     if source.kind != "gguf":
         return "auto"
-    return _auto_choice(gguf_stored_quantization(source.path), torch.device(device),
-                        read_gguf_config(source.path), gguf_main_block_type(source.path))[0]
+    return _gguf_auto_choice(source.path, device, read_gguf_config(source.path))[0]
+
+
+def _gguf_auto_choice(path: Path, device: str | torch.device, config: ModelConfig
+                      ) -> tuple[str | None, KernelChoice | None]:
+    """`_auto_choice` for a GGUF file, from its header."""
+    return _auto_choice(gguf_stored_quantization(path), torch.device(device), config,
+                        gguf_main_block_type(path))
 
 
 def _auto_choice(stored: str | None, device: torch.device, config: ModelConfig | None,
@@ -166,9 +172,7 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
         # on the file's own blocks are then never dequantized
         config = read_gguf_config(source.path)
         if quantization == "auto":
-            quantization, choice = _auto_choice(
-                gguf_stored_quantization(source.path), torch.device(device), config,
-                gguf_main_block_type(source.path))
+            quantization, choice = _gguf_auto_choice(source.path, device, config)
         model = _new_model(config, tp, device, dtype)
 
         def on_blocks(blocks: dict) -> set[str]:

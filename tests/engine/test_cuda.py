@@ -85,12 +85,16 @@ def test_default_path_on_cuda_follows_the_exact_one(smollm2_gguf, cuda_llm, prom
     assert sum(a == f for a, f in zip(alone, fast, strict=False)) >= 3
 
 
-def test_host_memory_tier_on_cuda_gives_the_recomputed_output(smollm2_gguf):
+def test_host_memory_tier_on_cuda_gives_the_recomputed_output(smollm2_gguf, cuda_llm):
     """`kv_offload_gib` alone on CUDA: a pinned host-memory tier behind a cache too small
-    for the working set; every prompt read back equals its recomputation."""
-    small = {"dtype": "float32", "device": "cuda", "kv_cache_memory": 24 * 16 * 46080}
-    plain = LLM(str(smollm2_gguf), **small)
-    tiered = LLM(str(smollm2_gguf), kv_offload_gib=0.5, **small)
+    for the working set (24 blocks of 16 tokens, whatever the model's depth); every prompt
+    read back equals its recomputation."""
+    from llmserve.memory import kv_bytes_per_token
+
+    plain = cuda_llm
+    per_token = kv_bytes_per_token(plain.engine.loaded.config, torch.float32)
+    tiered = LLM(str(smollm2_gguf), kv_offload_gib=0.5, dtype="float32", device="cuda",
+                 kv_cache_memory=24 * 16 * per_token)
     assert tiered.engine.kv_tier.name == "host" and tiered.engine.kv_tier.pin
     prompts = [chat_ids(plain, f"Library {i}. " + "Tell me about the books here. " * 20 + t)
                for i, t in enumerate(TOPICS[:4])]

@@ -17,8 +17,10 @@ FORBIDDEN_KEYWORDS = {"trust_remote_code", "allow_pickle", "weights_only"}
 # Tensor-parallel ranks trust each other: workers unpickle rank 0's step messages, which
 # never come from a file or a client (SECURITY.md, "Not promised"). The weight cache reads
 # back the loaded models the server itself kept, from the user's own cache folder only
-# (SECURITY.md, "Model files cannot run code"; tests/loader/test_weight_cache.py).
-ALLOWED = {("executor/ranks.py", "pickle.loads"), ("loader/weight_cache.py", "torch.load")}
+# (SECURITY.md, "Model files cannot run code"; tests/loader/test_weight_cache.py): its
+# tensors through torch.load(weights_only=True), its object graph through an Unpickler.
+ALLOWED = {("executor/ranks.py", "pickle.loads"), ("loader/weight_cache.py", "torch.load"),
+           ("loader/weight_cache.py", "pickle.Unpickler")}
 
 
 def _dotted(node: ast.expr, aliases: dict[str, str]) -> str | None:
@@ -50,6 +52,10 @@ def _scan(source: str, where: str) -> list[str]:
     aliases = _aliases(tree)
     found = []
     for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):  # a subclass of an unpickler unpickles too
+            found += [(node.lineno, f"class ({name})") for name in
+                      (_dotted(base, aliases) for base in node.bases)
+                      if name in FORBIDDEN_CALLS and (where, name) not in ALLOWED]
         if not isinstance(node, ast.Call):
             continue
         name = _dotted(node.func, aliases)
@@ -76,7 +82,9 @@ def test_the_scan_sees_aliased_and_dotted_calls():
     nn.Module.eval() is not one."""
     source = ("import pickle as pk\nimport torch\nfrom numpy import load as npload\n"
               "pk.load(f)\ntorch.load(p)\nnpload(p)\neval('1')\nmodel.eval()\n"
-              "AutoModel.from_pretrained(p, trust_remote_code=True)\n")
+              "AutoModel.from_pretrained(p, trust_remote_code=True)\n"
+              "class Reader(pk.Unpickler):\n    pass\n")
     assert _scan(source, "probe.py") == [
         "probe.py:4: pickle.load()", "probe.py:5: torch.load()", "probe.py:6: numpy.load()",
-        "probe.py:7: eval()", "probe.py:9: trust_remote_code="]
+        "probe.py:7: eval()", "probe.py:9: trust_remote_code=",
+        "probe.py:10: class (pickle.Unpickler)"]

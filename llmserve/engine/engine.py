@@ -48,6 +48,7 @@ from llmserve.executor.ranks import CacheSpec
 from llmserve.kernels import set_num_threads
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache, resolve_kv_cache_dtype
+from llmserve.loader import weight_cache
 from llmserve.loader.model_loader import LoadedModel, load_model
 from llmserve.lora.adapter import LoRAError
 from llmserve.lora.manager import LoRAManager
@@ -156,6 +157,7 @@ class Engine:
             self.structured, config.kv_role)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._ids = itertools.count()
+        weight_cache.write_queued()  # the timings are done: keep the loaded weights now
 
     # ---- requests ----------------------------------------------------------------------
 

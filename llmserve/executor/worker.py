@@ -48,6 +48,7 @@ def serve_steps(ranks: Ranks) -> None:
     """Build this rank's model and cache as rank 0 says, then run steps until told to stop."""
     from llmserve.layers.attention.selector import attention_backend
     from llmserve.layers.kv_cache import KVCache
+    from llmserve.loader import weight_cache
     from llmserve.loader.model_loader import load_model
     from llmserve.spec_decode.cost import measure_step_costs
     from llmserve.worker.model_runner import ModelRunner
@@ -73,6 +74,7 @@ def serve_steps(ranks: Ranks) -> None:
     runner = ModelRunner(model, kv_cache, device, max_num_seqs=cache.max_num_seqs,
                          attention=attention, samples=False)
     logger.info("tensor-parallel rank %d of %d ready", ranks.tp.rank, ranks.tp.size)
+    weight_cache.write_queued()
     while True:
         try:
             kind, payload = broadcast_object(ranks.control)

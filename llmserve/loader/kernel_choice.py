@@ -216,7 +216,6 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
         timed = min(n, MAX_TIMED_ROWS)
         count *= n / timed
         base = torch.empty(min(timed, _RANDOM_ROWS), k).uniform_(-0.1, 0.1, generator=generator)
-        w = _tiled(base, timed)
         rows = {b: torch.empty(b, k).uniform_(-1, 1, generator=generator) for b in BATCHES}
         head = i == len(shapes) - 1
         kernels = {}
@@ -225,7 +224,7 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
             if kind == "kquant" and k % 256:
                 kind = "int8"  # a file stores such a matrix in another type: the fallback
             if kind not in kernels:
-                kernels[kind] = _kernel(kind, w, block_type, base)
+                kernels[kind] = _kernel(kind, base, timed, block_type)
             units += [Unit(_name(candidate), b, functools.partial(kernels[kind], rows[b]), count)
                       for b in BATCHES]
     return time_rounds(units, _name(candidates[0]), _TIME_PER_UNIT_S)
@@ -233,7 +232,8 @@ def time_candidates(candidates: tuple[str | None, ...], shapes: list[tuple[int, 
 
 # A timed weight is this many random rows repeated (the kernels' speed does not depend on
 # the values): drawing and quantizing every row of a 1B model's shapes took 1.4 s of its
-# first start's 3.7 s of timing.
+# first start's 3.7 s of timing. The float32 and int8 weights are packed from these rows
+# once and their packed rows repeated (packing them all was 0.9 s more).
 _RANDOM_ROWS = 512
 
 
@@ -242,35 +242,37 @@ def _tiled(rows: torch.Tensor, n: int) -> torch.Tensor:
     return rows.repeat(-(-n // rows.shape[0]), *(1,) * (rows.dim() - 1))[:n].contiguous()
 
 
-def _kernel(quantization: str | None, w: torch.Tensor, block_type: str = "Q4_K",
-            base: torch.Tensor | None = None):
-    """x -> y for weight `w` packed in `quantization`'s format ("kquant": random blocks of
-    GGUF type `block_type` of its shape). `base`: where `w` is these rows repeated (int8
-    then quantizes only them)."""
+def _kernel(quantization: str | None, base: torch.Tensor, n: int, block_type: str = "Q4_K"):
+    """x -> y for a weight of `n` rows, `base` repeated down, packed in `quantization`'s
+    format ("kquant": random blocks of GGUF type `block_type` of that shape)."""
     from llmserve.quantization.int4 import PackedInt4Weight, int4_linear
     from llmserve.quantization.int8 import PackedInt8Weight, int8_linear, quantize_rows
     from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
 
+    whole_repeats = n % len(base) == 0 and len(base) % 16 == 0  # whole blocks of channels
     if quantization == "kquant":
         from gguf import GGMLQuantizationType as QT
 
         from llmserve.quantization.kquant import PackedKQuantWeight, kquant_linear, random_blocks
 
-        n, k = w.shape
-        blocks = random_blocks(QT[block_type], n, k, np.random.default_rng(0))
+        blocks = random_blocks(QT[block_type], n, base.shape[1], np.random.default_rng(0))
         packed = PackedKQuantWeight([blocks])
         return lambda x: kquant_linear(x, packed)
     if quantization in ("int4", "int4-a8"):
-        packed = PackedInt4Weight(w, activation_bits=8 if quantization == "int4-a8" else 15)
+        packed = PackedInt4Weight(_tiled(base, n),
+                                  activation_bits=8 if quantization == "int4-a8" else 15)
         return lambda x: int4_linear(x, packed)
     if quantization == "int8":
-        if base is None:
-            packed = PackedInt8Weight(w)
+        if whole_repeats:
+            packed = PackedInt8Weight.from_codes(*quantize_rows(base)).repeated(n // len(base))
         else:
             codes, scale = quantize_rows(base)
-            packed = PackedInt8Weight.from_codes(_tiled(codes, len(w)), _tiled(scale, len(w)))
+            packed = PackedInt8Weight.from_codes(_tiled(codes, n), _tiled(scale, n))
         return lambda x: int8_linear(x, packed)
-    packed = PackedFloatWeight(w)
+    if whole_repeats:
+        packed = PackedFloatWeight(base).repeated(n // len(base))
+    else:
+        packed = PackedFloatWeight(_tiled(base, n))
     return lambda x: float_linear(x, packed)
 
 

@@ -4,9 +4,14 @@ Loading a quantized model costs more than reading it: a GGUF file's blocks are r
 for the kernels, float or 4-bit weights are quantized again, the vocabulary is parsed
 (2.8 s for a 1B Q4_K_M file on a 2-core Zen 3, 1.9 s for the 135M default model). The
 first load writes what it made (the model with its packed weights, the tokenizer, the
-config) with `torch.save`; a later start with the same request loads it with
-`torch.load(mmap=True)`: the tensors are pages of that file, mapped, not copied, and
-shared with the page cache and every other process serving the same model.
+config): `store` pickles the object graph at once, each tensor in it by its index in a
+list, and the tensors are written with `torch.save` once the engine is ready
+(`write_queued`), on a thread of their own, while the server serves (writing a 1B model's
+842 MiB took 0.7-1.8 s of its first start); a later start with the same request loads them
+with `torch.load(mmap=True)`: the tensors are pages of that file, mapped, not copied, and
+shared with the page cache and every other process serving the same model. The weights
+are never written after loading, so the tensors written later are the ones loaded; the
+graph, which the engine does change (adapters wrap layers), is the one loaded.
 
 An entry answers one request (the model's files by path, size and modification time;
 the quantization asked for; dtype, device, tensor-parallel rank) made by one build (the
@@ -24,14 +29,18 @@ on the CPU are kept (a float copy would be the checkpoint's size again and more)
 `LLMSERVE_WEIGHT_CACHE=0` turns the cache off.
 """
 
+import atexit
 import functools
 import hashlib
+import io
 import json
 import logging
 import os
+import pickle
 import shutil
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +53,8 @@ logger = logging.getLogger(__name__)
 
 ENV = "LLMSERVE_WEIGHT_CACHE"
 MIN_FREE_FRACTION = 0.10  # of the file system, left free after an entry is written
-_FORMAT = 1  # what an entry holds; a change makes every older entry a miss
+_FORMAT = 2  # what an entry holds; a change makes every older entry a miss
+EXIT_WAIT_S = 30.0  # at exit, how long an unfinished write may still take
 
 
 def enabled() -> bool:
@@ -131,9 +141,11 @@ def load(entry: Entry) -> dict[str, Any] | None:
         return None
     start = time.perf_counter()
     try:
-        # pickled, by this package: read only from this user's own folder (`_unsafe`),
-        # trusted as the kernel library it loads from beside it is (SECURITY.md)
-        parts = torch.load(data_path, mmap=True, weights_only=False)
+        stored = torch.load(data_path, mmap=True, weights_only=True)
+        # the graph was pickled by this package: read only from this user's own folder
+        # (`_unsafe`), trusted as the kernel library it loads from beside it is (SECURITY.md)
+        parts = _GraphUnpickler(io.BytesIO(stored["graph"].numpy().tobytes()),
+                                stored["tensors"]).load()
     except Exception as exc:  # noqa: BLE001 - a damaged entry: load from the files
         logger.warning("cannot read the kept weights %s (%s): loading from the model's "
                        "files", data_path, exc)
@@ -161,25 +173,132 @@ def _unsafe(path: Path) -> str | None:
     return None
 
 
+class _GraphPickler(pickle.Pickler):
+    """Pickles an object graph with each tensor in it replaced by its index in `tensors`."""
+
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.tensors = tensors
+        self._index: dict[int, int] = {}
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if not isinstance(obj, torch.Tensor):
+            return None
+        if (index := self._index.get(id(obj))) is None:
+            index = self._index[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return index
+
+
+class _GraphUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+        super().__init__(file)
+        self.tensors = tensors
+
+    def persistent_load(self, pid: Any) -> torch.Tensor:
+        return self.tensors[pid]
+
+
+@dataclass
+class _Write:
+    entry: Entry
+    decision: dict | None
+    graph: bytes
+    tensors: list[torch.Tensor] = field(repr=False)
+
+
+_queued: list[_Write] = []
+_writers: list[threading.Thread] = []
+_ready = False  # an engine is ready: writes start at once
+_lock = threading.Lock()
+
+
 def store(entry: Entry, parts: dict[str, Any], decision_file: Path | None) -> None:
     """Keep `parts` (the model and what goes with it) for `entry`; `decision_file`: the
-    cached kernel decision they were loaded under, if "auto" chose. Replaces the request's
-    earlier entries; skipped (and logged) where the disk is short or the parts cannot be
-    written."""
+    cached kernel decision they were loaded under, if "auto" chose. The object graph is
+    pickled now; the tensors are written once an engine is ready (`write_queued`), or at
+    exit. Replaces the request's earlier entries; skipped (and logged) where the disk is
+    short or the parts cannot be written."""
     if not enabled():
         return
-    key, source = entry.key, entry.source
     decision = None
     if decision_file is not None:
         if (sha := _file_digest(decision_file)) is None:
             return  # the decision was not cached (a read-only cache): nothing to follow
         decision = {"file": str(decision_file), "sha256": sha}
+    graph, tensors = io.BytesIO(), []
+    try:
+        _GraphPickler(graph, tensors).dump(parts)
+    except Exception as exc:  # noqa: BLE001 - an object that cannot be pickled
+        logger.warning("cannot keep the packed weights: %s", exc)
+        return
+    with _lock:
+        _queued.append(_Write(entry, decision, graph.getvalue(), tensors))
+        if _ready:
+            _start_writer()
+
+
+def write_queued() -> None:
+    """An engine is ready (its timings done): write the queued entries, and any stored
+    from now on, on a background thread."""
+    global _ready
+    with _lock:
+        _ready = True
+        _start_writer()
+
+
+def flush(timeout_s: float | None = None) -> bool:
+    """Wait for the entries queued so far to be written (those not yet started, here);
+    False if a write still runs after `timeout_s`."""
+    with _lock:
+        writers, pending = list(_writers), list(_queued)
+        _queued.clear()
+    for write in pending:
+        _write(write)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for writer in writers:
+        writer.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return not any(writer.is_alive() for writer in writers)
+
+
+def _start_writer() -> None:
+    # under _lock
+    if not _queued:
+        return
+    pending = list(_queued)
+    _queued.clear()
+    if not _writers:
+        atexit.register(_at_exit)
+    writer = threading.Thread(target=_write_all, args=(pending,), daemon=True,
+                              name="llmserve-weight-cache")
+    _writers.append(writer)
+    writer.start()
+
+
+def _write_all(pending: list[_Write]) -> None:
+    try:  # this thread at the lowest priority (Linux: a thread's own nice value)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass
+    for write in pending:
+        _write(write)
+
+
+def _at_exit() -> None:
+    if not flush(EXIT_WAIT_S):
+        logger.warning("exiting while the packed weights are still being written: not kept")
+
+
+def _write(write: _Write) -> None:
+    key, source = write.entry.key, write.entry.source
     target = folder()
     start = time.perf_counter()
     try:
         target.mkdir(mode=0o755, parents=True, exist_ok=True)
+        _sweep(target)
         tmp = target / f"{key}.{os.getpid()}.tmp"
-        _save(parts, tmp)
+        graph = torch.frombuffer(bytearray(write.graph), dtype=torch.uint8)
+        _save({"graph": graph, "tensors": write.tensors}, tmp)
         tmp.chmod(0o644)
         size = tmp.stat().st_size
         usage = shutil.disk_usage(target)
@@ -188,13 +307,13 @@ def store(entry: Entry, parts: dict[str, Any], decision_file: Path | None) -> No
             logger.info("not keeping the packed weights (%d MiB): under %.0f%% of the disk "
                         "is free", size >> 20, MIN_FREE_FRACTION * 100)
             return
-        for old in _entries_for(entry.request):
+        for old in _entries_for(write.entry.request):
             if old != key:
                 _remove(old)
         tmp.replace(target / f"{key}.pt")
         _write_json(target / f"{key}.json", {
-            "request": entry.request, "source": str(source.path), "bytes": size,
-            "decision": decision, "written": time.time()})
+            "request": write.entry.request, "source": str(source.path), "bytes": size,
+            "decision": write.decision, "written": time.time()})
     except Exception as exc:  # noqa: BLE001 - pickling or disk: the server runs without it
         logger.warning("cannot keep the packed weights in %s: %s", target, exc)
         for leftover in target.glob(f"{key}.*.tmp"):
@@ -202,6 +321,18 @@ def store(entry: Entry, parts: dict[str, Any], decision_file: Path | None) -> No
         return
     logger.info("kept the packed weights for the next start in %.2f s (%d MiB, %s)",
                 time.perf_counter() - start, size >> 20, target)
+
+
+def _sweep(target: Path) -> None:
+    """Remove the partial entries of processes that are gone (killed while writing)."""
+    for leftover in target.glob("*.*.tmp"):
+        try:
+            pid = int(leftover.suffixes[-2].lstrip("."))
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            leftover.unlink(missing_ok=True)
+        except (ValueError, IndexError, OSError):
+            continue
 
 
 def _save(parts: dict[str, Any], path: Path) -> None:

@@ -70,6 +70,19 @@ class PackedInt8Weight:
         """Columns a packed row holds (K padded for the kernel)."""
         return self.packed.shape[1]
 
+    def repeated(self, times: int) -> "PackedInt8Weight":
+        """This weight's rows repeated `times` times down, as packing the repeated rows
+        would make them (a kernel timing's weight, without quantizing and packing it all);
+        the row count must fill whole blocks of channels."""
+        if self.out_features % _N_ALIGN:
+            raise ValueError(f"{self.out_features} rows are not whole blocks of {_N_ALIGN}")
+        copy = PackedInt8Weight.__new__(PackedInt8Weight)
+        copy.__dict__.update(self.__dict__)
+        copy.out_features = self.out_features * times
+        copy.row_sums, copy.scale = self.row_sums.repeat(times), self.scale.repeat(times)
+        copy.packed = self.packed.repeat(times, 1)
+        return copy
+
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"qweight": self.packed, "row_sums": self.row_sums, "weight_scale": self.scale}
 

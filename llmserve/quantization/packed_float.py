@@ -39,6 +39,18 @@ class PackedFloatWeight:
     def tensors(self) -> dict[str, torch.Tensor]:
         return {"packed_weight": self.packed}
 
+    def repeated(self, times: int) -> "PackedFloatWeight":
+        """This weight's rows repeated `times` times down, as packing the repeated rows
+        would make them (a kernel timing's weight, without packing it all); the row count
+        must fill whole blocks of channels."""
+        if self.out_features % _N_ALIGN:
+            raise ValueError(f"{self.out_features} rows are not whole blocks of {_N_ALIGN}")
+        copy = PackedFloatWeight.__new__(PackedFloatWeight)
+        copy.__dict__.update(self.__dict__)
+        copy.out_features = self.out_features * times
+        copy.packed = self.packed.repeat(times, 1, 1)
+        return copy
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (T,) of the unpacked weight, `(T, K)` (embedding lookups)."""
         return self.packed[ids // _N_ALIGN, :, ids % _N_ALIGN]

@@ -239,3 +239,30 @@ def test_a_choice_beside_busy_processes_picks_what_a_quiet_one_picks(tmp_path, m
 
 def json_of(path) -> dict:
     return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("kind", ["int8", None])
+@pytest.mark.parametrize("rows", [1536, 700])
+def test_a_timed_weight_is_the_repeated_rows_packed_as_a_whole(kind, rows, kernel_level):
+    """float32's and int8's timed weights are their random rows packed once, the packed
+    rows repeated (where the rows fill whole blocks): the same bytes and the same products
+    as packing the repeated rows whole."""
+    import torch
+
+    from llmserve.quantization.int8 import PackedInt8Weight, int8_linear, quantize_rows
+    from llmserve.quantization.packed_float import PackedFloatWeight, float_linear
+
+    base = torch.empty(512, 192).uniform_(-0.1, 0.1)
+    x = torch.empty(3, 192).uniform_(-1, 1)
+    timed = kernel_choice._kernel(kind, base, rows)
+    whole = kernel_choice._tiled(base, rows)
+    if kind == "int8":
+        codes, scale = quantize_rows(whole)
+        reference, linear = PackedInt8Weight.from_codes(codes, scale), int8_linear
+    else:
+        reference, linear = PackedFloatWeight(whole), float_linear
+    assert torch.equal(timed(x), linear(x, reference))
+    if rows % 512 == 0:
+        repeated = (PackedInt8Weight.from_codes(*quantize_rows(base)) if kind == "int8"
+                    else PackedFloatWeight(base)).repeated(rows // 512)
+        assert torch.equal(repeated.packed, reference.packed)

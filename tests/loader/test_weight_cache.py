@@ -16,11 +16,20 @@ from tests.models.test_llama_reference import full_logits, per_op_logits
 IDS = list(range(100, 140))
 
 
+def load(*args, **kwargs):
+    """`load_model`, then its entry written (a server writes it once its engine is ready,
+    on a thread of its own)."""
+    loaded = load_model(*args, **kwargs)
+    assert weight_cache.flush(120)
+    return loaded
+
+
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     folder = tmp_path / "weights"
     monkeypatch.setenv(weight_cache.ENV, "1")
     monkeypatch.setattr(weight_cache, "folder", lambda: folder)
+    monkeypatch.setattr(weight_cache, "_ready", False)  # no engine is: writes wait
     return folder
 
 
@@ -59,9 +68,9 @@ def _entries(folder) -> list:
 def test_a_kept_model_runs_the_bits_of_a_loaded_one(family, qtype, tmp_path, smollm2_gguf,
                                                     cache, loads):
     path = str(_family_file(family, qtype, tmp_path, smollm2_gguf))
-    loaded = load_model(path, quantization="kquant")
+    loaded = load(path, quantization="kquant")
     assert loads == ["miss"] and len(_entries(cache)) == 1
-    kept = load_model(path, quantization="kquant")
+    kept = load(path, quantization="kquant")
     assert loads == ["miss", "hit"]
     assert kept.model is not loaded.model and kept.model.native_layers is not None
     assert kept.quantization == loaded.quantization == "kquant"
@@ -98,9 +107,9 @@ def test_the_default_model_kept_under_auto(smollm2_gguf, cache, loads, decided, 
     from llmserve import SamplingParams
     from tests.engines import llm_on
 
-    loaded = load_model(str(smollm2_gguf), quantization="auto")
+    loaded = load(str(smollm2_gguf), quantization="auto")
     with caplog.at_level(logging.INFO, logger="llmserve.loader.model_loader"):
-        kept = load_model(str(smollm2_gguf), quantization="auto")
+        kept = load(str(smollm2_gguf), quantization="auto")
     assert loads == ["miss", "hit"]
     assert kept.quantization == loaded.quantization == "int4-a8"
     assert any(r.getMessage().startswith("auto runs int4-a8 (cached; 3 rounds; in a test")
@@ -118,16 +127,16 @@ def test_an_entry_answers_only_its_request_and_files(tmp_path, smollm2_gguf, cac
 
     path = tmp_path / "model.gguf"
     shutil.copy(smollm2_gguf, path)
-    load_model(str(path), quantization="int8")
-    load_model(str(path), quantization="int4")  # another request: its own entry
+    load(str(path), quantization="int8")
+    load(str(path), quantization="int4")  # another request: its own entry
     assert loads == ["miss", "miss"] and len(_entries(cache)) == 2
-    load_model(str(path), quantization="int8")
+    load(str(path), quantization="int8")
     assert loads[-1] == "hit"
     stat = path.stat()  # the file changed: loaded again, and its old entry replaced
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
-    load_model(str(path), quantization="int8")
+    load(str(path), quantization="int8")
     assert loads[-1] == "miss" and len(_entries(cache)) == 2
-    load_model(str(path), quantization=None)  # the exact float path is never kept
+    load(str(path), quantization=None)  # the exact float path is never kept
     assert len(loads) == 4 and len(_entries(cache)) == 2
 
 
@@ -135,12 +144,12 @@ def test_a_changed_decision_or_a_busy_one_is_not_followed(smollm2_gguf, cache, l
                                                          monkeypatch):
     from llmserve.loader import model_loader
 
-    load_model(str(smollm2_gguf), quantization="auto")
-    load_model(str(smollm2_gguf), quantization="auto")
+    load(str(smollm2_gguf), quantization="auto")
+    load(str(smollm2_gguf), quantization="auto")
     assert loads == ["miss", "hit"]
     saved = json.loads(decided.read_text())
     decided.write_text(json.dumps(saved | {"why": "4 rounds; retimed"}))  # `--retime`
-    load_model(str(smollm2_gguf), quantization="auto")
+    load(str(smollm2_gguf), quantization="auto")
     assert loads[-1] == "miss" and len(_entries(cache)) == 1  # and kept afresh
 
     # a busy machine's choice: the model it loads is not kept
@@ -149,16 +158,16 @@ def test_a_changed_decision_or_a_busy_one_is_not_followed(smollm2_gguf, cache, l
     busy = KernelChoice("int4-a8", {}, "busy", "others used 1.0 of 2 cores")
     monkeypatch.setattr(model_loader, "choose_quantization",
                         lambda stored, config, block_type="Q4_K", retime=False: busy)
-    assert load_model(str(smollm2_gguf), quantization="auto").quantization == "int4-a8"
+    assert load(str(smollm2_gguf), quantization="auto").quantization == "int4-a8"
     assert _entries(cache) == []
 
 
 def test_a_damaged_entry_is_removed_and_the_files_loaded(smollm2_gguf, cache, loads, caplog):
-    loaded = load_model(str(smollm2_gguf), quantization="int8")
+    loaded = load(str(smollm2_gguf), quantization="int8")
     [entry] = _entries(cache)
     entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 3])
     with caplog.at_level(logging.WARNING, logger="llmserve.loader.weight_cache"):
-        again = load_model(str(smollm2_gguf), quantization="int8")
+        again = load(str(smollm2_gguf), quantization="int8")
     assert loads == ["miss", "miss"]
     assert any("cannot read the kept weights" in r.getMessage() for r in caplog.records)
     assert torch.equal(full_logits(again.model, IDS), full_logits(loaded.model, IDS))
@@ -167,22 +176,63 @@ def test_a_damaged_entry_is_removed_and_the_files_loaded(smollm2_gguf, cache, lo
 
 def test_turned_off_it_keeps_nothing(smollm2_gguf, cache, loads, monkeypatch):
     monkeypatch.setenv(weight_cache.ENV, "0")
-    load_model(str(smollm2_gguf), quantization="int8")
-    load_model(str(smollm2_gguf), quantization="int8")
+    load(str(smollm2_gguf), quantization="int8")
+    load(str(smollm2_gguf), quantization="int8")
     assert loads == ["miss", "miss"] and _entries(cache) == []
 
 
 def test_an_entry_others_may_write_is_not_read(smollm2_gguf, cache, loads, caplog):
     """An entry is a pickle: one that another user could have written is never read."""
-    load_model(str(smollm2_gguf), quantization="int8")
+    load(str(smollm2_gguf), quantization="int8")
     [entry] = _entries(cache)
     for item, mode in ((entry, 0o666), (cache, 0o777)):
         before = item.stat().st_mode
         item.chmod(mode)
         with caplog.at_level(logging.WARNING, logger="llmserve.loader.weight_cache"):
-            load_model(str(smollm2_gguf), quantization="int8")
+            load(str(smollm2_gguf), quantization="int8")
         item.chmod(before)
         assert loads[-1] == "miss"
         assert f"others may write to {item}" in caplog.records[-1].getMessage()
-    load_model(str(smollm2_gguf), quantization="int8")
+    load(str(smollm2_gguf), quantization="int8")
     assert loads[-1] == "hit"
+
+
+def test_an_entry_is_written_once_the_engine_is_ready(smollm2_gguf, cache, loads):
+    """The load only pickles the object graph; the tensors are written when an engine says
+    its timings are done, on a background thread, and the graph kept is the one loaded
+    even where the engine changes the model after (adapters wrap its layers)."""
+    loaded = load_model(str(smollm2_gguf), quantization="int8")
+    assert _entries(cache) == []
+    loaded.model.changed_after_loading = True
+    weight_cache.write_queued()
+    assert weight_cache.flush(120) and len(_entries(cache)) == 1
+    kept = load(str(smollm2_gguf), quantization="int8")
+    assert loads == ["miss", "hit"]
+    assert not hasattr(kept.model, "changed_after_loading")
+    assert torch.equal(full_logits(kept.model, IDS), full_logits(loaded.model, IDS))
+
+
+def test_an_engine_keeps_what_it_loaded(smollm2_gguf, cache, loads):
+    from llmserve import LLM
+
+    LLM(str(smollm2_gguf), quantization="int8", kv_cache_memory="32MiB")
+    assert weight_cache.flush(120) and len(_entries(cache)) == 1
+    LLM(str(smollm2_gguf), quantization="int8", kv_cache_memory="32MiB")
+    assert loads == ["miss", "hit"]
+
+
+def test_a_killed_writer_leaves_nothing_behind(smollm2_gguf, cache, loads):
+    """A partial entry of a process that is gone is removed by the next write; a live
+    process's is left alone."""
+    import os
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    cache.mkdir(parents=True)
+    dead, alive = cache / f"0123abcd.{gone}.tmp", cache / f"4567abcd.{os.getpid()}.tmp"
+    dead.write_bytes(b"partial")
+    alive.write_bytes(b"being written")
+    load(str(smollm2_gguf), quantization="int8")
+    assert not dead.exists() and alive.exists()

@@ -210,10 +210,16 @@ def _serve_arguments(sv: argparse.ArgumentParser) -> None:
     out.add_argument("--label", help="name of this server in the results and plots")
 
 
-def _soak_arguments(so: argparse.ArgumentParser) -> None:
+def _duration(text: str) -> float:
+    # imported when a duration is parsed: building the parser for every command imported
+    # the soak's module, and with it torch and httpx (0.2 s of `llmserve serve`'s start)
     from llmserve.bench.soak import parse_duration
 
-    duration = parsed(parse_duration)
+    return parse_duration(text)
+
+
+def _soak_arguments(so: argparse.ArgumentParser) -> None:
+    duration = parsed(_duration)
     target = so.add_argument_group("server (default: start `llmserve serve` on a free port)")
     target.add_argument("--base-url", help="soak this running server instead")
     target.add_argument("--server-pid", type=int,

@@ -281,6 +281,22 @@ def gguf_stored_quantization(path: str | Path) -> str | None:
     return stored_quantization(open_gguf(require_path(path, is_dir=False)).tensors)
 
 
+def gguf_file_type(path: str | Path) -> str:
+    """The type a GGUF file says it was quantized to (`general.file_type`: Q4_K_M, Q8_0,
+    F16...); where it says none, the type of most of its matrices' bytes."""
+    from gguf import LlamaFileType
+
+    file = open_gguf(require_path(path, is_dir=False))
+    value = file.metadata.get("general.file_type")
+    try:
+        return LlamaFileType(value).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (ValueError, TypeError):
+        size: dict[str, int] = {}
+        for t in file.tensors:
+            size[t.tensor_type.name] = size.get(t.tensor_type.name, 0) + t.data.nbytes
+        return max(size, key=size.get) if size else "unknown"
+
+
 def gguf_main_block_type(path: str | Path) -> str:
     """The GGUF type of most of a file's matrices on their own blocks (`main_block_type`
     of what `load_gguf` keeps as blocks), from its header alone."""

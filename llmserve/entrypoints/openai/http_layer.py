@@ -36,6 +36,7 @@ from llmserve.entrypoints.openai.protocol import (
     AnthropicErrorResponse,
     BadRequest,
     ErrorResponse,
+    OllamaErrorResponse,
     error_body,
 )
 
@@ -49,6 +50,7 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 ANTHROPIC_PREFIX = "/v1/messages"
+OLLAMA_PREFIX = "/api/"
 ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                          403: "permission_error", 404: "not_found_error",
                          413: "request_too_large", 429: "rate_limit_error",
@@ -65,9 +67,20 @@ def error_response(status: int, message: str, param: str | None = None,
                         status_code=status, headers=headers)
 
 
+def error_shape(path: str) -> tuple[str, str]:
+    """Whose error shape the route at `path` answers in, and its schema's name."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return "Anthropic's", "AnthropicErrorResponse"
+    if path.startswith(OLLAMA_PREFIX):
+        return "Ollama's", "OllamaErrorResponse"
+    return "OpenAI's", "ErrorResponse"
+
+
 def shaped(path: str, body: dict[str, Any], status: int) -> dict[str, Any]:
-    """An OpenAI error body as the route at `path` answers: unchanged, or in Anthropic's
-    shape on its routes."""
+    """An OpenAI error body as the route at `path` answers: unchanged, in Anthropic's shape
+    on its routes, in Ollama's (`{"error": message}`) on its."""
+    if path.startswith(OLLAMA_PREFIX):
+        return {"error": body["error"]["message"]}
     if not path.startswith(ANTHROPIC_PREFIX):
         return body
     return {"type": "error", "error": {"type": ANTHROPIC_ERROR_TYPES.get(status, "api_error"),
@@ -212,16 +225,14 @@ def _openapi_schema(app: FastAPI, settings: Any) -> dict[str, Any]:
     schemas = schema["components"]["schemas"]
     for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body
         schemas.pop(unused, None)
-    for model in (ErrorResponse, AnthropicErrorResponse):
+    for model in (ErrorResponse, AnthropicErrorResponse, OllamaErrorResponse):
         error_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        schemas.update(error_schema.pop("$defs"), **{model.__name__: error_schema})
+        schemas.update(error_schema.pop("$defs", {}), **{model.__name__: error_schema})
     if settings.api_key:
         schema["components"]["securitySchemes"] = {"apiKey": {"type": "http",
                                                               "scheme": "bearer"}}
     for path, operations in schema["paths"].items():
-        shape = "Anthropic's" if path.startswith(ANTHROPIC_PREFIX) else "OpenAI's"
-        model = "AnthropicErrorResponse" if path.startswith(ANTHROPIC_PREFIX) else \
-            "ErrorResponse"
+        shape, model = error_shape(path)
         error = {"content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model}"}}}}
         for operation in operations.values():

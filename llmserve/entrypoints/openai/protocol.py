@@ -9,7 +9,7 @@ import logging
 import time
 import uuid
 from dataclasses import fields
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
@@ -60,6 +60,10 @@ class BadRequest(ValueError):
         self.code = code
 
 
+# a route's refused fields: name -> (the values that leave it a no-op, why it is refused)
+Refusals = dict[str, tuple[tuple[Any, ...], str]]
+
+
 class OpenAIModel(BaseModel):
     """A request body: unknown fields are kept aside (and logged), not refused.
 
@@ -69,12 +73,15 @@ class OpenAIModel(BaseModel):
     """
 
     model_config = ConfigDict(extra="allow", str_max_length=2**40)
+    # the extras this body's route refuses (`refuse_set_fields`): not logged as ignored
+    REFUSED_FIELDS: ClassVar[Refusals] = {}
 
     @model_validator(mode="after")
     def _log_unknown_fields(self) -> "OpenAIModel":
-        if self.model_extra:  # names quoted (a newline in one cannot forge a log line), 8 at most
-            names = [repr(name[:40]) for name in list(self.model_extra)[:8]]
-            more = len(self.model_extra) - len(names)
+        ignored = [name for name in self.model_extra or () if name not in self.REFUSED_FIELDS]
+        if ignored:  # names quoted (a newline in one cannot forge a log line), 8 at most
+            names = [repr(name[:40]) for name in ignored[:8]]
+            more = len(ignored) - len(names)
             logger.info("ignoring unknown request fields: %s%s", ", ".join(names),
                         f" and {more} more" if more else "")
         return self
@@ -87,7 +94,7 @@ class OpenAIModel(BaseModel):
 # A field a route declares (chat's `tools`) is never an extra there, so is never refused there.
 _BEAM = "it applies to beam search, which is not served over HTTP"
 _CHAT_ONLY = "tool calls are served by /v1/chat/completions"
-UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+UNSUPPORTED_FIELDS: Refusals = {
     "use_beam_search": ((False,), "beam search is not served over HTTP (offline: "
                                   "LLM.beam_search)"),
     "length_penalty": ((1.0,), _BEAM),
@@ -111,7 +118,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 def refuse_set_fields(extra: dict[str, Any],
-                      table: dict[str, tuple[tuple[Any, ...], str]]) -> None:
+                      table: Refusals) -> None:
     """A 400 naming the first of `table`'s fields that `extra` sets to a value other than
     its no-ops (None always is one), with the table's reason."""
     for name, (no_ops, why) in table.items():
@@ -127,6 +134,8 @@ class StreamOptions(OpenAIModel):
 
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
+
+    REFUSED_FIELDS: ClassVar[Refusals] = UNSUPPORTED_FIELDS
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_BEST_OF)
@@ -277,15 +286,23 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIModel):
+    """/tokenize: a field it does not know is refused, not ignored (a tokenizer option it
+    dropped would give the client other ids than it asked for)."""
+
+    model_config = ConfigDict(extra="forbid", str_max_length=2**40)
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[ToolDefinition] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(OpenAIModel):
+    model_config = ConfigDict(extra="forbid", str_max_length=2**40)
     model: str | None = None
     tokens: list[int]
 
@@ -403,6 +420,14 @@ class AnthropicErrorResponse(BaseModel):
 
     type: Literal["error"]
     error: AnthropicErrorInfo
+
+
+class OllamaErrorResponse(BaseModel):
+    """Ollama's error shape, the body of every 4xx and 5xx of /api/..."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: str = Field(min_length=1)
 
 
 def error_body(message: str, type_: str, param: str | None = None,

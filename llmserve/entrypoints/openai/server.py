@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +44,7 @@ from llmserve.entrypoints.openai.protocol import (
     now,
 )
 from llmserve.entrypoints.openai.reasoning import resolve_parser
-from llmserve.entrypoints.openai.serving_base import SSEResponse
+from llmserve.entrypoints.openai.serving_base import respond
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_lora import (
@@ -58,6 +58,7 @@ from llmserve.entrypoints.openai.serving_messages import (
     CountTokensRequest,
     MessagesRequest,
 )
+from llmserve.entrypoints.openai.serving_ollama import OllamaServing, add_ollama_routes
 from llmserve.entrypoints.openai.serving_pooling import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -74,7 +75,6 @@ from llmserve.errors import LLMServeError
 
 API_KEY_ENV = "LLMSERVE_API_KEY"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
 # how /openapi.json describes a route that answers a stream when asked ("stream": true)
 _STREAMED: dict[int | str, Any] = {
     200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
@@ -149,19 +149,19 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
     @app.post("/v1/completions", responses=_STREAMED)
     async def create_completion(body: CompletionRequest, request: Request) -> Response:
         _read_flag_headers(body, request)
-        return await _respond(request, completions.create(body, _arrival(request)))
+        return await respond(request, completions.create(body, _arrival(request)))
 
     @app.post("/v1/chat/completions", responses=_STREAMED)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         _read_flag_headers(body, request)
-        return await _respond(request, chat.create(body, _arrival(request)))
+        return await respond(request, chat.create(body, _arrival(request)))
 
     messages = AnthropicServingMessages(chat)
     responses = OpenAIServingResponses(chat)
 
     @app.post("/v1/responses", responses=_STREAMED)
     async def create_response(body: ResponsesRequest, request: Request) -> Response:
-        return await _respond(request, responses.create(body, _arrival(request)))
+        return await respond(request, responses.create(body, _arrival(request)))
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> dict[str, Any]:
@@ -169,27 +169,29 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
 
     @app.post("/v1/messages", responses=_STREAMED)
     async def create_message(body: MessagesRequest, request: Request) -> Response:
-        return await _respond(request, messages.create(body, _arrival(request)))
+        return await respond(request, messages.create(body, _arrival(request)))
 
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(body: CountTokensRequest) -> dict[str, Any]:
         return await messages.count_tokens(body)
 
     pooling = OpenAIServingPooling(engine, settings.model_name)
+    add_ollama_routes(app, OllamaServing(chat, completions, pooling,
+                                         engine.engine.loaded.source.path), _arrival)
 
     @app.post("/v1/embeddings")
     async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
-        return await _respond(request, pooling.embeddings(body, _arrival(request)))
+        return await respond(request, pooling.embeddings(body, _arrival(request)))
 
     @app.post("/classify")
     async def classify(body: ClassificationRequest, request: Request) -> Response:
-        return await _respond(request, pooling.classify(body, _arrival(request)))
+        return await respond(request, pooling.classify(body, _arrival(request)))
 
     async def score(body: ScoreRequest, request: Request) -> Response:
-        return await _respond(request, pooling.score(body, _arrival(request)))
+        return await respond(request, pooling.score(body, _arrival(request)))
 
     async def rerank(body: RerankRequest, request: Request) -> Response:
-        return await _respond(request, pooling.rerank(body, _arrival(request)))
+        return await respond(request, pooling.rerank(body, _arrival(request)))
 
     for path in ("/v1/score", "/score"):
         app.post(path)(score)
@@ -219,13 +221,27 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
+            if body.continue_final_message and body.add_generation_prompt:
+                raise BadRequest("continue_final_message needs add_generation_prompt false",
+                                 param="continue_final_message")
             tools = [t.model_dump(exclude_none=True) for t in body.tools or ()] or None
-            ids = await engine.run_blocking(chat.prompt_ids, body.messages, tools,
-                                            body.add_generation_prompt)
+            ids = await engine.run_blocking(
+                chat.prompt_ids, body.messages, tools, body.add_generation_prompt,
+                body.chat_template_kwargs, body.continue_final_message,
+                bool(body.add_special_tokens))
         else:
+            for name in ("tools", "chat_template_kwargs"):
+                if getattr(body, name) is not None:
+                    raise BadRequest(f"{name} applies to messages", param=name)
+            if body.continue_final_message:
+                raise BadRequest("continue_final_message applies to messages",
+                                 param="continue_final_message")
             ids = await engine.run_blocking(tokenizer.encode, body.prompt,
-                                            body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+                                            body.add_special_tokens is not False)
+        answer = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = [tokenizer.id_to_token(i) for i in ids]
+        return answer
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -277,28 +293,6 @@ def _read_flag_headers(body: SamplingRequest, request: Request) -> None:
 
 def _arrival(request: Request) -> float:
     return request.scope["state"]["arrival_time"]
-
-
-async def _respond(request: Request, work: Awaitable[Any]) -> Response:
-    """Run the handler until it answers or the client goes (then it is cancelled: abort)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_client_gone(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    result = task.result()
-    if isinstance(result, dict):
-        return JSONResponse(result)
-    return SSEResponse(result)
-
-
-async def _client_gone(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 # ---- `llmserve serve` ---------------------------------------------------------------------

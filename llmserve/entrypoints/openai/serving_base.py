@@ -9,9 +9,11 @@ A stream runs `stream_response`; the routes differ only in their `ChunkFormatter
 import asyncio
 import json
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 
 from llmserve.engine.async_engine import (
@@ -341,6 +343,33 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
+
+
+async def respond(request: Request, work: Awaitable[Any],
+                  streamed: type[StreamingResponse] = SSEResponse) -> Response:
+    """Run the handler until it answers or the client goes (then it is cancelled: abort);
+    a dict answers as JSON, an iterator as `streamed` (server-sent events by default)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    result = task.result()
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return streamed(result)
+
+
+async def _client_gone(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def usage_of(outputs: list[RequestOutput]) -> tuple[int, int, int]:

@@ -14,7 +14,7 @@ Errors leave in Anthropic's shape (`{"type": "error", "error": {type, message}}`
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -22,6 +22,7 @@ from llmserve.entrypoints.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
     OpenAIModel,
+    Refusals,
     random_id,
     refuse_set_fields,
 )
@@ -66,6 +67,7 @@ class AnthropicTool(OpenAIModel):
 
 
 class CountTokensRequest(OpenAIModel):
+    REFUSED_FIELDS: ClassVar[Refusals] = _REFUSED
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[ContentBlock] | None = None
@@ -148,9 +150,7 @@ class AnthropicServingMessages:
         return {"id": message_id, "type": "message", "role": "assistant",
                 "model": chat["model"], "content": content, "stop_reason": stop_reason,
                 "stop_sequence": stop_sequence,
-                "usage": {"input_tokens": usage["prompt_tokens"],
-                          "output_tokens": usage["completion_tokens"],
-                          "cache_read_input_tokens": _cached(usage)}}
+                "usage": {**_input_usage(usage), "output_tokens": usage["completion_tokens"]}}
 
     async def _events(self, chunks: AsyncIterator[str], message_id: str,
                       stop_sequences: list[str]) -> AsyncIterator[str]:
@@ -192,8 +192,7 @@ class AnthropicServingMessages:
                     "id": message_id, "type": "message", "role": "assistant",
                     "model": chunk["model"], "content": [], "stop_reason": None,
                     "stop_sequence": None,
-                    "usage": {"input_tokens": usage.get("prompt_tokens", 0),
-                              "output_tokens": 0}}})
+                    "usage": {**_input_usage(usage), "output_tokens": 0}}})
             for choice in chunk["choices"]:
                 delta = choice.get("delta") or {}
                 if delta.get("content"):
@@ -223,7 +222,7 @@ class AnthropicServingMessages:
         yield _sse("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-            "usage": {"output_tokens": usage.get("completion_tokens", 0)}})
+            "usage": {**_input_usage(usage), "output_tokens": usage.get("completion_tokens", 0)}})
         yield _sse("message_stop", {"type": "message_stop"})
 
 
@@ -331,9 +330,14 @@ def _stop(choice: dict[str, Any], stop_sequences: list[str]) -> tuple[str, str |
     return _STOP_REASONS.get(reason, "end_turn"), None
 
 
-def _cached(usage: dict[str, Any]) -> int:
+def _input_usage(usage: dict[str, Any]) -> dict[str, int]:
+    """Anthropic's input counts from chat's usage: `input_tokens` leaves out the tokens read
+    from the prefix cache, which `cache_read_input_tokens` counts (the prompt is their
+    sum); nothing is written to a cache a client pays for."""
     details = usage.get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
+    cached = int(details.get("cached_tokens") or 0)
+    return {"input_tokens": usage.get("prompt_tokens", 0) - cached,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _sse(event: str, data: dict[str, Any]) -> str:

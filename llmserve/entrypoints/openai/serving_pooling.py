@@ -12,7 +12,7 @@ scheduler batches them; a refused one aborts the others (as completions do).
 import asyncio
 import base64
 import struct
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -21,6 +21,7 @@ from llmserve.engine.input_processor import RequestRejected
 from llmserve.entrypoints.openai.protocol import (
     BadRequest,
     OpenAIModel,
+    Refusals,
     now,
     refuse_set_fields,
 )
@@ -33,7 +34,7 @@ from llmserve.tokenizer import PromptTooLong
 MAX_INPUTS = 2048  # inputs (texts, token lists, documents) in one request
 # vLLM's pooling request fields that would change the answer and are not served here:
 # a 400 naming them, never dropped (fields no API defines are logged and ignored)
-_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+_REFUSED: Refusals = {
     "embed_dtype": (("float32",), "embeddings are float32"),
     "endianness": (("native", "little"), "base64 embeddings are little-endian float32"),
     "mm_processor_kwargs": (({},), "this server serves text-only models"),
@@ -46,6 +47,8 @@ _REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 class PoolingRequest(OpenAIModel):
     """Fields every pooling route shares (vLLM's)."""
+
+    REFUSED_FIELDS: ClassVar[Refusals] = _REFUSED
 
     model: str | None = None
     truncate_prompt_tokens: int | None = Field(None, ge=-1)

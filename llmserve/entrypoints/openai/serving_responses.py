@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, ValidationError
 
@@ -27,6 +27,7 @@ from llmserve.entrypoints.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
     OpenAIModel,
+    Refusals,
     refuse_set_fields,
 )
 from llmserve.entrypoints.openai.serving_base import chat_events
@@ -46,6 +47,7 @@ _REFUSED = {"background": ((False,), "background responses are not served"),
 
 
 class ResponsesRequest(OpenAIModel):
+    REFUSED_FIELDS: ClassVar[Refusals] = _REFUSED
     model: str | None = None
     input: str | Annotated[list[dict[str, Any]], Field(min_length=1)]
     instructions: str | None = None

@@ -46,8 +46,26 @@ def test_a_message_is_the_chat_answer(claude, chat_answer, client):
     assert message.content[0].text == chat_answer
     assert message.stop_reason in ("end_turn", "max_tokens")
     counted = claude.messages.count_tokens(model=MODEL, system=SYSTEM, messages=QUESTION)
-    assert message.usage.input_tokens == counted.input_tokens > 0
-    assert 0 < message.usage.output_tokens <= 24
+    usage = message.usage  # the prompt is what was read from the prefix cache and the rest
+    assert usage.input_tokens + usage.cache_read_input_tokens == counted.input_tokens > 0
+    assert 0 < usage.output_tokens <= 24
+
+
+def test_cached_tokens_are_counted_once_whole_and_streamed(claude):
+    """Anthropic's `input_tokens` leaves out the cache reads that `cache_read_input_tokens`
+    counts (the figures add up to the prompt), and a streamed answer says the same."""
+    question = [{"role": "user", "content": "Tell me about the books in this library. " * 4}]
+    counted = claude.messages.count_tokens(model=MODEL, messages=question).input_tokens
+    claude.messages.create(model=MODEL, max_tokens=2, messages=question, extra_body=GREEDY)
+    whole = claude.messages.create(model=MODEL, max_tokens=2, messages=question,
+                                   extra_body=GREEDY).usage
+    assert whole.cache_read_input_tokens > 0
+    assert whole.input_tokens + whole.cache_read_input_tokens == counted
+    with claude.messages.stream(model=MODEL, max_tokens=2, messages=question,
+                                extra_body=GREEDY) as stream:
+        streamed = stream.get_final_message().usage
+    assert (streamed.input_tokens, streamed.cache_read_input_tokens) == \
+        (whole.input_tokens, whole.cache_read_input_tokens)
 
 
 def test_a_streamed_message_is_the_whole_one(claude, chat_answer):

@@ -48,6 +48,16 @@ CASES = [
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
      "response_format"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    # /tokenize and /detokenize refuse what they do not know: a dropped tokenizer option
+    # would give other ids than asked for
+    ("/tokenize", {"prompt": "hi", "bogus_field": 1}, 400, "bogus_field"),
+    ("/tokenize", {"prompt": "hi", "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": USER, "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": USER, "chat_template": "{{ messages }}"}, 400,
+     "chat_template"),
+    ("/detokenize", {"tokens": [1], "skip_special": True}, 400, "skip_special"),
     # found by contract fuzzing and probing: each was a 500 or named the wrong field
     (COMPLETIONS, {"prompt": [5, 2**40], "echo": True}, 400, "prompt"),
     (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, 400, "seed"),
@@ -187,8 +197,8 @@ def chat_template(tokenizer, source: str) -> Iterator[None]:
 def test_a_template_that_fails_is_that_requests_400(server, client, template, reason):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     with chat_template(server.engine.tokenizer, template), server.http() as http:
-        for path in (CHAT, "/tokenize"):
-            error = _check_error(http.post(path, json={"messages": messages, "max_tokens": 2}),
+        for path, body in ((CHAT, {"max_tokens": 2}), ("/tokenize", {})):
+            error = _check_error(http.post(path, json={"messages": messages, **body}),
                                  400, "messages")
             assert error["param"] == "messages" and reason in error["message"], error
     resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
@@ -222,3 +232,32 @@ def test_lone_surrogates_are_400s_naming_where(server):
             resp = http.post(path, content=body.encode(),
                              headers={"Content-Type": "application/json"})
             assert _check_error(resp, 400, field)["param"] == field
+
+
+def test_tokenize_honours_what_it_accepts(server, tokenizer):
+    assistant = [*USER, {"role": "assistant", "content": "Hello the"}]
+    with server.http() as http:
+        continued = http.post("/tokenize", json={
+            "messages": assistant, "add_generation_prompt": False,
+            "continue_final_message": True}).json()["tokens"]
+        closed = http.post("/tokenize", json={
+            "messages": assistant, "add_generation_prompt": False}).json()["tokens"]
+        strs = http.post("/tokenize", json={"prompt": "Hello world",
+                                            "return_token_strs": True}).json()
+    assert tokenizer.decode(continued).endswith("Hello the")
+    assert len(closed) > len(continued) and closed[:len(continued)] == continued
+    assert strs["token_strs"] == [tokenizer.id_to_token(i) for i in strs["tokens"]]
+
+
+def test_a_refused_field_is_not_logged_as_ignored(server, caplog):
+    """A field the route refuses gets its 400, not also an "ignoring" line in the log; a
+    field nobody defines is logged as ignored."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="llmserve.entrypoints.openai.protocol"), \
+            server.http() as http:
+        refused = http.post(CHAT, json={"messages": USER, "use_beam_search": True})
+        served = http.post(CHAT, json={"messages": USER, "max_tokens": 1, "my_tag": 1})
+    assert refused.status_code == 400 and served.status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert logged == ["ignoring unknown request fields: 'my_tag'"]

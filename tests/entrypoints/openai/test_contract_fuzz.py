@@ -1,7 +1,7 @@
 """Contract fuzzing: schemathesis draws requests from the server's own /openapi.json (bodies
 that fit the schema, and bodies that break it) and sends them to a real server. No answer
 may be a 5xx; every 4xx is OpenAI's error shape, naming the field at fault where one is
-(Anthropic's shape on /v1/messages, which names no field)."""
+(Anthropic's shape on /v1/messages and Ollama's on /api/..., which name no field)."""
 
 import json
 import re
@@ -15,15 +15,24 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance
 
+from llmserve.entrypoints.openai.http_layer import error_shape
 from llmserve.entrypoints.openai.protocol import (
     AnthropicErrorResponse,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
+    OllamaErrorResponse,
     TokenizeRequest,
 )
 from llmserve.entrypoints.openai.serving_messages import CountTokensRequest, MessagesRequest
+from llmserve.entrypoints.openai.serving_ollama import (
+    OllamaChatRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaModelRequest,
+)
 from llmserve.entrypoints.openai.serving_pooling import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -42,7 +51,12 @@ BODIES = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatComp
           # handler: /score, /v1/rerank and /v2/rerank are listed, not fuzzed again)
           "/v1/embeddings": EmbeddingRequest, "/classify": ClassificationRequest,
           "/v1/score": ScoreRequest, "/score": ScoreRequest, "/rerank": RerankRequest,
-          "/v1/rerank": RerankRequest, "/v2/rerank": RerankRequest}
+          "/v1/rerank": RerankRequest, "/v2/rerank": RerankRequest,
+          # Ollama's (translated into the routes above; /api/embed and /api/embeddings
+          # answer 400 on a server that generates)
+          "/api/chat": OllamaChatRequest, "/api/generate": OllamaGenerateRequest,
+          "/api/embed": OllamaEmbedRequest, "/api/embeddings": OllamaEmbeddingsRequest,
+          "/api/show": OllamaModelRequest, "/api/pull": OllamaModelRequest}
 POOLING = ("/v1/embeddings", "/classify", "/v1/score", "/rerank")
 ALIASES = ("/score", "/v1/rerank", "/v2/rerank")
 # the lists of texts a pooling request may carry, capped as prompts are
@@ -78,6 +92,12 @@ def error_problem(status: int, content: bytes, path: str, body: Any) -> str | No
     exactly OpenAI's error shape; a 400 for a JSON object names the field at fault
     (`param`), and that field is one of the request's."""
     if status < 400:
+        return None
+    if path.startswith("/api/"):  # Ollama's shape: a message, naming no field apart
+        try:
+            OllamaErrorResponse.model_validate_json(content)
+        except ValueError as e:
+            return f"not Ollama's error shape: {e}"
         return None
     if path.startswith("/v1/messages"):
         try:
@@ -122,6 +142,13 @@ def _cheap(body: Any) -> Any:
         body["max_tokens"] = CAPS["max_tokens"]  # not the default 16
     if "input" in body and body.get("max_output_tokens") is None:
         body["max_output_tokens"] = CAPS["max_output_tokens"]
+    # Ollama's bodies: `options.num_predict` caps the answer (-1 and -2 ask for the whole
+    # context: capped too); on the other routes an `options` is an unknown field, ignored
+    if "messages" in body or "prompt" in body:
+        options = body.setdefault("options", {})
+        predict = options.get("num_predict") if isinstance(options, dict) else 0
+        if predict is None or isinstance(predict, int) and (predict > 3 or predict in (-1, -2)):
+            options["num_predict"] = CAPS["max_tokens"]  # 0 and below -2 stay: refused
     for name in POOLING_LISTS:
         value = body.get(name)
         if isinstance(value, str):
@@ -205,7 +232,7 @@ def test_the_schema_describes_every_route_and_its_errors(fuzzed_server):
     assert posts == set(BODIES)  # a new route with a body is fuzzed once it is listed here
     assert {"/v1/models", "/health", "/metrics", "/version"} <= set(spec["paths"])
     for path, ops in spec["paths"].items():
-        shape = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
+        shape = error_shape(path)[1]
         for op in ops.values():
             assert "422" not in op["responses"]
             assert op["responses"]["4XX"]["content"]["application/json"]["schema"] == {

@@ -52,6 +52,8 @@ def test_every_route_but_health_metrics_and_the_page_needs_the_key(keyed):
                     error = resp.json()["error"]
                     if path.startswith("/v1/messages"):  # Anthropic's shape
                         assert error["type"] == "authentication_error", error
+                    elif path.startswith("/api/"):  # Ollama's: the message alone
+                        assert isinstance(error, str) and "key" in error, error
                     else:
                         assert error["code"] == "invalid_api_key"
         spec = http.get("/openapi.json", headers=AUTH)

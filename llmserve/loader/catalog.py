@@ -311,6 +311,19 @@ def _is_verified(path: Path, sha256: str) -> bool:
     return True
 
 
+def file_sha256(path: Path) -> str:
+    """A file's sha256 (hex): from its fresh stamp where one is, else read and stamped."""
+    try:
+        stamped = _stamp_path(path).read_text().split()
+        if stamped and _stamp_key(path, stamped[0]) == " ".join(stamped) + "\n":
+            return stamped[0]
+    except OSError:
+        pass
+    sha256 = _sha256_file(path)
+    _write_stamp(path, sha256)
+    return sha256
+
+
 def _write_stamp(path: Path, sha256: str) -> None:
     try:
         _stamp_path(path).write_text(_stamp_key(path, sha256))

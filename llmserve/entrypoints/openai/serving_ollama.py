@@ -20,9 +20,11 @@ arrival to finish, `prompt_eval_duration` from scheduling to the first token,
 before the server listens). Errors are `{"error": "..."}` (http_layer.shaped).
 """
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -218,6 +220,12 @@ class OllamaServing:
         self.model_name = chat.model_name
         self.model_path = model_path
         self._digest: tuple[tuple, str] | None = None
+        # hashing a model file and pulling one take seconds to minutes: on a thread of
+        # their own, never the tokenizer pool other requests wait on
+        self._files = ThreadPoolExecutor(1, thread_name_prefix="llmserve-ollama-files")
+
+    async def _on_files_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._files, fn, *args)
 
     # ---- names -----------------------------------------------------------------------
 
@@ -471,7 +479,7 @@ class OllamaServing:
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
         if self._digest is None or self._digest[0] != stamp:
-            self._digest = (stamp, await self.engine.run_blocking(_sha256_of, files))
+            self._digest = (stamp, await self._on_files_thread(_sha256_of, files))
         return self._digest[1]
 
     # ---- pull and delete -------------------------------------------------------------
@@ -488,13 +496,13 @@ class OllamaServing:
 
         async def progress() -> AsyncIterator[str]:
             yield _line({"status": "pulling manifest"})
-            await self.engine.run_blocking(fetch_model, name, None, False)
+            await self._on_files_thread(fetch_model, name, None, False)
             yield _line({"status": "verifying sha256 digest"})
             yield _line({"status": "success"})
 
         if body.stream:
             return progress()
-        await self.engine.run_blocking(fetch_model, name, None, False)
+        await self._on_files_thread(fetch_model, name, None, False)
         return {"status": "success"}
 
     def delete(self, body: OllamaModelRequest) -> None:
@@ -711,15 +719,12 @@ def _modified(path: Path | None) -> str:
 
 
 def _sha256_of(files: list[Path]) -> str:
+    """Ollama's digest of a model: its file's sha256, or a folder's (of its files')."""
     import hashlib
 
-    digests = []
-    for path in files:
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-        digests.append(digest.hexdigest())
+    from llmserve.loader.catalog import file_sha256
+
+    digests = [file_sha256(path) for path in files]
     if len(digests) == 1:
         return f"sha256:{digests[0]}"
     return "sha256:" + hashlib.sha256("".join(digests).encode()).hexdigest()

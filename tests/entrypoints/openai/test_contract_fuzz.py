@@ -176,8 +176,9 @@ FAST = hypothesis.settings(max_examples=25, deadline=None, database=None, derand
                            suppress_health_check=list(HealthCheck))
 SLOW = hypothesis.settings(max_examples=400, deadline=None, database=None,
                            suppress_health_check=list(HealthCheck))
-# the Responses and Messages routes translate into the chat route (fuzzed in full), and
-# the pooling routes share one path (a prefill per input): fewer examples of their own
+# the Responses, Messages and Ollama routes translate into the chat route (fuzzed in
+# full), and the pooling routes share one path (a prefill per input): fewer examples of
+# their own
 TRANSLATED = hypothesis.settings(FAST, max_examples=10)
 FUZZED = [(path, mode) for path in BODIES if path not in ALIASES for mode in GenerationMode]
 
@@ -197,7 +198,7 @@ def _fuzz(api_schema: Any, path: str, mode: GenerationMode,
 
 @pytest.mark.parametrize(("path", "mode"), FUZZED, ids=[f"{p}:{m.value}" for p, m in FUZZED])
 def test_fuzzed_requests_get_no_5xx_and_openai_errors(request, path, mode):
-    translated = path.startswith(("/v1/responses", "/v1/messages")) or path in POOLING
+    translated = path.startswith(("/v1/responses", "/v1/messages", "/api/")) or path in POOLING
     schema = request.getfixturevalue("pooling_schema" if path in POOLING else "api_schema")
     _fuzz(schema, path, mode, TRANSLATED if translated else FAST)
 

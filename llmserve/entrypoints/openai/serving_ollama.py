@@ -45,6 +45,7 @@ from llmserve.entrypoints.openai.serving_base import chat_events, respond
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_pooling import EmbeddingRequest, OpenAIServingPooling
+from llmserve.tokenizer import PromptTooLong
 
 # The Ollama release whose API these routes follow (clients read it from /api/version).
 OLLAMA_API_VERSION = "0.12.6"
@@ -269,7 +270,8 @@ class OllamaServing:
     async def _chat_prompt_size(self, request: ChatCompletionRequest) -> int:
         tools = [t.model_dump(exclude_none=True) for t in request.tools or ()] or None
         ids = await self.engine.run_blocking(self.chat.prompt_ids, request.messages, tools,
-                                             True, request.chat_template_kwargs)
+                                             True, request.chat_template_kwargs, False, False,
+                                             self.engine.max_model_len)
         return len(ids)
 
     def _chat_whole(self, model: str, chat: dict[str, Any]) -> dict[str, Any]:
@@ -334,14 +336,20 @@ class OllamaServing:
             raise BadRequest("a raw prompt is not templated: put the system text in it",
                              param="system")
         ids = list(body.context or ())
-        if body.raw:
-            ids += await self.engine.run_blocking(self.chat.tokenizer.encode, body.prompt,
-                                                  not ids)
-        elif body.prompt:
-            messages = [*([{"role": "system", "content": body.system}] if body.system else []),
-                        {"role": "user", "content": body.prompt}]
-            request = ChatCompletionRequest.model_validate({"messages": messages})
-            ids += await self.engine.run_blocking(self.chat.prompt_ids, request.messages, None)
+        limit = self.engine.max_model_len  # a longer prompt is refused while tokenized
+        try:
+            if body.raw:
+                ids += await self.engine.run_blocking(self.chat.tokenizer.encode, body.prompt,
+                                                      not ids, limit)
+            elif body.prompt:
+                messages = [*([{"role": "system", "content": body.system}]
+                              if body.system else []), {"role": "user", "content": body.prompt}]
+                request = ChatCompletionRequest.model_validate({"messages": messages})
+                ids += await self.engine.run_blocking(
+                    self.chat.prompt_ids, request.messages, None, True, None, False, False,
+                    limit)
+        except PromptTooLong as e:
+            raise BadRequest(str(e), param="prompt") from None
         self._check_context(body.options, len(ids))
         completion = {"model": self.model_name, "prompt": ids, "stream": body.stream,
                       "return_metrics": True, "return_token_ids": True, "max_tokens": None,

@@ -234,3 +234,20 @@ def test_an_empty_request_loads_the_model(ol, server):
         chat = http.post("/api/chat", json={"model": MODEL, "messages": []}).json()
     assert loaded["done_reason"] == "load" and loaded["response"] == ""
     assert chat["done_reason"] == "load"
+
+
+def test_a_prompt_far_past_the_context_is_refused_while_tokenized(server):
+    """A 4 MB prompt is a million tokens: refused once the context's worth is counted
+    ("more than N tokens"), not after tokenizing all of it (the tokenizer pool is every
+    request's)."""
+    huge = "word " * 800_000
+    early = f"more than {server.engine.max_model_len} tokens"
+    with server.http() as http:
+        answers = [http.post("/api/generate", json={"model": MODEL, "stream": False, **body})
+                   for body in ({"prompt": huge}, {"prompt": huge, "raw": True},
+                                {"prompt": huge, "options": {"num_ctx": 64}})]
+        answers.append(http.post("/api/chat", json={
+            "model": MODEL, "stream": False, "options": {"num_ctx": 64},
+            "messages": [{"role": "user", "content": huge}]}))
+    for answer in answers:
+        assert answer.status_code == 400 and early in answer.json()["error"]

@@ -9,7 +9,8 @@ connections the server closed). The probes:
 * `choice` constraints of 300,000 and 50,000 strings (over the cap) and of 10,000 (at it)
 * a nested-repeat regex the parser cannot follow, whole and streamed
 * 40 connections sending their headers a byte every 0.2 s (slowloris)
-* a prompt of ~1.3 million tokens (3.9 MB, under the body cap)
+* a prompt of ~1.3 million tokens (3.9 MB, under the body cap), on /v1/completions and
+  on Ollama's /api/generate
 * runtime adapter loading: a path outside any `--lora-dir`, two loads of a FIFO under it
   (with `--lora-dir`), a lone surrogate in the name
 """
@@ -72,6 +73,8 @@ def _refusal(reply: httpx.Response) -> dict[str, Any]:
         error = reply.json().get("error") or {}
     except ValueError:
         error = {}
+    if isinstance(error, str):  # Ollama's routes: the message alone
+        error = {"message": error}
     return {"status": reply.status_code, "param": error.get("param"),
             "message": (error.get("message") or reply.text)[:160]}
 
@@ -139,6 +142,13 @@ def _huge_prompt(ctx: _Context) -> dict[str, Any]:
         return _refusal(http.post("/v1/completions", json=body))
 
 
+def _huge_ollama_prompt(ctx: _Context) -> dict[str, Any]:
+    body = {"model": ctx.config.model, "prompt": "hi " * 1_300_000, "raw": True,
+            "stream": False, "options": {"num_predict": 4}}
+    with ctx.client() as http:
+        return _refusal(http.post("/api/generate", json=body))
+
+
 def _adapter_outside(ctx: _Context) -> dict[str, Any]:
     with ctx.client() as http:
         return _refusal(http.post("/v1/load_lora_adapter",
@@ -182,6 +192,7 @@ PROBES: dict[str, Probe] = {
     f"regex {NESTED_REGEX}, streamed": _nested_regex_streamed,
     f"{SLOW_CONNECTIONS} slowloris connections": _slowloris,
     "a 1.3M-token prompt": _huge_prompt,
+    "a 1.3M-token prompt on Ollama's /api/generate": _huge_ollama_prompt,
     "load_lora_adapter /etc/passwd": _adapter_outside,
     "load_lora_adapter of a FIFO, twice at once": _adapter_fifo,
     "load_lora_adapter, lone surrogate": _adapter_surrogate,

@@ -129,14 +129,25 @@ class Tokenizer:
             raise PromptTooLong(limit)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_head(self, text: str, limit: int, add_special_tokens: bool = True
+                    ) -> list[int]:
+        """The first `limit` token ids of `text`, as encoding it whole and cutting would
+        give them, tokenizing only a little more than `limit` tokens of it (the text's
+        head up to the piece where its tokens pass the limit for certain)."""
+        end = self._past(text, limit)
+        head = text if end is None else text[:end]
+        return self.backend.encode(head, add_special_tokens=add_special_tokens).ids[:limit]
+
     def _exceeds(self, text: str, limit: int) -> bool:
-        """Whether `text` has more than `limit` tokens for certain, found by tokenizing it
-        in pieces of `_PIECE_CHARS`, cut before a space, and stopping as soon as their
-        tokens pass `limit` by more than the seams between pieces can add (a seam stops a
-        merge across it: a token or two). False: it may fit (the caller tokenizes it whole,
-        and the engine counts exactly)."""
+        return self._past(text, limit) is not None
+
+    def _past(self, text: str, limit: int) -> int | None:
+        """Where `text`'s tokens pass `limit` for certain: the end of its first pieces of
+        `_PIECE_CHARS`, cut before a space, whose tokens pass `limit` by more than the seams
+        between pieces can add (a seam stops a merge across it: a token or two). None: it
+        may fit (the caller tokenizes it whole, and the engine counts exactly)."""
         if len(text) <= 2 * _PIECE_CHARS:
-            return False
+            return None
         total = start = seams = 0
         while start < len(text):
             end = min(len(text), start + _PIECE_CHARS)
@@ -145,10 +156,10 @@ class Tokenizer:
                 end = space if space > start else end
             total += len(self.backend.encode(text[start:end], add_special_tokens=False).ids)
             if total > limit + _SEAM_TOKENS * seams:
-                return True
+                return end
             seams += 1
             start = end
-        return False
+        return None
 
     def encode_pair(self, first: str, second: str) -> list[int]:
         """Token ids of a text pair as one input (a cross-encoder's query and document),

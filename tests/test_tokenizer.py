@@ -292,3 +292,17 @@ def _toy_tokenizer(chat_template: str | None) -> Tokenizer:
     if chat_template is not None:
         meta["tokenizer.chat_template"] = chat_template
     return Tokenizer.from_gguf_metadata(meta)
+
+
+@pytest.mark.parametrize("text", [
+    "The library holds books about rivers and mountains. " * 3000,
+    "word" * 40_000,  # no space to cut before: pieces of whole characters
+    ("数字 123456 and émigré " * 5000),
+])
+def test_encode_head_is_the_whole_encodings_beginning(tokenizer: Tokenizer, text: str) -> None:
+    """The first tokens of a long text, tokenizing only its head, are those of the whole."""
+    whole = tokenizer.encode(text)
+    for limit in (1, 511, 4096):
+        assert tokenizer.encode_head(text, limit) == whole[:limit]
+    short = "A short text."
+    assert tokenizer.encode_head(short, 100) == tokenizer.encode(short)

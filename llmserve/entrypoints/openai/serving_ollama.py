@@ -7,7 +7,8 @@ formats, grammars and engine), so `llmserve serve --port 11434` stands in for Ol
   parser), `options`, `stream` (on by default: newline-delimited JSON), `keep_alive`.
 * POST /api/generate: `prompt` through the chat template (`system` before it) or `raw`,
   `context` (the token ids a previous answer returned) before it, `format`, `options`.
-* POST /api/embed (`input`, `truncate`, `dimensions`) and the older /api/embeddings.
+* POST /api/embed (`input`, `truncate`: each input's first tokens that fit the context,
+  as Ollama keeps them, `dimensions`) and the older /api/embeddings.
 * GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, POST /api/pull (a catalog
   model), DELETE /api/delete (a pulled catalog model not being served), HEAD and GET /.
 
@@ -398,9 +399,13 @@ class OllamaServing:
         self._keep_alive(body.keep_alive)
         self._no_options(body.options)
         texts = [body.input] if isinstance(body.input, str) else body.input
+        inputs: list[str] | list[list[int]] = texts
+        if body.truncate:  # Ollama's truncation keeps each input's beginning
+            limit = self.engine.max_model_len - 1  # as many as a prompt may have here
+            inputs = [await self.engine.run_blocking(self.chat.tokenizer.encode_head, text,
+                                                     limit) for text in texts]
         request = EmbeddingRequest.model_validate({
-            "model": self.model_name, "input": texts, "dimensions": body.dimensions,
-            "truncate_prompt_tokens": -1 if body.truncate else None})
+            "model": self.model_name, "input": inputs, "dimensions": body.dimensions})
         start = time.monotonic()
         result = await self.pooling.embeddings(request, arrival)
         return {"model": body.model,

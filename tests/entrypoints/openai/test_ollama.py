@@ -182,6 +182,22 @@ def test_embed_and_the_older_embeddings_route(embed_server):
     assert client.embed(model=MODEL, input="apples", dimensions=8).embeddings[0].__len__() == 8
 
 
+def test_embed_truncates_an_input_to_its_beginning(embed_server, tokenizer):
+    """`truncate` (on by default) keeps an input's first tokens that fit the context, as
+    Ollama does; off, a longer input is a 400."""
+    client = ollama().Client(host=embed_server.url, timeout=120)
+    limit = embed_server.engine.max_model_len - 1  # a prompt leaves one position
+    long = "The library holds books about rivers and mountains. " * 2000  # ~20k tokens
+    head = tokenizer.encode(long)[:limit]
+    expected = embed_server.client().embeddings.create(model=MODEL, input=[head])
+    embedded = client.embed(model=MODEL, input=long)
+    assert embedded.embeddings[0] == pytest.approx(expected.data[0].embedding, abs=1e-6)
+    assert embedded.prompt_eval_count == limit
+    with pytest.raises(ollama().ResponseError) as refused:
+        client.embed(model=MODEL, input=long, truncate=False)
+    assert refused.value.status_code == 400
+
+
 def test_langchain_ollama(server, embed_server, chat_answer):
     langchain_ollama = pytest.importorskip("langchain_ollama")
     chat = langchain_ollama.ChatOllama(model=MODEL, base_url=server.url, temperature=0,

@@ -17,6 +17,10 @@ DEFAULT_MAX_NUM_WAITING = 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0  # for a request's headers, from its first byte
 DEFAULT_BODY_TIMEOUT_S = 30.0  # for its whole body, from the end of its headers
 DEFAULT_MAX_CONNECTIONS = 1024  # open connections or requests in flight (503 beyond)
+# many models behind one server (`serve --models-dir`): loaded at most (as Ollama on a
+# CPU), and how long an idle one stays loaded (Ollama's five minutes)
+DEFAULT_MAX_LOADED_MODELS = 3
+DEFAULT_KEEP_ALIVE = "5m"
 DEFAULT_GRAMMAR_TIMEOUT_S = 10.0  # to compile a request's constraint (the server refuses past it)
 # fcfs and priority batch continuously; static runs each admitted batch to completion
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")

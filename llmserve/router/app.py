@@ -83,6 +83,8 @@ class _DataParallelRouter(Router):
 
     def __init__(self, replicas: list[Replica], settings: RouterSettings,
                  policy: ReplicaPolicy) -> None:
+        if not replicas:
+            raise ValueError("the router needs at least one backend")
         super().__init__(replicas, settings, DataParallelMetrics(len(replicas)))
         self.policy = policy
 

@@ -64,8 +64,6 @@ class Router(ABC):
 
     def __init__(self, replicas: list[Replica], settings: RouterSettings,
                  metrics: RouterMetrics) -> None:
-        if not replicas:
-            raise ValueError("the router needs at least one backend")
         self.replicas = replicas
         self.settings = settings
         self.metrics = metrics

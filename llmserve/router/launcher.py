@@ -42,14 +42,15 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 class ReplicaProcess:
     """One child server: its process, the URL it serves at (once it says), its log's end."""
 
-    def __init__(self, index: int, command: list[str]) -> None:
+    def __init__(self, index: int, command: list[str], name: str | None = None) -> None:
         self.index = index
+        self.name = name or f"replica {index}"  # what its relayed log lines start with
         self.process = spawn(command, {**os.environ, "PYTHONUNBUFFERED": "1"})
         self.url: str | None = None
         self.model_name = ""
         self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self._relay = threading.Thread(target=self._relay_log, daemon=True,
-                                       name=f"replica-{index}-log")
+                                       name=f"{self.name}-log".replace(" ", "-"))
 
     def start_relay(self) -> None:
         self._relay.start()
@@ -57,7 +58,7 @@ class ReplicaProcess:
     def _relay_log(self) -> None:
         for line in self.process.stdout:
             self.log_tail.append(line.rstrip("\n"))
-            sys.stderr.write(f"[replica {self.index}] {line}")
+            sys.stderr.write(f"[{self.name}] {line}")
             match = SERVING_LINE.match(line.rstrip())
             if match and self.url is None:
                 self.model_name, self.url = match.groups()
@@ -66,7 +67,7 @@ class ReplicaProcess:
         """The error for a child that exited while starting (its whole log relayed first)."""
         self._relay.join(5)
         last = next((line for line in reversed(self.log_tail) if line.strip()), "no output")
-        return LLMServeError(f"replica {self.index} exited with code "
+        return LLMServeError(f"{self.name} exited with code "
                              f"{self.process.returncode} during start-up: {last.strip()}")
 
 

@@ -88,6 +88,36 @@ class DisaggregatedMetrics(RouterMetrics):
             self.split.labels(path=path)
 
 
+class ModelMetrics(RouterMetrics):
+    """Per model (`model="x"`) behind a many-model server, and its loads and unloads."""
+
+    def __init__(self) -> None:
+        super().__init__("model", [])
+        r = self.registry
+        self.loaded = Gauge("llmserve_router_models_loaded", "Models loaded now.", registry=r)
+        self.loads = Counter("llmserve_router_model_loads", "Models loaded (engine started).",
+                             ["model"], registry=r)
+        self.load_failures = Counter("llmserve_router_model_load_failures",
+                                     "Loads whose engine exited or never served.", ["model"],
+                                     registry=r)
+        self.unloads = Counter(
+            "llmserve_router_model_unloads",
+            "Models unloaded, by reason: evicted (room for another), idle (keep-alive "
+            "passed), request (by hand), exited (its process died).", ["model", "reason"],
+            registry=r)
+        self.load_seconds = Histogram("llmserve_router_model_load_seconds",
+                                      "Time from starting a model's engine to its serving.",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+
+    def forget(self, model: str) -> None:
+        """Drop an unloaded model's per-backend gauges (its counters stay)."""
+        for gauge in (self.replica_up, self.in_flight):
+            try:
+                gauge.remove(model)
+            except KeyError:
+                pass
+
+
 class _Relabelled(Collector):
     def __init__(self, texts: dict[str, str], label: str) -> None:
         self.texts = texts

@@ -3,7 +3,9 @@
 Status codes, bodies and error bodies pass through as the replica sent them; an event
 stream passes through event by event. What the replica cannot say itself becomes an
 OpenAI-shaped 503: it refused the connection, dropped it, or was marked down while the
-request was in flight (for a stream already started: an SSE error event, then the end).
+request was in flight (for a stream already started: an SSE error event, then the end). An
+Ollama stream (newline-delimited JSON) passes through line by line likewise, a failure
+ending it with an `{"error": ...}` line.
 """
 
 import asyncio
@@ -17,7 +19,7 @@ from fastapi.responses import Response
 
 from llmserve.entrypoints.openai.http_layer import error_response
 from llmserve.entrypoints.openai.protocol import error_body
-from llmserve.entrypoints.openai.serving_base import SSEResponse
+from llmserve.entrypoints.openai.serving_base import NDJSONResponse, SSEResponse
 from llmserve.router.replicas import Replica
 
 T = TypeVar("T")
@@ -62,8 +64,9 @@ async def forward(client: httpx.AsyncClient, replica: Replica, request: Request,
         except BaseException as e:
             on_done(isinstance(e, ReplicaFailed))
             raise
-        if _is_event_stream(upstream):
-            return SSEResponse(_relay_events(upstream, replica, on_done))
+        stream = _stream_kind(upstream)
+        if stream is not None:
+            return stream.response(_relay_events(upstream, replica, on_done, stream))
         failed = True
         try:
             content = await _from_replica(replica, request, upstream.aread())
@@ -77,8 +80,9 @@ async def forward(client: httpx.AsyncClient, replica: Replica, request: Request,
     return Response(content, status_code=upstream.status_code, headers=headers)
 
 
-def replica_failed_response(failure: ReplicaFailed) -> Response:
-    return error_response(503, str(failure), headers={"Retry-After": "1"})
+def replica_failed_response(failure: ReplicaFailed, path: str = "") -> Response:
+    """The 503 for a request its backend failed, in the shape of the route at `path`."""
+    return error_response(503, str(failure), headers={"Retry-After": "1"}, path=path)
 
 
 class _ClientGone(Exception):
@@ -126,15 +130,46 @@ async def _client_gone(request: Request) -> None:
         pass
 
 
-def _is_event_stream(response: httpx.Response) -> bool:
+class _Stream:
+    """A streamed answer's framing: what separates its items, and the item a failure ends
+    it with."""
+
+    def __init__(self, response: type[SSEResponse], separator: bytes,
+                 error: Callable[[str], bytes]) -> None:
+        self.response = response
+        self.separator = separator
+        self.error = error
+
+
+def _error_event(message: str) -> bytes:
+    body: dict[str, Any] = error_body(message, "service_unavailable_error", code=503)
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def _error_line(message: str) -> bytes:
+    return (json.dumps({"error": message}) + "\n").encode()
+
+
+_EVENT_STREAM = _Stream(SSEResponse, b"\n\n", _error_event)
+_NDJSON_STREAM = _Stream(NDJSONResponse, b"\n", _error_line)
+
+
+def _stream_kind(response: httpx.Response) -> _Stream | None:
+    if response.status_code != 200:
+        return None
     content_type = response.headers.get("content-type", "")
-    return response.status_code == 200 and content_type.startswith("text/event-stream")
+    if content_type.startswith("text/event-stream"):
+        return _EVENT_STREAM
+    if content_type.startswith("application/x-ndjson"):
+        return _NDJSON_STREAM
+    return None
 
 
 async def _relay_events(upstream: httpx.Response, replica: Replica,
-                        on_done: Callable[[bool], None]) -> AsyncIterator[bytes]:
-    """The replica's events, each whole (an event cut off by a failure is dropped), then
-    an error event if the replica fails mid-stream."""
+                        on_done: Callable[[bool], None], stream: _Stream
+                        ) -> AsyncIterator[bytes]:
+    """The replica's events (or lines), each whole (one cut off by a failure is dropped),
+    then an error item if the replica fails mid-stream."""
     chunks = upstream.aiter_bytes()
     pending, failed = b"", False
     try:
@@ -145,18 +180,13 @@ async def _relay_events(upstream: httpx.Response, replica: Replica,
                 break
             except ReplicaFailed as failure:
                 failed = True
-                yield _error_event(str(failure))
+                yield stream.error(str(failure))
                 return
-            *events, pending = (pending + chunk).split(b"\n\n")
+            *events, pending = (pending + chunk).split(stream.separator)
             for event in events:
-                yield event + b"\n\n"
+                yield event + stream.separator
         if pending.strip():
             yield pending
     finally:
         await upstream.aclose()
         on_done(failed)
-
-
-def _error_event(message: str) -> bytes:
-    body: dict[str, Any] = error_body(message, "service_unavailable_error", code=503)
-    return f"data: {json.dumps(body)}\n\n".encode()

@@ -29,6 +29,7 @@ class Replica:
     url: str  # http://host:port, no trailing slash
     process: subprocess.Popen | None = None  # set when the router's parent started it
     role: str | None = None  # "prefill" or "decode" behind a disaggregated router
+    model: str | None = None  # the model it serves behind a many-model server
     is_up: bool = True
     reason: str = ""  # why it is down
     in_flight: int = 0
@@ -39,16 +40,21 @@ class Replica:
 
     @property
     def name(self) -> str:
-        """What errors and logs call it: "replica 0", or "prefill server"."""
+        """What errors and logs call it: "replica 0", "prefill server", or "model 'x'"."""
+        if self.model is not None:
+            return f"model '{self.model}'"
         return f"{self.role} server" if self.role else f"replica {self.index}"
 
     @property
     def label(self) -> str:
-        """Its value of the label on its metrics (`replica="0"`, or `role="prefill"`)."""
-        return self.role or str(self.index)
+        """Its value of the label on its metrics (`replica="0"`, `role="prefill"`, or
+        `model="x"`)."""
+        return self.model or self.role or str(self.index)
 
     def identity(self) -> dict[str, int | str]:
-        """How /health names it: {"replica": 0}, or {"role": "prefill"}."""
+        """How /health names it: {"replica": 0}, {"role": "prefill"}, or {"model": "x"}."""
+        if self.model is not None:
+            return {"model": self.model}
         return {"role": self.role} if self.role else {"replica": self.index}
 
     def mark_down(self, reason: str) -> None:

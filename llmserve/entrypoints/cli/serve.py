@@ -3,7 +3,12 @@ behind a router, optionally one side of disaggregated prefill/decode."""
 
 import argparse
 
-from llmserve.config.engine import DEFAULT_GRAMMAR_TIMEOUT_S, DEFAULT_MAX_NUM_WAITING
+from llmserve.config.engine import (
+    DEFAULT_GRAMMAR_TIMEOUT_S,
+    DEFAULT_KEEP_ALIVE,
+    DEFAULT_MAX_LOADED_MODELS,
+    DEFAULT_MAX_NUM_WAITING,
+)
 from llmserve.entrypoints.cli.args import (
     ENGINE_FLAGS,
     add_engine_flags,
@@ -17,6 +22,10 @@ from llmserve.entrypoints.openai.reasoning import CHOICES
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.models_dir is not None:
+        from llmserve.router.multi_model import run_models_server
+
+        return run_models_server(args, args.argv)
     if args.data_parallel_size > 1:
         from llmserve.router.launcher import run_data_parallel
 
@@ -65,6 +74,26 @@ def _arguments(serve: argparse.ArgumentParser) -> None:
                     help="N engine processes behind one endpoint, requests routed by prompt "
                          "prefix and load; --threads is then per replica (default: cores / N)")
     add_route_prefix_flag(dp)
+    many = serve.add_argument_group("many models behind one endpoint (see docs/serving.md)")
+    many.add_argument("--models-dir", metavar="DIR",
+                      help="serve every .gguf file and Hugging Face folder directly under DIR "
+                           "and the catalog's pulled models, each loaded in a process of its "
+                           "own on the first request that names it (instead of --model)")
+    many.add_argument("--max-loaded-models", type=int, default=DEFAULT_MAX_LOADED_MODELS,
+                      metavar="N",
+                      help="models loaded at most; loading one more unloads the least "
+                           "recently used idle one (default: "
+                           f"{DEFAULT_MAX_LOADED_MODELS})")
+    many.add_argument("--max-loaded-memory", metavar="SIZE",
+                      help="memory the loaded models' processes may hold together (e.g. "
+                           "12GiB); loading one more unloads idle ones until it fits "
+                           "(default: no budget)")
+    many.add_argument("--keep-alive", default=DEFAULT_KEEP_ALIVE, metavar="DURATION",
+                      help="unload a model idle this long (e.g. 30s, 10m, 1h; -1: never); an "
+                           "Ollama request's keep_alive sets its model's (default: "
+                           f"{DEFAULT_KEEP_ALIVE})")
+    many.add_argument("--pin", action="append", metavar="NAME",
+                      help="load this model at start and never unload it (repeatable)")
     pd = serve.add_argument_group("disaggregated prefill/decode (see docs/scaling.md)")
     pd.add_argument("--role", dest="kv_role", choices=("prefill", "decode"),
                     help="prefill: send each finished prompt's KV blocks to the decode server; "
@@ -82,6 +111,8 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--role and --kv-transfer-address go together")
     if args.kv_role is not None and args.data_parallel_size > 1:
         parser.error("--role does not combine with --data-parallel-size")
+    if args.models_dir is not None:
+        _check_models_dir_args(parser, args)
     if args.grammar_timeout <= 0:
         parser.error(f"--grammar-timeout must be > 0 seconds, got {args.grammar_timeout}")
     if args.lora_modules and not args.enable_lora:
@@ -90,6 +121,28 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--allow-runtime-lora needs --enable-lora")
     if args.allow_runtime_lora != (args.lora_dir is not None):
         parser.error("--allow-runtime-lora and --lora-dir DIR go together")
+
+
+def _check_models_dir_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that name one model, or split one across processes, have no place when
+    requests name the model."""
+    argv = args.argv
+    for flag in ("--model", "--served-model-name", "--lora-modules", "--allow-runtime-lora",
+                 "--data-parallel-size", "--role"):
+        if any(a == flag or a.startswith(f"{flag}=") for a in argv):
+            parser.error(f"{flag} does not combine with --models-dir (a request's model "
+                         "names one of the folder's)")
+    if args.max_loaded_models < 1:
+        parser.error(f"--max-loaded-models must be at least 1, got {args.max_loaded_models}")
+    from llmserve.entrypoints.openai.serving_ollama import keep_alive_seconds
+    from llmserve.memory import parse_size
+
+    try:
+        keep_alive_seconds(args.keep_alive)
+        if args.max_loaded_memory is not None:
+            parse_size(args.max_loaded_memory)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 COMMAND = Command("serve", help="run the OpenAI-compatible server", add_arguments=_arguments,

@@ -143,6 +143,7 @@ def install_middleware(app: FastAPI, settings: Any) -> None:
                            allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        timeout_s=settings.body_timeout_s)
+    app.add_middleware(OllamaBodyMiddleware)
     if settings.allowed_hosts:  # outermost: a foreign Host header gets nothing else
         app.add_middleware(HostCheckMiddleware, allowed_hosts=settings.allowed_hosts)
 
@@ -402,6 +403,26 @@ class BodyLimitMiddleware:
                                   f"of {self.max_bytes} bytes", code="request_too_large",
                                   path=scope["path"])
         await response(scope, receive, send)
+
+
+class OllamaBodyMiddleware:
+    """Ollama reads every /api/ body as JSON whatever its Content-Type, and its documented
+    examples (`curl URL/api/chat -d '{...}'`) send curl's form type: here such a body is
+    read as the JSON it is too."""
+
+    _FORM = b"application/x-www-form-urlencoded"
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(OLLAMA_PREFIX):
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"
+                       or not v.startswith(self._FORM)]
+            if len(headers) != len(scope["headers"]):
+                scope = {**scope, "headers": [*headers, (b"content-type",
+                                                         b"application/json")]}
+        await self.app(scope, receive, send)
 
 
 class HostCheckMiddleware:

@@ -345,6 +345,12 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+class NDJSONResponse(SSEResponse):
+    """Newline-delimited JSON, as Ollama streams; the iterator is always closed likewise."""
+
+    media_type = "application/x-ndjson"
+
+
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
 
 

@@ -24,14 +24,14 @@ before the server listens). Errors are `{"error": "..."}` (http_layer.shaped).
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response
 from pydantic import Field
 
 from llmserve.entrypoints.openai.protocol import (
@@ -42,7 +42,7 @@ from llmserve.entrypoints.openai.protocol import (
     Refusals,
     refuse_set_fields,
 )
-from llmserve.entrypoints.openai.serving_base import chat_events, respond
+from llmserve.entrypoints.openai.serving_base import NDJSONResponse, chat_events, respond
 from llmserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from llmserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from llmserve.entrypoints.openai.serving_pooling import EmbeddingRequest, OpenAIServingPooling
@@ -172,19 +172,6 @@ class OllamaModelRequest(OpenAIModel):
         return name
 
 
-class NDJSONResponse(StreamingResponse):
-    """Newline-delimited JSON, as Ollama streams; the iterator is always closed, so a gone
-    client aborts its request."""
-
-    media_type = "application/x-ndjson"
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
 def ollama_name(name: str) -> str:
     """A model name as Ollama writes it, without its default tag (`x:latest` is `x`)."""
     return name.removesuffix(":latest")
@@ -289,7 +276,7 @@ class OllamaServing:
         finish = "stop"
         async for chunk in chat_events(stream):
             if "error" in chunk:  # the stream's error event, as Ollama's: one line
-                yield _line({"error": chunk["error"].get("message", "error")})
+                yield ndjson_line({"error": chunk["error"].get("message", "error")})
                 return
             for choice in chunk.get("choices", ()):
                 delta = choice.get("delta", {})
@@ -304,7 +291,7 @@ class OllamaServing:
                 if delta.get("reasoning_content"):
                     message["thinking"] = delta["reasoning_content"]
                 if message["content"] or "thinking" in message:
-                    yield _line({"model": model, "created_at": created_at(),
+                    yield ndjson_line({"model": model, "created_at": created_at(),
                                  "message": message, "done": False})
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
@@ -314,7 +301,7 @@ class OllamaServing:
                 if calls:  # whole calls, once their arguments are complete, as Ollama's
                     message["tool_calls"] = [_ollama_call(c["name"], c["arguments"])
                                              for _, c in sorted(calls.items())]
-                yield _line({"model": model, "created_at": created_at(), "message": message,
+                yield ndjson_line({"model": model, "created_at": created_at(), "message": message,
                              "done": True, "done_reason": _DONE_REASONS.get(finish, "stop"),
                              **durations(chunk.get("metrics"), usage["prompt_tokens"],
                                          usage["completion_tokens"])})
@@ -375,18 +362,18 @@ class OllamaServing:
         finish = "stop"
         async for chunk in chat_events(stream):
             if "error" in chunk:
-                yield _line({"error": chunk["error"].get("message", "error")})
+                yield ndjson_line({"error": chunk["error"].get("message", "error")})
                 return
             for choice in chunk.get("choices", ()):
                 generated += choice.get("token_ids") or ()
                 if choice.get("text"):
-                    yield _line({"model": model, "created_at": created_at(),
+                    yield ndjson_line({"model": model, "created_at": created_at(),
                                  "response": choice["text"], "done": False})
                 if choice.get("finish_reason"):
                     finish = choice["finish_reason"]
             if chunk.get("usage") is not None and not chunk.get("choices"):
                 usage = chunk["usage"]
-                yield _line({"model": model, "created_at": created_at(), "response": "",
+                yield ndjson_line({"model": model, "created_at": created_at(), "response": "",
                              "done": True, "done_reason": _DONE_REASONS.get(finish, "stop"),
                              "context": ids + generated,
                              **durations(chunk.get("metrics"), usage["prompt_tokens"],
@@ -458,7 +445,7 @@ class OllamaServing:
         return {"modelfile": f"# served by llmserve\nFROM {source}\n",
                 "parameters": "", "template": self.chat.tokenizer.chat_template or "",
                 "details": details, "model_info": info, "capabilities": self._capabilities(),
-                "modified_at": _modified(self.model_path)}
+                "modified_at": modified_at(self.model_path)}
 
     def _capabilities(self) -> list[str]:
         if self.engine.engine.pooler is not None:
@@ -472,10 +459,10 @@ class OllamaServing:
 
     async def _listing(self) -> dict[str, Any]:
         loaded = self.engine.engine.loaded
-        size = _size(self.model_path)
+        size = size_on_disk(self.model_path)
         return {"name": f"{ollama_name(self.model_name)}:latest",
                 "model": f"{ollama_name(self.model_name)}:latest",
-                "modified_at": _modified(self.model_path), "size": size,
+                "modified_at": modified_at(self.model_path), "size": size,
                 "digest": await self._file_digest(),
                 "details": {"parent_model": "", "format": loaded.source.kind,
                             "family": loaded.config.architecture,
@@ -492,49 +479,16 @@ class OllamaServing:
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
         stamp = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
         if self._digest is None or self._digest[0] != stamp:
-            self._digest = (stamp, await self._on_files_thread(_sha256_of, files))
+            self._digest = (stamp, await self._on_files_thread(model_digest, files))
         return self._digest[1]
 
     # ---- pull and delete -------------------------------------------------------------
 
     async def pull(self, body: OllamaModelRequest) -> dict[str, Any] | AsyncIterator[str]:
-        from llmserve.loader.catalog import catalog_entry, fetch_model
-
-        name = ollama_name(body.named())
-        try:
-            catalog_entry(name)
-        except Exception as exc:  # noqa: BLE001 - not a catalog name: Ollama's 404 wording
-            raise BadRequest(f"pull model manifest: file does not exist ({exc})",
-                             param="model", status=404) from None
-
-        async def progress() -> AsyncIterator[str]:
-            yield _line({"status": "pulling manifest"})
-            await self._on_files_thread(fetch_model, name, None, False)
-            yield _line({"status": "verifying sha256 digest"})
-            yield _line({"status": "success"})
-
-        if body.stream:
-            return progress()
-        await self._on_files_thread(fetch_model, name, None, False)
-        return {"status": "success"}
+        return await pull_from_catalog(body, self._on_files_thread)
 
     def delete(self, body: OllamaModelRequest) -> None:
-        from llmserve.loader.catalog import cached_path, catalog_entry
-
-        name = ollama_name(body.named())
-        try:
-            catalog_entry(name)
-        except Exception:  # noqa: BLE001
-            raise BadRequest(f"model '{body.named()}' not found", param="model",
-                             status=404) from None
-        path = cached_path(name)
-        if not path.exists():
-            raise BadRequest(f"model '{body.named()}' not found", param="model", status=404)
-        if self.model_path is not None and path.resolve() == self.model_path.resolve():
-            raise BadRequest(f"model '{body.named()}' is being served; stop the server to "
-                             "delete it", param="model", status=409)
-        for extra in (path, path.with_name(path.name + ".sha256")):
-            extra.unlink(missing_ok=True)
+        delete_from_catalog(body, [self.model_path] if self.model_path else [])
 
     # ---- shared ----------------------------------------------------------------------
 
@@ -548,7 +502,7 @@ class OllamaServing:
         be honoured."""
         if value is None:
             return
-        if _seconds(value) == 0:
+        if keep_alive_seconds(value) == 0:
             raise BadRequest("this server serves one model, loaded for as long as it runs: "
                              "it cannot be unloaded", param="keep_alive")
 
@@ -672,11 +626,11 @@ def _ollama_message(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _line(body: dict[str, Any]) -> str:
+def ndjson_line(body: dict[str, Any]) -> str:
     return json.dumps(body, ensure_ascii=False) + "\n"
 
 
-def _seconds(value: str | int | float) -> float:
+def keep_alive_seconds(value: str | int | float) -> float:
     """Ollama's keep_alive: seconds as a number, or a duration such as "5m", "1h", "-1"."""
     if isinstance(value, int | float):
         return float(value)
@@ -717,7 +671,7 @@ def _quantization_level(loaded: Any) -> str:
     return "F32" if loaded.quantization is None else loaded.quantization.upper()
 
 
-def _size(path: Path | None) -> int:
+def size_on_disk(path: Path | None) -> int:
     if path is None:
         return 0
     if path.is_file():
@@ -725,13 +679,13 @@ def _size(path: Path | None) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _modified(path: Path | None) -> str:
+def modified_at(path: Path | None) -> str:
     if path is None or not path.exists():
         return created_at()
     return datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
 
 
-def _sha256_of(files: list[Path]) -> str:
+def model_digest(files: list[Path]) -> str:
     """Ollama's digest of a model: its file's sha256, or a folder's (of its files')."""
     import hashlib
 
@@ -741,6 +695,54 @@ def _sha256_of(files: list[Path]) -> str:
     if len(digests) == 1:
         return f"sha256:{digests[0]}"
     return "sha256:" + hashlib.sha256("".join(digests).encode()).hexdigest()
+
+
+async def pull_from_catalog(body: OllamaModelRequest,
+                            on_thread: Callable[..., Awaitable[Any]]
+                            ) -> dict[str, Any] | AsyncIterator[str]:
+    """/api/pull: fetch a catalog model into the cache (as `llmserve pull` does), the
+    download run by `on_thread(fn, *args)` off the event loop; streamed as Ollama streams
+    its progress unless `stream` is false."""
+    from llmserve.loader.catalog import catalog_entry, fetch_model
+
+    name = ollama_name(body.named())
+    try:
+        catalog_entry(name)
+    except Exception as exc:  # noqa: BLE001 - not a catalog name: Ollama's 404 wording
+        raise BadRequest(f"pull model manifest: file does not exist ({exc})",
+                         param="model", status=404) from None
+
+    async def progress() -> AsyncIterator[str]:
+        yield ndjson_line({"status": "pulling manifest"})
+        await on_thread(fetch_model, name, None, False)
+        yield ndjson_line({"status": "verifying sha256 digest"})
+        yield ndjson_line({"status": "success"})
+
+    if body.stream:
+        return progress()
+    await on_thread(fetch_model, name, None, False)
+    return {"status": "success"}
+
+
+def delete_from_catalog(body: OllamaModelRequest, in_use: list[Path]) -> None:
+    """/api/delete: remove a pulled catalog model from the cache; 404 for a name that is
+    not one, 409 while it is served (`in_use`: the paths being served)."""
+    from llmserve.loader.catalog import cached_path, catalog_entry
+
+    name = ollama_name(body.named())
+    try:
+        catalog_entry(name)
+    except Exception:  # noqa: BLE001
+        raise BadRequest(f"model '{body.named()}' not found", param="model",
+                         status=404) from None
+    path = cached_path(name)
+    if not path.exists():
+        raise BadRequest(f"model '{body.named()}' not found", param="model", status=404)
+    if any(path.resolve() == served.resolve() for served in in_use):
+        raise BadRequest(f"model '{body.named()}' is being served; stop the server to "
+                         "delete it", param="model", status=409)
+    for extra in (path, path.with_name(path.name + ".sha256")):
+        extra.unlink(missing_ok=True)
 
 
 def add_ollama_routes(app: FastAPI, ollama: OllamaServing,

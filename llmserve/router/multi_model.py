@@ -3,17 +3,19 @@ process of its own, loaded on the first request that names it and unloaded when 
 make room.
 
 Every model of `model_files.find_models` is listed (/v1/models, /models, Ollama's
-/api/tags). A request for one that is not loaded starts its engine (`llmserve serve` on that
-model, on 127.0.0.1 and a free port, the user's other flags kept) and waits until it serves;
-requests for a model being loaded wait for the same start. Loads run one at a time. Before
-one, loaded models are unloaded, least recently used first, while more than
-`--max-loaded-models` would be loaded or the loaded models' memory (each process's resident
-set, measured; before a first load, an estimate from the files) and the new one's would
-pass `--max-loaded-memory`. A model with requests in flight, or pinned (`--pin`), is never
-unloaded to make room: the load waits for one to go idle (up to `CAPACITY_WAIT_S`, then
-503). A model idle for its keep-alive (`--keep-alive`, or the `keep_alive` of the last
-Ollama request for it; negative: forever) is unloaded; `POST /models/unload`, and an Ollama
-request with `keep_alive: 0`, unload by hand; `POST /models/load` loads.
+/api/tags). A request for one that is not loaded starts its engine (`llmserve serve` on
+that model, on 127.0.0.1 and a free port, the user's other flags kept) and waits until it
+serves; requests for a model being loaded wait for the same start. Loads run one at a time.
+Before one, loaded models are unloaded, least recently used first, while more than
+`--max-loaded-models` would be loaded or the loaded models' memory (each process's resident set,
+measured; before a first load, an estimate from the files) and the new one's would pass
+`--max-loaded-memory`. A pinned model (`--pin`) is never unloaded, and a model with
+requests in flight is not stopped under them: where every candidate is busy, the least
+recently used one takes no new requests (they wait, and load it again) and is unloaded once
+its requests are done (up to `CAPACITY_WAIT_S`, then 503). A model idle for its keep-alive
+(`--keep-alive`, or the `keep_alive` of the last Ollama request for it; negative: forever)
+is unloaded; `POST /models/unload`, and an Ollama request with `keep_alive: 0`, unload by
+hand; `POST /models/load` loads.
 
 Each engine is a process: a crash or an out-of-memory kill takes no other model down (the
 health monitor sees it exit; its requests in flight end with a 503, and its next request
@@ -62,7 +64,12 @@ from llmserve.router.base import Router, RouterSettings
 from llmserve.router.launcher import ReplicaProcess, stop_replicas
 from llmserve.router.metrics import ModelMetrics
 from llmserve.router.model_files import ModelFile, find_models, lookup
-from llmserve.router.proxy import ReplicaFailed, replica_failed_response
+from llmserve.router.proxy import (
+    CLIENT_CLOSED_REQUEST,
+    ReplicaFailed,
+    replica_failed_response,
+    unless_client_gone,
+)
 from llmserve.router.replicas import Replica
 
 logger = logging.getLogger(__name__)
@@ -125,12 +132,19 @@ class Slot:
     last_used: float = 0.0  # monotonic; least recently used is unloaded first
     idle_since: float = 0.0  # monotonic
     resident_bytes: int = 0  # the process's memory, measured once it serves
+    draining: bool = False  # chosen to make room: takes no new request, unloads when idle
+    waiting: int = 0  # requests waiting for it to load
     loads: int = 0
     started_at: float = field(default=0.0)
 
     @property
     def in_flight(self) -> int:
         return self.replica.in_flight if self.replica is not None else 0
+
+    @property
+    def busy(self) -> bool:
+        """Requests in flight or waiting for it: not unloaded to make room, nor idle."""
+        return self.in_flight > 0 or self.waiting > 0
 
     @property
     def name(self) -> str:
@@ -194,22 +208,38 @@ class ModelRouter(Router):
     # ---- loading and unloading -------------------------------------------------------
 
     async def acquire(self, slot: Slot) -> Replica:
-        """The model's server, loading it first if it is not loaded. Returns with no await
-        after the last check, so the caller's send counts the request in flight before
-        anything can unload the model."""
-        while True:
-            if slot.state == LOADED and slot.replica is not None:
-                if not slot.replica.is_up:
-                    self._reap_exited(slot)
-                    if slot.state == LOADED:  # alive but failing its health checks
-                        raise BadRequest(slot.replica.describe_down(), param="model",
-                                         status=503)
+        """The model's server, loading it first if it is not loaded. A request waiting
+        here counts as busy for its model, so a model just loaded for it is not unloaded
+        for another before it is sent."""
+        slot.waiting += 1
+        try:
+            while True:
+                replica = self.ready(slot)
+                if replica is not None:
+                    return replica
+                if slot.state == LOADED and slot.draining:  # being unloaded for another
+                    await asyncio.sleep(0.05)  # model: wait, then load it again
                     continue
-                slot.last_used = slot.idle_since = time.monotonic()
-                return slot.replica
-            if slot.task is None:
-                slot.task = asyncio.create_task(self._load(slot))
-            await asyncio.shield(slot.task)
+                if slot.task is None:
+                    slot.task = asyncio.create_task(self._load(slot))
+                await asyncio.shield(slot.task)
+        finally:
+            slot.waiting -= 1
+
+    def ready(self, slot: Slot) -> Replica | None:
+        """The model's server if it takes requests now (a model whose process exited is
+        unloaded here; one alive but failing its health checks is a 503). The caller sends
+        with no await in between, so the request counts in flight before anything can
+        unload the model."""
+        if slot.state != LOADED or slot.draining or slot.replica is None:
+            return None
+        if not slot.replica.is_up:
+            self._reap_exited(slot)
+            if slot.state == LOADED:
+                raise BadRequest(slot.replica.describe_down(), param="model", status=503)
+            return None
+        slot.last_used = slot.idle_since = time.monotonic()
+        return slot.replica
 
     async def _load(self, slot: Slot) -> None:
         try:
@@ -276,12 +306,11 @@ class ModelRouter(Router):
             others = [s for s in self.slots.values() if s is not slot and s.state == LOADED]
             if self._fits(slot, others):
                 return
-            idle = sorted((s for s in others if not s.pinned and s.in_flight == 0),
-                          key=lambda s: s.last_used)
+            movable = sorted((s for s in others if not s.pinned), key=lambda s: s.last_used)
+            idle = [s for s in movable if not s.busy]
             if idle:
                 await self._unload(idle[0], "evicted")
                 continue
-            movable = [s for s in others if not s.pinned]
             if not movable:
                 if len(others) + 1 > self.config.max_loaded:
                     raise BadRequest(f"cannot load '{slot.name}': the {len(others)} loaded "
@@ -290,11 +319,21 @@ class ModelRouter(Router):
                 logger.warning("loading '%s' over --max-loaded-memory: every other loaded "
                                "model is pinned", slot.name)
                 return
-            if time.monotonic() > deadline:
-                busy = ", ".join(f"'{s.name}' ({s.in_flight} in flight)" for s in movable)
-                raise BadRequest(f"cannot load '{slot.name}' now: no room, and every loaded "
-                                 f"model is busy: {busy}", param="model", status=503)
-            await asyncio.sleep(0.05)
+            # every candidate is busy: the least recently used one takes no new request
+            # (those wait to load it again) and is unloaded once its requests are done
+            victim = movable[0]
+            victim.draining = True
+            try:
+                while victim.state == LOADED and victim.in_flight > 0:
+                    if time.monotonic() > deadline:
+                        raise BadRequest(
+                            f"cannot load '{slot.name}' now: '{victim.name}' still has "
+                            f"{victim.in_flight} requests in flight", param="model",
+                            status=503)
+                    await asyncio.sleep(0.05)
+                await self._unload(victim, "evicted")
+            finally:
+                victim.draining = False
 
     def _fits(self, slot: Slot, others: list[Slot]) -> bool:
         if len(others) + 1 > self.config.max_loaded:
@@ -365,7 +404,7 @@ class ModelRouter(Router):
                 self._reap_exited(slot)
                 if slot.state != LOADED or slot.task is not None:
                     continue
-                if slot.in_flight > 0:
+                if slot.busy:
                     slot.idle_since = now
                     continue
                 if self._expired(slot, now) and not self._load_lock.locked():
@@ -378,7 +417,7 @@ class ModelRouter(Router):
 
     def _expired(self, slot: Slot, now: float) -> bool:
         keep = self.keep_alive(slot)
-        return (slot.state == LOADED and not slot.pinned and slot.in_flight == 0
+        return (slot.state == LOADED and not slot.pinned and not slot.busy
                 and keep >= 0 and now - slot.idle_since >= keep)
 
     def keep_alive(self, slot: Slot) -> float:
@@ -420,7 +459,16 @@ class ModelRouter(Router):
         if keep == 0 and _only_loads(path, parsed):
             await self.unload(slot, "request")
             return JSONResponse(_unloaded_answer(path, name))
-        replica = await self.acquire(slot)
+        slot.waiting += 1  # busy until sent, so nothing unloads it in between
+        try:
+            while True:  # a client that leaves while its model loads stops waiting
+                if await unless_client_gone(request, self.acquire(slot)) is None:
+                    return Response(status_code=CLIENT_CLOSED_REQUEST)
+                replica = self.ready(slot)  # checked again with no await before the send
+                if replica is not None:
+                    break
+        finally:
+            slot.waiting -= 1
         slot.keep_alive_s = keep
         try:
             return await self.send(replica, request, body)

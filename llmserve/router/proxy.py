@@ -89,6 +89,22 @@ class _ClientGone(Exception):
     pass
 
 
+async def unless_client_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, unless the client goes away first: then `work` is cancelled and the
+    answer is None."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
 async def _from_replica(replica: Replica, request: Request | None, work: Awaitable[T]) -> T:
     """Await `work` (an exchange with the replica), unless the replica is marked down first
     or the client goes away first; a failed connection is a `ReplicaFailed` too."""

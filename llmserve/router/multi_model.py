@@ -751,6 +751,7 @@ def run_models_server(args: Any, argv: list[str]) -> int:
     print(f"llmserve: {len(router.slots)} models on offer: {names}", file=sys.stderr,
           flush=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    run_router(build_models_app(router), settings, sock, f"serving {len(router.slots)} "
-               "models", access_log=args.verbose)
+    run_router(build_models_app(router), settings, sock,
+               f"serving '{len(router.slots)} models of {models.models_dir}'",
+               access_log=args.verbose)
     return 0

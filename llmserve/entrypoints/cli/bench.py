@@ -6,11 +6,18 @@ import argparse
 from llmserve.entrypoints.cli.bench_embed import EMBED
 from llmserve.entrypoints.cli.bench_engine import KERNELS, LATENCY, SCALING, THROUGHPUT
 from llmserve.entrypoints.cli.bench_quality import QUALITY, SPEC
-from llmserve.entrypoints.cli.bench_server import HOSTILE, PLOT, SERVE, SOAK, STARTUP
+from llmserve.entrypoints.cli.bench_server import (
+    HOSTILE,
+    MODELS,
+    PLOT,
+    SERVE,
+    SOAK,
+    STARTUP,
+)
 from llmserve.entrypoints.cli.command import Command, add_commands
 
 BENCHMARKS = (THROUGHPUT, SERVE, LATENCY, KERNELS, QUALITY, SPEC, SCALING, SOAK, EMBED,
-              HOSTILE, STARTUP, PLOT)
+              HOSTILE, STARTUP, MODELS, PLOT)
 
 
 def _arguments(bench: argparse.ArgumentParser) -> None:

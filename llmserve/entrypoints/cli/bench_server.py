@@ -160,6 +160,27 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_models(args: argparse.Namespace) -> int:
+    import shlex
+
+    from llmserve.bench.models import ModelsBenchConfig, format_models_bench, run_models_bench
+    from llmserve.cpu_info import load_average_1m
+
+    config = ModelsBenchConfig(models=tuple(args.model),
+                               server_args=tuple(shlex.split(args.server_args or "")),
+                               repeats=args.repeats, prompts_per_stream=args.prompts_per_stream,
+                               input_len=args.input_len, output_len=args.output_len)
+    machine, bandwidth, load_before = _machine_header()
+    report = run_models_bench(config)
+    report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
+                  load_average_before=load_before, load_average_after=load_average_1m())
+    print(format_models_bench(report))
+    print(f"load average (1 min) after: {report['load_average_after']}")
+    if args.output_json:
+        write_json(args.output_json, report)
+    return 0
+
+
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     import sys
 
@@ -288,6 +309,22 @@ def _startup_arguments(st: argparse.ArgumentParser) -> None:
     st.add_argument("--output-json", metavar="FILE", help="write every figure as JSON")
 
 
+def _models_arguments(mo: argparse.ArgumentParser) -> None:
+    mo.add_argument("--model", action="append", required=True, metavar="MODEL",
+                    help="a catalog name or a model file (repeat for several); the first is "
+                    "also measured alone against routed")
+    mo.add_argument("--server-args", metavar="'FLAGS'",
+                    help="more flags for every started server, e.g. '--threads 2'")
+    mo.add_argument("--repeats", type=int, default=3,
+                    help="measured runs per server and stream count, in turn (default 3, "
+                    "after one warm-up run each)")
+    mo.add_argument("--prompts-per-stream", type=int, default=4,
+                    help="requests a run sends per stream (default 4)")
+    mo.add_argument("--input-len", type=int, default=128)
+    mo.add_argument("--output-len", type=int, default=64)
+    mo.add_argument("--output-json", metavar="FILE", help="write every figure as JSON")
+
+
 def _plot_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("results", nargs="+", metavar="RESULT.json")
     pl.add_argument("--output", required=True, metavar="FILE.png")
@@ -307,5 +344,9 @@ STARTUP = Command(
     "startup", help="first and warm start-up and 1/32-stream speed per install (this one, a "
     "wheel without a compiler) and first start (quiet, beside busy processes), side by side",
     add_arguments=_startup_arguments, run=cmd_bench_startup)
+MODELS = Command(
+    "models", help="many models behind one server: a request for an unloaded model to its "
+    "first token, and a loaded model routed vs served alone at 1 and 16 streams",
+    add_arguments=_models_arguments, run=cmd_bench_models)
 PLOT = Command("plot", help="plot `bench serve` result files against each other",
                add_arguments=_plot_arguments, run=cmd_bench_plot)

@@ -18,6 +18,14 @@ import pytest
 from llmserve.router.model_files import engine_flags, find_models, lookup
 from llmserve.router.multi_model import ROUTER_FLAGS, ModelServerSettings, without_flags
 from tests.cli_server import cli_server
+from tests.entrypoints.openai.test_web_chat import (  # noqa: F401 - fixtures
+    _chat_requests,
+    _open,
+    _send,
+    _wait_answered,
+    browser,
+    page,
+)
 from tests.router.helpers import wait_for
 from tests.tiny_models import save_tiny
 
@@ -225,6 +233,19 @@ def test_the_ollama_client_streams_through(server):
     assert {"chat-llama:latest", "chat-qwen:latest", f"{EMBED_MODEL}:latest"} <= names
     vectors = client.embed(model=EMBED_MODEL, input=["a", "b"]).embeddings
     assert len(vectors) == 2 and len(vectors[0]) == 64
+
+
+def test_the_chat_page_picks_among_the_models(server, page):  # noqa: F811
+    _, http = server
+    _open(page, str(http.base_url))
+    labels = page.eval_on_selector("#model", "el => [...el.options].map(o => o.text)")
+    assert "chat-llama (unloaded)" in labels or "chat-llama (loaded)" in labels
+    page.select_option("#model", "chat-qwen")
+    bodies = _chat_requests(page)
+    _send(page, "Hello", max_tokens=4)
+    _wait_answered(page)
+    assert bodies[-1]["model"] == "chat-qwen"
+    assert "chat-qwen" in _loaded(http)
 
 
 # ---- its parts ----------------------------------------------------------------------

@@ -74,7 +74,7 @@ def _arguments(serve: argparse.ArgumentParser) -> None:
                     help="N engine processes behind one endpoint, requests routed by prompt "
                          "prefix and load; --threads is then per replica (default: cores / N)")
     add_route_prefix_flag(dp)
-    many = serve.add_argument_group("many models behind one endpoint (see docs/serving.md)")
+    many = serve.add_argument_group("many models behind one endpoint (see the README)")
     many.add_argument("--models-dir", metavar="DIR",
                       help="serve every .gguf file and Hugging Face folder directly under DIR "
                            "and the catalog's pulled models, each loaded in a process of its "

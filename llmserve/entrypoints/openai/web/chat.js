@@ -56,7 +56,9 @@ async function loadModels() {
   }
   const { data } = await response.json();
   const chosen = ui.model.value;
-  ui.model.replaceChildren(...data.map((card) => new Option(card.id, card.id)));
+  // a many-model server says whether each model is loaded (the first request loads it)
+  const label = (card) => (card.status ? `${card.id} (${card.status.value})` : card.id);
+  ui.model.replaceChildren(...data.map((card) => new Option(label(card), card.id)));
   if (data.some((card) => card.id === chosen)) ui.model.value = chosen;
   setNotice("");
 }
@@ -272,6 +274,7 @@ ui.apiKey.addEventListener("change", () => {
   localStorage.setItem(API_KEY_STORAGE, ui.apiKey.value.trim());
   loadModels();
 });
+ui.model.addEventListener("focus", loadModels);  // which models are loaded now
 showValue(ui.temperature, $("temperature-value"));
 showValue(ui.topP, $("top-p-value"));
 loadModels();

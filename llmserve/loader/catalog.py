@@ -312,7 +312,8 @@ def _is_verified(path: Path, sha256: str) -> bool:
 
 
 def file_sha256(path: Path) -> str:
-    """A file's sha256 (hex): from its fresh stamp where one is, else read and stamped."""
+    """A file's sha256 (hex): from its fresh stamp where one is, else read (and stamped
+    where the file is in llmserve's cache: nothing is written beside a user's own file)."""
     try:
         stamped = _stamp_path(path).read_text().split()
         if stamped and _stamp_key(path, stamped[0]) == " ".join(stamped) + "\n":
@@ -320,7 +321,8 @@ def file_sha256(path: Path) -> str:
     except OSError:
         pass
     sha256 = _sha256_file(path)
-    _write_stamp(path, sha256)
+    if path.resolve().is_relative_to(cache_root().resolve()):
+        _write_stamp(path, sha256)
     return sha256
 
 

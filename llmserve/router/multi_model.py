@@ -253,8 +253,9 @@ class ModelRouter(Router):
         slot.state, slot.started_at = LOADING, time.monotonic()
         command = model_command(self.config.server_argv, slot.model)
         logger.info("loading model '%s' (%s)", slot.name, slot.model.path)
-        process = await asyncio.to_thread(ReplicaProcess, slot.loads, command,
-                                          f"model {slot.name}")
+        # forked from the event loop's thread: the kernel kills a child whose parent
+        # *thread* ends (PR_SET_PDEATHSIG), and this one lasts as long as the server
+        process = ReplicaProcess(slot.loads, command, f"model {slot.name}")
         process.start_relay()
         slot.process = process
         try:

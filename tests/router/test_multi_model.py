@@ -111,6 +111,7 @@ def test_every_model_is_listed_before_it_loads(server, models_dir):
     tags = {m["name"]: m for m in http.get("/api/tags").json()["models"]}
     assert tags["chat-qwen:latest"]["details"]["family"] == "qwen2"
     assert tags["chat-qwen:latest"]["digest"].startswith("sha256:")
+    assert not list(models_dir.rglob("*.sha256"))  # nothing written beside the user's files
     assert http.get("/api/ps").json() == {"models": []}
     missing = http.post("/v1/chat/completions", json={"model": "nope", "messages": []})
     assert missing.status_code == 404 and "'nope' not found" in missing.json()["error"]["message"]

@@ -25,7 +25,12 @@ __all__ = ["ChatTemplateError", "Tokenizer"]
 _TURN_TERMINATORS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 # End-of-document tokens: a model that emits one is done, whatever its metadata's eos says.
 _DOCUMENT_TERMINATORS = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
-
+# Fill-in-the-middle tokens of code models (prefix, suffix, middle), written in that order
+# before the text around the hole ("PSM"); the model writes what goes in it.
+_FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, Qwen3
+               ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder, SantaCoder
+               ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>",
+                "<\uff5cfim\u2581end\uff5c>"))  # DeepSeek-Coder
 
 _PIECE_CHARS = 8192  # of a long prompt, tokenized in turn while counting against a limit
 _SEAM_TOKENS = 16  # tokens a cut between two pieces can add, at most (a special token cut)
@@ -160,6 +165,34 @@ class Tokenizer:
             seams += 1
             start = end
         return None
+
+    @cached_property
+    def fill_in_middle_ids(self) -> tuple[int, int, int] | None:
+        """The ids of the vocabulary's fill-in-the-middle tokens (prefix, suffix, middle),
+        or None for a model that has none."""
+        for names in _FIM_TOKENS:
+            ids = [self.token_to_id(name) for name in names]
+            if None not in ids:
+                return ids[0], ids[1], ids[2]
+        return None
+
+    def encode_fill_in_middle(self, prefix: str, suffix: str, limit: int | None = None
+                              ) -> list[int]:
+        """A fill-in-the-middle prompt: what the tokenizer puts first (a BOS), the prefix
+        token and `prefix`, the suffix token and `suffix`, then the middle token, after
+        which the model writes the text between them. Raises ValueError for a model
+        without such tokens."""
+        ids = self.fill_in_middle_ids
+        if ids is None:
+            raise ValueError("this model's vocabulary has no fill-in-the-middle tokens ("
+                             + ", ".join(names[0] for names in _FIM_TOKENS) + ", ...)")
+        start, hole, middle = ids
+        head = self.encode("", add_special_tokens=True)
+        prompt = [*head, start, *self.encode(prefix, False, limit), hole,
+                  *self.encode(suffix, False, limit), middle]
+        if limit is not None and len(prompt) > limit:
+            raise PromptTooLong(limit)
+        return prompt
 
     def encode_pair(self, first: str, second: str) -> list[int]:
         """Token ids of a text pair as one input (a cross-encoder's query and document),

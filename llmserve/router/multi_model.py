@@ -127,7 +127,7 @@ class Slot:
     pinned: bool = False
     process: ReplicaProcess | None = None
     replica: Replica | None = None
-    task: asyncio.Task | None = None  # the load or unload under way
+    task: asyncio.Task | None = None  # its load under way
     keep_alive_s: float | None = None  # the last request's; None: the server's default
     last_used: float = 0.0  # monotonic; least recently used is unloaded first
     idle_since: float = 0.0  # monotonic
@@ -135,7 +135,7 @@ class Slot:
     draining: bool = False  # chosen to make room: takes no new request, unloads when idle
     waiting: int = 0  # requests waiting for it to load
     loads: int = 0
-    started_at: float = field(default=0.0)
+    started_at: float = 0.0
 
     @property
     def in_flight(self) -> int:
@@ -460,14 +460,13 @@ class ModelRouter(Router):
         if keep == 0 and _only_loads(path, parsed):
             await self.unload(slot, "request")
             return JSONResponse(_unloaded_answer(path, name))
+        replica = self.ready(slot)  # loaded: sent at once
         slot.waiting += 1  # busy until sent, so nothing unloads it in between
         try:
-            while True:  # a client that leaves while its model loads stops waiting
+            while replica is None:  # a client that leaves while its model loads stops waiting
                 if await unless_client_gone(request, self.acquire(slot)) is None:
                     return Response(status_code=CLIENT_CLOSED_REQUEST)
                 replica = self.ready(slot)  # checked again with no await before the send
-                if replica is not None:
-                    break
         finally:
             slot.waiting -= 1
         slot.keep_alive_s = keep

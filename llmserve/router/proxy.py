@@ -185,24 +185,44 @@ async def _relay_events(upstream: httpx.Response, replica: Replica,
                         on_done: Callable[[bool], None], stream: _Stream
                         ) -> AsyncIterator[bytes]:
     """The replica's events (or lines), each whole (one cut off by a failure is dropped),
-    then an error item if the replica fails mid-stream."""
-    chunks = upstream.aiter_bytes()
+    then an error item if the replica fails mid-stream.
+
+    One watcher for the whole stream cancels the relay if the replica is marked down (not
+    a task per chunk: a token's event is relayed with no more than a read and a send)."""
+    relay = asyncio.current_task()
+    went_down = False
+
+    def on_down(watch: asyncio.Future) -> None:
+        nonlocal went_down
+        if not watch.cancelled() and relay is not None:
+            went_down = True
+            relay.cancel()
+
+    watcher = asyncio.ensure_future(replica.down.wait())
+    watcher.add_done_callback(on_down)
     pending, failed = b"", False
     try:
-        while True:
-            try:
-                chunk = await _from_replica(replica, None, anext(chunks))
-            except StopAsyncIteration:
-                break
-            except ReplicaFailed as failure:
-                failed = True
-                yield stream.error(str(failure))
-                return
-            *events, pending = (pending + chunk).split(stream.separator)
-            for event in events:
-                yield event + stream.separator
+        try:
+            async for chunk in upstream.aiter_raw():
+                *events, pending = (pending + chunk).split(stream.separator)
+                if events:  # every whole event of the chunk in one send
+                    yield stream.separator.join(events) + stream.separator
+        except asyncio.CancelledError:
+            if not went_down:
+                raise  # the client went away (or the server stops)
+            relay.uncancel()
+            failed = True
+            yield stream.error(str(ReplicaFailed(replica, replica.reason)))
+            return
+        except httpx.TransportError as e:
+            failed = True
+            yield stream.error(str(ReplicaFailed(
+                replica, f"the connection failed ({type(e).__name__}: {e})")))
+            return
         if pending.strip():
             yield pending
     finally:
+        watcher.remove_done_callback(on_down)
+        watcher.cancel()
         await upstream.aclose()
         on_done(failed)

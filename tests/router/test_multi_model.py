@@ -55,6 +55,9 @@ def models_dir(tmp_path_factory) -> Path:
     save_tiny(transformers.Qwen3Model(transformers.Qwen3Config(**COMMON, head_dim=16)),
               folder / EMBED_MODEL)
     (folder / "notes.txt").write_text("not a model")
+    (folder / "broken").mkdir()  # a checkpoint without its weights
+    (folder / "broken" / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
     return folder
 
 
@@ -198,6 +201,19 @@ def test_a_killed_model_reloads_and_the_others_see_no_error(server):
     assert 'reason="exited"' in http.get("/metrics").text
 
 
+def test_a_model_that_cannot_load_is_a_500_naming_why_and_harms_no_other(server):
+    _, http = server
+    _ask(http, "chat-qwen")
+    failed = http.post("/v1/completions", json={"model": "broken", "prompt": "x"})
+    assert failed.status_code == 500
+    message = failed.json()["error"]["message"]
+    assert "could not load the model" in message and "model broken exited" in message
+    assert _status(http)["broken"]["value"] == "unloaded"
+    assert _ask(http, "chat-qwen")  # still served
+    assert 'llmserve_router_model_load_failures_total{model="broken"} 1.0' in \
+        http.get("/metrics").text
+
+
 def test_keep_alive_and_the_load_and_unload_routes(server):
     _, http = server
     loaded = http.post("/models/load", json={"model": "chat-llama"})
@@ -260,7 +276,7 @@ def test_the_folder_is_read_as_models(tmp_path, models_dir):
     found = find_models(tmp_path, cache_dir=tmp_path / "empty-cache")
     assert found == {}  # the empty first part is not a GGUF file: left out, with a warning
     found = find_models(models_dir, cache_dir=tmp_path / "empty-cache")
-    assert set(found) == {*CHAT_MODELS, EMBED_MODEL}
+    assert set(found) == {*CHAT_MODELS, EMBED_MODEL, "broken"}
     assert found[EMBED_MODEL].flags == ("--runner", "pooling")
     assert found["chat-llama"].flags == ()
     assert lookup(found, "chat-llama:latest") is found["chat-llama"]

@@ -46,8 +46,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """The response body, or an iterator of SSE events when `request.stream`."""
         lora = self.check_model(request.model)
         served = lora.lora_name if lora is not None else self.model_name  # the name asked
-        if request.suffix:
-            raise BadRequest("suffix is not supported", param="suffix")
+        if request.suffix is not None:
+            self._check_fill_in_middle(request)
         score_only = request.max_tokens == 0
         if score_only and not request.echo:
             raise BadRequest("max_tokens: 0 scores the prompt only, which needs echo: true",
@@ -65,9 +65,13 @@ class OpenAIServingCompletion(OpenAIServing):
         params = build_sampling_params(options)
         prompts = _prompt_list(request.prompt)
         _check_token_ids(prompts, self.engine.engine.loaded.config.vocab_size)
-        token_ids = await self.engine.run_blocking(self._tokenize, prompts,
-                                                   request.add_special_tokens,
-                                                   prompt_limit(self.engine, request))
+        if request.suffix is not None:  # the model writes what goes between them
+            token_ids = await self.engine.run_blocking(
+                self._fill_in_middle, prompts, request.suffix, prompt_limit(self.engine, request))
+        else:
+            token_ids = await self.engine.run_blocking(self._tokenize, prompts,
+                                                       request.add_special_tokens,
+                                                       prompt_limit(self.engine, request))
         echoes = [""] * len(prompts)
         if request.echo:
             echoes = await self.engine.run_blocking(self._prompt_texts, prompts)
@@ -110,6 +114,26 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             return [self.tokenizer.encode(p, add_special_tokens=add_special, limit=limit)
                     if isinstance(p, str) else p for p in prompts]
+        except PromptTooLong as e:
+            raise BadRequest(str(e), param="prompt") from None
+
+    def _check_fill_in_middle(self, request: CompletionRequest) -> None:
+        """`suffix`: text after the hole the completion fills, for a model with
+        fill-in-the-middle tokens, of text prompts, never echoed."""
+        if self.tokenizer.fill_in_middle_ids is None:
+            raise BadRequest("this model's vocabulary has no fill-in-the-middle tokens "
+                             "(<|fim_prefix|>..., <fim_prefix>...): it cannot complete "
+                             "between a prompt and a suffix", param="suffix")
+        if any(not isinstance(p, str) for p in _prompt_list(request.prompt)):
+            raise BadRequest("a suffix goes with text prompts, not token ids",
+                             param="suffix")
+        if request.echo:
+            raise BadRequest("echo does not combine with suffix", param="echo")
+
+    def _fill_in_middle(self, prompts: list[str | list[int]], suffix: str,
+                        limit: int | None) -> list[list[int]]:
+        try:
+            return [self.tokenizer.encode_fill_in_middle(p, suffix, limit) for p in prompts]
         except PromptTooLong as e:
             raise BadRequest(str(e), param="prompt") from None
 

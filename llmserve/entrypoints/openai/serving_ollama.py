@@ -6,7 +6,8 @@ formats, grammars and engine), so `llmserve serve --port 11434` stands in for Ol
   (`"json"` or a JSON schema, enforced by the grammar engine), `think` (with a reasoning
   parser), `options`, `stream` (on by default: newline-delimited JSON), `keep_alive`.
 * POST /api/generate: `prompt` through the chat template (`system` before it) or `raw`,
-  `context` (the token ids a previous answer returned) before it, `format`, `options`.
+  `context` (the token ids a previous answer returned) before it, `format`, `options`;
+  with `suffix`, the prompt and suffix around the model's fill-in-the-middle tokens.
 * POST /api/embed (`input`, `truncate`: each input's first tokens that fit the context,
   as Ollama keeps them, `dimensions`) and the older /api/embeddings.
 * GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, POST /api/pull (a catalog
@@ -79,7 +80,6 @@ _REFUSED_OPTIONS = {
 _REFUSED_CHAT = {"template": (("",), "the model's own chat template is used")}
 _REFUSED_GENERATE = {
     "template": (("",), "the model's own chat template is used"),
-    "suffix": (("",), "the model's template has no fill-in-the-middle"),
 }
 _DONE_REASONS = {"stop": "stop", "tool_calls": "stop", "length": "length", "abort": "stop"}
 
@@ -136,6 +136,7 @@ class OllamaChatRequest(_Generating):
 class OllamaGenerateRequest(_Generating):
     REFUSED_FIELDS: ClassVar[Refusals] = _REFUSED_GENERATE
     prompt: str = ""
+    suffix: str = ""
     system: str | None = None
     raw: bool = False
     images: list[str] | None = None
@@ -318,15 +319,20 @@ class OllamaServing:
         if body.think not in (None, False):
             raise BadRequest("thinking is split from the answer on /api/chat; /api/generate "
                              "returns the text as generated", param="think")
-        if not body.prompt and not body.context:  # Ollama's way to load a model
+        if not body.prompt and not body.context and not body.suffix:  # Ollama's model load
             return self._loaded(body.model, {"response": ""})
         if body.raw and body.system:
             raise BadRequest("a raw prompt is not templated: put the system text in it",
                              param="system")
+        if body.suffix:
+            self._check_fill_in_middle(body)
         ids = list(body.context or ())
         limit = self.engine.max_model_len  # a longer prompt is refused while tokenized
         try:
-            if body.raw:
+            if body.suffix:  # the model writes what goes between prompt and suffix
+                ids = await self.engine.run_blocking(
+                    self.chat.tokenizer.encode_fill_in_middle, body.prompt, body.suffix, limit)
+            elif body.raw:
                 ids += await self.engine.run_blocking(self.chat.tokenizer.encode, body.prompt,
                                                       not ids, limit)
             elif body.prompt:
@@ -451,6 +457,8 @@ class OllamaServing:
         if self.engine.engine.pooler is not None:
             return ["embedding"]
         found = ["completion"]
+        if self.chat.tokenizer.fill_in_middle_ids is not None:
+            found.append("insert")  # Ollama's word for fill-in-the-middle
         if "tools" in (self.chat.tokenizer.chat_template or ""):
             found.append("tools")
         if self.chat.reasoning_parser is not None:
@@ -505,6 +513,19 @@ class OllamaServing:
         if keep_alive_seconds(value) == 0:
             raise BadRequest("this server serves one model, loaded for as long as it runs: "
                              "it cannot be unloaded", param="keep_alive")
+
+    def _check_fill_in_middle(self, body: OllamaGenerateRequest) -> None:
+        """`suffix` (editors' code completion): the prompt is the text before the cursor,
+        the suffix the text after it, laid out with the model's fill-in-the-middle tokens
+        instead of the chat template."""
+        if self.chat.tokenizer.fill_in_middle_ids is None:
+            raise BadRequest("this model's vocabulary has no fill-in-the-middle tokens "
+                             "(<|fim_prefix|>..., <fim_prefix>...): it cannot complete "
+                             "between a prompt and a suffix", param="suffix")
+        for name in ("system", "context"):
+            if getattr(body, name):
+                raise BadRequest(f"{name} does not combine with suffix (a fill-in-the-middle "
+                                 "prompt is the text around the hole alone)", param=name)
 
     def _no_options(self, options: OllamaOptions | None) -> None:
         if options is None:

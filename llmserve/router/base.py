@@ -116,7 +116,7 @@ class Router(ABC):
             if failed:
                 self.metrics.failures.labels(replica.label).inc()
 
-        return await forward(self.client, replica, request, body, done)
+        return await forward(replica, request, body, done)
 
     async def send_or_503(self, replica: Replica, request: Request, body: bytes) -> Response:
         """`send`, but a backend that is down, or fails the request, makes a 503 (and a

@@ -21,6 +21,7 @@ from llmserve.entrypoints.openai.http_layer import error_response
 from llmserve.entrypoints.openai.protocol import error_body
 from llmserve.entrypoints.openai.serving_base import NDJSONResponse, SSEResponse
 from llmserve.router.replicas import Replica
+from llmserve.router.upstream import UpstreamResponse, exchange
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # as the server answers a client that went away
@@ -45,7 +46,7 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _REQUEST_HEADERS_DROPPED}
 
 
-async def forward(client: httpx.AsyncClient, replica: Replica, request: Request, body: bytes,
+async def forward(replica: Replica, request: Request, body: bytes,
                   on_done: Callable[[bool], None]) -> Response:
     """The replica's answer to `request` (whose body was read: `body`) as a response.
 
@@ -54,13 +55,12 @@ async def forward(client: httpx.AsyncClient, replica: Replica, request: Request,
     Raises `ReplicaFailed`; a client that goes away first gets 499 (and the replica sees
     the connection close: it aborts).
     """
-    upstream_request = client.build_request(
-        request.method, f"{replica.url}{request.url.path}", params=request.query_params,
-        headers=forwarded_headers(request.headers), content=body)
+    query = request.url.query
+    target = f"{request.url.path}?{query}" if query else request.url.path
     try:
         try:
-            upstream = await _from_replica(replica, request,
-                                           client.send(upstream_request, stream=True))
+            upstream = await _from_replica(replica, request, exchange(
+                replica.url, request.method, target, forwarded_headers(request.headers), body))
         except BaseException as e:
             on_done(isinstance(e, ReplicaFailed))
             raise
@@ -170,7 +170,7 @@ _EVENT_STREAM = _Stream(SSEResponse, b"\n\n", _error_event)
 _NDJSON_STREAM = _Stream(NDJSONResponse, b"\n", _error_line)
 
 
-def _stream_kind(response: httpx.Response) -> _Stream | None:
+def _stream_kind(response: UpstreamResponse) -> _Stream | None:
     if response.status_code != 200:
         return None
     content_type = response.headers.get("content-type", "")
@@ -181,7 +181,7 @@ def _stream_kind(response: httpx.Response) -> _Stream | None:
     return None
 
 
-async def _relay_events(upstream: httpx.Response, replica: Replica,
+async def _relay_events(upstream: UpstreamResponse, replica: Replica,
                         on_done: Callable[[bool], None], stream: _Stream
                         ) -> AsyncIterator[bytes]:
     """The replica's events (or lines), each whole (one cut off by a failure is dropped),
@@ -224,5 +224,5 @@ async def _relay_events(upstream: httpx.Response, replica: Replica,
     finally:
         watcher.remove_done_callback(on_down)
         watcher.cancel()
-        await upstream.aclose()
         on_done(failed)
+        await upstream.aclose()

@@ -105,9 +105,10 @@ class Router(ABC):
     def up(self) -> list[Replica]:
         return [r for r in self.replicas if r.is_up]
 
-    async def send(self, replica: Replica, request: Request, body: bytes) -> Response:
-        """Forward to this backend, counting the request in flight until it is over.
-        Raises `ReplicaFailed`."""
+    async def send(self, replica: Replica, request: Request, body: bytes,
+                   extra_headers: dict[str, str] | None = None) -> Response:
+        """Forward to this backend (with `extra_headers` beside the client's), counting the
+        request in flight until it is over. Raises `ReplicaFailed`."""
         self.metrics.requests.labels(replica.label).inc()
         replica.in_flight += 1
 
@@ -116,7 +117,7 @@ class Router(ABC):
             if failed:
                 self.metrics.failures.labels(replica.label).inc()
 
-        return await forward(replica, request, body, done)
+        return await forward(replica, request, body, done, extra_headers)
 
     async def send_or_503(self, replica: Replica, request: Request, body: bytes) -> Response:
         """`send`, but a backend that is down, or fails the request, makes a 503 (and a

@@ -48,6 +48,7 @@ from llmserve.entrypoints.openai.http_layer import install_error_handlers, insta
 from llmserve.entrypoints.openai.protocol import BadRequest
 from llmserve.entrypoints.openai.serving_base import NDJSONResponse, respond
 from llmserve.entrypoints.openai.serving_ollama import (
+    LOAD_HEADER,
     OLLAMA_API_VERSION,
     OllamaModelRequest,
     created_at,
@@ -461,6 +462,7 @@ class ModelRouter(Router):
             await self.unload(slot, "request")
             return JSONResponse(_unloaded_answer(path, name))
         replica = self.ready(slot)  # loaded: sent at once
+        asked, had_to_wait = time.monotonic(), replica is None
         slot.waiting += 1  # busy until sent, so nothing unloads it in between
         try:
             while replica is None:  # a client that leaves while its model loads stops waiting
@@ -470,8 +472,11 @@ class ModelRouter(Router):
         finally:
             slot.waiting -= 1
         slot.keep_alive_s = keep
+        extra = None  # Ollama's answers say how long their model took to load
+        if had_to_wait and path.startswith("/api/"):
+            extra = {LOAD_HEADER: f"{time.monotonic() - asked:.6f}"}
         try:
-            return await self.send(replica, request, body)
+            return await self.send(replica, request, body, extra)
         except ReplicaFailed as failure:
             await self.monitor.check(replica)
             self._reap_exited(slot)

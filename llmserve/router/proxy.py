@@ -29,7 +29,8 @@ CLIENT_CLOSED_REQUEST = 499  # as the server answers a client that went away
 # accept-encoding stays behind so the replica's bytes are never compressed in between.
 _REQUEST_HEADERS_DROPPED = frozenset({
     "host", "content-length", "connection", "keep-alive", "transfer-encoding", "te",
-    "trailer", "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding"})
+    "trailer", "upgrade", "proxy-authorization", "proxy-connection", "accept-encoding",
+    "x-llmserve-load-seconds"})  # the router's own word to the backend (serving_ollama)
 _RESPONSE_HEADERS_KEPT = ("content-type", "retry-after", "www-authenticate")
 
 
@@ -47,7 +48,8 @@ def forwarded_headers(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 async def forward(replica: Replica, request: Request, body: bytes,
-                  on_done: Callable[[bool], None]) -> Response:
+                  on_done: Callable[[bool], None],
+                  extra_headers: Mapping[str, str] | None = None) -> Response:
     """The replica's answer to `request` (whose body was read: `body`) as a response.
 
     `on_done(failed)` runs once the exchange is over: at once for a whole response or a
@@ -59,8 +61,9 @@ async def forward(replica: Replica, request: Request, body: bytes,
     target = f"{request.url.path}?{query}" if query else request.url.path
     try:
         try:
+            headers = {**forwarded_headers(request.headers), **(extra_headers or {})}
             upstream = await _from_replica(replica, request, exchange(
-                replica.url, request.method, target, forwarded_headers(request.headers), body))
+                replica.url, request.method, target, headers, body))
         except BaseException as e:
             on_done(isinstance(e, ReplicaFailed))
             raise

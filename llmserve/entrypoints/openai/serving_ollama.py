@@ -19,7 +19,8 @@ option that would change the answer and that this server does not serve is a 400
 it. Durations are the request's own timeline in nanoseconds: `total_duration` from
 arrival to finish, `prompt_eval_duration` from scheduling to the first token,
 `eval_duration` from the first token to the last, `load_duration` 0 (the model is loaded
-before the server listens). Errors are `{"error": "..."}` (http_layer.shaped).
+before the server listens) or, behind a many-model server, the wait for its load. Errors
+are `{"error": "..."}` (http_layer.shaped).
 """
 
 import asyncio
@@ -27,6 +28,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar
@@ -182,15 +184,23 @@ def created_at() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
+# what a many-model server in front says its request waited for this model to load
+LOAD_HEADER = "x-llmserve-load-seconds"
+_load_seconds: ContextVar[float] = ContextVar("ollama_load_seconds", default=0.0)
+
+
 def durations(metrics: dict[str, Any] | None, prompt_tokens: int,
               output_tokens: int) -> dict[str, int]:
-    """Ollama's counts and durations (nanoseconds) from a response's `metrics`."""
+    """Ollama's counts and durations (nanoseconds) from a response's `metrics`; the load a
+    many-model server waited for (`LOAD_HEADER`) is `load_duration`, and in the total."""
     def span(start: str, end: str) -> int:
         if metrics is None or metrics.get(start) is None or metrics.get(end) is None:
             return 0
         return max(0, round((metrics[end] - metrics[start]) * NS))
 
-    return {"total_duration": span("arrival_time", "finished_time"), "load_duration": 0,
+    load = round(_load_seconds.get() * NS)
+    return {"total_duration": span("arrival_time", "finished_time") + load,
+            "load_duration": load,
             "prompt_eval_count": prompt_tokens,
             "prompt_eval_duration": span("first_scheduled_time", "first_token_time"),
             "eval_count": output_tokens,
@@ -403,7 +413,9 @@ class OllamaServing:
         result = await self.pooling.embeddings(request, arrival)
         return {"model": body.model,
                 "embeddings": [item["embedding"] for item in result["data"]],
-                "total_duration": round((time.monotonic() - start) * NS), "load_duration": 0,
+                "total_duration": round((time.monotonic() - start) * NS)
+                + round(_load_seconds.get() * NS),
+                "load_duration": round(_load_seconds.get() * NS),
                 "prompt_eval_count": result["usage"]["prompt_tokens"]}
 
     async def embeddings(self, body: OllamaEmbeddingsRequest, arrival: float) -> dict[str, Any]:
@@ -771,6 +783,10 @@ def add_ollama_routes(app: FastAPI, ollama: OllamaServing,
     """Ollama's routes on `app`."""
 
     async def answer(request: Request, work: Any) -> Response:
+        try:
+            _load_seconds.set(max(0.0, float(request.headers.get(LOAD_HEADER, 0))))
+        except ValueError:
+            raise BadRequest(f"the {LOAD_HEADER} header must be seconds") from None
         return await respond(request, work, NDJSONResponse)
 
     @app.post("/api/chat", responses=_STREAMED)

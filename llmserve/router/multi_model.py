@@ -20,14 +20,14 @@ hand; `POST /models/load` loads.
 Each engine is a process: a crash or an out-of-memory kill takes no other model down (the
 health monitor sees it exit; its requests in flight end with a 503, and its next request
 starts it again), and an unload returns its memory to the system. Requests pass through
-`proxy.forward` unchanged, streams included (event streams and Ollama's NDJSON).
+`proxy.forward` unchanged, streams included (event streams and Ollama's NDJSON). The HTTP
+app around it is `models_app`.
 """
 
 import asyncio
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -38,29 +38,19 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
-from llmserve import __version__
 from llmserve.config.engine import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED_MODELS
-from llmserve.entrypoints.openai.http_layer import install_error_handlers, install_middleware
 from llmserve.entrypoints.openai.protocol import BadRequest
-from llmserve.entrypoints.openai.serving_base import NDJSONResponse, respond
 from llmserve.entrypoints.openai.serving_ollama import (
     LOAD_HEADER,
-    OLLAMA_API_VERSION,
-    OllamaModelRequest,
     created_at,
-    delete_from_catalog,
     keep_alive_seconds,
     model_digest,
     modified_at,
-    ollama_name,
-    pull_from_catalog,
     size_on_disk,
 )
-from llmserve.entrypoints.openai.web_ui import add_web_ui_routes
 from llmserve.router.base import Router, RouterSettings
 from llmserve.router.launcher import ReplicaProcess, stop_replicas
 from llmserve.router.metrics import ModelMetrics
@@ -448,7 +438,7 @@ class ModelRouter(Router):
         """Forward a model request to its model's server, loading the model first."""
         path = request.url.path
         body = await request.body()
-        parsed = _json_object(body)
+        parsed = json_object(body)
         name = parsed.get("model") or (parsed.get("name") if path == "/api/show" else None)
         if not isinstance(name, str) or not name:
             raise BadRequest(f"model is required: one of {', '.join(sorted(self.slots))}",
@@ -593,7 +583,7 @@ def file_details(model: ModelFile) -> dict[str, Any]:
             "quantization_level": quantization}
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
+def json_object(body: bytes) -> dict[str, Any]:
     try:
         parsed = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -635,128 +625,3 @@ def _iso(moment: datetime) -> str:
 
 def _gib(size: int) -> str:
     return f"{size / 2**30:.2f} GiB"
-
-
-# ---- the app --------------------------------------------------------------------------
-
-
-def build_models_app(router: ModelRouter) -> FastAPI:
-    """The many-model server's HTTP app."""
-
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async with router.running():
-            yield
-
-    app = FastAPI(title="llmserve", version=__version__, lifespan=lifespan, docs_url=None,
-                  redoc_url=None, openapi_url=None)
-    install_error_handlers(app, retry_after_s=1)
-    for path in MODEL_ROUTES:
-        app.add_api_route(path, router.route, methods=["POST"])
-    app.add_api_route("/v1/models", router.models, methods=["GET"])
-    app.add_api_route("/models", router.models, methods=["GET"])
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model_card(model_id: str) -> dict[str, Any]:
-        return router.card(router.find(model_id))
-
-    @app.post("/models/load")
-    async def load(request: Request) -> dict[str, Any]:
-        slot = router.find(_named(await request.body()))
-        await router.acquire(slot)
-        return {"success": True, "model": slot.name, "status": {"value": slot.state}}
-
-    @app.post("/models/unload")
-    async def unload(request: Request) -> dict[str, Any]:
-        slot = router.find(_named(await request.body()))
-        await router.unload(slot, "request")
-        return {"success": True, "model": slot.name, "status": {"value": slot.state}}
-
-    @app.get("/api/tags")
-    async def ollama_tags() -> dict[str, Any]:
-        return await router.tags()
-
-    @app.get("/api/ps")
-    async def ollama_ps() -> dict[str, Any]:
-        return await router.ps()
-
-    @app.get("/api/version")
-    async def ollama_version() -> dict[str, str]:
-        return {"version": OLLAMA_API_VERSION}
-
-    @app.post("/api/pull")
-    async def ollama_pull(body: OllamaModelRequest, request: Request) -> Response:
-        work = pull_from_catalog(body, router.on_files_thread)
-        return await respond(request, work, NDJSONResponse)
-
-    @app.delete("/api/delete")
-    async def ollama_delete(body: OllamaModelRequest) -> Response:
-        name = body.named()
-        slot = router.slots.get(ollama_name(name))
-        if slot is not None and not slot.model.in_catalog:
-            raise BadRequest(f"model '{name}' is a file under --models-dir: the server does "
-                             "not delete its user's files", param="model", status=403)
-        loaded = [s.model.path for s in router.slots.values() if s.state != UNLOADED]
-        delete_from_catalog(body, loaded)
-        router.refresh()
-        return Response(status_code=200)
-
-    @app.head("/")
-    async def running() -> Response:
-        return PlainTextResponse("llmserve is running")
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200)  # the server answers; each model loads on demand
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        loaded = [s.replica for s in router.slots.values() if s.replica is not None]
-        texts = await asyncio.gather(*(router.scrape(r) for r in loaded))
-        by_label = {r.label: t for r, t in zip(loaded, texts, strict=True) if t}
-        router.metrics.loaded.set(len(loaded))
-        return Response(router.metrics.render(loaded, by_label),
-                        media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
-    add_web_ui_routes(app)
-    install_middleware(app, router.settings)
-    return app
-
-
-def _named(body: bytes) -> str:
-    parsed = _json_object(body)
-    name = parsed.get("model")
-    if not isinstance(name, str) or not name:
-        raise BadRequest("model is required", param="model")
-    return name
-
-
-def run_models_server(args: Any, argv: list[str]) -> int:
-    """`llmserve serve --models-dir DIR`: serve every model under DIR (and the catalog's
-    pulled ones) on the user's socket until SIGTERM; returns 0."""
-    from llmserve.entrypoints.openai.server import listening_socket
-    from llmserve.memory import parse_size
-    from llmserve.router.app import router_settings, run_router
-
-    settings = router_settings(args)
-    models = ModelServerSettings(
-        models_dir=Path(args.models_dir).expanduser(),
-        server_argv=tuple(without_flags(argv, ROUTER_FLAGS)),
-        max_loaded=args.max_loaded_models,
-        memory_budget=parse_size(args.max_loaded_memory) if args.max_loaded_memory else None,
-        keep_alive_s=keep_alive_seconds(args.keep_alive),
-        pinned=tuple(args.pin or ()))
-    router = ModelRouter(settings, models)
-    sock = listening_socket(args.host, args.port)
-    names = ", ".join(sorted(router.slots)) or "none yet"
-    print(f"llmserve: {len(router.slots)} models on offer: {names}", file=sys.stderr,
-          flush=True)
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    run_router(build_models_app(router), settings, sock,
-               f"serving '{len(router.slots)} models of {models.models_dir}'",
-               access_log=args.verbose)
-    return 0

@@ -23,7 +23,7 @@ from llmserve.entrypoints.openai.reasoning import CHOICES
 
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.models_dir is not None:
-        from llmserve.router.multi_model import run_models_server
+        from llmserve.router.models_app import run_models_server
 
         return run_models_server(args, args.argv)
     if args.data_parallel_size > 1:

@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, Response
 
 from llmserve.config.engine import DEFAULT_KEEP_ALIVE, DEFAULT_MAX_LOADED_MODELS
 from llmserve.entrypoints.openai.protocol import BadRequest
+from llmserve.entrypoints.openai.serving_base import unless_client_gone
 from llmserve.entrypoints.openai.serving_ollama import (
     LOAD_HEADER,
     created_at,
@@ -55,12 +56,7 @@ from llmserve.router.base import Router, RouterSettings
 from llmserve.router.launcher import ReplicaProcess, stop_replicas
 from llmserve.router.metrics import ModelMetrics
 from llmserve.router.model_files import ModelFile, find_models, lookup
-from llmserve.router.proxy import (
-    CLIENT_CLOSED_REQUEST,
-    ReplicaFailed,
-    replica_failed_response,
-    unless_client_gone,
-)
+from llmserve.router.proxy import CLIENT_CLOSED_REQUEST, ReplicaFailed, replica_failed_response
 from llmserve.router.replicas import Replica
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,11 @@ from fastapi.responses import Response
 
 from llmserve.entrypoints.openai.http_layer import error_response
 from llmserve.entrypoints.openai.protocol import error_body
-from llmserve.entrypoints.openai.serving_base import NDJSONResponse, SSEResponse
+from llmserve.entrypoints.openai.serving_base import (
+    NDJSONResponse,
+    SSEResponse,
+    client_gone,
+)
 from llmserve.router.replicas import Replica
 from llmserve.router.upstream import UpstreamResponse, exchange
 
@@ -92,22 +96,6 @@ class _ClientGone(Exception):
     pass
 
 
-async def unless_client_gone(request: Request, work: Awaitable[T]) -> T | None:
-    """Await `work`, unless the client goes away first: then `work` is cancelled and the
-    answer is None."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_client_gone(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return None
-
-
 async def _from_replica(replica: Replica, request: Request | None, work: Awaitable[T]) -> T:
     """Await `work` (an exchange with the replica), unless the replica is marked down first
     or the client goes away first; a failed connection is a `ReplicaFailed` too."""
@@ -126,7 +114,7 @@ async def _unless_down(replica: Replica, request: Request | None, work: Awaitabl
     task = asyncio.ensure_future(work)
     watchers = {asyncio.ensure_future(replica.down.wait())}
     if request is not None:
-        watchers.add(asyncio.ensure_future(_client_gone(request)))
+        watchers.add(asyncio.ensure_future(client_gone(request)))
     try:
         done, _ = await asyncio.wait({task, *watchers}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:
@@ -142,11 +130,6 @@ async def _unless_down(replica: Replica, request: Request | None, work: Awaitabl
     if replica.down.is_set():
         raise ReplicaFailed(replica, replica.reason)
     raise _ClientGone
-
-
-async def _client_gone(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Stream:

@@ -2,6 +2,7 @@
 their plots."""
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 from llmserve.entrypoints.cli.args import int_list, int_range, parsed
@@ -85,6 +86,22 @@ def _machine_header() -> tuple[dict, float, float | None]:
     return machine, bandwidth, load_before
 
 
+def _measured(run: Callable[[], dict], format_report: Callable[[dict], str],
+              output_json: str | None) -> int:
+    """The machine header, the benchmark `run`, its table and the load after, its JSON."""
+    from llmserve.cpu_info import load_average_1m
+
+    machine, bandwidth, load_before = _machine_header()
+    report = run()
+    report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
+                  load_average_before=load_before, load_average_after=load_average_1m())
+    print(format_report(report))
+    print(f"load average (1 min) after: {report['load_average_after']}")
+    if output_json:
+        write_json(output_json, report)
+    return 0
+
+
 def cmd_bench_hostile(args: argparse.Namespace) -> int:
     import os
     import shlex
@@ -140,7 +157,6 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
         this_install,
         wheel_install,
     )
-    from llmserve.cpu_info import load_average_1m
 
     installs = [this_install()]
     if args.wheel_dir:
@@ -149,36 +165,19 @@ def cmd_bench_startup(args: argparse.Namespace) -> int:
                            server_args=tuple(shlex.split(args.server_args or "")),
                            single_prompts=args.single_prompts, input_len=args.input_len,
                            output_len=args.output_len, repeats=args.repeats)
-    machine, bandwidth, load_before = _machine_header()
-    report = run_startup(config)
-    report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
-                  load_average_before=load_before, load_average_after=load_average_1m())
-    print(format_startup(report))
-    print(f"load average (1 min) after: {report['load_average_after']}")
-    if args.output_json:
-        write_json(args.output_json, report)
-    return 0
+    return _measured(lambda: run_startup(config), format_startup, args.output_json)
 
 
 def cmd_bench_models(args: argparse.Namespace) -> int:
     import shlex
 
     from llmserve.bench.models import ModelsBenchConfig, format_models_bench, run_models_bench
-    from llmserve.cpu_info import load_average_1m
 
     config = ModelsBenchConfig(models=tuple(args.model),
                                server_args=tuple(shlex.split(args.server_args or "")),
                                repeats=args.repeats, prompts_per_stream=args.prompts_per_stream,
                                input_len=args.input_len, output_len=args.output_len)
-    machine, bandwidth, load_before = _machine_header()
-    report = run_models_bench(config)
-    report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
-                  load_average_before=load_before, load_average_after=load_average_1m())
-    print(format_models_bench(report))
-    print(f"load average (1 min) after: {report['load_average_after']}")
-    if args.output_json:
-        write_json(args.output_json, report)
-    return 0
+    return _measured(lambda: run_models_bench(config), format_models_bench, args.output_json)
 
 
 def cmd_bench_plot(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import asyncio
 import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -37,6 +37,8 @@ from llmserve.sampling_params import RequestOutputKind, SamplingParams
 
 # how long a decode server waits for a prompt's KV from its prefill server
 KV_WAIT_S = 60.0
+
+T = TypeVar("T")
 
 
 class OpenAIServing:
@@ -358,22 +360,31 @@ async def respond(request: Request, work: Awaitable[Any],
                   streamed: type[StreamingResponse] = SSEResponse) -> Response:
     """Run the handler until it answers or the client goes (then it is cancelled: abort);
     a dict answers as JSON, an iterator as `streamed` (server-sent events by default)."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_client_gone(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
+    result = await unless_client_gone(request, work)
+    if result is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    result = task.result()
     if isinstance(result, dict):
         return JSONResponse(result)
     return streamed(result)
 
 
-async def _client_gone(request: Request) -> None:
+async def unless_client_gone(request: Request, work: Awaitable[T]) -> T | None:
+    """Await `work`, unless the client goes away first: then `work` is cancelled and the
+    answer is None (`work` itself never answers None)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(client_gone(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return None
+
+
+async def client_gone(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
 

@@ -2,9 +2,10 @@
 metadata and checked before anything is allocated."""
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llmserve.config.vision import VISION_ARCHITECTURES, VisionConfig
 from llmserve.errors import UnsupportedModelError
 
 # Hugging Face `model_type` values llmserve runs: the Llama family (`models/llama.py`; Phi-3
@@ -65,6 +66,9 @@ class ModelConfig:
     qk_norm_across_heads: bool = False
     clip_qkv: float | None = None
     moe: "MoEConfig | None" = None  # a mixture of experts (`models/moe.py`)
+    # a vision-language model's image side (`config/vision.py`); the fields above are its
+    # decoder's
+    vision: VisionConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +161,8 @@ class ModelConfig:
             raise ValueError(f"the config must be a JSON object, not {type(cfg).__name__}")
         arch = cfg.get("model_type")
         arch = ARCHITECTURE_ALIASES.get(arch, arch) if isinstance(arch, str) else arch
+        if arch in VISION_ARCHITECTURES:
+            return cls._vision_language(cfg)
         if arch == "gemma3" and "text_config" in cfg:
             raise UnsupportedModelError(
                 "this Gemma 3 checkpoint has a vision tower (Gemma3ForConditionalGeneration); "
@@ -239,6 +245,23 @@ class ModelConfig:
             extra={"id2label": cfg["id2label"]} if isinstance(cfg.get("id2label"), dict)
             else {},
         )
+
+    @classmethod
+    def _vision_language(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """A LLaVA-style checkpoint: the decoder from `text_config` (Llama unless it says
+        otherwise), the image side from the rest."""
+        text = cfg.get("text_config")
+        if not isinstance(text, dict):
+            raise ValueError("text_config must be an object")
+        text = {"model_type": "llama", **text}
+        if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
+            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        decoder = cls.from_hf_config(text)
+        vision = VisionConfig.from_hf_config(cfg)
+        if vision.image_token_id >= decoder.vocab_size:
+            raise ValueError(f"image_token_id {vision.image_token_id} is outside the "
+                             f"vocabulary ({decoder.vocab_size} tokens)")
+        return replace(decoder, vision=vision)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from safetensors import SafetensorError, safe_open
 from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.loader.hf_quantized import dequantize, quant_scheme, weight_shapes
+from llmserve.models.llava import llava_name
 from llmserve.loader.weights import (
     LoadedWeights,
     WeightSlices,
@@ -106,7 +107,9 @@ MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
 
 
 def canonical_name(name: str) -> str:
-    """A checkpoint tensor's canonical (HF Llama; Qwen-MoE for experts) name."""
+    """A checkpoint tensor's canonical (HF Llama; Qwen-MoE for experts; `llava_name` for a
+    vision-language model's) name."""
+    name = llava_name(name)
     name = f"model.{name}" if name.startswith(BARE_PREFIXES) else name
     if ".block_sparse_moe." in name:
         for old, new in MIXTRAL_NAMES:

@@ -14,6 +14,8 @@ import torch
 
 from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, ModelNotFoundError
+from llmserve.models.llava import UNUSED_PREFIXES
+from llmserve.models.vision import MultiModalProjector, VisionTower
 
 # (config, canonical tensor name) -> (rows, columns) to read; None: the whole dimension
 WeightSlices = Callable[[ModelConfig, str], tuple[slice | None, slice | None]]
@@ -114,6 +116,19 @@ def layer_shapes(config: ModelConfig, layer_index: int = 0, dense: bool = False
     return layer
 
 
+def image_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A vision-language model's tower and projector tensors (name -> shape), from the
+    modules themselves built without memory (empty for a text model)."""
+    if config.vision is None:
+        return {}
+    with torch.device("meta"):
+        modules = {"vision_tower": VisionTower(config.vision),
+                   "multi_modal_projector": MultiModalProjector(config.vision,
+                                                                config.hidden_size)}
+    return {f"{prefix}.{name}": tuple(p.shape) for prefix, module in modules.items()
+            for name, p in module.named_parameters()}
+
+
 def check_weight_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
                         source: str | Path) -> None:
     """Check a checkpoint's tensors (canonical name -> shape, read from its header) against
@@ -139,7 +154,10 @@ def check_weight_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]],
     for i in range(config.num_hidden_layers):
         expected |= {f"model.layers.{i}.{name}": shape
                      for name, shape in layer_shapes(config, i).items()}
+    expected |= image_shapes(config)
     for name, shape in shapes.items():
+        if name.startswith(UNUSED_PREFIXES) and config.vision is not None:
+            continue  # a vision tower's pooling head, which its features never read
         if name not in expected:
             raise ModelFormatError(f"{source}: tensor {name!r} has no place in a "
                                    f"{config.num_hidden_layers}-layer {config.architecture} model")

@@ -160,9 +160,13 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
-        x = self._embed(input_ids)
+        """input_ids, positions: (T,) -> final hidden states (T, hidden_size).
+
+        `embeds` (a vision-language model's image tokens): (index (K,), rows (K, hidden)),
+        rows that replace the embeddings of tokens `index` of the T."""
+        x = self._embed(input_ids, embeds)
         if (native := self._native_stack(x, positions, kv_cache, meta)) is not None:
             return native
         rope = self.model.rotary.at(positions, x.dtype)
@@ -187,11 +191,17 @@ class LlamaForCausalLM(nn.Module):
             return None
         return native.forward(x, positions, kv_cache, meta, step, args)
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows; under tensor parallelism each rank looks up the ids in its
-        vocabulary range, zeros elsewhere, and the ranks' rows are summed."""
+    def _embed(self, input_ids: torch.Tensor,
+               embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Embedding rows, `embeds`' rows in place of theirs (see `forward`); under tensor
+        parallelism each rank looks up the ids in its vocabulary range, zeros elsewhere,
+        and the ranks' rows are summed."""
         if self.plan is None:
-            return self.model.embed_tokens(input_ids)
+            x = self.model.embed_tokens(input_ids)
+            if embeds is not None:
+                index, rows = embeds
+                x = x.index_copy(0, index, rows.to(x.dtype))
+            return x
         local = input_ids - self.plan.vocab.start
         inside = (local >= 0) & (local < len(self.plan.vocab))
         x = self.model.embed_tokens(torch.where(inside, local, torch.zeros_like(local)))

@@ -6,6 +6,7 @@ from llmserve.config.model import ModelConfig
 from llmserve.errors import UnsupportedModelError
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
+from llmserve.models.llava import LlavaForConditionalGeneration
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -24,6 +25,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
+    if config.vision is not None:  # a vision tower before the decoder the config names
+        return LlavaForConditionalGeneration
     try:
         return MODEL_CLASSES[config.architecture]
     except KeyError:

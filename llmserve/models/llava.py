@@ -1,0 +1,92 @@
+"""LLaVA-style vision-language models (LLaVA-1.5, LLaVA-NeXT without tiling, the
+OneVision shape with one image tile): a vision tower and projector (`vision.py`) before a
+Llama-family decoder (`llama.py`), whose image tokens' embeddings are the projected image
+features.
+
+The decoder is `LlamaForCausalLM` itself, so everything the text path has (the native
+stack, quantized linears, LoRA, the compiled step) runs unchanged; the image side adds
+`encode_images`, which the model runner calls on the step that first needs an image's
+tokens, and `forward`'s `embeds`, which put the rows in place.
+"""
+
+import torch
+
+from llmserve.config.model import ModelConfig
+from llmserve.distributed.parallel import ShardPlan
+from llmserve.errors import UnsupportedModelError
+from llmserve.models.llama import LlamaForCausalLM
+from llmserve.models.vision import MultiModalProjector, VisionTower
+
+# a checkpoint's prefixes (transformers 4.x and 5.x layouts) -> the model's
+NAME_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("model.vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+)
+IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.")
+# SigLIP's attention-pooling head: LLaVA reads a hidden state, never the pooled output
+UNUSED_PREFIXES = ("vision_tower.head.",)
+
+
+def llava_name(name: str) -> str:
+    """A LLaVA checkpoint tensor's name in this model."""
+    for old, new in NAME_PREFIXES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+class LlavaForConditionalGeneration(LlamaForCausalLM):
+    """Vision tower + projector + decoder. Not under tensor parallelism (the tower is not
+    sharded)."""
+
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
+        if plan is not None and plan.tp.size > 1:
+            raise UnsupportedModelError("vision-language models run with "
+                                        "tensor_parallel_size 1")
+        super().__init__(cfg, None)
+        assert cfg.vision is not None  # the registry picks this class for vision configs
+        self.vision_tower = VisionTower(cfg.vision)
+        self.multi_modal_projector = MultiModalProjector(cfg.vision, cfg.hidden_size)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.config.vision.tokens_per_image
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(N, C, S, S) preprocessed images -> (N, tokens_per_image, hidden_size), the rows
+        each image's tokens take in the decoder."""
+        features = self.vision_tower(pixel_values)
+        if self.config.vision.select_strategy == "default":
+            features = features[:, 1:]  # CLIP's class token (a SigLIP's first patch)
+        return self.multi_modal_projector(features)
+
+    @torch.no_grad()
+    def load_weights(self, tensors: dict[str, torch.Tensor],
+                     from_blocks: frozenset[str] = frozenset()) -> None:
+        """The decoder's tensors as `LlamaForCausalLM` loads them; the tower's and the
+        projector's by name (all of them, but SigLIP's unused pooling head)."""
+        decoder: dict[str, torch.Tensor] = {}
+        image: dict[str, torch.Tensor] = {}
+        for name, tensor in tensors.items():
+            name = llava_name(name)
+            if name.startswith(UNUSED_PREFIXES):
+                continue
+            (image if name.startswith(IMAGE_PREFIXES) else decoder)[name] = tensor
+        own = {name: p for name, p in self.named_parameters()
+               if name.startswith(IMAGE_PREFIXES)}
+        missing = sorted(set(own) - set(image))
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+        for name, tensor in image.items():
+            if name not in own:
+                raise KeyError(f"checkpoint tensor {name} has no place in the model")
+            if own[name].shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != "
+                                 f"{tuple(own[name].shape)}")
+            own[name].copy_(tensor)
+        super().load_weights(decoder, from_blocks | frozenset(own))

@@ -1,0 +1,133 @@
+"""Vision towers (CLIP and SigLIP ViTs) and the LLaVA projector: images to the decoder's
+embedding rows.
+
+The tower runs on whole images, with plain torch ops in the model's float dtype (its
+linears are not quantized: a few hundred MB at most, run once per image). Parameter names
+follow Hugging Face's `CLIPVisionModel` / `SiglipVisionModel` under `vision_tower.` and
+`LlavaMultiModalProjector` under `multi_modal_projector.`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.config.vision import VisionConfig
+
+
+def _activation(name: str):
+    return {
+        "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+        "gelu": F.gelu,
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "silu": F.silu,
+    }[name]
+
+
+class VisionEmbeddings(nn.Module):
+    """Patches (a strided convolution) plus learned positions; CLIP prepends a class token."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.patch_embedding = nn.Conv2d(cfg.num_channels, cfg.hidden_size, cfg.patch_size,
+                                         stride=cfg.patch_size, bias=cfg.tower == "siglip")
+        self.class_embedding = nn.Parameter(torch.empty(cfg.hidden_size)) \
+            if cfg.has_class_token else None
+        self.position_embedding = nn.Embedding(
+            cfg.num_patches + int(cfg.has_class_token), cfg.hidden_size)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(N, C, S, S) -> (N, P (+1), hidden)."""
+        weight = self.patch_embedding.weight
+        x = self.patch_embedding(pixel_values.to(weight.dtype))  # (N, hidden, S/p, S/p)
+        x = x.flatten(2).transpose(1, 2)  # (N, P, hidden)
+        if self.class_embedding is not None:
+            x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
+        return x + self.position_embedding.weight
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, t, _ = x.shape
+
+        def heads(y: torch.Tensor) -> torch.Tensor:
+            return y.view(n, t, self.num_heads, self.head_dim).transpose(1, 2)  # (N, h, T, d)
+
+        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)),
+                                             heads(self.v_proj(x)))  # every patch sees all
+        return self.out_proj(out.transpose(1, 2).reshape(n, t, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.act = _activation(cfg.hidden_act)
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionEncoderLayer(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.self_attn = VisionAttention(cfg)
+        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x))
+        return x + self.mlp(self.layer_norm2(x))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(VisionEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+
+
+class VisionTower(nn.Module):
+    """The ViT up to the layer whose output the projector reads (`VisionConfig.layers_run`);
+    its later layers and `post_layernorm` are loaded with the checkpoint but never run (the
+    features are a hidden state, not the pooled output)."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embeddings = VisionEmbeddings(cfg)
+        self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) \
+            if cfg.tower == "clip" else None  # (sic: the checkpoint's name)
+        self.encoder = VisionEncoder(cfg)
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """(N, C, S, S) -> the feature layer's hidden states (N, P (+1), hidden)."""
+        x = self.embeddings(pixel_values)
+        if self.pre_layrnorm is not None:
+            x = self.pre_layrnorm(x)
+        for layer in self.encoder.layers[: self.config.layers_run]:
+            x = layer(x)
+        return x
+
+
+class MultiModalProjector(nn.Module):
+    """LLaVA's two-layer MLP from the tower's width to the decoder's."""
+
+    def __init__(self, cfg: VisionConfig, text_hidden_size: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(cfg.hidden_size, text_hidden_size, bias=cfg.projector_bias)
+        self.act = _activation(cfg.projector_act)
+        self.linear_2 = nn.Linear(text_hidden_size, text_hidden_size, bias=cfg.projector_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))

@@ -192,13 +192,20 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[i * bs : (i + 1) * bs]
-            hashes.append(hash_block(parent, tokens, self._hash_extra(request)))
+            hashes.append(hash_block(parent, tokens,
+                                     self._hash_extra(request, i * bs, (i + 1) * bs)))
 
-    def _hash_extra(self, request: Request) -> object:
+    def _hash_extra(self, request: Request, start: int, end: int) -> object:
+        """The keys of the block over positions [start, end) beside its token ids."""
         # an adapter's KV differs from the base model's: its name keys its blocks
         lora = request.lora_request
         salt = request.cache_salt if lora is None else (request.cache_salt, "lora",
                                                           lora.lora_name)
+        # the image whose tokens a block holds (the same ids for every image) keys it
+        images = [(m.hash, start - m.offset) for m in request.mm_inputs
+                  if m.offset < end and start < m.offset + m.length]
+        if images:
+            salt = (salt, "images", images)
         if self.enable_caching:
             return salt
         return (salt, request.share_group)  # visible to siblings only

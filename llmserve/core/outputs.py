@@ -34,6 +34,7 @@ class NewRequestData:
     # a pooling request: its PoolingParams (the runner pools its prompt, samples nothing)
     pooling_params: Any = None
     lora_request: Any = None  # its LoRA adapter (a LoRARequest), None: the base model
+    mm_inputs: list = field(default_factory=list)  # its images (`Request.mm_inputs`)
 
 
 @dataclass

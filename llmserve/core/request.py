@@ -96,6 +96,10 @@ class Request:
     pooling_params: Any = None
     pools_every_position: bool = False
     lora_request: Any = None  # lora_request.LoRARequest: the adapter it runs with
+    # a vision-language prompt's images (multimodal.ImageInput: content hash, and the
+    # prompt positions `offset .. offset + length - 1` their rows take); they key the
+    # blocks over those positions in the prefix cache
+    mm_inputs: list = field(default_factory=list)
     # KV: its blocks (core.block_pool.Block) in position order; how many leading full ones
     # were offered to the prefix cache; how many block ids the runner holds (None: the
     # runner holds no row for it, so the next step sends its data)

@@ -342,6 +342,7 @@ class Scheduler:
                 bad_words_token_ids=request.bad_words_token_ids,
                 pooling_params=request.pooling_params,
                 lora_request=request.lora_request,
+                mm_inputs=request.mm_inputs,
             )
             num_sent = num_blocks
         request.num_blocks_sent = num_blocks

@@ -34,6 +34,7 @@ from llmserve.engine.loading import (
     build_pooler,
     build_speculator,
     free_memory_bytes,
+    image_prompts,
     kv_budget,
     model_bytes,
     resolve_device,
@@ -154,7 +155,7 @@ class Engine:
         )
         self.input_processor = InputProcessor(
             self.tokenizer, model_cfg.vocab_size, self.max_model_len, plan.num_tokens,
-            self.structured, config.kv_role)
+            self.structured, config.kv_role, image_prompts(self.loaded))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._ids = itertools.count()
         weight_cache.write_queued()  # the timings are done: keep the loaded weights now
@@ -228,6 +229,7 @@ class Engine:
             arrival_time=new.arrival_time, lora_request=new.lora_request,
         )
         request.bad_words_token_ids = new.bad_words_token_ids
+        request.mm_inputs = new.images
         if isinstance(kv_transfer, str):
             request.remote_decode = kv_transfer
         elif kv_transfer is not None:
@@ -268,6 +270,7 @@ class Engine:
         request = Request(request_id, new.ids, params, 1, frozenset(), new.priority,
                           new.cache_salt, arrival_time=new.arrival_time)
         request.pooling_params = pooling
+        request.mm_inputs = new.images
         request.pools_every_position = self.pooler.config.needs_every_position
         detok = IncrementalDetokenizer(self.tokenizer, new.ids, True, [], False, False)
         self.output_processor.add(RequestState(request, new.text, detok))

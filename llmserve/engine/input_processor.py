@@ -6,11 +6,13 @@ disaggregated-prefill request this engine's role cannot take.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.config.vision import VisionConfig
 from llmserve.distributed.kv_transfer import TransferredKV
 from llmserve.errors import LLMServeError
+from llmserve.multimodal import MAX_IMAGES_PER_REQUEST, ImageInput, ImageProcessor
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured import StructuredOutputManager
 from llmserve.tokenizer import Tokenizer
@@ -21,7 +23,7 @@ class RequestRejected(LLMServeError, ValueError):
 
 
 # what a prompt dict may hold (vLLM's TextPrompt / TokensPrompt keys that apply here)
-PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"})
 
 @dataclass
 class NewRequest:
@@ -38,12 +40,54 @@ class NewRequest:
     # its sequences' grammar matchers, prepared off the engine thread (the server's grammar
     # pool: `StructuredOutputManager.prepare`); None: compiled as each sequence is added
     grammars: list | None = None
+    images: list[ImageInput] = field(default_factory=list)  # placed in `ids`
+
+
+@dataclass(frozen=True)
+class ImagePrompts:
+    """How a vision-language model's prompts take images: each image is one run of the
+    image token in the prompt, written once (expanded here to the image's
+    `tokens_per_image` positions) or already that many times."""
+
+    vision: VisionConfig
+    processor: ImageProcessor
+
+    def place(self, ids: list[int], images: list) -> tuple[list[int], list[ImageInput]]:
+        """The prompt with each image's run expanded, and the images placed on them
+        (a `PIL.Image` is preprocessed here; an `ImageInput` was already)."""
+        token, size = self.vision.image_token_id, self.vision.tokens_per_image
+        runs: list[tuple[int, int]] = []  # (start, length) of each run of the image token
+        for i, t in enumerate(ids):
+            if t != token:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+        if len(runs) != len(images):
+            raise RequestRejected(f"the prompt has {len(runs)} image placeholder(s) for "
+                                  f"{len(images)} image(s)")
+        out: list[int] = []
+        placed: list[ImageInput] = []
+        last = 0
+        for (start, length), image in zip(runs, images, strict=True):
+            if length not in (1, size):
+                raise RequestRejected(f"an image takes {size} image tokens in the prompt "
+                                      f"(or one, expanded here); a run has {length}")
+            out += ids[last:start]
+            if not isinstance(image, ImageInput):
+                image = self.processor.image_input(image)
+            placed.append(image.placed(len(out), size))
+            out += [token] * size
+            last = start + length
+        return out + ids[last:], placed
 
 
 class InputProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int,
                  kv_cache_tokens: int, structured: StructuredOutputManager,
-                 kv_role: str | None) -> None:
+                 kv_role: str | None, images: ImagePrompts | None = None) -> None:
+        self.images = images  # None: the model reads text only
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -56,6 +100,7 @@ class InputProcessor:
                 kv_transfer: "str | TransferredKV | None",
                 grammars: list | None = None) -> NewRequest:
         text, ids = self._tokenize(prompt)
+        ids, images = self._place_images(prompt, ids)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             if cache_salt is not None and cache_salt != prompt["cache_salt"]:
                 raise RequestRejected("cache_salt is given twice, with different values")
@@ -64,6 +109,9 @@ class InputProcessor:
         if keep is not None:  # asked for: the prompt's last tokens, the text no longer its own
             keep = self.max_model_len - 1 if keep == -1 else keep
             if len(ids) > keep:
+                if images:
+                    raise RequestRejected("truncate_prompt_tokens would cut a prompt with "
+                                          "images")
                 text, ids = None, ids[len(ids) - keep:]
         if kv_transfer is not None:
             self._check_kv_transfer(kv_transfer, ids, params)
@@ -74,9 +122,32 @@ class InputProcessor:
                 self.structured.backend.compile(params.structured_outputs)
             except ValueError as e:
                 raise RequestRejected(str(e)) from None
+        if images and params.use_beam_search:
+            raise RequestRejected("beam search does not take images")
         return NewRequest(text, ids, max_tokens, priority, arrival_time or time.time(),
                           cache_salt, self._bad_words_token_ids(params.bad_words or []),
-                          grammars=grammars)
+                          grammars=grammars, images=images)
+
+    def _place_images(self, prompt: str | list[int] | dict, ids: list[int]
+                      ) -> tuple[list[int], list[ImageInput]]:
+        """A dict prompt's `multi_modal_data` images placed on its image tokens."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if data is None:
+            if self.images is not None and self.images.vision.image_token_id in ids:
+                raise RequestRejected("the prompt holds the image token but no image")
+            return ids, []
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise RequestRejected("multi_modal_data takes 'image': an image or a list")
+        images = data.get("image", [])
+        images = images if isinstance(images, list | tuple) else [images]
+        if self.images is None:
+            if images:
+                raise RequestRejected("this model reads text only: it takes no images")
+            return ids, []
+        if len(images) > MAX_IMAGES_PER_REQUEST:
+            raise RequestRejected(f"{len(images)} images in one prompt; at most "
+                                  f"{MAX_IMAGES_PER_REQUEST}")
+        return self.images.place(ids, list(images))
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

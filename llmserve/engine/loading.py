@@ -25,9 +25,11 @@ from llmserve.kv_tier import (
 )
 from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 from llmserve.layers.pooler import Pooler
+from llmserve.engine.input_processor import ImagePrompts
 from llmserve.loader.attention_choice import choose_attention
 from llmserve.loader.model_loader import LoadedModel, decide_auto
 from llmserve.memory import parse_size
+from llmserve.multimodal import ImageProcessor
 from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
 from llmserve.spec_decode.speculator import Speculator
@@ -139,6 +141,16 @@ def build_speculator(config: EngineConfig, loaded: LoadedModel, device: torch.de
         logger.info("speculative decoding: a draft token costs %s of a step (by batch "
                     "size)", {b: round(c, 2) for b, c in costs.by_batch.items()})
     return Speculator.build(spec, draft, costs)
+
+
+def image_prompts(loaded: LoadedModel) -> ImagePrompts | None:
+    """How prompts take images on a vision-language model (None: a text model): the image
+    token and the folder's preprocessing."""
+    vision = loaded.config.vision
+    if vision is None:
+        return None
+    folder = loaded.source.path if loaded.source.kind != "gguf" else None
+    return ImagePrompts(vision, ImageProcessor.for_model(folder, vision))
 
 
 def build_pooler(config: EngineConfig, loaded: LoadedModel) -> Pooler | None:

@@ -17,7 +17,7 @@ padding attention reads).
 import heapq
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,7 @@ class RequestRow:
     pooling_params: Any = None
     pooled: PooledState | None = None
     lora_request: Any = None  # its LoRA adapter (LoRARequest), None: the base model
+    mm_inputs: list = field(default_factory=list)  # its images (multimodal.ImageInput)
 
     @property
     def num_tokens(self) -> int:
@@ -160,7 +161,7 @@ class InputBatch:
             new.eos_token_ids, new.bad_words_token_ids, generator, row=row,
             pooling_params=new.pooling_params,
             pooled=None if new.pooling_params is None else PooledState(),
-            lora_request=new.lora_request,
+            lora_request=new.lora_request, mm_inputs=new.mm_inputs,
         )
         self.requests[new.request_id] = self.rows[row]
         self.num_blocks[row] = 0

@@ -9,7 +9,8 @@ of other ranks (an executor drives one runner per rank, `executor/`).
         rows dropped / added, new block ids  (InputBatch.update)
         KV loads written                     (kv_connector.load_kv, disaggregated decode)
         KV tier blocks read in               (kv_tier.load; their requests compute nothing)
-        forward over the flat batch
+        images the step's tokens need encoded (encoder_cache: once per image)
+        forward over the flat batch          (image tokens take their image's rows)
         blocks the forward filled kept       (kv_tier.save: copied now, written off-step)
         prompt logprobs of prefill chunks
         pooling requests' chunks pooled; their outputs once their prompt is done
@@ -29,6 +30,7 @@ from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.layers.pooler import Pooler
+from llmserve.worker.encoder_cache import EncoderCache
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
 from llmserve.worker.rejection_sampler import verify
@@ -62,6 +64,10 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.attention = attention or attention_backend(self.device)
         self.input_batch = InputBatch(max_num_seqs, self.block_size, self.device)
+        # a vision-language model's encoder outputs by image (None: a text model)
+        encode = getattr(model, "encode_images", None)
+        self.encoder_cache = None if encode is None else EncoderCache(
+            lambda pixels: encode(pixels.to(self.device)))
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -80,9 +86,14 @@ class ModelRunner:
         step = batch.prepare(out.scheduled, self.attention)
         if self.lora is not None:
             self._begin_lora(out)
+        embeds = self._image_embeds(out, step) if self.encoder_cache is not None else None
         try:
-            hidden = self.model(step.input_ids, step.positions, self.kv_cache,
-                                step.metadata)  # (T, H)
+            if embeds is None:
+                hidden = self.model(step.input_ids, step.positions, self.kv_cache,
+                                    step.metadata)  # (T, H)
+            else:
+                hidden = self.model(step.input_ids, step.positions, self.kv_cache,
+                                    step.metadata, embeds=embeds)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -109,6 +120,29 @@ class ModelRunner:
             self._sample(out, to_sample, step, hidden, result)
         self._save_kv(out, result)
         return result
+
+    def _image_embeds(self, out: SchedulerOutput, step: Any
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The image rows of the step's image tokens: (their index among the T tokens,
+        rows), the images' encoder outputs sliced to each chunk; None: no image token."""
+        spans = []  # (first flat index, image, first row, end row)
+        for i, s in enumerate(out.scheduled):
+            images = self.input_batch.requests[s.request_id].mm_inputs
+            if not images:
+                continue
+            start, end = s.start_position, s.start_position + len(s.token_ids)
+            first = int(step.last_token[i]) + 1 - s.num_tokens  # the chunk's first token
+            for image in images:
+                lo, hi = max(start, image.offset), min(end, image.offset + image.length)
+                if lo < hi:
+                    spans.append((first + lo - start, image, lo - image.offset,
+                                  hi - image.offset))
+        if not spans:
+            return None
+        rows = self.encoder_cache.rows_for([image for _, image, _, _ in spans])
+        index = torch.cat([torch.arange(f, f + hi - lo) for f, _, lo, hi in spans])
+        values = torch.cat([rows[image.hash][lo:hi] for _, image, lo, hi in spans])
+        return index.to(self.device), values
 
     def _load_from_tier(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         start = time.perf_counter()

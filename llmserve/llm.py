@@ -86,13 +86,21 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Generate replies to conversations rendered with the model's chat template."""
+        """Generate replies to conversations rendered with the model's chat template; on a
+        vision-language model a message's content may hold image parts (`{"type":
+        "image", "image": <PIL image>}` or OpenAI's `image_url` with a data URL)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
-            {"prompt_token_ids": self.tokenizer.apply_chat_template(
-                c, add_generation_prompt=add_generation_prompt, tokenize=True)}
-            for c in conversations
-        ]
+        images = self.engine.input_processor.images  # None: a text model
+        prompts = []
+        for c in conversations:
+            if images is None:
+                prompts.append({"prompt_token_ids": self.tokenizer.apply_chat_template(
+                    c, add_generation_prompt=add_generation_prompt, tokenize=True)})
+                continue
+            text, inputs = images.render_chat(self.tokenizer, c,
+                                              add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt_token_ids": self.tokenizer.encode(
+                text, add_special_tokens=False), "multi_modal_data": {"image": inputs}})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(

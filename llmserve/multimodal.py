@@ -51,6 +51,55 @@ class ImageInput:
         return ImageInput(self.pixel_values, self.hash, offset, length)
 
 
+# chat content parts that carry an image: OpenAI's image_url, the Responses API's
+# input_image, an offline caller's {"type": "image", "image": <PIL image>}
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[Any]]:
+    """Chat messages as templates take them with images: every content a list of parts,
+    each image part `{"type": "image"}`; and the images in prompt order (decoded: RGB
+    `PIL.Image`s). A bad image is an `ImageError` naming its part."""
+    out, images = [], []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message if content is None else
+                       {**message, "content": [{"type": "text", "text": content}]})
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in IMAGE_PART_TYPES:
+                parts.append(part)
+                continue
+            try:
+                images.append(_part_image(part))
+            except ImageError as e:
+                raise ImageError(f"messages[{i}].content[{j}]: {e}") from None
+            parts.append({"type": "image"})
+        out.append({**message, "content": parts})
+    if len(images) > MAX_IMAGES_PER_REQUEST:
+        raise ImageError(f"{len(images)} images in one request; at most "
+                         f"{MAX_IMAGES_PER_REQUEST}")
+    return out, images
+
+
+def _part_image(part: dict[str, Any]) -> Any:
+    image = part.get("image")
+    if image is not None and not isinstance(image, str | dict):
+        return to_rgb(image)  # an offline caller's PIL image
+    url = part.get("image_url", image)
+    if isinstance(url, dict):
+        url = url.get("url")
+    if not isinstance(url, str):
+        raise ImageError("the image part has no URL")
+    if url.startswith(("http://", "https://")):
+        raise ImageError("images are taken as data URLs (data:image/png;base64,...); this "
+                         "server does not fetch http(s) URLs")
+    return decode_data_url(url)
+
+
 def decode_image(data: bytes) -> Any:
     """Bytes (PNG, JPEG, WebP, GIF's first frame, ...) -> an RGB `PIL.Image`, refused with
     an `ImageError` when not an image, truncated, over MAX_IMAGE_BYTES or

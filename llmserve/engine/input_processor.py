@@ -12,7 +12,13 @@ from typing import Any
 from llmserve.config.vision import VisionConfig
 from llmserve.distributed.kv_transfer import TransferredKV
 from llmserve.errors import LLMServeError
-from llmserve.multimodal import MAX_IMAGES_PER_REQUEST, ImageInput, ImageProcessor
+from llmserve.chat_template import ChatTemplateError
+from llmserve.multimodal import (
+    MAX_IMAGES_PER_REQUEST,
+    ImageInput,
+    ImageProcessor,
+    take_images,
+)
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured import StructuredOutputManager
 from llmserve.tokenizer import Tokenizer
@@ -52,6 +58,25 @@ class ImagePrompts:
     vision: VisionConfig
     processor: ImageProcessor
 
+    def render_chat(self, tokenizer: Tokenizer, messages: list[dict[str, Any]],
+                    **template: Any) -> tuple[str, list[ImageInput]]:
+        """The chat's prompt text with one image token per image part, and the images
+        preprocessed. Templates made for images iterate over content parts (an image part
+        writes the image token); with one that writes no image token, or cannot take parts,
+        each message's image tokens are written before its text."""
+        parts, images = take_images(messages)
+        token = tokenizer.decode([self.vision.image_token_id], skip_special_tokens=False)
+        try:
+            text = tokenizer.apply_chat_template(parts, **template)
+        except ChatTemplateError:
+            text = None
+        if text is None or text.count(token) != len(images):
+            text = tokenizer.apply_chat_template(
+                [_flattened(m, token) for m in parts], **template)
+            if text.count(token) != len(images):
+                raise RequestRejected("the chat template does not place the images")
+        return text, [self.processor.image_input(image) for image in images]
+
     def place(self, ids: list[int], images: list) -> tuple[list[int], list[ImageInput]]:
         """The prompt with each image's run expanded, and the images placed on them
         (a `PIL.Image` is preprocessed here; an `ImageInput` was already)."""
@@ -81,6 +106,16 @@ class ImagePrompts:
             out += [token] * size
             last = start + length
         return out + ids[last:], placed
+
+
+def _flattened(message: dict[str, Any], image_token: str) -> dict[str, Any]:
+    """A message of parts as one string: its images' tokens, then its text."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    images = sum(1 for p in content if p.get("type") == "image")
+    text = "".join(p.get("text") or "" for p in content if p.get("type") == "text")
+    return {**message, "content": f"{image_token}\n" * images + text}
 
 
 class InputProcessor:

@@ -33,7 +33,12 @@ RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5
 
 
 class ImageError(LLMServeError, ValueError):
-    """An image that cannot be used (not an image, truncated, too large, too many)."""
+    """An image that cannot be used (not an image, truncated, too large, too many);
+    `param`: the request part it came from, where known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,13 @@ def take_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], l
             try:
                 images.append(_part_image(part))
             except ImageError as e:
-                raise ImageError(f"messages[{i}].content[{j}]: {e}") from None
+                where = f"messages[{i}].content[{j}]"
+                raise ImageError(f"{where}: {e}", param=where) from None
             parts.append({"type": "image"})
         out.append({**message, "content": parts})
     if len(images) > MAX_IMAGES_PER_REQUEST:
         raise ImageError(f"{len(images)} images in one request; at most "
-                         f"{MAX_IMAGES_PER_REQUEST}")
+                         f"{MAX_IMAGES_PER_REQUEST}", param="messages")
     return out, images
 
 
@@ -119,8 +125,10 @@ def decode_image(data: bytes) -> Any:
             image.load()
     except ImageError:
         raise
-    except (UnidentifiedImageError, Image.DecompressionBombError,
-            Image.DecompressionBombWarning) as e:
+    except UnidentifiedImageError:
+        raise ImageError("not a usable image: not in a format the server reads (PNG, "
+                         "JPEG, WebP, GIF, BMP, ...)") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise ImageError(f"not a usable image: {e}") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated, corrupt
         raise ImageError(f"the image cannot be decoded: {e}") from None

@@ -141,6 +141,8 @@ class AsyncEngine:
         self.on_fatal = on_fatal
         self.fatal: BaseException | None = None  # what killed the engine thread, if it died
         self.tokenizer = engine.tokenizer
+        # how prompts take images (a vision-language model), None: a text model
+        self.image_prompts = engine.input_processor.images
         self.max_model_len = engine.max_model_len
         self.max_num_waiting = max_num_waiting
         self.metrics = metrics or EngineMetrics()

@@ -217,9 +217,18 @@ class CompletionRequest(SamplingRequest):
     add_special_tokens: bool = True
 
 
+class ImageURL(OpenAIModel):
+    url: str  # a data URL (data:image/png;base64,...)
+    # the one resolution the model's tower takes: "auto" (the default) only
+    detail: Literal["auto"] | None = None
+
+
 class TextPart(OpenAIModel):
+    """A content part: text, or an image (`image_url`) for a vision-language model."""
+
     type: str
     text: str | None = None
+    image_url: ImageURL | str | None = None
 
 
 class FunctionCall(OpenAIModel):

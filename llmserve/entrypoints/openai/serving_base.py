@@ -41,6 +41,15 @@ KV_WAIT_S = 60.0
 T = TypeVar("T")
 
 
+class PromptIds(list):
+    """A chat prompt's token ids (one image token per image) and the images those tokens
+    stand for (`multimodal.ImageInput`s, preprocessed), in prompt order."""
+
+    def __init__(self, ids: list[int], images: list[Any]) -> None:
+        super().__init__(ids)
+        self.images = images
+
+
 class OpenAIServing:
     """Base of the completions and chat handlers: one engine, one served model name."""
 
@@ -82,8 +91,11 @@ class OpenAIServing:
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                prompt: dict[str, Any] = {"prompt_token_ids": list(ids)}
+                if isinstance(ids, PromptIds):
+                    prompt["multi_modal_data"] = {"image": ids.images}
                 streams.append(await self.engine.add_request(
-                    {"prompt_token_ids": ids}, params, rid, arrival_time, priority, cache_salt,
+                    prompt, params, rid, arrival_time, priority, cache_salt,
                     kv_transfer, lora_request))
         except RequestRejected as e:
             _abort_all(streams)

@@ -26,6 +26,7 @@ from llmserve.entrypoints.openai.reasoning import (
 from llmserve.entrypoints.openai.serving_base import (
     ChunkFormatter,
     OpenAIServing,
+    PromptIds,
     final_outputs,
     output_kind,
     prompt_limit,
@@ -50,6 +51,7 @@ from llmserve.entrypoints.openai.tool_calls import (
 )
 from llmserve.entrypoints.openai.tool_parsers import Extracted, ToolCallExtractor
 from llmserve.errors import LLMServeError
+from llmserve.multimodal import ImageError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import PromptTooLong
@@ -57,18 +59,32 @@ from llmserve.tokenizer import PromptTooLong
 Extractors = Callable[[], ToolCallExtractor] | None
 
 
-def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as chat templates take them: list content joined, tool calls' arguments
-    as objects (templates write them with `tojson`), tool results with their call's id."""
+def messages_to_dicts(messages: list[ChatMessage],
+                      images: bool = False) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: list content joined (kept as parts, images
+    among them, where the model takes `images`), tool calls' arguments as objects
+    (templates write them with `tojson`), tool results with their call's id."""
     result = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                where = f"messages[{i}].content[{j}]"
+                if part.type == "image_url" and not images:
+                    raise BadRequest("this model reads text only: it takes no images",
+                                     param=where)
+                if part.type == "image_url" and part.image_url is None:
+                    raise BadRequest("an image_url part needs its image_url", param=where)
+                if part.type not in ("text", "image_url") or (
+                        part.type == "text" and part.text is None):
                     raise BadRequest(f"content part type '{part.type}' is not supported; only "
-                                     "text parts", param=f"messages[{i}].content[{j}].type")
-            content = "".join(part.text for part in content)
+                                     "text and image_url parts", param=f"{where}.type")
+                stray = "image_url" if part.type == "text" else "text"
+                if getattr(part, stray) is not None:
+                    raise BadRequest(f"a {part.type} part takes no {stray}",
+                                     param=f"{where}.{stray}")
+            content = [part.model_dump(exclude_none=True) for part in content] if images \
+                else "".join(part.text for part in content)
         message: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             message["name"] = m.name
@@ -204,21 +220,39 @@ class OpenAIServingChat(OpenAIServing):
         around the text (templates write theirs, hence off by default). `limit`: a prompt
         of certainly more tokens is a 400 as soon as that is known (`Tokenizer.encode`)."""
         template = self.tokenizer.chat_template
-        dicts = messages_to_dicts(messages)
+        image_prompts = self.engine.image_prompts  # None: a text model
+        dicts = messages_to_dicts(messages, images=image_prompts is not None)
         rendered = template_messages(dicts, tools, template, tool_format_for(template))
+        images: list = []
         try:
-            text = self.tokenizer.apply_chat_template(
-                rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
-                tools=tools, **(template_kwargs or {}))
+            if image_prompts is None:
+                text = self.tokenizer.apply_chat_template(
+                    rendered, add_generation_prompt=add_generation_prompt, tokenize=False,
+                    tools=tools, **(template_kwargs or {}))
+            else:  # the images decoded and preprocessed here, off the engine's thread
+                text, images = image_prompts.render_chat(
+                    self.tokenizer, rendered, add_generation_prompt=add_generation_prompt,
+                    tools=tools, **(template_kwargs or {}))
+        except ImageError as e:
+            raise BadRequest(str(e), param=e.param or "messages") from None
         except LLMServeError as e:
             raise BadRequest(str(e), param="messages") from None
         if continue_final_message:
-            text = _cut_after_final_message(text, dicts[-1]["content"])
+            text = _cut_after_final_message(text, _text_of(dicts[-1]["content"]))
         try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
-                                         limit=limit)
+            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                        limit=limit)
         except PromptTooLong as e:
             raise BadRequest(str(e), param="messages") from None
+        return PromptIds(ids, images) if images else ids
+
+    def num_prompt_tokens(self, ids: list[int]) -> int:
+        """The tokens `prompt_ids`' prompt takes in the model: each image's token counts
+        as many as the image's rows."""
+        if not isinstance(ids, PromptIds):
+            return len(ids)
+        per_image = self.engine.image_prompts.vision.tokens_per_image
+        return len(ids) + len(ids.images) * (per_image - 1)
 
     def _reasoning(self, request: ChatCompletionRequest,
                    prompt_ids: list[int]) -> ReasoningStart | None:
@@ -289,6 +323,12 @@ def _echoed(request: ChatCompletionRequest) -> str:
     if isinstance(content, list):
         return "".join(part.text or "" for part in content)
     return content or ""
+
+
+def _text_of(content: str | list[dict[str, Any]]) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text") or "" for part in content)
 
 
 def _cut_after_final_message(text: str, content: str) -> str:

@@ -53,6 +53,8 @@ class ContentBlock(OpenAIModel):
     tool_use_id: str | None = None  # tool_result
     content: str | list[dict[str, Any]] | None = None
     is_error: bool | None = None
+    # image: {"type": "base64", "media_type": "image/png", "data": "..."}
+    source: dict[str, Any] | None = None
 
 
 class AnthropicMessage(OpenAIModel):
@@ -109,7 +111,7 @@ class AnthropicServingMessages:
                  if chat_request.tools else None)
         ids = await self.chat.engine.run_blocking(self.chat.prompt_ids,
                                                   chat_request.messages, tools)
-        return {"input_tokens": len(ids)}
+        return {"input_tokens": self.chat.num_prompt_tokens(ids)}
 
     def _chat_request(self, request: CountTokensRequest,
                       max_tokens: int | None = None) -> ChatCompletionRequest:
@@ -238,9 +240,14 @@ def _chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
             messages.append({"role": message.role, "content": message.content})
             continue
         texts, calls = [], []
+        parts: list[dict[str, Any]] = []  # text and images in order, where images come
         for j, block in enumerate(message.content):
             if block.type == "text":
                 texts.append(block.text or "")
+                parts.append({"type": "text", "text": block.text or ""})
+            elif block.type == "image" and message.role == "user":
+                parts.append({"type": "image_url",
+                              "image_url": {"url": _image_url(block, f"{where}[{j}]")}})
             elif block.type == "tool_use" and message.role == "assistant":
                 calls.append({"id": block.id, "type": "function", "function": {
                     "name": block.name, "arguments": json.dumps(block.input or {})}})
@@ -252,14 +259,29 @@ def _chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
             else:
                 raise BadRequest(f"content block type '{block.type}' is not supported in a "
                                  f"{message.role} message (text, tool_use from the "
-                                 "assistant, tool_result from the user)",
+                                 "assistant, tool_result and image from the user)",
                                  param=f"{where}[{j}].type")
-        if texts or calls or message.role == "assistant":
-            entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+        has_image = any(p["type"] == "image_url" for p in parts)
+        if texts or calls or has_image or message.role == "assistant":
+            entry: dict[str, Any] = {"role": message.role,
+                                     "content": parts if has_image else "".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
             messages.append(entry)
     return messages
+
+
+def _image_url(block: ContentBlock, where: str) -> str:
+    """An image block's base64 source as a data URL (the chat route decodes it)."""
+    source = block.source or {}
+    if source.get("type") != "base64" or not isinstance(source.get("data"), str):
+        raise BadRequest("an image block's source must be base64 data (this server does "
+                         "not fetch URLs)", param=f"{where}.source")
+    media = source.get("media_type")
+    if media not in ("image/jpeg", "image/png", "image/gif", "image/webp"):
+        raise BadRequest("media_type must be image/jpeg, image/png, image/gif or image/webp",
+                         param=f"{where}.source.media_type")
+    return f"data:{media};base64,{source['data']}"
 
 
 def _text(blocks: str | list, where: str) -> str:

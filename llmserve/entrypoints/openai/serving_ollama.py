@@ -250,7 +250,8 @@ class OllamaServing:
         if not body.messages:  # Ollama's way to load a model: nothing to answer
             return self._loaded(body.model, {"message": {"role": "assistant", "content": ""}})
         chat_body: dict[str, Any] = {
-            "model": self.model_name, "messages": _chat_messages(body.messages),
+            "model": self.model_name, "messages": _chat_messages(
+                body.messages, self.engine.image_prompts is not None),
             "stream": body.stream, "return_metrics": True, **self._thinking(body.think)}
         if body.tools:
             chat_body["tools"] = body.tools
@@ -271,7 +272,7 @@ class OllamaServing:
         ids = await self.engine.run_blocking(self.chat.prompt_ids, request.messages, tools,
                                              True, request.chat_template_kwargs, False, False,
                                              self.engine.max_model_len)
-        return len(ids)
+        return self.chat.num_prompt_tokens(ids)
 
     def _chat_whole(self, model: str, chat: dict[str, Any]) -> dict[str, Any]:
         (choice,) = chat["choices"]
@@ -325,7 +326,9 @@ class OllamaServing:
         refuse_set_fields(body.model_extra or {}, _REFUSED_GENERATE)
         self._keep_alive(body.keep_alive)
         if body.images:
-            raise BadRequest("this model reads text only", param="images")
+            raise BadRequest("images are taken on /api/chat (a message's images)" if
+                             self.engine.image_prompts is not None else
+                             "this model reads text only", param="images")
         if body.think not in (None, False):
             raise BadRequest("thinking is split from the answer on /api/chat; /api/generate "
                              "returns the text as generated", param="think")
@@ -475,6 +478,8 @@ class OllamaServing:
             found.append("tools")
         if self.chat.reasoning_parser is not None:
             found.append("thinking")
+        if self.engine.image_prompts is not None:
+            found.append("vision")
         return found
 
     async def _listing(self) -> dict[str, Any]:
@@ -612,15 +617,20 @@ class OllamaServing:
                 "chat_template_kwargs": {"enable_thinking": False}}
 
 
-def _chat_messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
+def _chat_messages(messages: list[OllamaMessage], images: bool) -> list[dict[str, Any]]:
     """Chat messages: Ollama's calls carry no ids, so each gets one, and a tool result is
-    the answer to the first call before it not yet answered (of its `tool_name`, if given)."""
+    the answer to the first call before it not yet answered (of its `tool_name`, if given);
+    a message's `images` (base64, on a model that takes `images`) go before its text."""
     out = []
     pending: list[tuple[str, str]] = []  # (call id, function name) not yet answered
     for i, message in enumerate(messages):
-        if message.images:
+        if message.images and not images:
             raise BadRequest("this model reads text only", param=f"messages[{i}].images")
         item: dict[str, Any] = {"role": message.role, "content": message.content}
+        if message.images:
+            item["content"] = [*({"type": "image_url", "image_url": {
+                "url": f"data:image/*;base64,{data}"}} for data in message.images),
+                {"type": "text", "text": message.content or ""}]
         if message.tool_calls:
             item["tool_calls"] = [
                 {"id": f"call_{i}_{j}", "type": "function",

@@ -345,8 +345,8 @@ def _input_messages(items: list[dict[str, Any]], where: str) -> list[dict[str, A
             if role not in ("user", "assistant", "system", "developer"):
                 raise BadRequest(f"{where}[{i}].role must be user, assistant, system or "
                                  "developer", param=f"{where}[{i}].role")
-            messages.append({"role": role, "content": _item_text(item.get("content"),
-                                                                 f"{where}[{i}].content")})
+            messages.append({"role": role, "content": _item_content(
+                item.get("content"), f"{where}[{i}].content")})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"),
@@ -366,6 +366,28 @@ def _input_messages(items: list[dict[str, Any]], where: str) -> list[dict[str, A
                              "function_call, function_call_output)",
                              param=f"{where}[{i}].type")
     return messages
+
+
+def _item_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message item's content: its text, or chat parts where it holds `input_image`s
+    (a data URL in `image_url`; the chat route decodes it, or refuses it on a text
+    model)."""
+    if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        parts = []
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "input_image":
+                if part.get("detail") not in (None, "auto"):
+                    raise BadRequest("the model's tower takes one resolution: detail "
+                                     "'auto' only", param=f"{where}[{j}].detail")
+                if not isinstance(part.get("image_url"), str):
+                    raise BadRequest("an input_image needs an image_url (a data URL; "
+                                     "file_id is not served)", param=f"{where}[{j}]")
+                parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+            else:
+                parts.append({"type": "text", "text": _item_text([part], f"{where}[{j}]")})
+        return parts
+    return _item_text(content, where)
 
 
 def _item_text(content: Any, where: str) -> str:

@@ -1,0 +1,160 @@
+"""Images on every API of a live server on a tiny random LLaVA: OpenAI's image_url parts
+(whole and streamed), Anthropic image blocks, Ollama's `images`, the Responses API's
+input_image — each the offline `LLM.chat` answer for the same image and text — and bad
+images refused with a 400 naming the part while a normal chat beside them is answered."""
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+from llmserve import LLM, SamplingParams
+from tests.entrypoints.openai.conftest import MODEL, run_server
+from tests.models.test_llava_reference import random_image
+from tests.tiny_models import save_tiny_llava
+
+QUESTION = "What is in the picture?"
+
+
+def png(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def data_url(image: Image.Image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png(image)).decode()
+
+
+@pytest.fixture(scope="module")
+def llava_llm(tmp_path_factory) -> LLM:
+    folder = tmp_path_factory.mktemp("llava-server")
+    save_tiny_llava(folder, "clip")
+    return LLM(str(folder), dtype="float32", kv_cache_memory="64MiB")
+
+
+@pytest.fixture(scope="module")
+def vision_server(llava_llm):
+    with run_server(llava_llm.engine.loaded.source.path, llava_llm.engine.loaded) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def image() -> Image.Image:
+    return random_image(7, 45, 60)
+
+
+@pytest.fixture(scope="module")
+def expected(llava_llm, image) -> str:
+    """The offline chat's greedy answer to the picture and question."""
+    (out,) = llava_llm.chat([{"role": "user", "content": [
+        {"type": "image", "image": image}, {"type": "text", "text": QUESTION}]}],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    return out.outputs[0].text
+
+
+def chat_body(image_part: dict) -> dict:
+    return {"model": MODEL, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [
+                image_part, {"type": "text", "text": QUESTION}]}]}
+
+
+def test_openai_image_url_whole_and_streamed(vision_server, image, expected, llava_llm):
+    import openai
+
+    client = openai.OpenAI(base_url=vision_server.base_url, api_key="x")
+    part = {"type": "image_url", "image_url": {"url": data_url(image), "detail": "auto"}}
+    body = chat_body(part)
+    reply = client.chat.completions.create(**{k: v for k, v in body.items()
+                                              if k != "ignore_eos"},
+                                           extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == expected
+    tokens_per_image = llava_llm.engine.loaded.config.vision.tokens_per_image
+    assert reply.usage.prompt_tokens > tokens_per_image  # the image's rows are counted
+    stream = client.chat.completions.create(
+        **{k: v for k, v in body.items() if k != "ignore_eos"}, stream=True,
+        extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+def test_anthropic_image_block(vision_server, image, expected):
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=vision_server.url, api_key="x")
+    message = client.messages.create(
+        model=MODEL, max_tokens=10, extra_body={"temperature": 0, "ignore_eos": True},
+        messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(png(image)).decode()}},
+            {"type": "text", "text": QUESTION}]}])
+    assert message.content[0].text == expected
+
+
+def test_ollama_images(vision_server, image, expected):
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=vision_server.url, timeout=120)
+    reply = client.chat(model=MODEL, messages=[{"role": "user", "content": QUESTION,
+                                                "images": [png(image)]}],
+                        options={"temperature": 0, "num_predict": 10}, stream=False)
+    # Ollama's chat stops at the end of text; the tiny model's 10 tokens never hit it
+    assert reply.message.content == expected
+    assert "vision" in client.show(MODEL).capabilities
+
+
+def test_responses_input_image(vision_server, image, expected):
+    import openai
+
+    client = openai.OpenAI(base_url=vision_server.base_url, api_key="x")
+    response = client.responses.create(
+        model=MODEL, max_output_tokens=10, temperature=0, extra_body={"ignore_eos": True},
+        input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": data_url(image)},
+            {"type": "input_text", "text": QUESTION}]}])
+    assert response.output_text == expected
+
+
+def bomb() -> bytes:
+    """A 10,000 x 10,000 one-colour PNG: a few hundred KB that decode to 300 MB."""
+    return png(Image.new("RGB", (10_000, 10_000), (10, 20, 30)))
+
+
+@pytest.mark.parametrize("case", ["not an image", "truncated", "bomb", "http", "too many",
+                                  "detail"])
+def test_bad_images_are_refused_by_part_and_others_are_served(vision_server, image, expected,
+                                                              case):
+    import httpx
+
+    good = data_url(image)
+    parts = {
+        "not an image": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(b"hello").decode()}}],
+        "truncated": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(png(image)[:200]).decode()}}],
+        "bomb": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64," + base64.b64encode(bomb()).decode()}}],
+        "http": [{"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/a.png"}}],
+        "too many": [{"type": "image_url", "image_url": {"url": good}}] * 17,
+        "detail": [{"type": "image_url", "image_url": {"url": good, "detail": "high"}}],
+    }[case]
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        *parts, {"type": "text", "text": QUESTION}]}]}
+    response = httpx.post(f"{vision_server.base_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].startswith("messages"), error
+    print(f"{case}: {error['message']} ({error['param']})")
+    normal = httpx.post(f"{vision_server.base_url}/chat/completions", timeout=60,
+                        json=chat_body({"type": "image_url", "image_url": {"url": good}}))
+    assert normal.status_code == 200
+    assert normal.json()["choices"][0]["message"]["content"] == expected
+
+
+def test_a_text_model_refuses_an_image_naming_the_part(server):
+    import httpx
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,aGk="}}]}]}
+    response = httpx.post(f"{server.base_url}/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "messages[0].content[0]"
+    assert "text only" in response.json()["error"]["message"]

@@ -9,10 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmserve.chat_template import ChatTemplateError
 from llmserve.config.vision import VisionConfig
 from llmserve.distributed.kv_transfer import TransferredKV
 from llmserve.errors import LLMServeError
-from llmserve.chat_template import ChatTemplateError
 from llmserve.multimodal import (
     MAX_IMAGES_PER_REQUEST,
     ImageInput,

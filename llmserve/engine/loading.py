@@ -9,6 +9,7 @@ import torch
 
 from llmserve.config.engine import DEFAULT_KV_OFFLOAD_GIB, DTYPES, EngineConfig
 from llmserve.cpu_info import memory_bytes
+from llmserve.engine.input_processor import ImagePrompts
 from llmserve.errors import LLMServeError, UnsupportedModelError
 from llmserve.executor.abstract import Executor
 from llmserve.executor.executor import TensorParallelExecutor, make_executor
@@ -25,7 +26,6 @@ from llmserve.kv_tier import (
 )
 from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 from llmserve.layers.pooler import Pooler
-from llmserve.engine.input_processor import ImagePrompts
 from llmserve.loader.attention_choice import choose_attention
 from llmserve.loader.model_loader import LoadedModel, decide_auto
 from llmserve.memory import parse_size

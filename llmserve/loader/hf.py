@@ -11,7 +11,6 @@ from safetensors import SafetensorError, safe_open
 from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.loader.hf_quantized import dequantize, quant_scheme, weight_shapes
-from llmserve.models.llava import llava_name
 from llmserve.loader.weights import (
     LoadedWeights,
     WeightSlices,
@@ -19,6 +18,7 @@ from llmserve.loader.weights import (
     drop_tied_head,
     require_path,
 )
+from llmserve.models.llava import llava_name
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 

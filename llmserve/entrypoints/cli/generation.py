@@ -66,10 +66,16 @@ def stream_completion(
         raise
 
 
-def chat_prompt(llm: LLM, messages: list[dict[str, Any]]) -> tuple[str, dict[str, list[int]]]:
-    """The rendered chat prompt and its token ids (no BOS added: the template writes it)."""
-    text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return text, {"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}
+def chat_prompt(llm: LLM, messages: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The rendered chat prompt and its token ids (no BOS added: the template writes it),
+    with the images of its image parts on a vision-language model."""
+    images = llm.engine.input_processor.images
+    if images is None:
+        text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return text, {"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}
+    text, inputs = images.render_chat(llm.tokenizer, messages, add_generation_prompt=True)
+    return text, {"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False),
+                  "multi_modal_data": {"image": inputs}}
 
 
 def generate_one(llm: LLM, prompt: str, params: SamplingParams, use_chat: bool) -> None:
@@ -198,8 +204,10 @@ def chat_repl(
     params: SamplingParams,
     system: str | None,
     read_line: Callable[[str], str] = input,
+    images: list | None = None,
 ) -> None:
     """Talk to the model turn by turn; `/reset` clears the history, `/exit` or EOF ends.
+    `images` (PIL images, on a vision-language model) go with the first message.
 
     Ctrl-C while the model answers stops that answer (it is not kept in the history);
     Ctrl-C at the prompt ends the session.
@@ -224,7 +232,12 @@ def chat_repl(
             continue
         if not line:
             continue
-        history.append({"role": "user", "content": line})
+        first = len(history) == len(start)
+        content: Any = line
+        if images and first:
+            content = [*({"type": "image", "image": image} for image in images),
+                       {"type": "text", "text": line}]
+        history.append({"role": "user", "content": content})
         _, prompt = chat_prompt(llm, history)
         try:
             output = stream_completion(llm.engine, prompt, params, sys.stdout)

@@ -44,6 +44,8 @@ CASES = [
     (COMPLETIONS, {"prompt": ""}, 400, "prompt"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content[0]"),  # a text model: no images
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400,
      "messages[0].content[0].type"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
      "response_format"),

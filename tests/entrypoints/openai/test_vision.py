@@ -158,3 +158,20 @@ def test_a_text_model_refuses_an_image_naming_the_part(server):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages[0].content[0]"
     assert "text only" in response.json()["error"]["message"]
+
+
+def test_cli_chat_takes_images(llava_llm, image, expected, capsys):
+    """`llmserve chat --image FILE`'s loop: the image goes with the first message."""
+    from llmserve.entrypoints.cli.generation import chat_repl
+
+    lines = iter([QUESTION])
+
+    def read_line(_: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    chat_repl(llava_llm, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), None,
+              read_line=read_line, images=[image])
+    assert capsys.readouterr().out.strip() == expected.strip()

@@ -25,3 +25,8 @@ class UnsupportedModelError(LLMServeError):
 
 class FetchError(LLMServeError):
     """Fetching a catalog model failed."""
+
+
+class RequestRejected(LLMServeError, ValueError):
+    """A request that can never run (too long for the model or the cache, an input the
+    model cannot take)."""

@@ -99,8 +99,8 @@ class LLM:
                 continue
             text, inputs = images.render_chat(self.tokenizer, c,
                                               add_generation_prompt=add_generation_prompt)
-            prompts.append({"prompt_token_ids": self.tokenizer.encode(
-                text, add_special_tokens=False), "multi_modal_data": {"image": inputs}})
+            ids, placed = images.encode(self.tokenizer, text, inputs)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": placed}})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def beam_search(

@@ -9,27 +9,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmserve.chat_template import ChatTemplateError
-from llmserve.config.vision import VisionConfig
 from llmserve.distributed.kv_transfer import TransferredKV
-from llmserve.errors import LLMServeError
-from llmserve.multimodal import (
-    MAX_IMAGES_PER_REQUEST,
-    ImageInput,
-    ImageProcessor,
-    take_images,
-)
+from llmserve.engine.image_prompts import ImagePrompts
+from llmserve.errors import RequestRejected
+from llmserve.multimodal import MAX_IMAGES_PER_REQUEST, ImageInput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured import StructuredOutputManager
 from llmserve.tokenizer import Tokenizer
 
-
-class RequestRejected(LLMServeError, ValueError):
-    """A request that can never run (too long for the model or the cache)."""
-
+__all__ = ["InputProcessor", "NewRequest", "RequestRejected"]
 
 # what a prompt dict may hold (vLLM's TextPrompt / TokensPrompt keys that apply here)
 PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"})
+
 
 @dataclass
 class NewRequest:
@@ -47,75 +39,6 @@ class NewRequest:
     # pool: `StructuredOutputManager.prepare`); None: compiled as each sequence is added
     grammars: list | None = None
     images: list[ImageInput] = field(default_factory=list)  # placed in `ids`
-
-
-@dataclass(frozen=True)
-class ImagePrompts:
-    """How a vision-language model's prompts take images: each image is one run of the
-    image token in the prompt, written once (expanded here to the image's
-    `tokens_per_image` positions) or already that many times."""
-
-    vision: VisionConfig
-    processor: ImageProcessor
-
-    def render_chat(self, tokenizer: Tokenizer, messages: list[dict[str, Any]],
-                    **template: Any) -> tuple[str, list[ImageInput]]:
-        """The chat's prompt text with one image token per image part, and the images
-        preprocessed. Templates made for images iterate over content parts (an image part
-        writes the image token); with one that writes no image token, or cannot take parts,
-        each message's image tokens are written before its text."""
-        parts, images = take_images(messages)
-        token = tokenizer.decode([self.vision.image_token_id], skip_special_tokens=False)
-        try:
-            text = tokenizer.apply_chat_template(parts, **template)
-        except ChatTemplateError:
-            text = None
-        if text is None or text.count(token) != len(images):
-            text = tokenizer.apply_chat_template(
-                [_flattened(m, token) for m in parts], **template)
-            if text.count(token) != len(images):
-                raise RequestRejected("the chat template does not place the images")
-        return text, [self.processor.image_input(image) for image in images]
-
-    def place(self, ids: list[int], images: list) -> tuple[list[int], list[ImageInput]]:
-        """The prompt with each image's run expanded, and the images placed on them
-        (a `PIL.Image` is preprocessed here; an `ImageInput` was already)."""
-        token, size = self.vision.image_token_id, self.vision.tokens_per_image
-        runs: list[tuple[int, int]] = []  # (start, length) of each run of the image token
-        for i, t in enumerate(ids):
-            if t != token:
-                continue
-            if runs and runs[-1][0] + runs[-1][1] == i:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((i, 1))
-        if len(runs) != len(images):
-            raise RequestRejected(f"the prompt has {len(runs)} image placeholder(s) for "
-                                  f"{len(images)} image(s)")
-        out: list[int] = []
-        placed: list[ImageInput] = []
-        last = 0
-        for (start, length), image in zip(runs, images, strict=True):
-            if length not in (1, size):
-                raise RequestRejected(f"an image takes {size} image tokens in the prompt "
-                                      f"(or one, expanded here); a run has {length}")
-            out += ids[last:start]
-            if not isinstance(image, ImageInput):
-                image = self.processor.image_input(image)
-            placed.append(image.placed(len(out), size))
-            out += [token] * size
-            last = start + length
-        return out + ids[last:], placed
-
-
-def _flattened(message: dict[str, Any], image_token: str) -> dict[str, Any]:
-    """A message of parts as one string: its images' tokens, then its text."""
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    images = sum(1 for p in content if p.get("type") == "image")
-    text = "".join(p.get("text") or "" for p in content if p.get("type") == "text")
-    return {**message, "content": f"{image_token}\n" * images + text}
 
 
 class InputProcessor:
@@ -168,7 +91,8 @@ class InputProcessor:
         """A dict prompt's `multi_modal_data` images placed on its image tokens."""
         data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
         if data is None:
-            if self.images is not None and self.images.vision.image_token_id in ids:
+            if self.images is not None and self.images.token_in_vocabulary and \
+                    self.images.vision.image_token_id in ids:
                 raise RequestRejected("the prompt holds the image token but no image")
             return ids, []
         if not isinstance(data, dict) or set(data) - {"image"}:
@@ -182,6 +106,9 @@ class InputProcessor:
         if len(images) > MAX_IMAGES_PER_REQUEST:
             raise RequestRejected(f"{len(images)} images in one prompt; at most "
                                   f"{MAX_IMAGES_PER_REQUEST}")
+        text = prompt.get("prompt")
+        if isinstance(text, str) and "prompt_token_ids" not in prompt:
+            return self.images.encode(self.tokenizer, text, list(images), True)
         return self.images.place(ids, list(images))
 
     def _tokenize(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:

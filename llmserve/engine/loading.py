@@ -9,7 +9,7 @@ import torch
 
 from llmserve.config.engine import DEFAULT_KV_OFFLOAD_GIB, DTYPES, EngineConfig
 from llmserve.cpu_info import memory_bytes
-from llmserve.engine.input_processor import ImagePrompts
+from llmserve.engine.image_prompts import ImagePrompts
 from llmserve.errors import LLMServeError, UnsupportedModelError
 from llmserve.executor.abstract import Executor
 from llmserve.executor.executor import TensorParallelExecutor, make_executor
@@ -145,12 +145,13 @@ def build_speculator(config: EngineConfig, loaded: LoadedModel, device: torch.de
 
 def image_prompts(loaded: LoadedModel) -> ImagePrompts | None:
     """How prompts take images on a vision-language model (None: a text model): the image
-    token and the folder's preprocessing."""
+    token and the folder's preprocessing (a projector file's: its tower's own)."""
     vision = loaded.config.vision
     if vision is None:
         return None
     folder = loaded.source.path if loaded.source.kind != "gguf" else None
-    return ImagePrompts(vision, ImageProcessor.for_model(folder, vision))
+    processor = loaded.image_processor or ImageProcessor.for_model(folder, vision)
+    return ImagePrompts.build(vision, processor, loaded.tokenizer)
 
 
 def build_pooler(config: EngineConfig, loaded: LoadedModel) -> Pooler | None:

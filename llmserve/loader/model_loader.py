@@ -4,6 +4,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,6 +51,8 @@ class LoadedModel:
     quantization: str | None = None  # what the linear layers actually run ("int8"; None: float)
     classifier: torch.Tensor | None = None  # a sequence classifier's (labels, hidden) head
     has_lm_head: bool = True  # False: a checkpoint without one (pooling runner only)
+    # a projector file's preprocessing (multimodal.ImageProcessor); None: the folder's
+    image_processor: Any = None
 
 
 def auto_quantization(stored: str | None, device: torch.device,

@@ -74,8 +74,8 @@ def chat_prompt(llm: LLM, messages: list[dict[str, Any]]) -> tuple[str, dict[str
         text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return text, {"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}
     text, inputs = images.render_chat(llm.tokenizer, messages, add_generation_prompt=True)
-    return text, {"prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False),
-                  "multi_modal_data": {"image": inputs}}
+    ids, placed = images.encode(llm.tokenizer, text, inputs)
+    return text, {"prompt_token_ids": ids, "multi_modal_data": {"image": placed}}
 
 
 def generate_one(llm: LLM, prompt: str, params: SamplingParams, use_chat: bool) -> None:

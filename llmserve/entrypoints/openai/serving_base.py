@@ -42,8 +42,8 @@ T = TypeVar("T")
 
 
 class PromptIds(list):
-    """A chat prompt's token ids (one image token per image) and the images those tokens
-    stand for (`multimodal.ImageInput`s, preprocessed), in prompt order."""
+    """A chat prompt's token ids and the images placed on its image tokens
+    (`multimodal.ImageInput`s, preprocessed), in prompt order."""
 
     def __init__(self, ids: list[int], images: list[Any]) -> None:
         super().__init__(ids)

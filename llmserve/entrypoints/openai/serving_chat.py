@@ -240,19 +240,16 @@ class OpenAIServingChat(OpenAIServing):
         if continue_final_message:
             text = _cut_after_final_message(text, _text_of(dicts[-1]["content"]))
         try:
-            ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
-                                        limit=limit)
+            if images:  # each image's tokens in place (they count toward the context)
+                ids, placed = image_prompts.encode(self.tokenizer, text, images,
+                                                   add_special_tokens)
+                return PromptIds(ids, placed)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                         limit=limit)
         except PromptTooLong as e:
             raise BadRequest(str(e), param="messages") from None
-        return PromptIds(ids, images) if images else ids
-
-    def num_prompt_tokens(self, ids: list[int]) -> int:
-        """The tokens `prompt_ids`' prompt takes in the model: each image's token counts
-        as many as the image's rows."""
-        if not isinstance(ids, PromptIds):
-            return len(ids)
-        per_image = self.engine.image_prompts.vision.tokens_per_image
-        return len(ids) + len(ids.images) * (per_image - 1)
+        except LLMServeError as e:
+            raise BadRequest(str(e), param="messages") from None
 
     def _reasoning(self, request: ChatCompletionRequest,
                    prompt_ids: list[int]) -> ReasoningStart | None:

@@ -111,7 +111,7 @@ class AnthropicServingMessages:
                  if chat_request.tools else None)
         ids = await self.chat.engine.run_blocking(self.chat.prompt_ids,
                                                   chat_request.messages, tools)
-        return {"input_tokens": self.chat.num_prompt_tokens(ids)}
+        return {"input_tokens": len(ids)}
 
     def _chat_request(self, request: CountTokensRequest,
                       max_tokens: int | None = None) -> ChatCompletionRequest:

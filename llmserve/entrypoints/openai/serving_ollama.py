@@ -272,7 +272,7 @@ class OllamaServing:
         ids = await self.engine.run_blocking(self.chat.prompt_ids, request.messages, tools,
                                              True, request.chat_template_kwargs, False, False,
                                              self.engine.max_model_len)
-        return self.chat.num_prompt_tokens(ids)
+        return len(ids)
 
     def _chat_whole(self, model: str, chat: dict[str, Any]) -> dict[str, Any]:
         (choice,) = chat["choices"]

@@ -268,3 +268,65 @@ def add_metadata(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         writer.add_array(key, value)
     else:
         raise TypeError(f"GGUF metadata {key}: {type(value).__name__}")
+
+
+# a LLaVA tower's and projector's names (transformers 5.x layout) -> a projector file's
+MMPROJ_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out",
+                "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up",
+                "mlp.fc2": "ffn_down"}
+MMPROJ_GLOBAL = {"embeddings.patch_embedding": "v.patch_embd",
+                 "embeddings.position_embedding": "v.position_embd",
+                 "pre_layrnorm": "v.pre_ln", "post_layernorm": "v.post_ln"}
+
+
+def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16) -> Path:
+    """A transformers LLaVA's vision tower and projector as the projector file llama.cpp's
+    converter writes (`--mmproj`): `clip.*` metadata, `v.*` and `mm.*` tensors, matrices in
+    `qtype`; SigLIP's pooling head and the post-layernorm left out, as the converter does."""
+    vision = llava.config.vision_config
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_bool("clip.has_llava_projector", True)
+    writer.add_string("clip.projector_type", "mlp")
+    writer.add_bool("clip.use_gelu", vision.hidden_act != "quick_gelu")
+    for key, value in {"image_size": vision.image_size, "patch_size": vision.patch_size,
+                       "embedding_length": vision.hidden_size,
+                       "feed_forward_length": vision.intermediate_size,
+                       "block_count": vision.num_hidden_layers,
+                       "attention.head_count": vision.num_attention_heads,
+                       "projection_dim": llava.config.text_config.hidden_size}.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    clip = vision.model_type == "clip_vision_model"
+    mean, std = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)) \
+        if clip else ((0.5,) * 3, (0.5,) * 3)
+    writer.add_array("clip.vision.image_mean", list(mean))
+    writer.add_array("clip.vision.image_std", list(std))
+    for name, tensor in llava.state_dict().items():
+        tensor = tensor.detach().float()
+        for prefix in ("model.vision_tower.vision_model.", "model.vision_tower."):
+            name = name.replace(prefix, "vision_tower.")
+        name = name.replace("model.multi_modal_projector.", "multi_modal_projector.")
+        if name.startswith("vision_tower.head.") or "post_layernorm" in name:
+            continue
+        if name.startswith("multi_modal_projector."):
+            part, leaf = name.split(".")[1:]
+            target = {"linear_1": "mm.0", "linear_2": "mm.2"}[part] + f".{leaf}"
+        elif name == "vision_tower.embeddings.class_embedding":
+            target = "v.class_embd"
+        elif name.startswith("vision_tower.encoder.layers."):
+            layer, rest = name.removeprefix("vision_tower.encoder.layers.").split(".", 1)
+            module, leaf = rest.rsplit(".", 1)
+            target = f"v.blk.{layer}.{MMPROJ_LAYER[module]}.{leaf}"
+        elif name.startswith("vision_tower."):
+            module, leaf = name.removeprefix("vision_tower.").rsplit(".", 1)
+            target = f"{MMPROJ_GLOBAL[module]}.{leaf}"
+        else:
+            continue  # the decoder: its own GGUF file
+        _add(writer, target, tensor, qtype if tensor.dim() >= 2 else QT.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -132,6 +132,8 @@ class EngineConfig:
     """
 
     model: str | None = None
+    # a GGUF model's vision projector file (llama.cpp's --mmproj; loader/mmproj.py)
+    mmproj: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     # None: "auto" with dtype auto (a quantized checkpoint keeps its quantization: int4 or

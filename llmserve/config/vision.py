@@ -44,6 +44,9 @@ class VisionConfig:
     projector_act: str
     projector_bias: bool
     image_token_id: int
+    # the image token is a token of the vocabulary (a Hugging Face checkpoint's "<image>");
+    # False (a GGUF decoder with a projector file): the id only fills the image's positions
+    image_token_in_vocabulary: bool = True
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers",

@@ -82,6 +82,7 @@ class Engine:
             config.model, self.dtype, self.device, quantization,
             # adapters change which ops a step runs: no compiled step under them
             config.enforce_eager or config.enable_lora, tp=ranks.tp if ranks else None,
+            mmproj=config.mmproj,
         )
         self.tokenizer = self.loaded.tokenizer
         model_cfg = self.loaded.config

@@ -32,10 +32,10 @@ class ImagePrompts:
     @classmethod
     def build(cls, vision: VisionConfig, processor: ImageProcessor,
               tokenizer: Tokenizer) -> "ImagePrompts":
+        if not vision.image_token_in_vocabulary:
+            return cls(vision, processor, MEDIA_MARKER, False)
         text = tokenizer.decode([vision.image_token_id], skip_special_tokens=False)
-        own = bool(text) and tokenizer.encode(text, add_special_tokens=False) == [
-            vision.image_token_id]
-        return cls(vision, processor, text if own else MEDIA_MARKER, own)
+        return cls(vision, processor, text, True)
 
     def render_chat(self, tokenizer: Tokenizer, messages: list[dict[str, Any]],
                     **template: Any) -> tuple[str, list[ImageInput]]:

@@ -171,7 +171,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         if canonical in blocks_only:
             continue
         rows, cols = slices(config, canonical) if slices is not None else (None, None)
-        weight = _to_torch(tensor, rows, cols)
+        weight = tensor_to_torch(tensor, rows, cols)
         if arch in ROTARY_PERMUTED_ARCHITECTURES:
             weight = _unpermute_qk(name, weight, config)
         if arch in NORM_SHIFTED_ARCHITECTURES and name.endswith("norm.weight"):
@@ -443,8 +443,8 @@ def _longrope(metadata: dict[str, Any], arch: str, factors: list[GGUFTensor | No
         raise ValueError("GGUF file has one of rope_factors_short / rope_factors_long only")
     scaling: dict[str, Any] = {
         "rope_type": "longrope",
-        "short_factor": _to_torch(short).float().flatten().tolist(),
-        "long_factor": _to_torch(long).float().flatten().tolist(),
+        "short_factor": tensor_to_torch(short).float().flatten().tolist(),
+        "long_factor": tensor_to_torch(long).float().flatten().tolist(),
         "original_max_position_embeddings": _metadata_int(
             metadata, f"{arch}.rope.scaling.original_context_length"),
         "max_position_embeddings": _metadata_int(metadata, f"{arch}.context_length"),
@@ -482,7 +482,7 @@ def _rope_scaling(
 ) -> dict[str, Any] | None:
     """HF-style `rope_scaling` from `{arch}.rope.scaling.*` keys or a `rope_freqs` tensor."""
     if rope_freqs is not None:
-        divisors = _to_torch(rope_freqs).float().flatten()
+        divisors = tensor_to_torch(rope_freqs).float().flatten()
         return _llama3_scaling_from_divisors(divisors, head_dim, rope_theta)
     kind = metadata.get(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
@@ -521,7 +521,7 @@ def _llama3_scaling_from_divisors(
     return scaling
 
 
-def _to_torch(tensor: GGUFTensor, rows: slice | None = None, cols: slice | None = None
+def tensor_to_torch(tensor: GGUFTensor, rows: slice | None = None, cols: slice | None = None
               ) -> torch.Tensor:
     """The tensor dequantized to float32 (F16/BF16 kept as is), in torch (out, in) order;
     with `rows`/`cols`, only that part (whole quantization blocks are read from the file,

@@ -2,7 +2,7 @@
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from llmserve.loader.kernel_choice import (
     choose_quantization,
     choose_stream_prefetch,
 )
+from llmserve.loader.mmproj import read_mmproj
 from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
 from llmserve.models.llama import STACKED_PARAMS
@@ -107,6 +108,7 @@ def load_model(
     quantization: str | None = None,
     enforce_eager: bool = False,
     tp: TensorParallel | None = None,
+    mmproj: str | None = None,
 ) -> LoadedModel:
     """Resolve `spec`, read weights and tokenizer, and return the model in eval mode.
 
@@ -119,12 +121,18 @@ def load_model(
     share, and only that share of each weight is read from the file.
     A quantized model on the CPU is kept on disk once loaded and mapped from there by the
     next start of the same request (`weight_cache.py`).
+    `mmproj`: a projector file (`loader/mmproj.py`) that makes a GGUF decoder a
+    vision-language model.
     """
     start = time.perf_counter()
     source = resolve_model(spec)
     sharded = tp is not None and tp.size > 1
     entry = None
-    if quantization is not None and device_is_cpu(device):
+    if mmproj is not None and (source.kind != "gguf" or sharded):
+        raise UnsupportedModelError("--mmproj goes with a GGUF model at "
+                                    "tensor_parallel_size 1 (a Hugging Face folder names its "
+                                    "vision tower in its config)")
+    if quantization is not None and device_is_cpu(device) and mmproj is None:
         rank = (tp.rank, tp.size) if sharded else (0, 1)
         entry = weight_cache.entry_for(source, quantization, dtype, device, rank)
     kept = weight_cache.load(entry) if entry is not None else None
@@ -135,7 +143,7 @@ def load_model(
         loaded = LoadedModel(kept["model"], kept["tokenizer"], kept["config"], source,
                              kept["quantization"], kept["classifier"], kept["has_lm_head"])
     else:
-        loaded, choice = _load_files(source, dtype, device, quantization, tp)
+        loaded, choice = _load_files(source, dtype, device, quantization, tp, mmproj)
         if entry is not None and loaded.quantization is not None and (
                 choice is None or choice.source != "busy"):  # a busy choice is not kept
             decision_file = None if choice is None else choice.decision_file
@@ -162,20 +170,23 @@ def load_model(
 
 
 def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.device,
-                quantization: str | None, tp: TensorParallel | None
-                ) -> tuple[LoadedModel, KernelChoice | None]:
+                quantization: str | None, tp: TensorParallel | None,
+                mmproj: str | None = None) -> tuple[LoadedModel, KernelChoice | None]:
     """The model read from its files, its linears in their format (not yet enabled for the
     native stack nor compiled), and the kernel decision "auto" followed (None: none)."""
     sharded = tp is not None and tp.size > 1
     slices = _rank_slices(tp) if sharded else None
     from_blocks: frozenset[str] = frozenset()
     choice = None
+    projector = None if mmproj is None else read_mmproj(mmproj, dtype)
     if source.kind == "gguf":
         # the model and its linears' format first, from the header: the matrices that run
         # on the file's own blocks are then never dequantized
         config = read_gguf_config(source.path)
         if quantization == "auto":
             quantization, choice = _gguf_auto_choice(source.path, device, config)
+        if projector is not None:
+            config = replace(config, vision=projector.vision)
         model = _new_model(config, tp, device, dtype)
 
         def on_blocks(blocks: dict) -> set[str]:
@@ -186,6 +197,9 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
         weights = load_gguf(source.path, dtype, slices,
                             on_blocks if quantization == "kquant" else None)
         tokenizer = Tokenizer.from_gguf_metadata(weights.metadata)
+        if projector is not None:
+            weights.config = config
+            weights.tensors.update(projector.tensors)
     else:
         weights = load_hf_folder(source.path, dtype, slices)
         tokenizer = Tokenizer.from_hf_folder(source.path)
@@ -199,7 +213,8 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
     weights.blocks.clear()  # views of the file: the packed copies are the model's
     classifier = None if weights.classifier is None else weights.classifier.to(device)
     return LoadedModel(model, tokenizer, weights.config, source, quantization, classifier,
-                       weights.has_lm_head), choice
+                       weights.has_lm_head,
+                       None if projector is None else projector.processor), choice
 
 
 def _new_model(config: ModelConfig, tp: TensorParallel | None, device, dtype) -> nn.Module:

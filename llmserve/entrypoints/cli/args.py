@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
                   "ignore_eos")
-ENGINE_FLAGS = ("dtype", "device", "quantization", "kv_cache_dtype", "num_threads",
+ENGINE_FLAGS = ("mmproj", "dtype", "device", "quantization", "kv_cache_dtype", "num_threads",
                 "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
                 "scheduling_policy", "enforce_eager", "attention_backend",
@@ -93,6 +93,9 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
+    group.add_argument("--mmproj", metavar="FILE",
+                       help="a vision projector file for a GGUF model (as llama.cpp's "
+                            "--mmproj): the model then takes images")
     group.add_argument("--dtype", help="auto, float32, float16 or bfloat16")
     group.add_argument("--device", help="auto, cpu or cuda[:N]")
     group.add_argument("--quantization", choices=QUANTIZATION_CHOICES,

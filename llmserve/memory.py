@@ -63,7 +63,24 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
         total += moe.num_experts * h + moe.num_experts * expert + shared
         active += moe.num_experts * h + moe.top_k * expert + shared
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return total + embed + h, active + embed + h
+    # a vision tower is read once per image, not per token: in the total only
+    return total + embed + h + vision_parameter_count(cfg), active + embed + h
+
+
+def vision_parameter_count(cfg: ModelConfig) -> int:
+    """A vision-language model's tower and projector parameters (0 for a text model); they
+    stay float in every format."""
+    vision = cfg.vision
+    if vision is None:
+        return 0
+    v, f, t = vision.hidden_size, vision.intermediate_size, cfg.hidden_size
+    positions = vision.num_patches + int(vision.has_class_token)
+    # patches, positions, and SigLIP's patch bias or CLIP's class token
+    embeddings = vision.num_channels * vision.patch_size ** 2 * v + positions * v + v
+    norms = (2 * v if vision.tower == "clip" else 0) + 2 * v  # pre- and post-layernorm
+    layer = 4 * (v * v + v) + 2 * v * f + f + v + 4 * v
+    projector = v * t + t * t + (2 * t if vision.projector_bias else 0)
+    return embeddings + norms + vision.num_hidden_layers * layer + projector
 
 
 def _qk_norm_size(cfg: ModelConfig) -> int:
@@ -132,7 +149,7 @@ def quantized_weight_bytes(cfg: ModelConfig, method: str) -> int:
         packed(cfg.vocab_size, h)
     embed = 0 if cfg.tie_word_embeddings else 4 * cfg.vocab_size * h
     rotary = (2 if gemma else 1) * 2 * 4 * cfg.max_position_embeddings * d
-    return total + head + embed + 4 * h + rotary
+    return total + head + embed + 4 * h + rotary + 4 * vision_parameter_count(cfg)
 
 
 def kquant_weight_bytes(cfg: ModelConfig, types: dict[str, Any]) -> int:

@@ -214,3 +214,14 @@ def test_a_text_model_refuses_images(smollm2_llm):
         smollm2_llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(0)}},
                              GREEDY, use_tqdm=False)
 
+
+def test_the_memory_calculator_counts_the_tower(llava):
+    from llmserve.memory import parameter_counts, vision_parameter_count
+
+    reference, config = llava[2], llava[3].engine.loaded.config
+    held = {name: p.numel() for name, p in reference.named_parameters()
+            if ".vision_tower.head." not in name}  # SigLIP's pooling head is never loaded
+    image_side = sum(n for name, n in held.items()
+                     if ".vision_tower." in name or ".multi_modal_projector." in name)
+    assert vision_parameter_count(config) == image_side
+    assert parameter_counts(config)[0] == sum(held.values())

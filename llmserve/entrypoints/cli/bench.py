@@ -14,10 +14,11 @@ from llmserve.entrypoints.cli.bench_server import (
     SOAK,
     STARTUP,
 )
+from llmserve.entrypoints.cli.bench_vision import VISION
 from llmserve.entrypoints.cli.command import Command, add_commands
 
 BENCHMARKS = (THROUGHPUT, SERVE, LATENCY, KERNELS, QUALITY, SPEC, SCALING, SOAK, EMBED,
-              HOSTILE, STARTUP, MODELS, PLOT)
+              HOSTILE, STARTUP, MODELS, VISION, PLOT)
 
 
 def _arguments(bench: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ from llmserve.memory import (
     plan_kv_cache,
     quantized_weight_bytes,
     rank_config,
+    vision_parameter_count,
     weight_bytes,
 )
 
@@ -111,6 +112,13 @@ def memory_report(
                         f"{moe.top_k} of {moe.num_experts} experts of intermediate "
                         f"{moe.intermediate_size} a token{shared}; {active:,} of {total:,} "
                         f"parameters active a token ({100 * active / total:.1f} %)")
+    if cfg.vision is not None:
+        vision = cfg.vision
+        lines.insert(2, f"images        a {vision.tower.upper()} tower of "
+                        f"{vision.num_hidden_layers} layers x {vision.hidden_size} and the "
+                        f"projector: {vision_parameter_count(cfg):,} parameters (float, in "
+                        f"the weights); each image takes {vision.tokens_per_image} tokens "
+                        f"of the context and KV")
     if tensor_parallel_size > 1:
         lines += _rank_lines(cfg, tensor_parallel_size, weight_dtype, method, kv_torch_dtype,
                              budget, block_size)

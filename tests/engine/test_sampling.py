@@ -52,8 +52,11 @@ def test_a_prompt_dict_takes_cache_salt_and_refuses_unknown_keys(smollm2_llm):
     request = engine.scheduler.requests[request_id]
     assert request.cache_salt == "tenant-a"
     engine.abort_request(request_id)
-    with pytest.raises(RequestRejected, match="'multi_modal_data' is not supported"):
-        engine.add_request({"prompt": "Hi", "multi_modal_data": {}}, SamplingParams())
+    with pytest.raises(RequestRejected, match="'mm_processor_kwargs' is not supported"):
+        engine.add_request({"prompt": "Hi", "mm_processor_kwargs": {}}, SamplingParams())
+    with pytest.raises(RequestRejected, match="text only"):  # images on a text model
+        engine.add_request({"prompt": "Hi", "multi_modal_data": {"image": [object()]}},
+                           SamplingParams())
     with pytest.raises(RequestRejected, match="cache_salt is given twice"):
         engine.add_request({"prompt": "Hi", "cache_salt": "a"}, SamplingParams(),
                            cache_salt="b")

@@ -190,6 +190,10 @@ def test_the_same_image_hits_the_prefix_cache_and_another_never_does(llava):
     assert other.num_cached_tokens == 0
     alone = llm.generate(image_prompt(21, text), GREEDY, use_tqdm=False)[0]
     assert other.outputs[0].token_ids == alone.outputs[0].token_ids
+    salted = cached.generate({**image_prompt(20, text), "cache_salt": "another user"}, GREEDY,
+                             use_tqdm=False)[0]
+    assert salted.num_cached_tokens == 0  # the same image under another salt: no hit
+    assert salted.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_image_inputs_are_checked(llava):

@@ -313,8 +313,9 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
     param = ""
     for part in loc:
         param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else part)
-    if not param:
+    if not loc:
         return f"the request body must be a JSON object: {error.get('msg')}", None
+    param = param or '""'  # a field named "" (an unknown key, refused)
     return f"{param}: {error.get('msg')}", param
 
 

@@ -19,7 +19,7 @@ _MEDIA_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/cs
 # the DOM as HTML still could not run.
 _HEADERS = {
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
-                               "connect-src 'self'; img-src 'self'; base-uri 'none'; "
+                               "connect-src 'self'; img-src 'self' blob:; base-uri 'none'; "
                                "form-action 'none'; frame-ancestors 'none'",
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-cache",

@@ -175,3 +175,40 @@ def test_cli_chat_takes_images(llava_llm, image, expected, capsys):
     chat_repl(llava_llm, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), None,
               read_line=read_line, images=[image])
     assert capsys.readouterr().out.strip() == expected.strip()
+
+
+def test_the_chat_page_sends_an_image_and_streams_the_answer(vision_server, image, tmp_path):
+    """In headless Chromium: Image attaches a file, its thumbnail shows, the message goes as
+    an image_url part with the file's bytes, and the answer streams in."""
+    from tests.entrypoints.openai.test_web_chat import (
+        ANSWERED,
+        _chat_requests,
+        _open,
+        _send,
+        _wait_answered,
+        _wait_for,
+        launched_browser,
+    )
+
+    picture = tmp_path / "picture.png"
+    picture.write_bytes(png(image))
+    with launched_browser() as browser:
+        context = browser.new_context(viewport={"width": 1200, "height": 800})
+        page = context.new_page()
+        errors = []
+        page.on("pageerror", lambda error: errors.append(error))
+        _open(page, vision_server.url)
+        sent = _chat_requests(page)
+        page.set_input_files("#image-file", str(picture))
+        _wait_for(page, "document.querySelectorAll('#attachments img').length === 1")
+        _send(page, QUESTION, 10)
+        stats = _wait_answered(page)
+        assert ANSWERED.fullmatch(stats), stats
+        assert page.locator(".message.user .images img").count() == 1
+        assert page.locator("#attachments img").count() == 0  # sent with that message
+        context.close()
+    assert not errors, errors
+    content = sent[0]["messages"][-1]["content"]
+    assert content[0] == {"type": "image_url", "image_url": {
+        "url": "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()}}
+    assert content[1] == {"type": "text", "text": QUESTION}

@@ -13,6 +13,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -52,8 +53,10 @@ def _missing_browser() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
+@contextmanager
+def launched_browser() -> Iterator[object]:
+    """The system Chromium under Playwright (skipped without it on a developer's machine,
+    a failure in CI)."""
     missing = _missing_browser()
     if missing:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(missing)
@@ -64,6 +67,12 @@ def browser() -> Iterator[object]:
                                               args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with launched_browser() as chromium:
+        yield chromium
 
 
 @pytest.fixture

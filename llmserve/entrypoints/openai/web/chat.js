@@ -1,6 +1,7 @@
 // The chat page: streams answers from /v1/chat/completions (server-sent events read from a
 // fetch body), Stop aborts the fetch (the server then aborts the request), and each answer
-// shows its TTFT and decode speed measured here.
+// shows its TTFT and decode speed measured here. Images attached to a message go with it
+// as image_url parts (data URLs), for a vision-language model.
 
 import { renderMarkdown } from "./markdown.js";
 
@@ -11,12 +12,15 @@ const ui = {
   model: $("model"), system: $("system"), temperature: $("temperature"), topP: $("top-p"),
   maxTokens: $("max-tokens"), apiKey: $("api-key"), newChat: $("new-chat"),
   notice: $("notice"), conversation: $("conversation"), composer: $("composer"),
-  prompt: $("prompt"), send: $("send"), stop: $("stop"),
+  prompt: $("prompt"), send: $("send"), stop: $("stop"), attach: $("attach"),
+  imageFile: $("image-file"), attachments: $("attachments"),
 };
 
 // The turns sent as history with each request: {role, content}, the system prompt aside.
 let turns = [];
 let inFlight = null;  // the AbortController of the answer being streamed
+// the images attached to the next message: {url (a data URL, sent), preview (a blob URL)}
+let pending = [];
 
 function apiHeaders() {
   const headers = { "Content-Type": "application/json" };
@@ -65,7 +69,16 @@ async function loadModels() {
 
 // ---- the conversation view ----------------------------------------------------------------
 
-function addMessage(role, text) {
+function thumbnails(previews) {
+  return previews.map((src) => {
+    const img = document.createElement("img");
+    img.src = src;
+    img.alt = "an attached image";
+    return img;
+  });
+}
+
+function addMessage(role, text, previews = []) {
   $("empty")?.remove();
   const message = document.createElement("article");
   message.className = `message ${role}`;
@@ -86,6 +99,12 @@ function addMessage(role, text) {
   message.append(reasoning, body, stats);
   ui.conversation.append(message);
   if (role === "user") body.textContent = text;
+  if (previews.length) {
+    const images = document.createElement("div");
+    images.className = "images";
+    images.append(...thumbnails(previews));
+    message.prepend(images);
+  }
   scrollToEnd(true);
   return { message, body, stats, reasoning, thought };
 }
@@ -203,12 +222,19 @@ async function streamAnswer(body, signal, answer, timing) {
 
 async function send() {
   const text = ui.prompt.value.trim();
-  if (!text || inFlight) return;
+  if ((!text && !pending.length) || inFlight) return;
   ui.prompt.value = "";
+  const images = pending;
+  pending = [];
+  showAttachments();
   // New chat may replace `turns` while this answer streams: the answer joins its own
   const history = turns;
-  history.push({ role: "user", content: text });
-  addMessage("user", text);
+  const content = images.length
+    ? [...images.map(({ url }) => ({ type: "image_url", image_url: { url } })),
+       { type: "text", text }]
+    : text;
+  history.push({ role: "user", content });
+  addMessage("user", text, images.map(({ preview }) => preview));
   const view = addMessage("assistant", "");
   const answer = answerView(view);
   const timing = { start: performance.now(), firstToken: null, lastToken: null, chunks: 0,
@@ -234,6 +260,28 @@ async function send() {
   view.message.classList.toggle("failed", failure !== null);
   view.message.classList.toggle("stopped", stopped);
   view.stats.textContent = failure ?? formatStats(timing, stopped);
+}
+
+function readDataURL(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+async function attachImages() {
+  for (const file of ui.imageFile.files) {
+    pending.push({ url: await readDataURL(file), preview: URL.createObjectURL(file) });
+  }
+  ui.imageFile.value = "";
+  showAttachments();
+  ui.prompt.focus();
+}
+
+function showAttachments() {
+  ui.attachments.replaceChildren(...thumbnails(pending.map(({ preview }) => preview)));
 }
 
 function setBusy(controller) {
@@ -263,9 +311,13 @@ ui.prompt.addEventListener("keydown", (event) => {
   }
 });
 ui.stop.addEventListener("click", () => inFlight?.abort());
+ui.attach.addEventListener("click", () => ui.imageFile.click());
+ui.imageFile.addEventListener("change", attachImages);
 ui.newChat.addEventListener("click", () => {
   inFlight?.abort();
   turns = [];
+  pending = [];
+  showAttachments();
   ui.conversation.replaceChildren();
   ui.prompt.focus();
 });

@@ -13,7 +13,7 @@ many slots as the widest level, continuous batching), answers `llmserve bench vi
 warm-up, then at each level of streams two one-image chats per stream, each image new (512
 x 512 random pixels), 32 tokens out, greedy. Image encode time: llmserve's in process (the
 tower and projector on one image, median of 3), llama.cpp's from its log ("image slice
-encoded in N ms", median). The machine's load is sampled throughout (monitor.py).
+encoding" to "decoding image batch" at log verbosity 4, median). The machine's load is sampled throughout (monitor.py).
 """
 
 import argparse
@@ -100,6 +100,27 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0) -> 
     return path
 
 
+_STAMP = r"(\d+)\.(\d+)\.(\d+)\.(\d+) I "
+
+
+def encode_times_ms(log: str) -> list[float]:
+    """llama-server's image encode times: from "encoding mtmd batch" to the "decoding image
+    batch" that follows (the tower and projector; the decode after it is the decoder's
+    prefill of the image's tokens). Its images are encoded one at a time."""
+    def ms(match: re.Match) -> float:
+        minutes, seconds, millis, micros = (int(g) for g in match.groups()[:4])
+        return (minutes * 60 + seconds) * 1000 + millis + micros / 1000
+
+    times, start = [], None
+    for match in re.finditer(_STAMP + r".*?(encoding mtmd batch|decoding image batch)", log):
+        if match.group(5) == "encoding mtmd batch":
+            start = ms(match)
+        elif start is not None:
+            times.append(ms(match) - start)
+            start = None
+    return times
+
+
 def bench_cli(args: list[str], out: Path, env: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "llmserve.entrypoints.cli", "bench", "vision", *args,
            "--output-json", str(out)]
@@ -137,7 +158,8 @@ def main() -> int:
     log = args.out / f"llama.cpp-{args.tower}.log"
     cmd = [str(args.llama_server), "-m", str(args.gguf), "--mmproj", str(projector),
            "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS), "-np", str(widest),
-           "-cb", "-c", str(widest * per_slot), "--no-mmproj-offload", "-a", "llava"]
+           "-cb", "-c", str(widest * per_slot), "--no-mmproj-offload", "-a", "llava",
+           "-lv", "4"]  # its image encode and image-token decode times in the log
     env = {"LD_LIBRARY_PATH": str(args.llama_server.parent)}
     with LoadMonitor() as monitor, server(cmd, port, log, monitor, env) as info:
         results["llama.cpp"] = bench_cli(
@@ -145,7 +167,7 @@ def main() -> int:
             args.out / f"llama.cpp-{args.tower}.json")
     results["llama.cpp"]["load"] = monitor.summary()
     results["llama.cpp"]["server"] = info
-    encoded = [int(m) for m in re.findall(r"slice encoded in (\d+) ms", log.read_text())]
+    encoded = encode_times_ms(log.read_text())
     results["llama.cpp"]["encode_ms"] = statistics.median(encoded) if encoded else None
     results["llama.cpp"]["encode_runs_ms"] = encoded
     (args.out / f"summary-{args.tower}.json").write_text(json.dumps(results, indent=1))

@@ -12,8 +12,9 @@ model's file by default). Each server alone on the machine, 2 threads (llama.cpp
 many slots as the widest level, continuous batching), answers `llmserve bench vision`: a
 warm-up, then at each level of streams two one-image chats per stream, each image new (512
 x 512 random pixels), 32 tokens out, greedy. Image encode time: llmserve's in process (the
-tower and projector on one image, median of 3), llama.cpp's from its log ("image slice
-encoding" to "decoding image batch" at log verbosity 4, median). The machine's load is sampled throughout (monitor.py).
+tower and projector on one image, median of 3), llama.cpp's from its log ("encoding mtmd
+batch" to "decoding image batch" at log verbosity 4, median). The machine's load is
+sampled throughout (monitor.py).
 """
 
 import argparse

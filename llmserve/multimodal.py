@@ -101,8 +101,8 @@ def _part_image(part: dict[str, Any]) -> Any:
     if not isinstance(url, str):
         raise ImageError("the image part has no URL")
     if url.startswith(("http://", "https://")):
-        raise ImageError("images are taken as data URLs (data:image/png;base64,...); this "
-                         "server does not fetch http(s) URLs")
+        raise ImageError("images are taken as data URLs (data:image/png;base64,...) here; "
+                         "a server fetches http(s) URLs from its --allowed-media-domains")
     return decode_data_url(url)
 
 

@@ -46,6 +46,10 @@ def _arguments(serve: argparse.ArgumentParser) -> None:
                           "auto (default): the family the chat template declares (qwen3 "
                           "when it has enable_thinking, else deepseek_r1), none without "
                           "<think>; none: never")
+    net.add_argument("--allowed-media-domains", action="append", metavar="HOSTS",
+                     help="hosts (and their subdomains) whose http(s) image URLs the server "
+                          "fetches, comma-separated or repeated (default: none; images come "
+                          "as data URLs)")
     net.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                      help="LoRA adapters to serve from the start (with --enable-lora); a "
                           "request's model names one")

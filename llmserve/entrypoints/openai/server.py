@@ -34,6 +34,7 @@ from llmserve.entrypoints.openai.http_layer import (
     install_openapi,
     uvicorn_config,
 )
+from llmserve.entrypoints.openai.media import MediaFetcher
 from llmserve.entrypoints.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -97,6 +98,8 @@ class ServerSettings(EdgeSettings):
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served from the start
     lora_dir: str | None = None  # clients load adapters from under it; None: they cannot
     lora_load_timeout_s: float = LOAD_TIMEOUT_S
+    # hosts (and their subdomains) image URLs may be fetched from; empty: none
+    allowed_media_domains: tuple[str, ...] = ()
     open_paths: frozenset[str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -143,7 +146,8 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, settings: ServerSettings) -> 
     parser = resolve_parser(settings.reasoning_parser, engine.tokenizer.chat_template)
     if settings.reasoning_parser == "auto" and parser is not None:
         logger.info("reasoning parser %s (from the model's chat template)", parser)
-    chat = OpenAIServingChat(engine, settings.model_name, parser, loras)
+    chat = OpenAIServingChat(engine, settings.model_name, parser, loras,
+                             MediaFetcher(settings.allowed_media_domains))
     tokenizer = engine.tokenizer
 
     @app.post("/v1/completions", responses=_STREAMED)
@@ -319,6 +323,8 @@ def run_server(args: Any, engine_options: dict[str, Any]) -> int:
         reasoning_parser=args.reasoning_parser,
         lora_modules=tuple(parse_lora_modules(getattr(args, "lora_modules", None))),
         lora_dir=getattr(args, "lora_dir", None),
+        allowed_media_domains=tuple(d.lower() for v in args.allowed_media_domains or ()
+                                    for d in v.split(",") if d),
         **edge_settings(args),
     )
     sock = listening_socket(args.host, args.port)  # before loading: a busy port fails fast

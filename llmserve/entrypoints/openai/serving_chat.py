@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from llmserve.entrypoints.openai.media import MediaFetcher
 from llmserve.entrypoints.openai.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -112,9 +113,10 @@ def _call_dict(call_id: str | None, name: str, arguments: str | dict,
 
 class OpenAIServingChat(OpenAIServing):
     def __init__(self, engine: Any, model_name: str, reasoning_parser: str | None = None,
-                 loras: Any = None) -> None:
+                 loras: Any = None, media: MediaFetcher | None = None) -> None:
         super().__init__(engine, model_name, loras)
         self.reasoning_parser = reasoning_parser  # reasoning.py: deepseek_r1, qwen3, None
+        self.media = media or MediaFetcher()  # image URLs: fetched from allowed hosts only
 
     async def create(self, request: ChatCompletionRequest,
                      arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
@@ -140,6 +142,8 @@ class OpenAIServingChat(OpenAIServing):
                              and any(self.tokenizer.token_to_id(tag) in special
                                      for tag in (START, END)))
         params, max_tokens_field = self._params(request, constraint, keep_markers)
+        if self.engine.image_prompts is not None:
+            await self.media.inline_images(request.messages)
         prompt_ids = await self.engine.run_blocking(
             self.prompt_ids, request.messages, plan.tools, request.add_generation_prompt,
             _template_variables(request), request.continue_final_message,

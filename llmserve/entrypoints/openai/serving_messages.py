@@ -272,11 +272,14 @@ def _chat_messages(request: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def _image_url(block: ContentBlock, where: str) -> str:
-    """An image block's base64 source as a data URL (the chat route decodes it)."""
+    """An image block's source as the chat route takes it: base64 data as a data URL (the
+    route decodes it), a URL as it is (fetched from --allowed-media-domains only)."""
     source = block.source or {}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
     if source.get("type") != "base64" or not isinstance(source.get("data"), str):
-        raise BadRequest("an image block's source must be base64 data (this server does "
-                         "not fetch URLs)", param=f"{where}.source")
+        raise BadRequest("an image block's source must be base64 data or a url",
+                         param=f"{where}.source")
     media = source.get("media_type")
     if media not in ("image/jpeg", "image/png", "image/gif", "image/webp"):
         raise BadRequest("media_type must be image/jpeg, image/png, image/gif or image/webp",

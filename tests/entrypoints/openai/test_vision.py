@@ -212,3 +212,68 @@ def test_the_chat_page_sends_an_image_and_streams_the_answer(vision_server, imag
     assert content[0] == {"type": "image_url", "image_url": {
         "url": "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()}}
     assert content[1] == {"type": "text", "text": QUESTION}
+
+
+@pytest.fixture(scope="module")
+def image_host(image):
+    """A local web server: /picture.png (the image), /elsewhere (a redirect to another
+    host's name for the same server), /huge (over the byte cap)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from llmserve.multimodal import MAX_IMAGE_BYTES
+
+    body = png(image)
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            port = self.server.server_address[1]
+            if self.path == "/picture.png":
+                self._send(200, body)
+            elif self.path == "/elsewhere":
+                self.send_response(302)
+                self.send_header("Location", f"http://localhost:{port}/picture.png")
+                self.end_headers()
+            elif self.path == "/huge":
+                self._send(200, b"\0" * (MAX_IMAGE_BYTES + 1))
+            else:
+                self._send(404, b"")
+
+        def _send(self, status: int, data: bytes) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_image_urls_are_fetched_from_allowed_hosts_only(llava_llm, image_host, expected):
+    import httpx
+
+    def ask(server, url: str) -> httpx.Response:
+        return httpx.post(f"{server.base_url}/chat/completions", timeout=60,
+                          json=chat_body({"type": "image_url", "image_url": {"url": url}}))
+
+    loaded = llava_llm.engine.loaded
+    with run_server(loaded.source.path, loaded, allowed_media_domains=("127.0.0.1",)) as s:
+        fetched = ask(s, f"{image_host}/picture.png")
+        assert fetched.status_code == 200, fetched.text
+        assert fetched.json()["choices"][0]["message"]["content"] == expected
+        for path, message in (("/elsewhere", "not in --allowed-media-domains"),
+                              ("/huge", "over"), ("/missing", "HTTP 404")):
+            refused = ask(s, f"{image_host}{path}")
+            assert refused.status_code == 400, path
+            error = refused.json()["error"]
+            assert message in error["message"] and error["param"] == "messages[0].content[0]"
+    with run_server(loaded.source.path, loaded) as s:  # by default no host is reached
+        refused = ask(s, f"{image_host}/picture.png")
+        assert refused.status_code == 400
+        assert "--allowed-media-domains" in refused.json()["error"]["message"]

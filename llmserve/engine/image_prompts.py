@@ -117,6 +117,9 @@ class ImagePrompts:
             if image.offset < end or image.length != size or span != [token] * size:
                 raise RequestRejected("an image's place does not hold its image tokens")
             end = image.offset + image.length
+        if self.token_in_vocabulary and ids.count(token) != size * len(images):
+            raise RequestRejected("the prompt holds image tokens that no image fills (an "
+                                  "earlier answer's context with its images?)")
         return ids, images
 
     def _input(self, image: Any) -> ImageInput:

@@ -24,6 +24,7 @@ from llmserve.entrypoints.openai.protocol import (
 from llmserve.entrypoints.openai.serving_base import (
     ChunkFormatter,
     OpenAIServing,
+    PromptIds,
     final_outputs,
     output_kind,
     prompt_limit,
@@ -41,9 +42,11 @@ from llmserve.tokenizer import PromptTooLong
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create(self, request: CompletionRequest,
-                     arrival_time: float) -> dict[str, Any] | AsyncIterator[str]:
-        """The response body, or an iterator of SSE events when `request.stream`."""
+    async def create(self, request: CompletionRequest, arrival_time: float,
+                     images: list | None = None) -> dict[str, Any] | AsyncIterator[str]:
+        """The response body, or an iterator of SSE events when `request.stream`.
+        `images`: placed on the one prompt's image tokens (`multimodal.ImageInput`s; a
+        route that renders images itself, Ollama's /api/generate)."""
         lora = self.check_model(request.model)
         served = lora.lora_name if lora is not None else self.model_name  # the name asked
         if request.suffix is not None:
@@ -76,6 +79,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.echo:
             echoes = await self.engine.run_blocking(self._prompt_texts, prompts)
         request_id = random_id("cmpl", request.request_id)
+        if images:
+            (ids,) = token_ids
+            token_ids = [PromptIds(ids, images)]
         streams = await self.submit(token_ids, params, request_id, arrival_time,
                                     request.priority, request.cache_salt, "prompt", "max_tokens",
                                     constraint, request.kv_transfer_params, lora)

@@ -325,14 +325,15 @@ class OllamaServing:
         self.served(body.model)
         refuse_set_fields(body.model_extra or {}, _REFUSED_GENERATE)
         self._keep_alive(body.keep_alive)
-        if body.images:
-            raise BadRequest("images are taken on /api/chat (a message's images)" if
-                             self.engine.image_prompts is not None else
-                             "this model reads text only", param="images")
+        if body.images and self.engine.image_prompts is None:
+            raise BadRequest("this model reads text only", param="images")
+        if body.images and (body.raw or body.suffix):
+            raise BadRequest("images go in the templated prompt (not raw, no suffix)",
+                             param="images")
         if body.think not in (None, False):
             raise BadRequest("thinking is split from the answer on /api/chat; /api/generate "
                              "returns the text as generated", param="think")
-        if not body.prompt and not body.context and not body.suffix:  # Ollama's model load
+        if not (body.prompt or body.context or body.suffix or body.images):  # a model load
             return self._loaded(body.model, {"response": ""})
         if body.raw and body.system:
             raise BadRequest("a raw prompt is not templated: put the system text in it",
@@ -340,6 +341,7 @@ class OllamaServing:
         if body.suffix:
             self._check_fill_in_middle(body)
         ids = list(body.context or ())
+        images: list = []  # placed in `ids`
         limit = self.engine.max_model_len  # a longer prompt is refused while tokenized
         try:
             if body.suffix:  # the model writes what goes between prompt and suffix
@@ -348,13 +350,22 @@ class OllamaServing:
             elif body.raw:
                 ids += await self.engine.run_blocking(self.chat.tokenizer.encode, body.prompt,
                                                       not ids, limit)
-            elif body.prompt:
+            elif body.prompt or body.images:
+                content: Any = body.prompt or ""
+                if body.images:  # before the text, as Ollama places them
+                    content = [*({"type": "image_url", "image_url": {
+                        "url": f"data:image/*;base64,{data}"}} for data in body.images),
+                        {"type": "text", "text": body.prompt or ""}]
                 messages = [*([{"role": "system", "content": body.system}]
-                              if body.system else []), {"role": "user", "content": body.prompt}]
+                              if body.system else []), {"role": "user", "content": content}]
                 request = ChatCompletionRequest.model_validate({"messages": messages})
-                ids += await self.engine.run_blocking(
+                rendered = await self.engine.run_blocking(
                     self.chat.prompt_ids, request.messages, None, True, None, False, False,
                     limit)
+                # after `context`: the images' places move past it
+                images = [m.placed(m.offset + len(ids), m.length)
+                          for m in getattr(rendered, "images", ())]
+                ids += rendered
         except PromptTooLong as e:
             raise BadRequest(str(e), param="prompt") from None
         self._check_context(body.options, len(ids))
@@ -364,7 +375,7 @@ class OllamaServing:
         if body.stream:
             completion["stream_options"] = {"include_usage": True}
         result = await self.completions.create(CompletionRequest.model_validate(completion),
-                                               arrival)
+                                               arrival, images)
         if body.stream:
             return self._generate_stream(body.model, ids, result)
         (choice,) = result["choices"]

@@ -99,6 +99,13 @@ def test_ollama_images(vision_server, image, expected):
     # Ollama's chat stops at the end of text; the tiny model's 10 tokens never hit it
     assert reply.message.content == expected
     assert "vision" in client.show(MODEL).capabilities
+    generated = client.generate(model=MODEL, prompt=QUESTION, images=[png(image)],
+                                options={"temperature": 0, "num_predict": 10}, stream=False)
+    assert generated.response == expected  # the same templated prompt
+    # a context carries token ids, not the images they stood for: refused, not misread
+    with pytest.raises(ollama.ResponseError, match="no image fills"):
+        client.generate(model=MODEL, prompt="And now?", images=[png(image)],
+                        context=generated.context, options={"num_predict": 4}, stream=False)
 
 
 def test_responses_input_image(vision_server, image, expected):

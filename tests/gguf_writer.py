@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from llmserve.loader.mmproj import GLOBAL_NAMES, LAYER_NAMES
+
 # Hugging Face `model_type` -> GGUF `general.architecture`
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
@@ -270,14 +272,11 @@ def add_metadata(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         raise TypeError(f"GGUF metadata {key}: {type(value).__name__}")
 
 
-# a LLaVA tower's and projector's names (transformers 5.x layout) -> a projector file's
-MMPROJ_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.out_proj": "attn_out",
-                "layer_norm1": "ln1", "layer_norm2": "ln2", "mlp.fc1": "ffn_up",
-                "mlp.fc2": "ffn_down"}
-MMPROJ_GLOBAL = {"embeddings.patch_embedding": "v.patch_embd",
-                 "embeddings.position_embedding": "v.position_embd",
-                 "pre_layrnorm": "v.pre_ln", "post_layernorm": "v.post_ln"}
+# a LLaVA tower's and projector's names (transformers 5.x layout) -> a projector file's:
+# the reader's tables (`llmserve/loader/mmproj.py`) turned around
+MMPROJ_LAYER = {model: file for file, model in LAYER_NAMES.items()}
+MMPROJ_GLOBAL = {model.removeprefix("vision_tower."): file
+                 for file, model in GLOBAL_NAMES.items() if file.startswith("v.")}
 
 
 def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16) -> Path:

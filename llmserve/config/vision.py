@@ -61,9 +61,11 @@ class VisionConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError("vision_config.hidden_size is not a multiple of its "
                              "num_attention_heads")
-        if self.image_size % self.patch_size or self.num_patches > MAX_PATCHES:
-            raise ValueError(f"vision_config: image_size {self.image_size} must be a multiple "
-                             f"of patch_size {self.patch_size}, with at most {MAX_PATCHES} "
+        # the patches a side are image_size // patch_size (SigLIP-so400m: 384 // 14 = 27;
+        # the convolution leaves the remainder out)
+        if self.image_size < self.patch_size or self.num_patches > MAX_PATCHES:
+            raise ValueError(f"vision_config: image_size {self.image_size} must hold at least "
+                             f"one patch of {self.patch_size} and at most {MAX_PATCHES} "
                              f"patches")
         if self.hidden_act not in TOWER_ACTIVATIONS:
             raise UnsupportedModelError(f"unsupported vision tower activation "

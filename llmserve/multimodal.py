@@ -30,6 +30,7 @@ MAX_IMAGES_PER_REQUEST = 16
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
+BICUBIC = 3  # CLIP's and SigLIP's processors' default
 
 
 class ImageError(LLMServeError, ValueError):
@@ -186,9 +187,9 @@ class ImageProcessor:
         if path is None or not path.is_file():
             side = vision.image_size
             if vision.tower == "clip":
-                return cls(None, side, 3, (side, side), 1 / 255, OPENAI_CLIP_MEAN,
+                return cls(None, side, BICUBIC, (side, side), 1 / 255, OPENAI_CLIP_MEAN,
                            OPENAI_CLIP_STD)
-            return cls((side, side), None, 2, None, 1 / 255, (0.5,) * 3, (0.5,) * 3)
+            return cls((side, side), None, BICUBIC, None, 1 / 255, (0.5,) * 3, (0.5,) * 3)
         try:
             cfg = json.loads(path.read_text())
         except (OSError, ValueError) as e:
@@ -221,7 +222,7 @@ class ImageProcessor:
             c = cfg.get("crop_size", {"height": vision.image_size, "width": vision.image_size})
             c = {"height": c, "width": c} if isinstance(c, int) else c
             crop = (int(c["height"]), int(c["width"]))
-        resample = cfg.get("resample", 3 if clip else 2)
+        resample = cfg.get("resample", BICUBIC)  # both processors' default
         if resample not in RESAMPLE:
             raise ModelFormatError(f"{source}: unsupported resample {resample!r}")
         default_mean = OPENAI_CLIP_MEAN if clip else (0.5,) * 3

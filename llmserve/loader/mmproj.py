@@ -21,7 +21,7 @@ from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.gguf_meta import open_gguf, read_metadata
 from llmserve.loader.gguf import tensor_to_torch
 from llmserve.loader.weights import require_path
-from llmserve.multimodal import ImageProcessor
+from llmserve.multimodal import BICUBIC, ImageProcessor
 
 # `v.blk.{i}.<name>` -> `vision_tower.encoder.layers.{i}.<name>`
 LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -76,8 +76,8 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
     side = vision.image_size
     mean = tuple(meta.get("clip.vision.image_mean", (0.5,) * 3))
     std = tuple(meta.get("clip.vision.image_std", (0.5,) * 3))
-    processor = ImageProcessor(None, side, 3, (side, side), 1 / 255, mean, std) if clip \
-        else ImageProcessor((side, side), None, 2, None, 1 / 255, mean, std)
+    processor = ImageProcessor(None, side, BICUBIC, (side, side), 1 / 255, mean, std) if clip \
+        else ImageProcessor((side, side), None, BICUBIC, None, 1 / 255, mean, std)
     return Projector(vision, tensors, processor)
 
 

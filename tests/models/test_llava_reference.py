@@ -91,6 +91,16 @@ def test_preprocessing_equals_transformers(tower, side):
         assert torch.equal(ours(to_rgb(image)), torch.from_numpy(expected)), image.size
 
 
+def test_the_folders_preprocessing_equals_transformers(llava):
+    """What the engine runs for the folder (its preprocessor_config.json, defaults filled as
+    transformers fills them) gives transformers' pixel values."""
+    tower, folder, _, llm = llava
+    processor = llm.engine.input_processor.images.processor
+    for image in (random_image(5), random_image(6, 64, 30), random_image(7, 90, 41, "RGBA")):
+        expected = reference_pixels(tower, folder, [image])[0]
+        assert torch.equal(processor(to_rgb(image)), expected), image.size
+
+
 def test_image_features_equal_transformers(llava):
     tower, folder, reference, llm = llava
     pixels = reference_pixels(tower, folder, [random_image(0), random_image(1, 90, 30)])

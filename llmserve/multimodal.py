@@ -124,6 +124,7 @@ def decode_image(data: bytes) -> Any:
                 raise ImageError(f"the image is {width}x{height} pixels; at most "
                                  f"{MAX_IMAGE_PIXELS} pixels")
             image.load()
+            return to_rgb(image)  # a mode with no RGB conversion is refused here too
     except ImageError:
         raise
     except UnidentifiedImageError:
@@ -133,7 +134,6 @@ def decode_image(data: bytes) -> Any:
         raise ImageError(f"not a usable image: {e}") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated, corrupt
         raise ImageError(f"the image cannot be decoded: {e}") from None
-    return to_rgb(image)
 
 
 def decode_data_url(url: str) -> Any:

@@ -9,7 +9,9 @@ from tqdm.auto import tqdm
 
 from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
+from llmserve.errors import RequestRejected
 from llmserve.lora_request import LoRARequest
+from llmserve.multimodal import IMAGE_PART_TYPES
 from llmserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -94,6 +96,10 @@ class LLM:
         prompts = []
         for c in conversations:
             if images is None:
+                if any(isinstance(m.get("content"), list) and any(
+                        isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+                        for p in m["content"]) for m in c):
+                    raise RequestRejected("this model reads text only: it takes no images")
                 prompts.append({"prompt_token_ids": self.tokenizer.apply_chat_template(
                     c, add_generation_prompt=add_generation_prompt, tokenize=True)})
                 continue

@@ -229,6 +229,10 @@ def test_a_text_model_refuses_images(smollm2_llm):
     with pytest.raises(RequestRejected, match="text only"):
         smollm2_llm.generate({"prompt": "hi", "multi_modal_data": {"image": random_image(0)}},
                              GREEDY, use_tqdm=False)
+    with pytest.raises(RequestRejected, match="text only"):
+        smollm2_llm.chat([{"role": "user", "content": [
+            {"type": "image", "image": random_image(0)}, {"type": "text", "text": "hi"}]}],
+            GREEDY, use_tqdm=False)
 
 
 def test_the_memory_calculator_counts_the_tower(llava):

@@ -197,13 +197,13 @@ def test_matrices_on_their_blocks_are_never_dequantized(kquant_gguf, monkeypatch
     from llmserve.loader.model_loader import load_model
 
     read = []
-    to_torch = gguf_loader._to_torch
+    to_torch = gguf_loader.tensor_to_torch
 
     def recording(tensor, rows, cols):
         read.append(tensor.name)
         return to_torch(tensor, rows, cols)
 
-    monkeypatch.setattr(gguf_loader, "_to_torch", recording)
+    monkeypatch.setattr(gguf_loader, "tensor_to_torch", recording)
     loaded = load_model(str(kquant_gguf), quantization="kquant")
     assert loaded.quantization == "kquant"
     assert read and all(name.endswith("norm.weight") for name in read), read

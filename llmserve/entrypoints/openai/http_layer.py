@@ -315,7 +315,8 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
         param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else part)
     if not loc:
         return f"the request body must be a JSON object: {error.get('msg')}", None
-    param = param or '""'  # a field named "" (an unknown key, refused)
+    if not param:  # a field named "" (an unknown key, refused): its name is ""
+        return f'"": {error.get("msg")}', ""
     return f"{param}: {error.get('msg')}", param
 
 

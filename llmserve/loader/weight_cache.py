@@ -23,7 +23,8 @@ machine made is not cached (kernel_choice.py) and neither is the model loaded un
 it. An entry is a pickle the server wrote: it is read only where this user owns it, its
 folder and the cache folder, and no other user may write to them (SECURITY.md). One
 entry is kept per request (a newer one replaces it); an entry is not
-written where it would leave the disk with less than MIN_FREE_FRACTION free; one that
+written where it would leave less free than `MIN_FREE_FRACTION` of the disk or
+`MIN_FREE_BYTES`, whichever is smaller (a large disk a tenth full is not short); one that
 cannot be read is removed and the model loaded from its files. Only quantized models
 on the CPU are kept (a float copy would be the checkpoint's size again and more).
 `LLMSERVE_WEIGHT_CACHE=0` turns the cache off.
@@ -52,7 +53,8 @@ from llmserve.loader.catalog import ModelSource
 logger = logging.getLogger(__name__)
 
 ENV = "LLMSERVE_WEIGHT_CACHE"
-MIN_FREE_FRACTION = 0.10  # of the file system, left free after an entry is written
+MIN_FREE_FRACTION = 0.10  # of the file system, left free after an entry is written ...
+MIN_FREE_BYTES = 8 << 30  # ... or this much, where it is less
 _FORMAT = 2  # what an entry holds; a change makes every older entry a miss
 EXIT_WAIT_S = 30.0  # at exit, how long an unfinished write may still take
 
@@ -301,11 +303,9 @@ def _write(write: _Write) -> None:
         _save({"graph": graph, "tensors": write.tensors}, tmp)
         tmp.chmod(0o644)
         size = tmp.stat().st_size
-        usage = shutil.disk_usage(target)
-        if usage.free < usage.total * MIN_FREE_FRACTION:
+        if (short := _disk_short(target)) is not None:
             tmp.unlink()
-            logger.info("not keeping the packed weights (%d MiB): under %.0f%% of the disk "
-                        "is free", size >> 20, MIN_FREE_FRACTION * 100)
+            logger.info("not keeping the packed weights (%d MiB): %s", size >> 20, short)
             return
         for old in _entries_for(write.entry.request):
             if old != key:
@@ -321,6 +321,16 @@ def _write(write: _Write) -> None:
         return
     logger.info("kept the packed weights for the next start in %.2f s (%d MiB, %s)",
                 time.perf_counter() - start, size >> 20, target)
+
+
+def _disk_short(target: Path) -> str | None:
+    """Why the disk holding `target` is too full to keep an entry already written to it,
+    or None."""
+    usage = shutil.disk_usage(target)
+    floor = min(usage.total * MIN_FREE_FRACTION, MIN_FREE_BYTES)
+    if usage.free >= floor:
+        return None
+    return f"{usage.free >> 20} MiB of the disk would be left free, under {int(floor) >> 20} MiB"
 
 
 def _sweep(target: Path) -> None:

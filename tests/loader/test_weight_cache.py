@@ -3,6 +3,7 @@ bits as one that loads the files, and an entry is used only for what made it."""
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tests.engine.test_default_path import _family_file
 from tests.models.test_llama_reference import full_logits, per_op_logits
 
 IDS = list(range(100, 140))
+DISK_SHORT = weight_cache._disk_short  # the `cache` fixture's tests run whatever this disk holds
 
 
 def load(*args, **kwargs):
@@ -30,6 +32,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv(weight_cache.ENV, "1")
     monkeypatch.setattr(weight_cache, "folder", lambda: folder)
     monkeypatch.setattr(weight_cache, "_ready", False)  # no engine is: writes wait
+    monkeypatch.setattr(weight_cache, "_disk_short", lambda target: None)
     return folder
 
 
@@ -172,6 +175,24 @@ def test_a_damaged_entry_is_removed_and_the_files_loaded(smollm2_gguf, cache, lo
     assert any("cannot read the kept weights" in r.getMessage() for r in caplog.records)
     assert torch.equal(full_logits(again.model, IDS), full_logits(loaded.model, IDS))
     assert len(_entries(cache)) == 1  # written afresh
+
+
+@pytest.mark.parametrize(("total_gib", "free_gib", "kept"), [
+    (20, 1.9, False),  # a small disk: under a tenth of it left free
+    (20, 2.1, True),
+    (2000, 7.9, False),  # a large disk: under 8 GiB left free
+    (2000, 8.1, True),  # a tenth of it is more than 8 GiB: 8 GiB is enough
+])
+def test_an_entry_is_not_kept_where_the_disk_is_short(smollm2_gguf, cache, monkeypatch, caplog,
+                                                       total_gib, free_gib, kept):
+    monkeypatch.setattr(weight_cache, "_disk_short", DISK_SHORT)
+    usage = shutil._ntuple_diskusage(int(total_gib * 2**30), 0, int(free_gib * 2**30))
+    monkeypatch.setattr(weight_cache.shutil, "disk_usage", lambda path: usage)
+    with caplog.at_level(logging.INFO, logger="llmserve.loader.weight_cache"):
+        load(str(smollm2_gguf), quantization="int8")
+    assert len(_entries(cache)) == int(kept)
+    assert not list(cache.glob("*.tmp"))
+    assert kept or "of the disk would be left free" in caplog.records[-1].getMessage()
 
 
 def test_turned_off_it_keeps_nothing(smollm2_gguf, cache, loads, monkeypatch):

@@ -340,7 +340,8 @@ def shape_section(folder: Path, doc: Path, alone: bool = False) -> list[str]:
     shape, type and level; `alone`: as a whole report, its tables at their own level."""
     meta = load(folder, "meta.json") or {}
     x, m, isa = meta["shape"], meta.get("machine", {}), meta.get("isa", "native")
-    title = f"{x['name']}, {x['qtype']}, at the {isa} level"
+    level = m.get("kernel_level", "?").split(" (")[0]
+    title = f"{x['name']}, {x['qtype']}, at the {isa} level ({level}, {m.get('cpu', '?')})"
     flags = f"--shape {x['name']} --qtype {x['qtype']}" + ("" if isa == "native" else
                                                           f" --isa {isa}")
     mlp = (f"{x['experts']} experts of {x['expert_intermediate']}, "

@@ -113,13 +113,20 @@ def test_quantized_shards_keep_the_checkpoint_groups(tp2_logits, default_model, 
     15-bit activations. int4-a8 (the default now) rounds each activation to 8 bits, so a
     float-rounding difference that lands on a rounding boundary becomes a whole grid step,
     carried through the layers: measured 1.43 at most (logits span about +-30 on this
-    chat), the argmax still equal at all 64 positions; bounded at 2."""
+    chat); bounded at 2. The argmax is equal at all 64 positions at the avx2 level; at
+    avx512+vnni one near-tie (the single rank's top two 0.43 apart) goes the other way, so
+    up to two of 64 may, each where the top two are under 1.0 apart."""
     ours = tp2_logits[default_model.quantization]
     single = _logits(default_model.model, chat_ids)
     diff = (ours - single).abs().max().item()
     print(f"{default_model.quantization} TP=2: max |logit diff| vs TP=1 = {diff:.2e}")
     assert diff <= (2.0 if default_model.quantization == "int4-a8" else 0.05)
-    assert torch.equal(ours.argmax(-1), single.argmax(-1))
+    top2 = single.topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1])[ours.argmax(-1) != single.argmax(-1)].tolist()
+    if default_model.quantization != "int4-a8":
+        assert margins == []
+    else:  # a near-tie may go the other way; a clear choice may not
+        assert len(margins) <= 2 and all(m < 1.0 for m in margins), margins
 
 
 @pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow)])

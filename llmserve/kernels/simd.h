@@ -205,6 +205,12 @@ inline I16 dot4_s8s8(I16 acc, B64 w, int32_t x4) {
 inline I16 dot4_u8s8(I16 acc, uint32_t x4, B64 w) {
   return {_mm512_dpbusd_epi32(acc.v, _mm512_set1_epi32(static_cast<int32_t>(x4)), w.v)};
 }
+// acc[i] += sum_b u[4i + b] * x4[b]: u any unsigned bytes, x4 four signed bytes
+inline I16 dot4_u8_lanes(I16 acc, B64 u, int32_t x4) {
+  return {_mm512_dpbusd_epi32(acc.v, u.v, _mm512_set1_epi32(x4))};
+}
+// signed bytes w -> the unsigned bytes w + 128
+inline B64 plus128(B64 w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8(-128))}; }
 #endif
 
 // lane i + 8, then + 4, + 2, + 1: the one float sum tree of every level
@@ -456,6 +462,14 @@ inline I16 dot4_s8s8(I16 acc, B64 w, int32_t x4) {
 inline I16 dot4_u8s8(I16 acc, uint32_t x4, B64 w) {
   const __m256i x = _mm256_set1_epi32(static_cast<int32_t>(x4));
   return {_mm256_dpbusd_avx_epi32(acc.lo, x, w.lo), _mm256_dpbusd_avx_epi32(acc.hi, x, w.hi)};
+}
+inline I16 dot4_u8_lanes(I16 acc, B64 u, int32_t x4) {
+  const __m256i x = _mm256_set1_epi32(x4);
+  return {_mm256_dpbusd_avx_epi32(acc.lo, u.lo, x), _mm256_dpbusd_avx_epi32(acc.hi, u.hi, x)};
+}
+inline B64 plus128(B64 w) {
+  const __m256i bit = _mm256_set1_epi8(-128);
+  return {_mm256_xor_si256(w.lo, bit), _mm256_xor_si256(w.hi, bit)};
 }
 #endif
 

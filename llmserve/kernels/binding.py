@@ -86,6 +86,11 @@ class Kernels:
     def set_stream_prefetch(self, nontemporal: Int32) -> None:
         """Whether decodes prefetch their weights non-temporally (1, the default) or not (0)."""
 
+    def set_amx(self, on: Int32) -> Int32:
+        """Whether the K-quant GEMMs run rows in tiles of 16 on AMX (1, the default where the
+        CPU has it and the kernel grants the tile state) or not (0); -1 only asks. Returns 1
+        if they do after the call. The results are the same bits either way."""
+
     # elementwise.cpp
     def rms_norm(self, x: Ptr, T: Int64, C: Int64, weight: Ptr, eps: Float32,
                  out: Ptr) -> None:

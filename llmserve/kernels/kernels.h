@@ -8,7 +8,7 @@
 
 // The library's ABI version, returned by llmserve_kernels_abi: bumped whenever a function
 // here or an argument struct changes, so a library built from older sources is refused.
-#define LLMSERVE_KERNELS_ABI 29
+#define LLMSERVE_KERNELS_ABI 30
 
 // The layer calls' argument structs (packed_weight.h, llama_layers.cpp).
 struct PackedWeight;
@@ -23,6 +23,7 @@ int32_t llmserve_kernels_abi();
 const char* llmserve_kernels_level();
 void llmserve_set_num_threads(int32_t num_threads, int64_t spin_us);
 void llmserve_set_stream_prefetch(int32_t nontemporal);
+int32_t llmserve_set_amx(int32_t on);
 void llmserve_rms_norm(const float* x, int64_t T, int64_t C, const float* weight, float eps,
                        float* out);
 void llmserve_rms_norm_heads(float* qkv, int64_t T, int64_t row_stride, int64_t num_heads,

@@ -214,7 +214,8 @@ def run_kernels(config: ModelConfig, batches: tuple[int, ...], stored: str | Non
         "quantization": choice.quantization, "source": choice.source, "why": choice.why,
         "ms": choice.ms, "describe": choice.describe()}
     return {"machine": machine_info(), "level": level_of(lib) if lib else None,
-            "batches": list(batches), "shapes": shapes, "rows": rows,
+            "amx": bool(lib and lib.set_amx(-1)), "batches": list(batches), "shapes": shapes,
+            "rows": rows,
             "read_bandwidth_bytes_per_s": bandwidth, "int8_peak_ops_per_s": peak,
             "default": default, "decision": decision, "attention": attention}
 
@@ -269,7 +270,9 @@ def roofline_lines(result: dict[str, Any]) -> list[str]:
              "1 are above what a decode streaming every layer's weights reaches)",
              f"read bandwidth {bandwidth / 1e9:.1f} GB/s (a sum over 1 GiB, "
              f"{result['machine']['num_threads']} threads); int8 dot-product peak "
-             + (f"{peak / 1e9:.0f} G int ops/s (level {result['level']})" if peak else "n/a"),
+             + (f"{peak / 1e9:.0f} G int ops/s (level {result['level']})" if peak else "n/a")
+             + ("; AMX tiles on: the K-quant GEMMs of 32+ rows run there, past that peak"
+                if result.get("amx") else ""),
              f"{'kernel':38s}{'MB a step':>12s}{'GB/s at 1':>12s}{'MBU':>8s}"
              f"{'Gop/s at ' + str(big):>16s}{'of peak':>9s}"]
     for row in result["rows"]:

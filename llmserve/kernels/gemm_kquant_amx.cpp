@@ -40,6 +40,7 @@ namespace {
 std::atomic<int> g_amx_wanted{-1};
 
 #if defined(LLMSERVE_AMX)
+namespace amx {  // apart from gemm_kquant.cpp's names where the sources build as one unit
 
 constexpr int64_t kTileRows = 16;
 // Fewer rows go to the VNNI tiles: unpacking a channel block's codes for one tile of rows
@@ -460,6 +461,7 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_blocks(const Args& a, int6
   _tile_release();
 }
 
+}  // namespace amx
 #endif  // LLMSERVE_AMX
 
 }  // namespace
@@ -468,7 +470,7 @@ namespace llmserve::kquant {
 
 bool amx_enabled() {
 #if defined(LLMSERVE_AMX)
-  return g_amx_wanted.load(std::memory_order_relaxed) != 0 && amx_granted();
+  return g_amx_wanted.load(std::memory_order_relaxed) != 0 && amx::amx_granted();
 #else
   return false;
 #endif
@@ -478,6 +480,7 @@ int64_t amx_gemm(int32_t type, const int8_t* q, const float* xscale, const int32
                  int64_t M, int64_t K, const uint8_t* w, const float* bias, int64_t N,
                  float* y) {
 #if defined(LLMSERVE_AMX)
+  using namespace amx;
   const int64_t rows = M / kTileRows * kTileRows;
   if (M < kMinRows || !amx_enabled()) return 0;
   const Args args{q, xscale, sums16, rows, K, w, bias, N, y};

@@ -44,8 +44,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "llmserve" / "kernels"
 CHECK_SOURCE = Path(__file__).with_name("kernel_check.cpp")
 KERNEL_SOURCES = [KERNELS / f"{name}.cpp"
-                  for name in ("kernels_api", "gemm_int8", "gemm_q4", "gemm_kquant", "gemm_f32",
-                               "attention", "elementwise", "llama_layers", "lora", "moe")]
+                  for name in ("kernels_api", "gemm_int8", "gemm_q4", "gemm_kquant",
+                               "gemm_kquant_amx", "gemm_f32", "attention", "elementwise",
+                               "llama_layers", "lora", "moe")]
 CXXFLAGS = ["-O2", "-std=c++17", "-pthread", "-ffp-contract=off"]
 CROSS_CXX, QEMU, AARCH64_ROOT = "aarch64-linux-gnu-g++", "qemu-aarch64", "/usr/aarch64-linux-gnu"
 HOST = platform.machine()

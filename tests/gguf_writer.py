@@ -19,7 +19,7 @@ from llmserve.loader.mmproj import GLOBAL_NAMES, LAYER_NAMES
 # Hugging Face `model_type` -> GGUF `general.architecture`
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe",
-             "gemma2": "gemma2", "phi3": "phi3"}
+             "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 LAYER = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
@@ -37,7 +37,7 @@ LAYER = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
-# Gemma 2's four norms a layer; Phi-3's fused projections
+# Gemma 2's and 3's four norms a layer; Phi-3's fused projections
 GEMMA = {"post_attention_layernorm.weight": "post_attention_norm.weight",
          "pre_feedforward_layernorm.weight": "ffn_norm.weight",
          "post_feedforward_layernorm.weight": "post_ffw_norm.weight"}
@@ -66,9 +66,10 @@ def write_gguf(model: torch.nn.Module, path: Path, qtype: QT = QT.F32,
     for key, value in (metadata or {}).items():
         add_metadata(writer, key, value)
     state = {_canonical(name): t.detach().float() for name, t in model.state_dict().items()}
-    if arch == "gemma2":  # llama.cpp stores Gemma's norms as 1 + weight
+    gemma = arch in ("gemma2", "gemma3")
+    if gemma:  # llama.cpp stores Gemma's norms as 1 + weight
         state = {name: t + 1 if name.endswith("norm.weight") else t for name, t in state.items()}
-    names = LAYER | (GEMMA if arch == "gemma2" else {}) | (PHI3 if arch == "phi3" else {})
+    names = LAYER | (GEMMA if gemma else {}) | (PHI3 if arch == "phi3" else {})
     experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
     stacked: dict[tuple[int, str], torch.Tensor] = {}  # (layer, projection) -> (E, rows, cols)
     for name, tensor in state.items():

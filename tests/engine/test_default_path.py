@@ -270,7 +270,8 @@ def test_decode_prefetch_is_chosen_by_timing_the_models_own_weights(default_llm,
 # a file per family as people download them: a Q4_K_M-like mix (Q6_K v, down and tied
 # embedding), or one legacy type throughout
 FAMILY_FILES = [("llama", "Q4_K_M"), ("qwen2", "Q4_K_M"), ("qwen3", "Q4_0"), ("phi3", "Q8_0"),
-                ("gemma2", "Q4_K_M"), ("qwen3moe", "Q4_K_M"), ("qwen2moe", "Q4_0")]
+                ("gemma2", "Q4_K_M"), ("gemma3", "Q4_K_M"), ("qwen3moe", "Q4_K_M"),
+                ("qwen2moe", "Q4_0")]
 Q4_K_M_MIX = {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "ffn_down_exps.weight": "Q6_K",
               "token_embd.weight": "Q6_K"}
 
@@ -295,12 +296,14 @@ def _family_file(family: str, qtype: str, folder, smollm2_gguf):
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM)}[family]
     experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256)
     extra = {"phi3": dict(pad_token_id=0, tie_word_embeddings=False),
              "gemma2": dict(head_dim=64, sliding_window=24, query_pre_attn_scalar=64,
                             attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+             "gemma3": dict(head_dim=64, sliding_window=24, query_pre_attn_scalar=64),
              "qwen3moe": dict(head_dim=64, norm_topk_prob=True, **experts),
              "qwen2moe": dict(shared_expert_intermediate_size=256, **experts),
              }.get(family, {})

@@ -1,14 +1,19 @@
 // The K-quant and legacy GEMMs (gemm_kquant.cpp) on AMX tiles, for rows in tiles of 16.
 //
 // An AMX tile multiply takes 16 rows x 64 bytes of activations and 16 rows of 64 bytes of
-// weights (16 channels x 4 k each, the packed records' very layout: a chunk's low codes are
-// one tile row, its high codes the next) and adds their exact int32 dot products to a
-// 16 x 16 tile: 16 x 16 x 64 multiply-adds in the time VNNI takes for about 1,000 (7 T int
-// ops/s a core at 64 k on a Xeon VM, against ~0.4 T for VNNI). Each multiply here covers one
-// sub-block (16 or 32 k, the span of one scale), so its int32 sums are the sub-block's
-// u . q exactly as gemm_kquant.cpp's VNNI steps sum them; the tile is stored and the same
-// integer epilogue (offset, scale) and the same float epilogue run over it, in the same
-// order. A row's result is bit-identical to the VNNI path's, whatever tile ran it.
+// weights (16 channels x 4 k each: the packed records' very layout, a chunk's low codes one
+// tile row, its high codes the next) and adds their exact int32 dot products to a 16 x 16
+// tile: 16 x 16 x 64 multiply-adds in about the time VNNI takes for 1,000 (7 T int ops/s a
+// core at 64 k on a Xeon VM, against ~0.4 T for VNNI). Two ways to keep a row's result the
+// VNNI tiles' bits:
+// * the K-quants with integer scales (Q4_K, Q5_K, Q6_K, Q3_K): each sub-block's scale goes
+//   into the weight bytes, split into pieces that fit a byte, so a super-block's A (and
+//   B) come out of tile multiplies spanning 64 k as the exact integers the VNNI tiles sum
+//   (`Split`, below); the float epilogue is the VNNI tiles', per super-block in order;
+// * the legacy types and IQ4_XS: one tile multiply a sub-block (its exact u . q), stored,
+//   and the VNNI tiles' integer and float epilogue over it (at 128 rows about VNNI's
+//   speed for Q4_0, 1.2-1.6x for Q5_0, Q8_0 and IQ4_XS: the epilogue bounds it; four
+//   tiles of rows sharing each weight tile measured slower still).
 //
 // Built where the level has VNNI at 512 bits (every AMX CPU has it) and the compiler knows
 // AMX; used where the CPU has AMX-INT8 and the kernel grants this process the tile state
@@ -129,7 +134,8 @@ __attribute__((target("amx-tile,amx-int8"))) inline void sub_block_sums(
   _tile_stored(0, c, 64);
 }
 
-// Rows m0 .. m0 + 15 x one block of 16 channels, from its unpacked codes `rows`.
+// Rows m0 .. m0 + 15 x one block of 16 channels, from its unpacked codes `rows`: the legacy
+// types and IQ4_XS (the split K-quants: amx_split_tile).
 template <int kType>
 __attribute__((target("amx-tile,amx-int8"))) void amx_tile(const Args& a, const int8_t* rows,
                                                             int64_t m0, int64_t nb) {
@@ -140,9 +146,9 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_tile(const Args& a, const 
   for (auto& v : acc) v = simd::zero();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* rec = a.w + nb * block_bytes + g * L::kRecord;
-    const int32_t* qs0 = a.sums16 + (m0 * G + g) * (kSuper / 16);
     const float* xs0 = a.xscale + m0 * G + g;
     if constexpr (L::kLegacy) {
+      const int32_t* qs0 = a.sums16 + (m0 * G + g) * (kSuper / 16);
       for (int s = 0; s < L::kSubs; ++s) {
         sub_block_sums<kType>(a, rows, m0, g, s, c);
         const F16 d = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kD + 32 * s));
@@ -162,36 +168,19 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_tile(const Args& a, const 
       }
       continue;
     }
+    // IQ4_XS (the other K-quants run with their scales in the bytes, below): A = the sum
+    // over sub-blocks of sc * (v[u] . q)
     I16 a_int[kTileRows];
     for (auto& v : a_int) v = simd::zero_i();
     for (int s = 0; s < L::kSubs; ++s) {
       sub_block_sums<kType>(a, rows, m0, g, s, c);
       const I16 sc = simd::load_s8(reinterpret_cast<const int8_t*>(rec + L::kScales + 16 * s));
-      for (int r = 0; r < kTileRows; ++r) {
-        I16 t = simd::load_i(c + 16 * r);
-        if constexpr (L::kSigned) {  // Q6_K, Q3_K: u - offset
-          const int32_t* qs = qs0 + r * G * (kSuper / 16);
-          const int32_t qsum = L::kSubK == 16 ? qs[s] : qs[2 * s] + qs[2 * s + 1];
-          t = t - simd::set1_i(L::kCodeOffset * qsum);
-        }
-        a_int[r] = a_int[r] + simd::mul_lo(t, sc);
-      }
+      for (int r = 0; r < kTileRows; ++r)
+        a_int[r] = a_int[r] + simd::mul_lo(simd::load_i(c + 16 * r), sc);
     }
     const F16 d = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kHalves));
     for (int r = 0; r < kTileRows; ++r)
       acc[r] = simd::fmadd(simd::to_float(a_int[r]), d * simd::set1(xs0[r * G]), acc[r]);
-    if constexpr (!L::kNoMins) {
-      const F16 dmin = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kHalves + 32));
-      const int8_t* mins = reinterpret_cast<const int8_t*>(rec + L::kMins);
-      for (int r = 0; r < kTileRows; ++r) {
-        const int32_t* qs = qs0 + r * G * (kSuper / 16);
-        I16 b_int = simd::zero_i();
-        for (int s = 0; s < L::kSubs; ++s)
-          b_int = b_int + simd::mul_lo(simd::load_s8(mins + 16 * s),
-                                       simd::set1_i(qs[2 * s] + qs[2 * s + 1]));
-        acc[r] = simd::fnmadd(simd::to_float(b_int), dmin * simd::set1(xs0[r * G]), acc[r]);
-      }
-    }
   }
   for (int r = 0; r < kTileRows; ++r) {
     const F16 row[1][1] = {{acc[r]}};

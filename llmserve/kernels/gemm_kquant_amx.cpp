@@ -48,11 +48,13 @@ std::atomic<int> g_amx_wanted{-1};
 namespace amx {  // apart from gemm_kquant.cpp's names where the sources build as one unit
 
 constexpr int64_t kTileRows = 16;
-// Fewer rows go to the VNNI tiles: unpacking a channel block's codes for one tile of rows
-// costs more than the tiles save (1B shape, one 2048 x 8192 weight, Xeon VM, 2 threads:
-// Q4_K at 16 rows 1.10 ms on AMX vs 0.98 on VNNI; at 32 rows 1.29 vs 1.76, at 128 3.72 vs
-// 7.30; Q6_K 1.47 vs 1.24, 1.93 vs 2.52, 5.85 vs 10.07).
-constexpr int64_t kMinRows = 32;
+// Fewer rows go to the VNNI tiles: unpacking a channel block's codes for one or two tiles
+// of rows costs about what the tiles save (2 threads, Xeon VM, one weight of the 1B shape,
+// ms at 16 / 32 / 128 rows, VNNI -> AMX: Q4_K 0.98 -> 1.10, 1.76 -> 1.29, 7.30 -> 3.72; Q6_K
+// 1.24 -> 1.47, 2.52 -> 1.93, 10.07 -> 5.85; Q4_0 at 32 rows 1.72 -> 1.72 and 1.48 -> 1.54,
+// at 64 3.20 -> 2.98; Q8_0 at 32 2.11 -> 1.57).
+template <int kType>
+constexpr int64_t kMinRows = kType == kQ4_0 || kType == kQ4_1 ? 64 : 32;
 
 // Whether the CPU has AMX-INT8 and the kernel grants this process the tile data state.
 bool amx_granted() {
@@ -470,16 +472,17 @@ int64_t amx_gemm(int32_t type, const int8_t* q, const float* xscale, const int32
                  float* y) {
 #if defined(LLMSERVE_AMX)
   using namespace amx;
-  const int64_t rows = M / kTileRows * kTileRows;
-  if (M < kMinRows || !amx_enabled()) return 0;
-  const Args args{q, xscale, sums16, rows, K, w, bias, N, y};
+  if (!amx_enabled()) return 0;
   const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
-  with_type(type, [&](auto t) {
+  return with_type(type, [&](auto t) -> int64_t {
+    constexpr int kType = decltype(t)::value;
+    if (M < kMinRows<kType>) return 0;
+    const Args args{q, xscale, sums16, M / kTileRows * kTileRows, K, w, bias, N, y};
     parallel_for(0, n_blocks, 1, [&](int64_t nb, int64_t ne) {
-      amx_blocks<decltype(t)::value>(args, nb, ne);
+      amx_blocks<kType>(args, nb, ne);
     });
+    return args.M;
   });
-  return rows;
 #else
   (void)type, (void)q, (void)xscale, (void)sums16, (void)M, (void)K, (void)w, (void)bias,
       (void)N, (void)y;

@@ -64,14 +64,15 @@ AMX = native() is not None and native().set_amx(-1) == 1
 @pytest.mark.skipif(not AMX, reason="needs AMX tiles: an AMX-INT8 CPU whose kernel grants them")
 @pytest.mark.parametrize("types", [*((t,) for t in TYPES), (QT.Q4_K, QT.Q4_K, QT.Q6_K)])
 def test_amx_tiles_give_the_vnni_tiles_bits(types):
-    """Rows in tiles of 16 on AMX (a GEMM of 32+ rows) get the VNNI tiles' bits: the same
-    int32 sums (the K-quants' scales split into the weight bytes) and float epilogue."""
+    """Rows in tiles of 16 on AMX (a GEMM of 32+ rows, 64+ for Q4_0 and Q4_1) get the VNNI
+    tiles' bits: the same int32 sums (the K-quants' scales split into the weight bytes) and
+    float epilogue."""
     generator = np.random.default_rng(3)
     rows = (48, 16, 37)[:len(types)] if len(types) > 1 else (40,)  # 40: a partial block
     parts = [random_blocks(t, r, 1024, generator) for t, r in zip(types, rows, strict=True)]
     weight = PackedKQuantWeight(parts)
     bias = torch.randn(weight.out_features)
-    x = torch.randn(53, 1024)  # 48 rows on AMX, 5 on VNNI
+    x = torch.randn(69, 1024)  # 64 rows on AMX, 5 on VNNI
     x[20] = 0
     x[21, 7] = 1e4  # one spike: the rest of its super-block quantizes to small codes
     try:

@@ -418,6 +418,19 @@ __attribute__((target("amx-tile"))) inline void configure_split_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// This thread's buffer of at least `bytes` (64-byte aligned), kept between calls: a fresh
+// one each call was an mmap and a page fault per 4 KiB (it is 128-640 KiB at 1B) for every
+// linear of every step.
+inline int8_t* unpack_buffer(int64_t bytes) {
+  thread_local std::unique_ptr<int8_t, decltype(&std::free)> buffer(nullptr, &std::free);
+  thread_local int64_t capacity = 0;
+  if (bytes > capacity) {
+    buffer.reset(static_cast<int8_t*>(std::aligned_alloc(64, round_up(bytes, 64))));
+    capacity = bytes;
+  }
+  return buffer.get();
+}
+
 // Channel blocks [nb, ne) of every row: rows in blocks whose int8 values stay in L2 (1 MiB)
 // while each channel block's codes (or pieces) are unpacked once for them.
 template <int kType>
@@ -430,8 +443,7 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_blocks(const Args& a, int6
     if constexpr (kSplit<kType>) return Split<kType>::kPieces;
     return 1;
   }();
-  std::unique_ptr<int8_t, decltype(&std::free)> rows(
-      static_cast<int8_t*>(std::aligned_alloc(64, kPieces * a.K * kBlockN)), &std::free);
+  int8_t* rows = unpack_buffer(kPieces * a.K * kBlockN);
   if constexpr (kSplit<kType>)
     configure_split_tiles();
   else
@@ -439,14 +451,14 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_blocks(const Args& a, int6
   for (int64_t r0 = 0; r0 < a.M; r0 += row_block)
     for (int64_t b = nb; b < ne; ++b) {
       if constexpr (kSplit<kType>)
-        unpack_split<kType>(a.w + b * block_bytes, G, a.K, rows.get());
+        unpack_split<kType>(a.w + b * block_bytes, G, a.K, rows);
       else
-        unpack_block<kType>(a.w + b * block_bytes, G, rows.get());
+        unpack_block<kType>(a.w + b * block_bytes, G, rows);
       for (int64_t m0 = r0; m0 < std::min(a.M, r0 + row_block); m0 += kTileRows) {
         if constexpr (kSplit<kType>)
-          amx_split_tile<kType>(a, rows.get(), m0, b);
+          amx_split_tile<kType>(a, rows, m0, b);
         else
-          amx_tile<kType>(a, rows.get(), m0, b);
+          amx_tile<kType>(a, rows, m0, b);
       }
     }
   _tile_release();

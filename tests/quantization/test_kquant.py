@@ -54,7 +54,10 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     times amax / 127 (llama.cpp's Q8_K), in float64."""
     groups = x.reshape(len(x), -1, 256)
     amax = groups.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, 1.0), 0.0)
+    # 127 / amax divided as the kernel divides (`127 / tensor` is 127 x its reciprocal in
+    # torch: two roundings, one int8 step off for about one x in a hundred)
+    safe = torch.where(amax > 0, amax, 1.0)
+    inv = torch.where(amax > 0, torch.full_like(safe, 127.0) / safe, 0.0)
     return ((groups * inv).round().double() * (amax / 127).double()).reshape(x.shape)
 
 

@@ -216,20 +216,18 @@ struct Piece {
 
 template <int kType>
 struct Split;
-template <>
-struct Split<kQ4K> {
-  static constexpr int kBits = 4, kPieces = 3, kTiles = 3, kMinTile = 2;
+// Q4_K and Q5_K: u x (sc cut at bit b), and the mins
+template <int kB>
+struct SplitWithMins {
+  static constexpr int kBits = kB, kPieces = 3, kTiles = 3, kMinTile = 2;
   static constexpr Piece kPiece[] = {{kWhole, kScaleLow, 0}, {kWhole, kScaleHigh, 1},
                                      {kOne, kMin, 2}};
-  static constexpr int kShift[] = {0, 4, 0}, kSign[] = {1, 1, 0};
+  static constexpr int kShift[] = {0, kB, 0}, kSign[] = {1, 1, 0};
 };
 template <>
-struct Split<kQ5K> {
-  static constexpr int kBits = 3, kPieces = 3, kTiles = 3, kMinTile = 2;
-  static constexpr Piece kPiece[] = {{kWhole, kScaleLow, 0}, {kWhole, kScaleHigh, 1},
-                                     {kOne, kMin, 2}};
-  static constexpr int kShift[] = {0, 3, 0}, kSign[] = {1, 1, 0};
-};
+struct Split<kQ4K> : SplitWithMins<4> {};
+template <>
+struct Split<kQ5K> : SplitWithMins<3> {};
 template <>
 struct Split<kQ6K> {
   static constexpr int kBits = 4, kPieces = 5, kTiles = 4, kMinTile = -1;

@@ -75,10 +75,21 @@ inline float half_bits_to_float(uint16_t h) {
 #endif
 inline const char* level_name() { return LLMSERVE_STRINGIFY(LLMSERVE_BUILD_NAME); }
 
+// The prefetches below each end with an empty asm statement the compiler must keep: GCC 12
+// takes a function that only prefetches for one without effects and drops its calls (a
+// loop of prefetches inlined from a helper compiled to nothing; the decode's far prefetch,
+// gemm_kquant.cpp, was not in the library until this).
+inline void keep_prefetch(const void* p) { asm volatile("" : : "r"(p)); }
 // Prefetches one cache line for reading; `kStream`: non-temporal (a single pass).
 template <bool kStream>
 inline void prefetch(const void* p) {
   __builtin_prefetch(p, 0, kStream ? 0 : 3);
+  keep_prefetch(p);
+}
+// Prefetches one cache line for reading into L2 (not L1).
+inline void prefetch_l2(const void* p) {
+  __builtin_prefetch(p, 0, 1);
+  keep_prefetch(p);
 }
 
 #if defined(LLMSERVE_SIMD_AVX512)

@@ -38,9 +38,10 @@ void quantize_row_super(const float* x, int64_t K, int8_t* q, float* scale, int3
 // kFarRecords records further into L2 (with one block per tile a thread's weights are one
 // linear stream). Measured on the AVX-512 Xeon VM (2 threads, 40 matrices of 8192 x 3072,
 // 1 GiB; a plain read loop 24.6 GB/s), against a sub-block's share at each sub-block's
-// start: Q4_K 17.6 -> 21.0 GB/s, Q6_K 17.5 -> 21.6, Q8_0 24.6 -> 28.0, Q4_0 19.4 -> 22.8
-// (avx2: Q4_K 18.1 -> 20.5, Q6_K 17.2 -> 20.6); 3 or 4 records ahead the same, none as
-// before. Spread without the far lines, or a non-temporal stream spread, no faster.
+// start: Q4_K 17.4-18.8 -> 22.3-22.4 GB/s, Q6_K 17.6-18.0 -> 20.9-21.0, Q8_0 23.8-25.9 ->
+// 29.2-29.3, Q4_0 19.3-19.5 -> 23.5-23.6 (avx2: Q4_K 18.1 -> 20.5, Q6_K 17.2 -> 20.6); 3 or
+// 4 records ahead the same, 6 or 8 slower. Spread without the far lines: as before; a
+// non-temporal stream spread: slower (Q4_K 14.8 -> 12.9), so it keeps its bursts.
 constexpr int kFarRecords = 2;
 
 // Prefetches piece p of kPieces (a sub-block's or a chunk's share) of the lines of record
@@ -209,7 +210,6 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
   using L = Layout<kType>;
   const int64_t G = K / kSuper, block_bytes = G * L::kRecord;
   const TilePrefetch<kType, NB, kStream> prefetch{w, block_bytes};
-  constexpr int kLines = (L::kRecord + 63) / 64;
   // 64-byte chunks of codes per block of 32 k: 8 of 4 k (Q8_0), else 4 of 8 k
   constexpr int kChunks = L::kCodeBytes / 64 / L::kSubs;
   F16 acc[MT][NB];

@@ -281,13 +281,13 @@ def _name(quantization: str | None) -> str:
 
 
 def choose_stream_prefetch(model: torch.nn.Module) -> str | None:
-    """Times one decode pass over the model's own packed int4/int8 weights (batch 1, in
-    layer order, as a step reads them) with the weights prefetched non-temporally and into
-    the caches, in rounds, sets the library to keep them cached where that was faster in
-    every round by PREFETCH_MARGIN (else non-temporal, its default) and says what it chose
-    (None: no packed weights). Whether ~100 MB of weights a token should stay cached
-    depends on the caches' size: non-temporal won on a Zen 5 (32 MiB L3), kept won 2.6x
-    on a Xeon VM with 480 MiB. About 0.15 s at a first start; cached like the other
+    """Times decode passes over the model's own packed weights (batch 1, in layer order, as
+    a step reads them) with the weights prefetched non-temporally and into the caches, in
+    rounds, sets the library to keep them cached where that was faster in the median round
+    by PREFETCH_MARGIN (else non-temporal, its default) and says what it chose (None: no
+    packed weights). Whether ~100 MB of weights a token should stay cached depends on the
+    caches' size: non-temporal won on a Zen 5 (32 MiB L3), kept won 1.6-2.6x on a Xeon VM
+    with 480 MiB. About 0.4 s at a first start; cached like the other
     choices (keyed by the weights' formats and shapes), so a warm start times nothing; a
     busy machine keeps the default and caches nothing."""
     from llmserve.kernels import native
@@ -314,10 +314,13 @@ def choose_stream_prefetch(model: torch.nn.Module) -> str | None:
             f"{ms['cached']:.2f} ms cached)")
 
 
-# Weights are kept in the caches only where that is this much faster in every round: the
-# 2.6x of a 480 MiB L3 clears it; the 1.00-1.07x either way of a 32 MiB one (a 1B model's
-# pass timed 13.68 ms cached against 14.61 non-temporal at one first start on a Zen 3 and
-# 9.54 against 8.84 at the next) kept the default instead of flipping with the noise.
+# Weights are kept in the caches only where that is this much faster in the median round:
+# the 1.6-2.6x of a 480 MiB L3 clears it; the 1.00-1.07x either way of a 32 MiB one (a 1B
+# model's pass timed 13.68 ms cached against 14.61 non-temporal at one first start on a
+# Zen 3 and 9.54 against 8.84 at the next) keeps the default instead of flipping with the
+# noise. Not "in every round", as a choice of format must lead: neither prefetch is the safe
+# one (non-temporal is 1.8x slower on that Xeon), and one round that a neighbour slowed
+# (a `curl` polling the health beside a first start) cached the non-temporal default there.
 PREFETCH_MARGIN = 1.15
 
 
@@ -338,13 +341,19 @@ def _decide_stream_prefetch(lib, linears, path: Path) -> tuple[int, dict[str, fl
         return decision_cache.hold_busy(path, (1, ms, (
             f"the library's default: the machine was busy while timing ({busy}); not "
             "cached, a quiet start decides")))
-    nontemporal = int(timing.lead("cached", "non-temporal", "pass") < PREFETCH_MARGIN)
+    nontemporal = int(timing.median_lead("cached", "non-temporal", "pass") < PREFETCH_MARGIN)
     decision_cache.write(path, {"nontemporal": nontemporal, "ms": ms})
     return nontemporal, ms, "measured"
 
 
+# Passes a round take about this long for each prefetch, and the round counts the fastest:
+# with one pass a round (~10 ms for a 1B model), a `curl` polling the server's health beside
+# a first start (0.3 cores) took single rounds of the cached prefetch's 1.8x lead to 1.09x.
+_PREFETCH_PASSES_S = 0.05
+
+
 def _time_stream_prefetch(lib, linears) -> Timing:
-    """One pass over `linears` a round with the weights prefetched non-temporally and into
+    """Passes over `linears` in rounds with the weights prefetched non-temporally and into
     the caches; each after an untimed pass, which finds the caches as the other left them."""
     rows = {id(w): torch.zeros(1, w.in_features) for _, w in linears}
 
@@ -356,6 +365,7 @@ def _time_stream_prefetch(lib, linears) -> Timing:
         lib.set_stream_prefetch(nontemporal)
         one_pass()
 
-    units = [Unit(row, "pass", one_pass, before=functools.partial(switch, nontemporal))
+    units = [Unit(row, "pass", one_pass, before=functools.partial(switch, nontemporal),
+                  fastest_call=True)
              for row, nontemporal in (("non-temporal", 1), ("cached", 0))]
-    return time_rounds(units, "non-temporal", 0.0)
+    return time_rounds(units, "non-temporal", _PREFETCH_PASSES_S)

@@ -18,6 +18,7 @@ the caller keeps its default and caches nothing (kernel_choice.py).
 """
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,13 +120,16 @@ def load_since(mark: LoadMark) -> Load:
 class Unit:
     """One thing a round times: `call()`, counted `weight` times into row `row`'s time at
     `column` (a matrix that a step runs in every layer); `before()`, if any, runs untimed
-    ahead of it in every round."""
+    ahead of it in every round. A round counts the mean of the unit's calls, or with
+    `fastest_call` the fastest one: for a unit of a few calls of ~10 ms each, which a
+    neighbour's blip (a process started beside it) slows one at a time."""
 
     row: str
     column: int | str
     call: Callable[[], object]
     weight: float = 1.0
     before: Callable[[], object] | None = None
+    fastest_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,13 @@ class Timing:
         (either clock): what held in every round."""
         return min(sample[reference][column] / max(sample[row][column], 1e-12)
                    for sample in self.samples())
+
+    def median_lead(self, row: str, reference: str, column: int | str) -> float:
+        """How many times as fast as `reference` `row` ran at `column` in the median round
+        (both clocks' rounds together): for a choice between two ways where neither is the
+        safe one, which a blip in one round must not decide either way."""
+        return statistics.median(sample[reference][column] / max(sample[row][column], 1e-12)
+                                 for sample in self.samples())
 
     def busy_reason(self) -> str | None:
         return None if self.load is None else self.load.busy_reason()
@@ -203,13 +214,27 @@ def _one_round(units: list[Unit], calls: list[int]) -> tuple[Times, Times]:
     for unit, n in zip(units, calls, strict=True):
         if unit.before is not None:
             unit.before()
+        taken_wall, taken_cpu = _calls_taken(unit, n)
+        for times, taken in ((wall, taken_wall), (cpu, taken_cpu)):
+            row = times.setdefault(unit.row, {})
+            row[unit.column] = row.get(unit.column, 0.0) + taken * unit.weight * 1e3
+    return wall, cpu
+
+
+def _calls_taken(unit: Unit, n: int) -> tuple[float, float]:
+    """Seconds a call of `unit` took, on the wall and CPU clocks, over `n` calls: their mean,
+    or each clock's fastest call (`Unit.fastest_call`)."""
+    if not unit.fastest_call:
         wall_start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(n):
             unit.call()
-        for times, taken in ((wall, time.perf_counter() - wall_start),
-                             (cpu, time.process_time() - cpu_start)):
-            row = times.setdefault(unit.row, {})
-            row[unit.column] = row.get(unit.column, 0.0) + taken / n * unit.weight * 1e3
+        return (time.perf_counter() - wall_start) / n, (time.process_time() - cpu_start) / n
+    wall = cpu = float("inf")
+    for _ in range(n):
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
+        unit.call()
+        wall = min(wall, time.perf_counter() - wall_start)
+        cpu = min(cpu, time.process_time() - cpu_start)
     return wall, cpu
 
 

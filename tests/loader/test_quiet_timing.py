@@ -69,3 +69,33 @@ def test_rounds_go_on_while_the_ratios_move(monkeypatch):
     assert timing.wall[0]["b"]["x"] >= 2 * 16.0
     assert timing.best()["b"]["x"] == min(r["b"]["x"] for r in timing.wall)
     assert timing.lead("a", "b", "x") == min(s["b"]["x"] / s["a"]["x"] for s in timing.samples())
+
+
+def test_a_unit_may_count_its_fastest_call(monkeypatch):
+    monkeypatch.setattr(quiet_timing, "load_since", lambda mark: QUIET)
+    calls = []
+
+    def blip_first():  # the first call of every round slowed by a neighbour
+        time.sleep(0.03 if len(calls) % 4 == 0 else 0.002)
+        calls.append(1)
+
+    mean = time_rounds([Unit("a", "x", blip_first)], "a", 0.0)
+    calls.clear()
+    fastest = time_rounds([Unit("a", "x", blip_first, fastest_call=True)], "a", 0.015)
+    assert all(r["a"]["x"] < 10.0 for r in fastest.wall)  # the 30 ms blip is never counted
+    assert all(r["a"]["x"] >= 2.0 for r in fastest.wall + mean.wall)
+
+
+def test_the_median_lead_is_not_one_rounds():
+    from llmserve.loader.quiet_timing import Timing
+
+    def sample(nt_ms, cached_ms):
+        return {"non-temporal": {"pass": nt_ms}, "cached": {"pass": cached_ms}}
+
+    # one round on each clock that a neighbour slowed: the cached pass's 1.8x read 1.07x
+    rounds = [sample(17.4, 9.6), sample(17.9, 9.9), sample(17.6, 16.5)]
+    timing = Timing(rounds, [sample(35.0, 19.5), sample(35.4, 20.0), sample(35.1, 27.2)])
+    assert timing.lead("cached", "non-temporal", "pass") == pytest.approx(17.6 / 16.5)
+    # the six samples' middle two: 35.4 / 20.0 and 35.0 / 19.5 (the cpu clock's)
+    assert timing.median_lead("cached", "non-temporal", "pass") == pytest.approx(
+        (35.4 / 20.0 + 35.0 / 19.5) / 2)

@@ -22,7 +22,7 @@ namespace {
 std::atomic<llmserve::ThreadPool*> g_pool{nullptr};
 std::vector<std::unique_ptr<llmserve::ThreadPool>> g_pools;
 std::mutex g_pools_mutex;
-std::atomic<bool> g_stream_nontemporal{true};
+std::atomic<bool> g_stream_nontemporal{false};
 
 }  // namespace
 
@@ -38,8 +38,8 @@ int32_t llmserve_kernels_abi() { return LLMSERVE_KERNELS_ABI; }
 // The instruction-set level the library was built for ("avx2", "avx512+vnni", ...).
 const char* llmserve_kernels_level() { return simd::level_name(); }
 
-// Whether decodes prefetch their weights non-temporally (1, the default) or into the caches
-// (0); see prefetch_weights in common.h.
+// Whether decodes prefetch their weights non-temporally (1) or into the caches (0, the
+// default); see prefetch_weights in common.h.
 void llmserve_set_stream_prefetch(int32_t nontemporal) {
   g_stream_nontemporal.store(nontemporal != 0);
 }

@@ -14,7 +14,7 @@ shapes: a warm start reads it and times nothing.
 
 A timing taken while the machine was busy decides nothing (a first start beside a compile
 job once cached float32, 3-4x slower, for good): that start runs that default (attention:
-native; decode prefetch: the library's default), caches nothing, and a later quiet start
+native; decode prefetch: into the caches), caches nothing, and a later quiet start
 decides; within the process the busy answer holds (decision_cache.py). Every
 decision is logged at start with its source (measured, cached, busy); `llmserve bench
 kernels` prints every kernel's times, and `--retime` decides again by hand.
@@ -143,12 +143,9 @@ def choose_quantization(stored: str | None, config: ModelConfig, block_type: str
     # the int formats re-read memory each call here: int4 timed 11.9 ms at batch 1 against
     # float32's 8.1 on a 480 MiB-L3 Xeon). The model's own prefetch is chosen after it
     # loads (choose_stream_prefetch).
-    native().set_stream_prefetch(0)
+    native().set_stream_prefetch(0)  # the library's default
     start = time.perf_counter()
-    try:
-        timing = time_candidates(candidates, shapes, block_type)
-    finally:
-        native().set_stream_prefetch(1)
+    timing = time_candidates(candidates, shapes, block_type)
     logger.info("timed the linear kernels in %.1f s (%s)", time.perf_counter() - start,
                 timing.summary())
     if (busy := timing.busy_reason()) is not None:
@@ -283,11 +280,11 @@ def _name(quantization: str | None) -> str:
 def choose_stream_prefetch(model: torch.nn.Module) -> str | None:
     """Times decode passes over the model's own packed weights (batch 1, in layer order, as
     a step reads them) with the weights prefetched non-temporally and into the caches, in
-    rounds, sets the library to keep them cached where that was faster in the median round
-    by PREFETCH_MARGIN (else non-temporal, its default) and says what it chose (None: no
-    packed weights). Whether ~100 MB of weights a token should stay cached depends on the
-    caches' size: non-temporal won on a Zen 5 (32 MiB L3), kept won 1.6-2.6x on a Xeon VM
-    with 480 MiB. About 0.4 s at a first start; cached like the other
+    rounds, sets the library to prefetch them non-temporally where that was faster in the
+    median round by NONTEMPORAL_MARGIN (else into the caches, its default) and says what it
+    chose (None: no packed weights). Non-temporal won 1.04x on a Zen 5 (32 MiB L3); the
+    caches won 1.6-2.6x on a Xeon VM (480 MiB L3). About 0.4 s at a first start; cached
+    like the other
     choices (keyed by the weights' formats and shapes), so a warm start times nothing; a
     busy machine keeps the default and caches nothing."""
     from llmserve.kernels import native
@@ -314,14 +311,14 @@ def choose_stream_prefetch(model: torch.nn.Module) -> str | None:
             f"{ms['cached']:.2f} ms cached)")
 
 
-# Weights are kept in the caches only where that is this much faster in the median round:
-# the 1.6-2.6x of a 480 MiB L3 clears it; the 1.00-1.07x either way of a 32 MiB one (a 1B
-# model's pass timed 13.68 ms cached against 14.61 non-temporal at one first start on a
-# Zen 3 and 9.54 against 8.84 at the next) keeps the default instead of flipping with the
-# noise. Not "in every round", as a choice of format must lead: neither prefetch is the safe
-# one (non-temporal is 1.8x slower on that Xeon), and one round that a neighbour slowed
-# (a `curl` polling the health beside a first start) cached the non-temporal default there.
-PREFETCH_MARGIN = 1.15
+# Weights are prefetched non-temporally only where that is this much faster in the median
+# round: the most it ever gained was 1.04x (a Zen 5's engine step, 32 MiB L3), where
+# keeping them cached lost 1.8x on a Xeon (a 1B Q4_K_M's pass 17.6 ms non-temporal against
+# 9.6) and 1.00-1.07x either way on a Zen 3. So the caches are the default, the choice a
+# busy start keeps, and what a lead within the margin keeps. The median round, not "every
+# round" as a format must lead: one round that a neighbour slowed (a `curl` polling the
+# health beside a first start) must not decide either way.
+NONTEMPORAL_MARGIN = 1.10
 
 
 def _cached_prefetch(path: Path) -> tuple[int, dict[str, float], str] | None:
@@ -338,10 +335,11 @@ def _decide_stream_prefetch(lib, linears, path: Path) -> tuple[int, dict[str, fl
                 timing.summary())
     ms = {row: times["pass"] for row, times in timing.best().items()}
     if (busy := timing.busy_reason()) is not None:
-        return decision_cache.hold_busy(path, (1, ms, (
-            f"the library's default: the machine was busy while timing ({busy}); not "
-            "cached, a quiet start decides")))
-    nontemporal = int(timing.median_lead("cached", "non-temporal", "pass") < PREFETCH_MARGIN)
+        return decision_cache.hold_busy(path, (0, ms, (
+            f"the default: the machine was busy while timing ({busy}); not cached, a quiet "
+            "start decides")))
+    nontemporal = int(
+        timing.median_lead("non-temporal", "cached", "pass") >= NONTEMPORAL_MARGIN)
     decision_cache.write(path, {"nontemporal": nontemporal, "ms": ms})
     return nontemporal, ms, "measured"
 
@@ -367,5 +365,5 @@ def _time_stream_prefetch(lib, linears) -> Timing:
 
     units = [Unit(row, "pass", one_pass, before=functools.partial(switch, nontemporal),
                   fastest_call=True)
-             for row, nontemporal in (("non-temporal", 1), ("cached", 0))]
-    return time_rounds(units, "non-temporal", _PREFETCH_PASSES_S)
+             for row, nontemporal in (("cached", 0), ("non-temporal", 1))]
+    return time_rounds(units, "cached", _PREFETCH_PASSES_S)

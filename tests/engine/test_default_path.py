@@ -235,9 +235,9 @@ def test_decode_prefetch_is_chosen_by_timing_the_models_own_weights(default_llm,
     monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path / "busy"))
     monkeypatch.setattr(decision_cache, "_BUSY_HERE", {})
     model = default_llm.engine.loaded.model
-    machine(monkeypatch, 1.5)  # a busy machine: the library's default, nothing cached
+    machine(monkeypatch, 1.5)  # a busy machine: the default, nothing cached
     said = choose_stream_prefetch(model)
-    assert said.startswith("decode prefetch: non-temporal (the library's default: the machine "
+    assert said.startswith("decode prefetch: into the caches (the default: the machine "
                            "was busy while timing (others used 1.5 of 2 cores); not cached")
     assert not list((tmp_path / "busy").rglob("prefetch-*.json"))
     monkeypatch.setenv("LLMSERVE_CACHE", str(tmp_path / "quiet"))

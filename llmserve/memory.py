@@ -51,7 +51,8 @@ def parameter_counts(cfg: ModelConfig) -> tuple[int, int]:
     attn = h * d * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2)
     if cfg.attention_bias:
         attn += d * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads)
-    norms = 2 * h + (_qk_norm_size(cfg) if cfg.qk_norm else 0)
+    sandwich = cfg.architecture in ("gemma2", "gemma3")  # norms after the sublayers too
+    norms = (4 if sandwich else 2) * h + (_qk_norm_size(cfg) if cfg.qk_norm else 0)
     total = active = cfg.num_hidden_layers * (attn + norms)
     moe = cfg.moe
     for layer in range(cfg.num_hidden_layers):
@@ -79,7 +80,10 @@ def vision_parameter_count(cfg: ModelConfig) -> int:
     embeddings = vision.num_channels * vision.patch_size ** 2 * v + positions * v + v
     norms = (2 * v if vision.tower == "clip" else 0) + 2 * v  # pre- and post-layernorm
     layer = 4 * (v * v + v) + 2 * v * f + f + v + 4 * v
-    projector = v * t + t * t + (2 * t if vision.projector_bias else 0)
+    if vision.pooled:  # Gemma 3: the soft-embedding norm and the projection
+        projector = v + v * t
+    else:  # LLaVA's two-layer MLP
+        projector = v * t + t * t + (2 * t if vision.projector_bias else 0)
     return embeddings + norms + vision.num_hidden_layers * layer + projector
 
 

@@ -30,6 +30,7 @@ MAX_IMAGES_PER_REQUEST = 16
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
+BILINEAR = 2  # Gemma 3's processor's default
 BICUBIC = 3  # CLIP's and SigLIP's processors' default
 
 
@@ -189,7 +190,8 @@ class ImageProcessor:
             if vision.tower == "clip":
                 return cls(None, side, BICUBIC, (side, side), 1 / 255, OPENAI_CLIP_MEAN,
                            OPENAI_CLIP_STD)
-            return cls((side, side), None, BICUBIC, None, 1 / 255, (0.5,) * 3, (0.5,) * 3)
+            return cls((side, side), None, BILINEAR if vision.pooled else BICUBIC, None,
+                       1 / 255, (0.5,) * 3, (0.5,) * 3)
         try:
             cfg = json.loads(path.read_text())
         except (OSError, ValueError) as e:
@@ -202,7 +204,7 @@ class ImageProcessor:
         if not isinstance(cfg, dict):
             raise ModelFormatError(f"{source} is not a JSON object")
         clip = vision.tower == "clip"
-        for flag in ("do_pad", "do_image_splitting"):
+        for flag in ("do_pad", "do_image_splitting", "do_pan_and_scan"):
             if cfg.get(flag):
                 raise ModelFormatError(f"{source}: {flag} is not supported")
         size = cfg.get("size", {"shortest_edge": vision.image_size} if clip else
@@ -222,7 +224,7 @@ class ImageProcessor:
             c = cfg.get("crop_size", {"height": vision.image_size, "width": vision.image_size})
             c = {"height": c, "width": c} if isinstance(c, int) else c
             crop = (int(c["height"]), int(c["width"]))
-        resample = cfg.get("resample", BICUBIC)  # both processors' default
+        resample = cfg.get("resample", BILINEAR if vision.pooled else BICUBIC)
         if resample not in RESAMPLE:
             raise ModelFormatError(f"{source}: unsupported resample {resample!r}")
         default_mean = OPENAI_CLIP_MEAN if clip else (0.5,) * 3

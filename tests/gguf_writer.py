@@ -232,6 +232,7 @@ def _write_hparams(writer: gguf.GGUFWriter, arch: str, config: Any) -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3's per layer type: the global layers'
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta",
                                                                     10000.0))))
     if arch == "gemma2":
@@ -280,15 +281,20 @@ MMPROJ_GLOBAL = {model.removeprefix("vision_tower."): file
                  for file, model in GLOBAL_NAMES.items() if file.startswith("v.")}
 
 
-def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16) -> Path:
-    """A transformers LLaVA's vision tower and projector as the projector file llama.cpp's
-    converter writes (`--mmproj`): `clip.*` metadata, `v.*` and `mm.*` tensors, matrices in
-    `qtype`; SigLIP's pooling head and the post-layernorm left out, as the converter does."""
+def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16,
+                 legacy_fc_names: bool = False) -> Path:
+    """A transformers LLaVA's or Gemma 3's vision tower and projector as the projector file
+    llama.cpp's converter writes (`--mmproj`): `clip.*` metadata, `v.*` and `mm.*` tensors,
+    matrices in `qtype`; SigLIP's pooling head left out, and LLaVA's post-layernorm, as the
+    converter does; Gemma 3's soft-embedding norm as 1 + weight, its projection in F16.
+    `legacy_fc_names`: each layer's fc1 named `ffn_down` and fc2 `ffn_up`, as llama.cpp's
+    older converters named them."""
     vision = llava.config.vision_config
+    gemma3 = llava.config.model_type == "gemma3"
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.has_llava_projector", True)
-    writer.add_string("clip.projector_type", "mlp")
+    writer.add_bool("clip.has_llava_projector", not gemma3)
+    writer.add_string("clip.projector_type", "gemma3" if gemma3 else "mlp")
     writer.add_bool("clip.use_gelu", vision.hidden_act != "quick_gelu")
     for key, value in {"image_size": vision.image_size, "patch_size": vision.patch_size,
                        "embedding_length": vision.hidden_size,
@@ -298,19 +304,31 @@ def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16) -> Path
                        "projection_dim": llava.config.text_config.hidden_size}.items():
         writer.add_uint32(f"clip.vision.{key}", value)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", vision.layer_norm_eps)
+    if gemma3:
+        per_side = int(round(llava.config.mm_tokens_per_image ** 0.5))
+        scale = vision.image_size // vision.patch_size // per_side
+        if scale != 4:  # llama.cpp's converter writes it only then
+            writer.add_uint32("clip.vision.projector.scale_factor", scale)
     clip = vision.model_type == "clip_vision_model"
     mean, std = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)) \
         if clip else ((0.5,) * 3, (0.5,) * 3)
     writer.add_array("clip.vision.image_mean", list(mean))
     writer.add_array("clip.vision.image_std", list(std))
+    layer_names = MMPROJ_LAYER | ({"mlp.fc1": "ffn_down", "mlp.fc2": "ffn_up"}
+                                  if legacy_fc_names else {})
     for name, tensor in llava.state_dict().items():
         tensor = tensor.detach().float()
         for prefix in ("model.vision_tower.vision_model.", "model.vision_tower."):
             name = name.replace(prefix, "vision_tower.")
         name = name.replace("model.multi_modal_projector.", "multi_modal_projector.")
-        if name.startswith("vision_tower.head.") or "post_layernorm" in name:
+        if name.startswith("vision_tower.head.") or ("post_layernorm" in name and not gemma3):
             continue
-        if name.startswith("multi_modal_projector."):
+        kind = qtype if tensor.dim() >= 2 else QT.F32
+        if name == "multi_modal_projector.mm_input_projection_weight":
+            target, kind = "mm.input_projection.weight", QT.F16
+        elif name == "multi_modal_projector.mm_soft_emb_norm.weight":
+            target, tensor = "mm.soft_emb_norm.weight", tensor + 1
+        elif name.startswith("multi_modal_projector."):
             part, leaf = name.split(".")[1:]
             target = {"linear_1": "mm.0", "linear_2": "mm.2"}[part] + f".{leaf}"
         elif name == "vision_tower.embeddings.class_embedding":
@@ -318,13 +336,13 @@ def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16) -> Path
         elif name.startswith("vision_tower.encoder.layers."):
             layer, rest = name.removeprefix("vision_tower.encoder.layers.").split(".", 1)
             module, leaf = rest.rsplit(".", 1)
-            target = f"v.blk.{layer}.{MMPROJ_LAYER[module]}.{leaf}"
+            target = f"v.blk.{layer}.{layer_names[module]}.{leaf}"
         elif name.startswith("vision_tower."):
             module, leaf = name.removeprefix("vision_tower.").rsplit(".", 1)
             target = f"{MMPROJ_GLOBAL[module]}.{leaf}"
         else:
             continue  # the decoder: its own GGUF file
-        _add(writer, target, tensor, qtype if tensor.dim() >= 2 else QT.F32)
+        _add(writer, target, tensor, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

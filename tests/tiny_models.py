@@ -78,3 +78,63 @@ LLAVA_TEMPLATE = (
 
 
 IMAGE_TOKEN_ID = 256  # "<image>" in save_tiny_llava's tokenizer
+
+
+# "<start_of_image>", "<end_of_image>", "<image_soft_token>" in save_tiny_gemma3_vision's
+# tokenizer
+GEMMA3_BOI_ID, GEMMA3_EOI_ID, GEMMA3_IMAGE_ID = 256, 257, 258
+
+
+def save_tiny_gemma3_vision(folder: Path, image_size: int = 28, patch_size: int = 7,
+                            tokens_per_image: int = 4, **text) -> torch.nn.Module:
+    """A tiny random Gemma 3 vision-language model (a SigLIP tower, the pooled projector,
+    Gemma 3's decoder with local and global layers) saved with the byte tokenizer plus
+    Gemma 3's three image tokens, a preprocessor_config.json and Gemma 3's chat template;
+    returns transformers' model (the reference)."""
+    import json
+
+    import transformers
+    from tokenizers import AddedToken
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        image_size=image_size, patch_size=patch_size, vision_use_head=False)
+    decoder = transformers.Gemma3TextConfig(**{
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "vocab_size": 320, "max_position_embeddings": 1024, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                        "sliding_attention"],
+        "query_pre_attn_scalar": 24, "rope_theta": 50000.0, "rope_local_base_freq": 1000.0,
+        **text})
+    model = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        vision_config=vision, text_config=decoder, mm_tokens_per_image=tokens_per_image,
+        boi_token_index=GEMMA3_BOI_ID, eoi_token_index=GEMMA3_EOI_ID,
+        image_token_index=GEMMA3_IMAGE_ID))
+    model.config._attn_implementation = "eager"
+    save_tiny(model, folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (
+        "<start_of_image>", "<end_of_image>", "<image_soft_token>")])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Gemma3ImageProcessor", "resample": 2,
+        "size": {"height": image_size, "width": image_size}}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": GEMMA3_TEMPLATE, "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}))
+    return model
+
+
+# Gemma 3's chat template, its image parts written as <start_of_image>
+GEMMA3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")

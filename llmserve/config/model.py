@@ -161,12 +161,8 @@ class ModelConfig:
             raise ValueError(f"the config must be a JSON object, not {type(cfg).__name__}")
         arch = cfg.get("model_type")
         arch = ARCHITECTURE_ALIASES.get(arch, arch) if isinstance(arch, str) else arch
-        if arch in VISION_ARCHITECTURES:
-            return cls._vision_language(cfg)
-        if arch == "gemma3" and "text_config" in cfg:
-            raise UnsupportedModelError(
-                "this Gemma 3 checkpoint has a vision tower (Gemma3ForConditionalGeneration); "
-                "llmserve runs text-only Gemma 3 checkpoints (Gemma3ForCausalLM)")
+        if arch in VISION_ARCHITECTURES and (arch != "gemma3" or "text_config" in cfg):
+            return cls._vision_language(cfg)  # (a text-only Gemma 3 has no text_config)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"unsupported model architecture {arch!r} "
@@ -248,14 +244,15 @@ class ModelConfig:
 
     @classmethod
     def _vision_language(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """A LLaVA-style checkpoint: the decoder from `text_config` (Llama unless it says
-        otherwise), the image side from the rest."""
+        """A LLaVA or Gemma 3 checkpoint: the decoder from `text_config` (Llama, or Gemma 3's
+        with its tied head, unless it says otherwise), the image side from the rest."""
         text = cfg.get("text_config")
         if not isinstance(text, dict):
             raise ValueError("text_config must be an object")
-        text = {"model_type": "llama", **text}
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
-            text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+        gemma3 = cfg.get("model_type") == "gemma3"
+        text = {"model_type": "gemma3_text" if gemma3 else "llama", **text}
+        if "tie_word_embeddings" not in text:
+            text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", gemma3)
         decoder = cls.from_hf_config(text)
         vision = VisionConfig.from_hf_config(cfg)
         if vision.image_token_id >= decoder.vocab_size:

@@ -1,6 +1,9 @@
 """A vision-language model's image side (`VisionConfig`): its vision tower, the projector
 into the decoder's embedding space and the image token, read from a Hugging Face
-config.json (LLaVA: `vision_config` beside `text_config`)."""
+config.json (`vision_config` beside `text_config`): LLaVA's (a hidden state of the tower
+through a two-layer MLP) or Gemma 3's (the tower's normed output average-pooled to
+`mm_tokens_per_image` rows, RMS-normed and projected; each image between its begin and
+end tokens, its tokens attending to each other both ways)."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -10,8 +13,9 @@ from llmserve.errors import UnsupportedModelError
 # `vision_config.model_type` -> the tower's family: CLIP (a class token, a LayerNorm before
 # the encoder) or SigLIP (neither; a biased patch embedding)
 VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
-# vision-language `model_type`s (the decoder is `text_config`'s, run by `models/llama.py`)
-VISION_ARCHITECTURES = ("llava",)
+# vision-language `model_type`s (the decoder is `text_config`'s: `models/llama.py`'s for
+# LLaVA, `models/gemma3.py`'s for Gemma 3)
+VISION_ARCHITECTURES = ("llava", "gemma3")
 TOWER_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
 PROJECTOR_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "silu")
 MAX_TOWER_LAYERS = 256
@@ -26,9 +30,12 @@ class VisionConfig:
     output and each layer's: -2 is the second to last layer's), whether their first
     position (CLIP's class token) is dropped (`select_strategy` "default") and the
     two-layer MLP projector.
-    Each image is `image_token_id` in the prompt, repeated `tokens_per_image` times."""
+    Each image is `image_token_id` in the prompt, repeated `tokens_per_image` times.
+    Gemma 3 (`architecture` "gemma3"): the features are the last layer's output after
+    `post_layernorm`, average-pooled to `mm_tokens_per_image` rows; in text an image is
+    `begin_image_token_id`, its tokens and `end_image_token_id` between blank lines."""
 
-    architecture: str  # "llava"
+    architecture: str  # "llava" | "gemma3"
     tower: str  # "clip" | "siglip"
     hidden_size: int
     intermediate_size: int
@@ -47,8 +54,14 @@ class VisionConfig:
     # the image token is a token of the vocabulary (a Hugging Face checkpoint's "<image>");
     # False (a GGUF decoder with a projector file): the id only fills the image's positions
     image_token_in_vocabulary: bool = True
+    mm_tokens_per_image: int = 0  # Gemma 3: the pooled rows an image becomes
+    begin_image_token_id: int | None = None  # Gemma 3's <start_of_image>
+    end_image_token_id: int | None = None  # and <end_of_image>
 
     def __post_init__(self) -> None:
+        if self.architecture not in VISION_ARCHITECTURES:
+            raise UnsupportedModelError(f"unsupported vision-language architecture "
+                                        f"{self.architecture!r}")
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "image_size", "patch_size", "num_channels"):
             value = getattr(self, name)
@@ -83,6 +96,31 @@ class VisionConfig:
                 f"supported), got {self.feature_layer!r}")
         if not isinstance(self.image_token_id, int) or self.image_token_id < 0:
             raise ValueError(f"image_token_id must be a token id, got {self.image_token_id!r}")
+        if self.pooled:
+            self._check_pooling()
+
+    def _check_pooling(self) -> None:
+        side = self.image_size // self.patch_size
+        pooled = self.mm_tokens_per_image
+        per_side = int(round(pooled ** 0.5)) if isinstance(pooled, int) and pooled > 0 else 0
+        if per_side * per_side != pooled or side % per_side:
+            raise ValueError(f"mm_tokens_per_image must be a square whose side divides the "
+                             f"{side} patches a side, got {pooled!r}")
+        for name in ("begin_image_token_id", "end_image_token_id"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a token id, got {value!r}")
+
+    @property
+    def pooled(self) -> bool:
+        """Gemma 3's image side: pooled features, images attending within themselves."""
+        return self.architecture == "gemma3"
+
+    @property
+    def images_attend_both_ways(self) -> bool:
+        """Whether an image's tokens attend to each other in both directions in the
+        decoder (Gemma 3), not causally: then a prefill chunk never ends inside an image."""
+        return self.pooled
 
     @property
     def num_patches(self) -> int:
@@ -101,7 +139,10 @@ class VisionConfig:
     def tokens_per_image(self) -> int:
         """The feature layer's positions (the patches, CLIP's class token first), less the
         first under the "default" strategy (as transformers drops it, whatever the tower:
-        a SigLIP tower, which has no class token, loses its first patch)."""
+        a SigLIP tower, which has no class token, loses its first patch); Gemma 3's pooled
+        rows."""
+        if self.pooled:
+            return self.mm_tokens_per_image
         positions = self.num_patches + int(self.has_class_token)
         return positions - int(self.select_strategy == "default")
 
@@ -122,6 +163,8 @@ class VisionConfig:
                 f"{', '.join(VISION_TOWERS)})")
         image_token = cfg.get("image_token_id", cfg.get("image_token_index"))
         default_act = "quick_gelu" if tower == "clip" else "gelu_pytorch_tanh"
+        if cfg["model_type"] == "gemma3":
+            return cls._gemma3(cfg, vision, tower, image_token)
         return cls(
             architecture=cfg["model_type"], tower=tower,
             hidden_size=vision.get("hidden_size", 768),
@@ -139,4 +182,32 @@ class VisionConfig:
             projector_act=cfg.get("projector_hidden_act", "gelu"),
             projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
             image_token_id=image_token if image_token is not None else 32000,
+        )
+
+    @classmethod
+    def _gemma3(cls, cfg: dict[str, Any], vision: dict[str, Any], tower: str,
+                image_token: Any) -> "VisionConfig":
+        """Gemma 3's SigLIP tower (its defaults are transformers' Gemma3Config's:
+        SigLIP-so400m at 896 px) and pooled projector."""
+        if tower != "siglip":
+            raise UnsupportedModelError(f"a Gemma 3 vision tower is SigLIP, not {tower}")
+        if vision.get("num_channels", 3) != 3:
+            raise UnsupportedModelError("a Gemma 3 vision tower takes RGB images")
+        return cls(
+            architecture="gemma3", tower=tower,
+            hidden_size=vision.get("hidden_size", 1152),
+            intermediate_size=vision.get("intermediate_size", 4304),
+            num_hidden_layers=vision.get("num_hidden_layers", 27),
+            num_attention_heads=vision.get("num_attention_heads", 16),
+            image_size=vision.get("image_size", 896),
+            patch_size=vision.get("patch_size", 14),
+            num_channels=3,
+            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
+            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+            feature_layer=-1, select_strategy="full",  # the last layer's normed output
+            projector_act="gelu", projector_bias=False,  # (no MLP: unused)
+            image_token_id=image_token if image_token is not None else 262144,
+            mm_tokens_per_image=cfg.get("mm_tokens_per_image", 256),
+            begin_image_token_id=cfg.get("boi_token_id", cfg.get("boi_token_index", 255999)),
+            end_image_token_id=cfg.get("eoi_token_id", cfg.get("eoi_token_index", 256000)),
         )

@@ -74,6 +74,9 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # the most LoRA adapters the running requests may use at once (0: no adapters)
     max_loras: int = 0
+    # a chunk never ends inside an image: the model's image tokens attend to each other
+    # both ways (Gemma 3), so an image's keys must all be there when its queries run
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -151,7 +154,7 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
-            if budget == 0:
+            if budget <= 0:  # (a whole image may take a step past the budget)
                 break
             if request not in self.running:
                 continue  # preempted earlier in this step to make room
@@ -174,10 +177,10 @@ class Scheduler:
         result is negative when it gave back more than this request took.
         """
         num_left = request.num_tokens - request.num_computed_tokens
-        num_new = min(num_left, budget)
+        num_new = self._chunk(request, request.num_computed_tokens, min(num_left, budget))
         if num_new == 0:
             return 0  # nothing to compute until its last step's token comes back
-        spec = request.spec_token_ids[: budget - num_new] if num_new == num_left else []
+        spec = request.spec_token_ids[: max(0, budget - num_new)] if num_new == num_left else []
         request.spec_token_ids = []
         num_returned = 0
         while not self.kv.allocate_slots(request, num_new + len(spec)):
@@ -211,12 +214,26 @@ class Scheduler:
                     if not self._admit_loading(request, hits, tier_hashes, out):
                         break
                     continue
-            num_new = min(request.num_tokens - num_hit, budget)
+            num_new = self._chunk(request, num_hit, min(request.num_tokens - num_hit, budget))
             if not self.kv.allocate_slots(request, num_new, hits):
                 break  # wait for running requests to free blocks
             self._admit(request, num_hit)
             self._emit(request, num_new, out)
             budget -= num_new
+
+    def _chunk(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, or where the model's images must be computed
+        whole (`SchedulerConfig.whole_images`) and the chunk would end inside one: up to
+        that image when the chunk starts before it, else through its end (past the
+        budget by less than an image)."""
+        if not self.config.whole_images or not request.mm_inputs:
+            return num_new
+        end = start + num_new
+        for image in request.mm_inputs:
+            image_end = image.offset + image.length
+            if image.offset < end < image_end:
+                return image.offset - start if image.offset > start else image_end - start
+        return num_new
 
     def _admit(self, request: Request, num_hit: int) -> None:
         """The head of the waiting queue runs, its first `num_hit` tokens found in memory

@@ -151,6 +151,8 @@ class Engine:
                 max_model_len=self.max_model_len,
                 policy=config.scheduling_policy,
                 max_loras=config.max_loras if config.enable_lora else 0,
+                whole_images=model_cfg.vision is not None
+                and model_cfg.vision.images_attend_both_ways,
             ),
             self.kv_manager, stages, resume_cost,
         )

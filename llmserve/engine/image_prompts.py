@@ -5,7 +5,9 @@ An image is one run of `VisionConfig.image_token_id`, `tokens_per_image` long, i
 prompt's token ids; the model runner replaces those positions' embeddings with the
 image's rows. In text (a prompt string, a rendered chat) an image is its `marker`: the
 image token's own text where the vocabulary has one ("<image>"), else "<__media__>" (a
-GGUF model with an `--mmproj` projector file, as llama.cpp marks media).
+GGUF model with an `--mmproj` projector file, as llama.cpp marks media). Gemma 3 marks an
+image with its begin token ("<start_of_image>"), which becomes, as its processor writes
+it, a blank line, the begin token, the image's tokens, the end token and a blank line.
 """
 
 from dataclasses import dataclass
@@ -34,7 +36,8 @@ class ImagePrompts:
               tokenizer: Tokenizer) -> "ImagePrompts":
         if not vision.image_token_in_vocabulary:
             return cls(vision, processor, MEDIA_MARKER, False)
-        text = tokenizer.decode([vision.image_token_id], skip_special_tokens=False)
+        marker = vision.begin_image_token_id if vision.pooled else vision.image_token_id
+        text = tokenizer.decode([marker], skip_special_tokens=False)
         return cls(vision, processor, text, True)
 
     def render_chat(self, tokenizer: Tokenizer, messages: list[dict[str, Any]],
@@ -65,12 +68,20 @@ class ImagePrompts:
         if len(pieces) - 1 != len(images):
             raise RequestRejected(f"the prompt has {len(pieces) - 1} image placeholder(s) "
                                   f"for {len(images)} image(s)")
-        size = self.vision.tokens_per_image
+        vision, size = self.vision, self.vision.tokens_per_image
+        if vision.pooled:  # Gemma 3: "\n\n<start_of_image>" image "<end_of_image>\n\n"
+            last = len(pieces) - 1
+            pieces = [("\n\n" if k else "") + piece + ("\n\n" if k < last else "")
+                      for k, piece in enumerate(pieces)]
         ids = tokenizer.encode(pieces[0], add_special_tokens=add_special_tokens)
         placed = []
         for piece, image in zip(pieces[1:], images, strict=True):
+            if vision.pooled:
+                ids.append(vision.begin_image_token_id)
             placed.append(self._input(image).placed(len(ids), size))
-            ids += [self.vision.image_token_id] * size
+            ids += [vision.image_token_id] * size
+            if vision.pooled:
+                ids.append(vision.end_image_token_id)
             ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
         return ids, placed
 
@@ -100,9 +111,11 @@ class ImagePrompts:
         placed: list[ImageInput] = []
         last = 0
         for (start, length), image in zip(runs, images, strict=True):
-            if length not in (1, size):
-                raise RequestRejected(f"an image takes {size} image tokens in the prompt "
-                                      f"(or one, expanded here); a run has {length}")
+            if length != size and (length != 1 or self.vision.pooled):
+                raise RequestRejected(
+                    f"an image takes {size} image tokens in the prompt"
+                    f"{'' if self.vision.pooled else ' (or one, expanded here)'}; a run has "
+                    f"{length}")
             out += ids[last:start]
             placed.append(self._input(image).placed(len(out), size))
             out += [token] * size

@@ -18,7 +18,7 @@ from llmserve.loader.weights import (
     drop_tied_head,
     require_path,
 )
-from llmserve.models.llava import llava_name
+from llmserve.models.vision_language import vision_language_name
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -107,9 +107,9 @@ MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."),
 
 
 def canonical_name(name: str) -> str:
-    """A checkpoint tensor's canonical (HF Llama; Qwen-MoE for experts; `llava_name` for a
+    """A checkpoint tensor's canonical (HF Llama; Qwen-MoE for experts; `vision_language_name` for a
     vision-language model's) name."""
-    name = llava_name(name)
+    name = vision_language_name(name)
     name = f"model.{name}" if name.startswith(BARE_PREFIXES) else name
     if ".block_sparse_moe." in name:
         for old, new in MIXTRAL_NAMES:

@@ -1,14 +1,22 @@
 """A projector file as llama.cpp writes it (`--mmproj`: `general.architecture` "clip",
-`clip.*` metadata, `v.*` tower and `mm.*` projector tensors): a LLaVA-style vision tower
-and projector for a GGUF decoder.
+`clip.*` metadata, `v.*` tower and `mm.*` projector tensors): a vision tower and projector
+for a GGUF decoder.
 
-Its tower runs as llama.cpp runs a LLaVA projector: the hidden states after all layers but
-the last, CLIP's class token dropped (a SigLIP tower, which has none, keeps every patch),
-the two-layer MLP (`clip.projector_type` "mlp"). Images are preprocessed as the tower's
-Hugging Face processor would (CLIP: shortest edge and centre crop; SigLIP: a fixed
-resize) with the file's mean and std.
+* `clip.projector_type` "mlp" (LLaVA): the tower runs as llama.cpp runs a LLaVA
+  projector: the hidden states after all layers but the last, CLIP's class token dropped
+  (a SigLIP tower, which has none, keeps every patch), the two-layer MLP;
+* "gemma3": the SigLIP tower's normed output pooled `clip.vision.projector.scale_factor`
+  (default 4) patches a side, `mm.soft_emb_norm` (stored as 1 + weight) and
+  `mm.input_projection`; the decoder is Gemma 3's, each image between its
+  <start_of_image> and <end_of_image> tokens, attending to itself both ways.
+
+Images are preprocessed as the tower's Hugging Face processor would (CLIP: shortest edge
+and centre crop; SigLIP: a fixed resize, bilinear for Gemma 3) with the file's mean and
+std. Files of llama.cpp's older converters that named a layer's fc1 `ffn_down` (and fc2
+`ffn_up`) are read by the matrices' shapes, as llama.cpp reads them.
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +29,7 @@ from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.gguf_meta import open_gguf, read_metadata
 from llmserve.loader.gguf import tensor_to_torch
 from llmserve.loader.weights import require_path
-from llmserve.multimodal import BICUBIC, ImageProcessor
+from llmserve.multimodal import BICUBIC, BILINEAR, ImageProcessor
 
 # `v.blk.{i}.<name>` -> `vision_tower.encoder.layers.{i}.<name>`
 LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -33,20 +41,23 @@ GLOBAL_NAMES = {"v.patch_embd": "vision_tower.embeddings.patch_embedding",
                 "v.pre_ln": "vision_tower.pre_layrnorm",
                 "v.post_ln": "vision_tower.post_layernorm",
                 "mm.0": "multi_modal_projector.linear_1",
-                "mm.2": "multi_modal_projector.linear_2"}
+                "mm.2": "multi_modal_projector.linear_2",
+                "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm"}
+INPUT_PROJECTION = "mm.input_projection.weight"  # Gemma 3's, a (vision, text) matrix
+PROJECTOR_TYPES = ("mlp", "gemma3")
 CLASS_EMBEDDING = "v.class_embd"
 
 
 @dataclass
 class Projector:
     vision: VisionConfig
-    tensors: dict[str, torch.Tensor]  # under the model's names (`models/llava.py`)
+    tensors: dict[str, torch.Tensor]  # under the model's names (`models/vision_language.py`)
     processor: ImageProcessor
 
 
 def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Projector:
     """The projector file at `path`, its tensors dequantized to `dtype`. Refused by name:
-    another projector type than LLaVA's MLP, a tower without its tensors."""
+    another projector type than LLaVA's MLP or Gemma 3's, a tower without its tensors."""
     path = require_path(path, is_dir=False)
     reader = open_gguf(path)
     meta = read_metadata(reader)
@@ -55,30 +66,54 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
         raise ModelFormatError(f"{path} is not a vision projector file (general.architecture "
                                f"{meta.get('general.architecture')!r}, not 'clip')")
     kind = meta.get("clip.projector_type", "mlp")
-    if kind != "mlp":
+    if kind not in PROJECTOR_TYPES:
         raise UnsupportedModelError(f"{path}: projector type {kind!r} is not supported "
-                                    f"(LLaVA's 'mlp')")
+                                    f"(LLaVA's 'mlp', Gemma 3's 'gemma3')")
     by_name = {t.name: t for t in reader.tensors}
     clip = CLASS_EMBEDDING in by_name
-    vision = _vision_config(path, meta, clip)
+    if kind == "gemma3" and clip:
+        raise ModelFormatError(f"{path}: a Gemma 3 projector's tower is SigLIP (it has a "
+                               f"class embedding)")
+    vision = _vision_config(path, meta, clip, kind)
     tensors = {}
     for name, tensor in by_name.items():
-        target = _model_name(name)
+        target = "multi_modal_projector.mm_input_projection_weight" \
+            if name == INPUT_PROJECTION and kind == "gemma3" else _model_name(name)
         if target is None:
-            raise ModelFormatError(f"{path}: tensor {name!r} has no place in a LLaVA tower")
+            raise ModelFormatError(f"{path}: tensor {name!r} has no place in a "
+                                   f"{'Gemma 3' if kind == 'gemma3' else 'LLaVA'} tower")
         weight = tensor_to_torch(tensor)
         if name == CLASS_EMBEDDING:
             weight = weight.reshape(-1)
+        if target.endswith("mm_soft_emb_norm.weight"):
+            weight = weight - 1  # stored as Gemma's 1 + weight
         tensors[target] = weight.to(dtype)
+    _unswap_fc(tensors, vision)
     if "vision_tower.post_layernorm.weight" not in tensors:  # converters leave it out
         tensors["vision_tower.post_layernorm.weight"] = torch.ones(vision.hidden_size, dtype=dtype)
         tensors["vision_tower.post_layernorm.bias"] = torch.zeros(vision.hidden_size, dtype=dtype)
     side = vision.image_size
     mean = tuple(meta.get("clip.vision.image_mean", (0.5,) * 3))
     std = tuple(meta.get("clip.vision.image_std", (0.5,) * 3))
+    resample = BILINEAR if vision.pooled else BICUBIC
     processor = ImageProcessor(None, side, BICUBIC, (side, side), 1 / 255, mean, std) if clip \
-        else ImageProcessor((side, side), None, BICUBIC, None, 1 / 255, mean, std)
+        else ImageProcessor((side, side), None, resample, None, 1 / 255, mean, std)
     return Projector(vision, tensors, processor)
+
+
+def _unswap_fc(tensors: dict[str, torch.Tensor], vision: VisionConfig) -> None:
+    """fc1 is (intermediate, hidden): a file that put it under `ffn_down` gets its two
+    matrices (and biases) swapped back."""
+    if vision.intermediate_size == vision.hidden_size:
+        return
+    for layer in range(vision.num_hidden_layers):
+        stem = f"vision_tower.encoder.layers.{layer}.mlp."
+        fc1 = tensors.get(stem + "fc1.weight")
+        if fc1 is not None and fc1.shape[0] == vision.hidden_size:
+            for leaf in ("weight", "bias"):
+                a, b = stem + f"fc1.{leaf}", stem + f"fc2.{leaf}"
+                if a in tensors and b in tensors:
+                    tensors[a], tensors[b] = tensors[b], tensors[a]
 
 
 def _model_name(name: str) -> str | None:
@@ -93,7 +128,7 @@ def _model_name(name: str) -> str | None:
     return None
 
 
-def _vision_config(path: Path, meta: dict[str, Any], clip: bool) -> VisionConfig:
+def _vision_config(path: Path, meta: dict[str, Any], clip: bool, kind: str) -> VisionConfig:
     def number(key: str) -> Any:
         value = meta.get(f"clip.vision.{key}")
         if value is None:
@@ -102,6 +137,21 @@ def _vision_config(path: Path, meta: dict[str, Any], clip: bool) -> VisionConfig
 
     gelu = bool(meta.get("clip.use_gelu", False))
     try:
+        if kind == "gemma3":
+            side = int(number("image_size")) // int(number("patch_size"))
+            pooled = side // int(meta.get("clip.vision.projector.scale_factor", 4) or 4)
+            return VisionConfig(
+                architecture="gemma3", tower="siglip",
+                hidden_size=int(number("embedding_length")),
+                intermediate_size=int(number("feed_forward_length")),
+                num_hidden_layers=int(number("block_count")),
+                num_attention_heads=int(number("attention.head_count")),
+                image_size=int(number("image_size")), patch_size=int(number("patch_size")),
+                num_channels=3, layer_norm_eps=float(number("attention.layer_norm_epsilon")),
+                hidden_act="gelu_pytorch_tanh", feature_layer=-1, select_strategy="full",
+                projector_act="gelu", projector_bias=False, image_token_id=0,
+                image_token_in_vocabulary=False, mm_tokens_per_image=pooled * pooled,
+                begin_image_token_id=0, end_image_token_id=0)  # the decoder's, set at load
         return VisionConfig(
             architecture="llava", tower="clip" if clip else "siglip",
             hidden_size=int(number("embedding_length")),
@@ -117,3 +167,24 @@ def _vision_config(path: Path, meta: dict[str, Any], clip: bool) -> VisionConfig
             image_token_in_vocabulary=False)
     except (TypeError, ValueError) as e:
         raise ModelFormatError(f"{path}: {e}") from None
+
+
+GEMMA3_IMAGE_TOKENS = ("<image_soft_token>", "<start_of_image>", "<end_of_image>")
+
+
+def gemma3_image_tokens(config: Any, vision: VisionConfig, tokenizer: Any,
+                        path: str | Path) -> VisionConfig:
+    """A Gemma 3 projector's image side with its decoder's image, begin and end tokens
+    (Gemma 3's vocabulary has all three: an image is written as transformers' processor
+    writes it); refused by name for another decoder."""
+    if config.architecture != "gemma3":
+        raise ModelFormatError(f"{path} is a Gemma 3 projector; the model is "
+                               f"{config.architecture!r}, not Gemma 3")
+    ids = [tokenizer.token_to_id(token) for token in GEMMA3_IMAGE_TOKENS]
+    missing = [t for t, i in zip(GEMMA3_IMAGE_TOKENS, ids, strict=True) if i is None]
+    if missing:
+        raise ModelFormatError(f"the model's vocabulary lacks {', '.join(missing)}, which a "
+                               f"Gemma 3 projector's images need")
+    image, begin, end = ids
+    return dataclasses.replace(vision, image_token_id=image, image_token_in_vocabulary=True,
+                               begin_image_token_id=begin, end_image_token_id=end)

@@ -14,8 +14,8 @@ import torch
 
 from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, ModelNotFoundError
-from llmserve.models.llava import UNUSED_PREFIXES
-from llmserve.models.vision import MultiModalProjector, VisionTower
+from llmserve.models.vision import Gemma3Projector, MultiModalProjector, VisionTower
+from llmserve.models.vision_language import UNUSED_PREFIXES
 
 # (config, canonical tensor name) -> (rows, columns) to read; None: the whole dimension
 WeightSlices = Callable[[ModelConfig, str], tuple[slice | None, slice | None]]
@@ -122,9 +122,9 @@ def image_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.vision is None:
         return {}
     with torch.device("meta"):
+        projector = Gemma3Projector if config.vision.pooled else MultiModalProjector
         modules = {"vision_tower": VisionTower(config.vision),
-                   "multi_modal_projector": MultiModalProjector(config.vision,
-                                                                config.hidden_size)}
+                   "multi_modal_projector": projector(config.vision, config.hidden_size)}
     return {f"{prefix}.{name}": tuple(p.shape) for prefix, module in modules.items()
             for name, p in module.named_parameters()}
 

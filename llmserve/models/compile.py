@@ -195,6 +195,12 @@ def compile_model(model: nn.Module, device: torch.device | str, quantization: st
     if reason is not None:
         logger.warning("torch.compile unavailable (%s): the model step runs eagerly", reason)
         return False
+    vision = getattr(getattr(model, "config", None), "vision", None)
+    if vision is not None and vision.images_attend_both_ways:
+        # the steps that hold an image add its two-way attention per op (its spans are
+        # per-step Python lists, which dynamo would specialize the graph on)
+        logger.info("model step: eager (an image's tokens attend to each other both ways)")
+        return False
     if getattr(getattr(model, "config", None), "moe", None) is not None:
         # each step's tokens pick their experts: a data-dependent loop dynamo cannot trace
         logger.info("model step: eager (a mixture of experts routes each step's tokens)")

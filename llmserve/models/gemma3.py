@@ -82,11 +82,19 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         positions: torch.Tensor,
         kv_cache: KVCache,
         meta: AttentionMetadata,
+        embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, hidden_size)."""
+        """input_ids, positions: (T,) -> final hidden states (T, hidden_size).
+
+        `embeds` (Gemma 3's image tokens): (index (K,), rows (K, hidden)), rows that replace
+        the scaled embeddings of tokens `index` of the T (unscaled, as transformers places
+        them)."""
         x = self._embed(input_ids)
         # as Hugging Face: the scale rounded to the embedding's dtype first
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if embeds is not None:
+            index, rows = embeds
+            x = x.index_copy(0, index, rows.to(x.dtype))
         if (native := self._native_stack(x, positions, kv_cache, meta)) is not None:
             return native
         ropes = {False: self.model.rotary.at(positions, x.dtype),

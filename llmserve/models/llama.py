@@ -12,7 +12,7 @@ from torch import nn
 
 from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
-from llmserve.layers.attention.backend import AttentionMetadata
+from llmserve.layers.attention.backend import AttentionMetadata, attend_within_images
 from llmserve.layers.embedding import Embedding
 from llmserve.layers.kv_cache import KVCache, LayerKV
 from llmserve.layers.linear import Linear
@@ -92,6 +92,8 @@ class LlamaAttention(nn.Module):
             q, k = apply_rotary(q, k, rope)
         out = meta.backend.forward(q, k, v, cache, meta, self.scale, self.window,
                                    self.softcap)  # (T, H, D)
+        if meta.image_spans:  # queries of an image that see all of it (Gemma 3)
+            attend_within_images(out, q, cache, meta, self.scale, self.window, self.softcap)
         return self.tp.row_parallel(self.o_proj, out.reshape(t, self.q_size))
 
 

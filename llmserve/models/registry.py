@@ -6,7 +6,10 @@ from llmserve.config.model import ModelConfig
 from llmserve.errors import UnsupportedModelError
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
-from llmserve.models.llava import LlavaForConditionalGeneration
+from llmserve.models.vision_language import (
+    Gemma3ForConditionalGeneration,
+    LlavaForConditionalGeneration,
+)
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -23,10 +26,15 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "olmoe": LlamaForCausalLM,
 }
 
+VISION_LANGUAGE_CLASSES: dict[str, type[nn.Module]] = {
+    "llava": LlavaForConditionalGeneration,
+    "gemma3": Gemma3ForConditionalGeneration,
+}
+
 
 def model_class(config: ModelConfig) -> type[nn.Module]:
     if config.vision is not None:  # a vision tower before the decoder the config names
-        return LlavaForConditionalGeneration
+        return VISION_LANGUAGE_CLASSES[config.vision.architecture]
     try:
         return MODEL_CLASSES[config.architecture]
     except KeyError:

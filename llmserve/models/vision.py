@@ -1,10 +1,10 @@
-"""Vision towers (CLIP and SigLIP ViTs) and the LLaVA projector: images to the decoder's
-embedding rows.
+"""Vision towers (CLIP and SigLIP ViTs) and the projectors (LLaVA's MLP, Gemma 3's pooled
+projection): images to the decoder's embedding rows.
 
 The tower runs on whole images, with plain torch ops in the model's float dtype (its
 linears are not quantized: a few hundred MB at most, run once per image). Parameter names
 follow Hugging Face's `CLIPVisionModel` / `SiglipVisionModel` under `vision_tower.` and
-`LlavaMultiModalProjector` under `multi_modal_projector.`.
+`LlavaMultiModalProjector` / `Gemma3MultiModalProjector` under `multi_modal_projector.`.
 """
 
 import torch
@@ -98,8 +98,9 @@ class VisionEncoder(nn.Module):
 
 class VisionTower(nn.Module):
     """The ViT up to the layer whose output the projector reads (`VisionConfig.layers_run`);
-    its later layers and `post_layernorm` are loaded with the checkpoint but never run (the
-    features are a hidden state, not the pooled output)."""
+    for LLaVA its later layers and `post_layernorm` are loaded with the checkpoint but never
+    run (the features are a hidden state), for Gemma 3 every layer runs and the features
+    are `post_layernorm`'s output (SigLIP's `last_hidden_state`)."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -117,7 +118,7 @@ class VisionTower(nn.Module):
             x = self.pre_layrnorm(x)
         for layer in self.encoder.layers[: self.config.layers_run]:
             x = layer(x)
-        return x
+        return self.post_layernorm(x) if self.config.pooled else x
 
 
 class MultiModalProjector(nn.Module):
@@ -131,3 +132,28 @@ class MultiModalProjector(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
+
+
+class Gemma3Projector(nn.Module):
+    """Gemma 3's projector: the tower's (N, P, V) output as a square grid of patches,
+    average-pooled to `mm_tokens_per_image` rows, RMS-normed (Gemma's 1 + weight, in
+    float32) and multiplied by `mm_input_projection_weight` (V, hidden)."""
+
+    def __init__(self, cfg: VisionConfig, text_hidden_size: int) -> None:
+        super().__init__()
+        self.mm_input_projection_weight = nn.Parameter(
+            torch.empty(cfg.hidden_size, text_hidden_size))
+        self.mm_soft_emb_norm = nn.Module()
+        self.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.eps = cfg.layer_norm_eps
+        self.side = cfg.image_size // cfg.patch_size
+        self.kernel = self.side // int(round(cfg.mm_tokens_per_image ** 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, _, width = x.shape
+        grid = x.transpose(1, 2).reshape(n, width, self.side, self.side).contiguous()
+        pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        normed = pooled.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = (normed * (1.0 + self.mm_soft_emb_norm.weight.float())).to(x.dtype)
+        return torch.matmul(normed, self.mm_input_projection_weight).to(x.dtype)

@@ -68,6 +68,8 @@ class ModelRunner:
         encode = getattr(model, "encode_images", None)
         self.encoder_cache = None if encode is None else EncoderCache(
             lambda pixels: encode(pixels.to(self.device)))
+        vision = getattr(getattr(model, "config", None), "vision", None)
+        self.images_attend_both_ways = vision is not None and vision.images_attend_both_ways
 
     @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -124,8 +126,12 @@ class ModelRunner:
     def _image_embeds(self, out: SchedulerOutput, step: Any
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The image rows of the step's image tokens: (their index among the T tokens,
-        rows), the images' encoder outputs sliced to each chunk; None: no image token."""
+        rows), the images' encoder outputs sliced to each chunk; None: no image token.
+        Where an image's tokens attend to each other both ways, its rows go in the
+        attention metadata's `image_spans` too (the scheduler never splits such an image
+        across steps: `SchedulerConfig.whole_images`)."""
         spans = []  # (first flat index, image, first row, end row)
+        both_ways = step.metadata.image_spans
         for i, s in enumerate(out.scheduled):
             images = self.input_batch.requests[s.request_id].mm_inputs
             if not images:
@@ -137,6 +143,11 @@ class ModelRunner:
                 if lo < hi:
                     spans.append((first + lo - start, image, lo - image.offset,
                                   hi - image.offset))
+                    if self.images_attend_both_ways:
+                        if hi != image.offset + image.length:
+                            raise RuntimeError("a step ends inside an image whose tokens "
+                                               "attend both ways")
+                        both_ways.append((i, first + lo - start, first + hi - start))
         if not spans:
             return None
         rows = self.encoder_cache.rows_for([image for _, image, _, _ in spans])

@@ -57,17 +57,22 @@ def reference_greedy(reference, ids: list[int], pixels: torch.Tensor, n: int) ->
     return out[0, len(ids):].tolist()
 
 
-def our_logits(model, ids: list[int], pixels: torch.Tensor) -> torch.Tensor:
+def our_logits(model, ids: list[int], pixels: torch.Tensor,
+               image_token_id: int = IMAGE_TOKEN_ID) -> torch.Tensor:
     """Logits at every position of one prompt through the paged path, its image tokens
-    taking the images' rows in order."""
+    taking the images' rows in order (each image's tokens attending to each other both
+    ways where the model's do)."""
     cfg = model.config
-    positions = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID]
+    positions = [i for i, t in enumerate(ids) if t == image_token_id]
     rows = model.encode_images(pixels).reshape(-1, cfg.hidden_size)
     block_size, n = 16, len(ids)
     kv = KVCache.allocate(cfg.num_hidden_layers, -(-n // block_size), block_size,
                           cfg.num_key_value_heads, cfg.head_dim, torch.float32)
     meta = AttentionMetadata.build([n], [0], [list(range(-(-n // block_size)))], block_size,
                                    backend=attention_backend(torch.device("cpu")))
+    if cfg.vision.images_attend_both_ways:
+        for start in (p for p in positions if p - 1 not in positions):
+            meta.image_spans.append((0, start, start + cfg.vision.tokens_per_image))
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(n), kv, meta,
                        embeds=(torch.tensor(positions), rows))

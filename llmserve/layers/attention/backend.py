@@ -24,6 +24,10 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int32, padded with 0
     block_size: int
     backend: "AttentionBackend | None" = None  # None: the plain torch backend
+    # (sequence, first row, end row) of the step's tokens: queries of one image, which
+    # attend to each other both ways (Gemma 3; `attend_within_images`), ending where the
+    # image ends; set by the model runner
+    image_spans: list[tuple[int, int, int]] = field(default_factory=list)
     query_start_t: torch.Tensor = field(init=False)  # int32 tensors for the kernel
     context_lens_t: torch.Tensor = field(init=False)
 
@@ -193,6 +197,47 @@ def _softcapped_attention(q, keys, values, mask, scale, softcap) -> torch.Tensor
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, values.float()).to(q.dtype).transpose(0, 1)
+
+
+def attend_within_images(out: torch.Tensor, q: torch.Tensor, cache: LayerKV,
+                         meta: AttentionMetadata, scale: float, window: int = 0,
+                         softcap: float = 0.0) -> None:
+    """Rewrites the rows of `out` (T, H, D) that `meta.image_spans` names: each image's
+    queries attend to every key of their image, the later ones too, besides all before
+    it (within `window`, if any), as Gemma 3's decoder does; the backend, which ran
+    first, wrote the step's K/V and attended causally. The keys are read back from the
+    cache, so a chunk starting inside an image (a prefix hit) sees the same values as one
+    starting before it."""
+    for b, first, end in meta.image_spans:
+        start = meta.query_start[b]
+        total = meta.context_lens[b] + end - start  # keys through the image's last token
+        table = meta.block_tables[b, : -(-total // meta.block_size)]
+        keys = _gather_dequantized(cache, "key", table, total).to(q.dtype)
+        values = _gather_dequantized(cache, "value", table, total).to(q.dtype)
+        n = end - first
+        mask = torch.ones(n, total, dtype=torch.bool, device=q.device)
+        if window:
+            q_pos = torch.arange(n, device=q.device)[:, None] + (total - (end - first))
+            mask &= torch.arange(total, device=q.device)[None, :] > q_pos - window
+        rows = q[first:end]
+        if softcap:
+            out[first:end] = _softcapped_attention(rows, keys, values, mask, scale, softcap)
+        else:
+            out[first:end] = F.scaled_dot_product_attention(
+                rows.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+                enable_gqa=True).transpose(0, 1)
+
+
+def _gather_dequantized(cache: LayerKV, which: str, block_ids: torch.Tensor,
+                        total: int) -> torch.Tensor:
+    """`_gather_torch`, int8 entries times their scales."""
+    if cache.key.dtype != torch.int8:
+        return _gather_torch(cache, which, block_ids, total)
+    data, scales = (cache.key, cache.key_scales) if which == "key" else (
+        cache.value, cache.value_scales)
+    ids = block_ids.long()
+    blocks = data[ids].float() * scales[ids].float().unsqueeze(-1)  # (n, bs, H_kv, D)
+    return blocks.flatten(0, 1)[:total].transpose(0, 1)
 
 
 def python_attention_op(name: str, q, k, v, cache: LayerKV, meta: AttentionMetadata,

@@ -1,12 +1,15 @@
-"""LLaVA-style vision-language models (LLaVA-1.5, LLaVA-NeXT without tiling, the
-OneVision shape with one image tile): a vision tower and projector (`vision.py`) before a
-Llama-family decoder (`llama.py`), whose image tokens' embeddings are the projected image
-features.
+"""Vision-language models: a vision tower and projector (`vision.py`) before a decoder,
+whose image tokens' embeddings are the projected image features.
 
-The decoder is `LlamaForCausalLM` itself, so everything the text path has (the native
-stack, quantized linears, LoRA, the compiled step) runs unchanged; the image side adds
-`encode_images`, which the model runner calls on the step that first needs an image's
-tokens, and `forward`'s `embeds`, which put the rows in place.
+* LLaVA-style (LLaVA-1.5, LLaVA-NeXT without tiling, the OneVision shape with one image
+  tile): a CLIP or SigLIP hidden state through an MLP before a Llama-family decoder;
+* Gemma 3: SigLIP's output pooled and projected before Gemma 3's decoder, an image's
+  tokens attending to each other both ways (`AttentionMetadata.image_spans`).
+
+The decoder is the text model's class itself, so everything the text path has (the
+native stack, quantized linears, LoRA, the compiled step) runs unchanged; the image side
+(`VisionLanguageModel`) adds `encode_images`, which the model runner calls on the step
+that first needs an image's tokens, and `forward`'s `embeds`, which put the rows in place.
 """
 
 import torch
@@ -14,8 +17,9 @@ import torch
 from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan
 from llmserve.errors import UnsupportedModelError
+from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
-from llmserve.models.vision import MultiModalProjector, VisionTower
+from llmserve.models.vision import Gemma3Projector, MultiModalProjector, VisionTower
 
 # a checkpoint's prefixes (transformers 4.x and 5.x layouts) -> the model's
 NAME_PREFIXES = (
@@ -28,30 +32,32 @@ NAME_PREFIXES = (
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.")
-# SigLIP's attention-pooling head: LLaVA reads a hidden state, never the pooled output
+# SigLIP's attention-pooling head: a hidden state or the normed output is read, never the
+# pooled one
 UNUSED_PREFIXES = ("vision_tower.head.",)
 
 
-def llava_name(name: str) -> str:
-    """A LLaVA checkpoint tensor's name in this model."""
+def vision_language_name(name: str) -> str:
+    """A vision-language checkpoint tensor's name in this model."""
     for old, new in NAME_PREFIXES:
         if name.startswith(old):
             return new + name[len(old):]
     return name
 
 
-class LlavaForConditionalGeneration(LlamaForCausalLM):
-    """Vision tower + projector + decoder. Not under tensor parallelism (the tower is not
-    sharded)."""
+class VisionLanguageModel:
+    """The image side of a vision-language model, mixed in before its decoder's class.
+    Not under tensor parallelism (the tower is not sharded)."""
 
     def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
         if plan is not None and plan.tp.size > 1:
             raise UnsupportedModelError("vision-language models run with "
                                         "tensor_parallel_size 1")
         super().__init__(cfg, None)
-        assert cfg.vision is not None  # the registry picks this class for vision configs
+        assert cfg.vision is not None  # the registry picks these classes for vision configs
         self.vision_tower = VisionTower(cfg.vision)
-        self.multi_modal_projector = MultiModalProjector(cfg.vision, cfg.hidden_size)
+        projector = Gemma3Projector if cfg.vision.pooled else MultiModalProjector
+        self.multi_modal_projector = projector(cfg.vision, cfg.hidden_size)
 
     @property
     def tokens_per_image(self) -> int:
@@ -68,12 +74,12 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     @torch.no_grad()
     def load_weights(self, tensors: dict[str, torch.Tensor],
                      from_blocks: frozenset[str] = frozenset()) -> None:
-        """The decoder's tensors as `LlamaForCausalLM` loads them; the tower's and the
-        projector's by name (all of them, but SigLIP's unused pooling head)."""
+        """The decoder's tensors as its class loads them; the tower's and the projector's
+        by name (all of them, but SigLIP's unused pooling head)."""
         decoder: dict[str, torch.Tensor] = {}
         image: dict[str, torch.Tensor] = {}
         for name, tensor in tensors.items():
-            name = llava_name(name)
+            name = vision_language_name(name)
             if name.startswith(UNUSED_PREFIXES):
                 continue
             (image if name.startswith(IMAGE_PREFIXES) else decoder)[name] = tensor
@@ -90,3 +96,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                                  f"{tuple(own[name].shape)}")
             own[name].copy_(tensor)
         super().load_weights(decoder, from_blocks | frozenset(own))
+
+
+class LlavaForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
+    """LLaVA: vision tower + MLP projector + Llama-family decoder."""
+
+
+class Gemma3ForConditionalGeneration(VisionLanguageModel, Gemma3ForCausalLM):
+    """Gemma 3 with its SigLIP tower and pooled projector."""

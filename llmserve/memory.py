@@ -82,6 +82,8 @@ def vision_parameter_count(cfg: ModelConfig) -> int:
     layer = 4 * (v * v + v) + 2 * v * f + f + v + 4 * v
     if vision.pooled:  # Gemma 3: the soft-embedding norm and the projection
         projector = v + v * t
+    elif vision.tiled:  # Idefics3: the pixel-shuffled rows' projection
+        projector = v * vision.scale_factor ** 2 * t
     else:  # LLaVA's two-layer MLP
         projector = v * t + t * t + (2 * t if vision.projector_bias else 0)
     return embeddings + norms + vision.num_hidden_layers * layer + projector

@@ -11,6 +11,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ MAX_IMAGES_PER_REQUEST = 16
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
+LANCZOS = 1  # Idefics3's processor's default
 BILINEAR = 2  # Gemma 3's processor's default
 BICUBIC = 3  # CLIP's and SigLIP's processors' default
 
@@ -181,10 +183,15 @@ class ImageProcessor:
     std: tuple[float, ...] | None
 
     @classmethod
-    def for_model(cls, folder: Path | None, vision: VisionConfig) -> "ImageProcessor":
+    def for_model(cls, folder: Path | None, vision: VisionConfig
+                  ) -> "ImageProcessor | TiledImageProcessor":
         """From the folder's preprocessor_config.json; without one (a GGUF), the tower's
-        own defaults at its image size."""
+        own defaults at its image size. Idefics3's: a `TiledImageProcessor`."""
         path = None if folder is None else Path(folder) / "preprocessor_config.json"
+        if vision.tiled:
+            return TiledImageProcessor.from_config(
+                _read_config(path) if path is not None and path.is_file() else {}, vision,
+                path or "the tower's defaults")
         if path is None or not path.is_file():
             side = vision.image_size
             if vision.tower == "clip":
@@ -192,11 +199,7 @@ class ImageProcessor:
                            OPENAI_CLIP_STD)
             return cls((side, side), None, BILINEAR if vision.pooled else BICUBIC, None,
                        1 / 255, (0.5,) * 3, (0.5,) * 3)
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise ModelFormatError(f"cannot read {path}: {e}") from None
-        return cls.from_config(cfg, vision, path)
+        return cls.from_config(_read_config(path), vision, path)
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any], vision: VisionConfig,
@@ -262,19 +265,168 @@ class ImageProcessor:
         pixels = np.moveaxis(np.asarray(image), -1, 0)  # (3, H, W) uint8
         if self.crop is not None:
             pixels = _center_crop(pixels, *self.crop)
-        if self.rescale_factor is not None:
-            pixels = (pixels.astype(np.float64) * self.rescale_factor).astype(np.float32)
-        pixels = pixels.astype(np.float32)
-        if self.mean is not None:
-            mean = np.array(self.mean, dtype=np.float32)[:, None, None]
-            std = np.array(self.std, dtype=np.float32)[:, None, None]
-            pixels = (pixels - mean) / std
-        return torch.from_numpy(np.ascontiguousarray(pixels))
+        return _rescaled(pixels, self.rescale_factor, self.mean, self.std)
 
     def image_input(self, image: Any) -> ImageInput:
         """`image` preprocessed and hashed (its place in a prompt set later)."""
         pixels = self(image)
         return ImageInput(pixels, hashlib.sha256(pixels.numpy().tobytes()).hexdigest())
+
+
+def _read_config(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelFormatError(f"cannot read {path}: {e}") from None
+
+
+def _rescaled(pixels: np.ndarray, rescale_factor: float | None, mean: tuple | None,
+              std: tuple | None) -> torch.Tensor:
+    """(3, H, W) uint8 -> float32: x rescale_factor in float64 then float32, (x - mean) /
+    std in float32 (transformers' NumPy rescale and normalize)."""
+    if rescale_factor is not None:
+        pixels = (pixels.astype(np.float64) * rescale_factor).astype(np.float32)
+    pixels = pixels.astype(np.float32)
+    if mean is not None:
+        pixels = (pixels - np.array(mean, dtype=np.float32)[:, None, None]) / \
+            np.array(std, dtype=np.float32)[:, None, None]
+    return torch.from_numpy(np.ascontiguousarray(pixels))
+
+
+@dataclass(frozen=True)
+class TiledImage:
+    """An image as Idefics3's processor splits it: `rows` x `cols` tiles in row order,
+    then the whole image shrunk to one tile (`rows` = `cols` = 0: that one tile alone).
+    Each tile is an `ImageInput` of its own: its own run of image tokens, encoded and
+    cached by its own content hash."""
+
+    tiles: list[ImageInput]
+    rows: int
+    cols: int
+
+
+MAX_TILED_SIDE = 4096  # Idefics3's processor: no side past this after its first resize
+
+
+@dataclass(frozen=True)
+class TiledImageProcessor:
+    """Idefics3's / SmolVLM's preprocessing (`Idefics3ImageProcessor`, PIL): the longest
+    edge resized to `longest_edge` (the other side in proportion, rounded up to even), then
+    with `split` each side up to a multiple of `tile` and the image cut into `tile`-sized
+    tiles plus the whole image resized to one tile (without `split`: resized to one tile);
+    each tile rescaled and normalised. Pixel values bit-equal to transformers'."""
+
+    longest_edge: int | None  # None: no first resize
+    tile: int
+    split: bool
+    resample: int
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def from_config(cls, cfg: Any, vision: VisionConfig,
+                    source: Any = "preprocessor_config.json") -> "TiledImageProcessor":
+        if not isinstance(cfg, dict):
+            raise ModelFormatError(f"{source} is not a JSON object")
+
+        def edge(key: str, default: int) -> int:
+            value = cfg.get(key, {"longest_edge": default})
+            value = value.get("longest_edge") if isinstance(value, dict) else None
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelFormatError(f"{source}: {key} must hold a positive longest_edge")
+            return value
+
+        tile = edge("max_image_size", vision.image_size)
+        if tile != vision.image_size:
+            raise ModelFormatError(f"{source}: tiles of {tile} px; the vision tower takes "
+                                   f"{vision.image_size}")
+        resample = cfg.get("resample", LANCZOS)
+        if resample not in RESAMPLE:
+            raise ModelFormatError(f"{source}: unsupported resample {resample!r}")
+        normalize = cfg.get("do_normalize", True)
+        return cls(
+            edge("size", 4 * tile) if cfg.get("do_resize", True) else None, tile,
+            bool(cfg.get("do_image_splitting", True)), resample,
+            float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            tuple(cfg.get("image_mean", (0.5,) * 3)) if normalize else None,
+            tuple(cfg.get("image_std", (0.5,) * 3)) if normalize else None)
+
+    def tiles(self, image: Any) -> tuple[list[torch.Tensor], int, int]:
+        """An RGB `PIL.Image` -> its tiles' (3, tile, tile) float32 pixel values (the
+        whole image's last), rows, cols."""
+        from PIL import Image
+
+        resample = getattr(Image.Resampling, RESAMPLE[self.resample])
+
+        def resized(img: Any, height: int, width: int) -> Any:
+            return img.resize((width, height), resample=resample)
+
+        if self.longest_edge is not None:
+            image = resized(image, *_longest_edge_size(image.height, image.width,
+                                                       self.longest_edge))
+        if not self.split:
+            frames, rows, cols = [resized(image, self.tile, self.tile)], 0, 0
+        else:
+            image = resized(image, *_tile_multiple_size(image.height, image.width, self.tile))
+            if image.height > self.tile or image.width > self.tile:
+                rows = (image.height - self.tile) // self.tile + 1
+                cols = (image.width - self.tile) // self.tile + 1
+                whole = np.moveaxis(np.asarray(image), -1, 0)
+                frames = [whole[:, r * self.tile:(r + 1) * self.tile,
+                                c * self.tile:(c + 1) * self.tile]
+                          for r in range(rows) for c in range(cols)]
+                frames.append(resized(image, self.tile, self.tile))
+            else:
+                frames, rows, cols = [image], 0, 0
+        pixels = [f if isinstance(f, np.ndarray) else np.moveaxis(np.asarray(f), -1, 0)
+                  for f in frames]
+        return ([_rescaled(f, self.rescale_factor, self.mean, self.std) for f in pixels],
+                rows, cols)
+
+    def __call__(self, image: Any) -> torch.Tensor:
+        """An RGB `PIL.Image` -> (tiles, 3, tile, tile) float32 pixel values."""
+        return torch.stack(self.tiles(image)[0])
+
+    def image_input(self, image: Any) -> TiledImage:
+        tiles, rows, cols = self.tiles(image)
+        return TiledImage([ImageInput(t, hashlib.sha256(t.numpy().tobytes()).hexdigest())
+                           for t in tiles], rows, cols)
+
+
+def _longest_edge_size(height: int, width: int, edge: int) -> tuple[int, int]:
+    """The longest side to `edge`, the other in proportion rounded up to even (at least
+    1), then both under MAX_TILED_SIDE (transformers' Idefics3 resize rules)."""
+    aspect = width / height
+    if width >= height:
+        width = edge
+        height = int(width / aspect)
+        height += height % 2
+    else:
+        height = edge
+        width = int(height * aspect)
+        width += width % 2
+    height, width = max(height, 1), max(width, 1)
+    aspect = width / height
+    if width >= height and width > MAX_TILED_SIDE:
+        width = MAX_TILED_SIDE
+        height = int(width / aspect)
+    elif height > width and height > MAX_TILED_SIDE:
+        height = MAX_TILED_SIDE
+        width = int(height * aspect)
+    return max(height, 1), max(width, 1)
+
+
+def _tile_multiple_size(height: int, width: int, tile: int) -> tuple[int, int]:
+    """Each side up to a multiple of `tile`, the shorter after keeping the aspect."""
+    aspect = width / height
+    if width >= height:
+        width = math.ceil(width / tile) * tile
+        height = math.ceil(int(width / aspect) / tile) * tile
+    else:
+        height = math.ceil(height / tile) * tile
+        width = math.ceil(int(height * aspect) / tile) * tile
+    return height, width
 
 
 def _shortest_edge_size(height: int, width: int, edge: int) -> tuple[int, int]:

@@ -138,3 +138,63 @@ GEMMA3_TEMPLATE = (
     "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
     "{% endfor %}{% endif %}{{ '<end_of_turn>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+
+
+# save_tiny_idefics3's tokenizer: "<image>", "<fake_token_around_image>", "<global-img>",
+# "<end_of_utterance>", then "<row_1_col_1>" ... "<row_6_col_6>"
+IDEFICS3_IMAGE_ID, IDEFICS3_FAKE_ID, IDEFICS3_GLOBAL_ID, IDEFICS3_END_ID = 256, 257, 258, 259
+
+
+def save_tiny_idefics3(folder: Path, image_size: int = 32, patch_size: int = 4,
+                       scale_factor: int = 2, longest_edge: int = 64,
+                       model_type: str = "smolvlm") -> torch.nn.Module:
+    """A tiny random SmolVLM (or Idefics3: `model_type`): a SigLIP-shaped tower taking
+    `image_size` tiles, the pixel-shuffle projector, a Llama decoder; saved with the byte
+    tokenizer plus the image, tile and row/column tokens, a preprocessor_config.json that
+    splits images of up to `longest_edge` px into tiles, and SmolVLM's chat template;
+    returns transformers' model (the reference)."""
+    import json
+
+    import transformers
+    from tokenizers import AddedToken
+
+    folder.mkdir(parents=True, exist_ok=True)
+    idefics3 = model_type == "idefics3"
+    vision_class = transformers.Idefics3VisionConfig if idefics3 else \
+        transformers.SmolVLMVisionConfig
+    vision = vision_class(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=4, image_size=image_size, patch_size=patch_size)
+    decoder = transformers.LlamaConfig(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    config_class = transformers.Idefics3Config if idefics3 else transformers.SmolVLMConfig
+    model_class = transformers.Idefics3ForConditionalGeneration if idefics3 else \
+        transformers.SmolVLMForConditionalGeneration
+    model = model_class(config_class(vision_config=vision, text_config=decoder,
+                                     scale_factor=scale_factor,
+                                     image_token_id=IDEFICS3_IMAGE_ID))
+    save_tiny(model, folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (
+        "<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>")])
+    tokenizer.add_tokens([AddedToken(f"<row_{r}_col_{c}>") for r in range(1, 7)
+                          for c in range(1, 7)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "SmolVLMImageProcessor" if not idefics3 else
+        "Idefics3ImageProcessor", "do_image_splitting": True, "resample": 1,
+        "size": {"longest_edge": longest_edge}, "max_image_size": {"longest_edge": image_size},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": SMOLVLM_TEMPLATE, "eos_token": "<end_of_utterance>"}))
+    return model
+
+
+# SmolVLM's chat template
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}"
+    "{% endif %}")

@@ -3,7 +3,9 @@ into the decoder's embedding space and the image token, read from a Hugging Face
 config.json (`vision_config` beside `text_config`): LLaVA's (a hidden state of the tower
 through a two-layer MLP) or Gemma 3's (the tower's normed output average-pooled to
 `mm_tokens_per_image` rows, RMS-normed and projected; each image between its begin and
-end tokens, its tokens attending to each other both ways)."""
+end tokens, its tokens attending to each other both ways) or Idefics3's / SmolVLM's (an
+image split into tiles of the tower's size plus the whole image shrunk to one, each
+tile's normed output pixel-shuffled `scale_factor` a side and projected)."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -12,10 +14,11 @@ from llmserve.errors import UnsupportedModelError
 
 # `vision_config.model_type` -> the tower's family: CLIP (a class token, a LayerNorm before
 # the encoder) or SigLIP (neither; a biased patch embedding)
-VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip"}
+VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
+                 "idefics3_vision": "siglip", "smolvlm_vision": "siglip"}
 # vision-language `model_type`s (the decoder is `text_config`'s: `models/llama.py`'s for
 # LLaVA, `models/gemma3.py`'s for Gemma 3)
-VISION_ARCHITECTURES = ("llava", "gemma3")
+VISION_ARCHITECTURES = ("llava", "gemma3", "idefics3", "smolvlm")
 TOWER_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
 PROJECTOR_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "silu")
 MAX_TOWER_LAYERS = 256
@@ -33,9 +36,12 @@ class VisionConfig:
     Each image is `image_token_id` in the prompt, repeated `tokens_per_image` times.
     Gemma 3 (`architecture` "gemma3"): the features are the last layer's output after
     `post_layernorm`, average-pooled to `mm_tokens_per_image` rows; in text an image is
-    `begin_image_token_id`, its tokens and `end_image_token_id` between blank lines."""
+    `begin_image_token_id`, its tokens and `end_image_token_id` between blank lines.
+    Idefics3 / SmolVLM (`architecture` "idefics3"): each tile of an image is a run of
+    `tokens_per_image` image tokens (its last layer's normed output, pixel-shuffled
+    `scale_factor` patches a side, projected)."""
 
-    architecture: str  # "llava" | "gemma3"
+    architecture: str  # "llava" | "gemma3" | "idefics3" (SmolVLM's too)
     tower: str  # "clip" | "siglip"
     hidden_size: int
     intermediate_size: int
@@ -57,6 +63,7 @@ class VisionConfig:
     mm_tokens_per_image: int = 0  # Gemma 3: the pooled rows an image becomes
     begin_image_token_id: int | None = None  # Gemma 3's <start_of_image>
     end_image_token_id: int | None = None  # and <end_of_image>
+    scale_factor: int = 0  # Idefics3: patches a side merged into one row by pixel shuffle
 
     def __post_init__(self) -> None:
         if self.architecture not in VISION_ARCHITECTURES:
@@ -98,6 +105,12 @@ class VisionConfig:
             raise ValueError(f"image_token_id must be a token id, got {self.image_token_id!r}")
         if self.pooled:
             self._check_pooling()
+        if self.tiled:
+            side = self.image_size // self.patch_size
+            scale = self.scale_factor
+            if not isinstance(scale, int) or isinstance(scale, bool) or scale < 1 or side % scale:
+                raise ValueError(f"scale_factor must divide the {side} patches a side, got "
+                                 f"{scale!r}")
 
     def _check_pooling(self) -> None:
         side = self.image_size // self.patch_size
@@ -115,6 +128,17 @@ class VisionConfig:
     def pooled(self) -> bool:
         """Gemma 3's image side: pooled features, images attending within themselves."""
         return self.architecture == "gemma3"
+
+    @property
+    def tiled(self) -> bool:
+        """Idefics3's image side: an image is tiles, each its own run of image tokens."""
+        return self.architecture == "idefics3"
+
+    @property
+    def normed_output(self) -> bool:
+        """Whether the features are the tower's last layer after `post_layernorm` (Gemma 3,
+        Idefics3), not a hidden state (LLaVA)."""
+        return self.pooled or self.tiled
 
     @property
     def images_attend_both_ways(self) -> bool:
@@ -143,6 +167,8 @@ class VisionConfig:
         rows."""
         if self.pooled:
             return self.mm_tokens_per_image
+        if self.tiled:
+            return self.num_patches // self.scale_factor ** 2
         positions = self.num_patches + int(self.has_class_token)
         return positions - int(self.select_strategy == "default")
 
@@ -165,6 +191,8 @@ class VisionConfig:
         default_act = "quick_gelu" if tower == "clip" else "gelu_pytorch_tanh"
         if cfg["model_type"] == "gemma3":
             return cls._gemma3(cfg, vision, tower, image_token)
+        if cfg["model_type"] in ("idefics3", "smolvlm"):
+            return cls._idefics3(cfg, vision, image_token)
         return cls(
             architecture=cfg["model_type"], tower=tower,
             hidden_size=vision.get("hidden_size", 768),
@@ -210,4 +238,28 @@ class VisionConfig:
             mm_tokens_per_image=cfg.get("mm_tokens_per_image", 256),
             begin_image_token_id=cfg.get("boi_token_id", cfg.get("boi_token_index", 255999)),
             end_image_token_id=cfg.get("eoi_token_id", cfg.get("eoi_token_index", 256000)),
+        )
+
+    @classmethod
+    def _idefics3(cls, cfg: dict[str, Any], vision: dict[str, Any],
+                  image_token: Any) -> "VisionConfig":
+        """Idefics3's and SmolVLM's SigLIP-shaped tower (their configs' defaults) and
+        pixel-shuffle projector."""
+        if vision.get("num_channels", 3) != 3:
+            raise UnsupportedModelError("an Idefics3 vision tower takes RGB images")
+        return cls(
+            architecture="idefics3", tower="siglip",
+            hidden_size=vision.get("hidden_size", 1152),
+            intermediate_size=vision.get("intermediate_size", 3072),
+            num_hidden_layers=vision.get("num_hidden_layers", 12),
+            num_attention_heads=vision.get("num_attention_heads", 16),
+            image_size=vision.get("image_size", 224),
+            patch_size=vision.get("patch_size", 32),
+            num_channels=3,
+            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
+            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+            feature_layer=-1, select_strategy="full",  # the last layer's normed output
+            projector_act="gelu", projector_bias=False,  # (no MLP: unused)
+            image_token_id=image_token if image_token is not None else 128257,
+            scale_factor=cfg.get("scale_factor", 2),
         )

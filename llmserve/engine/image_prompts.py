@@ -8,6 +8,11 @@ image token's own text where the vocabulary has one ("<image>"), else "<__media_
 GGUF model with an `--mmproj` projector file, as llama.cpp marks media). Gemma 3 marks an
 image with its begin token ("<start_of_image>"), which becomes, as its processor writes
 it, a blank line, the begin token, the image's tokens, the end token and a blank line.
+Idefics3 / SmolVLM split an image into tiles (`TiledImage`), each its own run of image
+tokens, written as their processor writes them: `<fake_token_around_image><row_1_col_1>`
+and the tile's tokens for each tile, a line break after each row, then a blank line and
+`<fake_token_around_image><global-img>`, the whole image's tokens and
+`<fake_token_around_image>`.
 """
 
 from dataclasses import dataclass
@@ -16,29 +21,45 @@ from typing import Any
 from llmserve.chat_template import ChatTemplateError
 from llmserve.config.vision import VisionConfig
 from llmserve.errors import RequestRejected
-from llmserve.multimodal import ImageInput, ImageProcessor, take_images
+from llmserve.multimodal import (
+    ImageInput,
+    ImageProcessor,
+    TiledImage,
+    TiledImageProcessor,
+    take_images,
+)
 from llmserve.tokenizer import Tokenizer
 
 MEDIA_MARKER = "<__media__>"
+FAKE_IMAGE_TOKEN = "<fake_token_around_image>"  # Idefics3's, around each tile
+GLOBAL_IMAGE_TAG = "<global-img>"  # before the whole image's tile
 
 
 @dataclass(frozen=True)
 class ImagePrompts:
     vision: VisionConfig
-    processor: ImageProcessor
+    processor: ImageProcessor | TiledImageProcessor
     marker: str  # an image in prompt text
     # the image token is the vocabulary's own (a Hugging Face vision-language checkpoint):
     # runs of it in token-id prompts are images; else the id only fills their positions
     token_in_vocabulary: bool
+    # text around an image's run of image tokens (Gemma 3: its begin and end tokens)
+    begin_text: str = ""
+    end_text: str = ""
 
     @classmethod
-    def build(cls, vision: VisionConfig, processor: ImageProcessor,
+    def build(cls, vision: VisionConfig, processor: ImageProcessor | TiledImageProcessor,
               tokenizer: Tokenizer) -> "ImagePrompts":
         if not vision.image_token_in_vocabulary:
             return cls(vision, processor, MEDIA_MARKER, False)
-        marker = vision.begin_image_token_id if vision.pooled else vision.image_token_id
-        text = tokenizer.decode([marker], skip_special_tokens=False)
-        return cls(vision, processor, text, True)
+
+        def text(token_id: int) -> str:
+            return tokenizer.decode([token_id], skip_special_tokens=False)
+
+        if vision.pooled:
+            begin, end = text(vision.begin_image_token_id), text(vision.end_image_token_id)
+            return cls(vision, processor, begin, True, f"\n\n{begin}", f"{end}\n\n")
+        return cls(vision, processor, text(vision.image_token_id), True)
 
     def render_chat(self, tokenizer: Tokenizer, messages: list[dict[str, Any]],
                     **template: Any) -> tuple[str, list[ImageInput]]:
@@ -61,29 +82,45 @@ class ImagePrompts:
 
     def encode(self, tokenizer: Tokenizer, text: str, images: list,
                add_special_tokens: bool = False) -> tuple[list[int], list[ImageInput]]:
-        """Text with one marker per image -> its token ids, each marker an image's run of
-        image tokens, and the images placed on them. The text between markers is tokenized
-        piece by piece, as the image token (an added token) splits it in the vocabulary."""
+        """Text with one marker per image -> its token ids, each marker an image's run(s)
+        of image tokens in the text around them, and the images (tiles) placed on them.
+        The text between runs is tokenized piece by piece, as the image token (an added
+        token) splits it in the vocabulary."""
         pieces = text.split(self.marker)
         if len(pieces) - 1 != len(images):
             raise RequestRejected(f"the prompt has {len(pieces) - 1} image placeholder(s) "
                                   f"for {len(images)} image(s)")
-        vision, size = self.vision, self.vision.tokens_per_image
-        if vision.pooled:  # Gemma 3: "\n\n<start_of_image>" image "<end_of_image>\n\n"
-            last = len(pieces) - 1
-            pieces = [("\n\n" if k else "") + piece + ("\n\n" if k < last else "")
-                      for k, piece in enumerate(pieces)]
-        ids = tokenizer.encode(pieces[0], add_special_tokens=add_special_tokens)
-        placed = []
+        segments: list = [pieces[0]]  # text, a run, text, a run, ..., text
         for piece, image in zip(pieces[1:], images, strict=True):
-            if vision.pooled:
-                ids.append(vision.begin_image_token_id)
-            placed.append(self._input(image).placed(len(ids), size))
-            ids += [vision.image_token_id] * size
-            if vision.pooled:
-                ids.append(vision.end_image_token_id)
+            for part in self._expansion(self._input(image)):
+                if isinstance(part, str):
+                    segments[-1] += part
+                else:
+                    segments += [part, ""]
+            segments[-1] += piece
+        size = self.vision.tokens_per_image
+        ids = tokenizer.encode(segments[0], add_special_tokens=add_special_tokens)
+        placed = []
+        for run, piece in zip(segments[1::2], segments[2::2], strict=True):
+            placed.append(run.placed(len(ids), size))
+            ids += [self.vision.image_token_id] * size
             ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
         return ids, placed
+
+    def _expansion(self, image: "ImageInput | TiledImage") -> list:
+        """An image in the prompt: text, and its tiles, each a run of image tokens (see the
+        module docstring)."""
+        if not isinstance(image, TiledImage):
+            return [self.begin_text, image, self.end_text]
+        *tiles, whole = image.tiles
+        parts: list = []
+        for row in range(image.rows):
+            for col in range(image.cols):
+                parts += [f"{FAKE_IMAGE_TOKEN}<row_{row + 1}_col_{col + 1}>",
+                          tiles[row * image.cols + col]]
+            parts.append("\n")
+        head = "\n" if tiles else ""
+        return parts + [f"{head}{FAKE_IMAGE_TOKEN}{GLOBAL_IMAGE_TAG}", whole, FAKE_IMAGE_TOKEN]
 
     def place(self, ids: list[int], images: list) -> tuple[list[int], list[ImageInput]]:
         """A token-id prompt and its images: images already placed (`encode`'s) are checked
@@ -104,20 +141,23 @@ class ImagePrompts:
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1)
             else:
                 runs.append((i, 1))
-        if len(runs) != len(images):
+        tiles = [t for image in images for t in self._tiles(self._input(image))]
+        if len(runs) != len(tiles):
+            of_tiles = f" of {len(tiles)} tiles" if self.vision.tiled else ""
             raise RequestRejected(f"the prompt has {len(runs)} image placeholder(s) for "
-                                  f"{len(images)} image(s)")
+                                  f"{len(images)} image(s){of_tiles}")
         out: list[int] = []
         placed: list[ImageInput] = []
         last = 0
-        for (start, length), image in zip(runs, images, strict=True):
-            if length != size and (length != 1 or self.vision.pooled):
+        exact = self.vision.pooled or self.vision.tiled  # runs as the processor writes them
+        for (start, length), tile in zip(runs, tiles, strict=True):
+            if length != size and (length != 1 or exact):
                 raise RequestRejected(
-                    f"an image takes {size} image tokens in the prompt"
-                    f"{'' if self.vision.pooled else ' (or one, expanded here)'}; a run has "
-                    f"{length}")
+                    f"an image{' tile' if self.vision.tiled else ''} takes {size} image "
+                    f"tokens in the prompt{'' if exact else ' (or one, expanded here)'}; a "
+                    f"run has {length}")
             out += ids[last:start]
-            placed.append(self._input(image).placed(len(out), size))
+            placed.append(tile.placed(len(out), size))
             out += [token] * size
             last = start + length
         return out + ids[last:], placed
@@ -135,9 +175,15 @@ class ImagePrompts:
                                   "earlier answer's context with its images?)")
         return ids, images
 
-    def _input(self, image: Any) -> ImageInput:
-        """A `PIL.Image` preprocessed; an `ImageInput` as it is."""
-        return image if isinstance(image, ImageInput) else self.processor.image_input(image)
+    def _input(self, image: Any) -> "ImageInput | TiledImage":
+        """A `PIL.Image` preprocessed; an `ImageInput` or `TiledImage` as it is."""
+        if isinstance(image, ImageInput | TiledImage):
+            return image
+        return self.processor.image_input(image)
+
+    @staticmethod
+    def _tiles(image: "ImageInput | TiledImage") -> list[ImageInput]:
+        return image.tiles if isinstance(image, TiledImage) else [image]
 
 
 def _flattened(message: dict[str, Any], marker: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import torch
 
 from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, ModelNotFoundError
-from llmserve.models.vision import Gemma3Projector, MultiModalProjector, VisionTower
+from llmserve.models.vision import VisionTower, projector_class
 from llmserve.models.vision_language import UNUSED_PREFIXES
 
 # (config, canonical tensor name) -> (rows, columns) to read; None: the whole dimension
@@ -122,9 +122,8 @@ def image_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.vision is None:
         return {}
     with torch.device("meta"):
-        projector = Gemma3Projector if config.vision.pooled else MultiModalProjector
-        modules = {"vision_tower": VisionTower(config.vision),
-                   "multi_modal_projector": projector(config.vision, config.hidden_size)}
+        projector = projector_class(config.vision)(config.vision, config.hidden_size)
+        modules = {"vision_tower": VisionTower(config.vision), "multi_modal_projector": projector}
     return {f"{prefix}.{name}": tuple(p.shape) for prefix, module in modules.items()
             for name, p in module.named_parameters()}
 

@@ -8,6 +8,7 @@ from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
 from llmserve.models.vision_language import (
     Gemma3ForConditionalGeneration,
+    Idefics3ForConditionalGeneration,
     LlavaForConditionalGeneration,
 )
 
@@ -29,6 +30,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 VISION_LANGUAGE_CLASSES: dict[str, type[nn.Module]] = {
     "llava": LlavaForConditionalGeneration,
     "gemma3": Gemma3ForConditionalGeneration,
+    "idefics3": Idefics3ForConditionalGeneration,
 }
 
 

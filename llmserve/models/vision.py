@@ -34,6 +34,12 @@ class VisionEmbeddings(nn.Module):
             if cfg.has_class_token else None
         self.position_embedding = nn.Embedding(
             cfg.num_patches + int(cfg.has_class_token), cfg.hidden_size)
+        # Idefics3's positions of a whole tile's patches: their fractional coordinates
+        # bucketed on the table's grid (for a full tile the patch's own index, but computed
+        # as transformers computes it, rounding included); None: the table in order
+        self.position_ids: torch.Tensor | None
+        self.register_buffer("position_ids", bucketed_positions(
+            cfg.image_size // cfg.patch_size) if cfg.tiled else None, persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(N, C, S, S) -> (N, P (+1), hidden)."""
@@ -42,7 +48,19 @@ class VisionEmbeddings(nn.Module):
         x = x.flatten(2).transpose(1, 2)  # (N, P, hidden)
         if self.class_embedding is not None:
             x = torch.cat([self.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
+        if self.position_ids is not None:
+            return x + self.position_embedding(self.position_ids)
         return x + self.position_embedding.weight
+
+
+def bucketed_positions(side: int) -> torch.Tensor:
+    """(side * side,) position ids of a tile of `side` x `side` patches, as Idefics3's
+    embeddings compute them for an unpadded tile."""
+    boundaries = torch.arange(1 / side, 1.0, 1 / side)
+    step = 1.0 / torch.tensor(side)
+    coords = torch.clamp(torch.arange(side, dtype=torch.float32) * step, max=1.0 - 1e-6)
+    buckets = torch.bucketize(coords, boundaries, right=True)
+    return (buckets[:, None] * side + buckets[None, :]).flatten()
 
 
 class VisionAttention(nn.Module):
@@ -99,8 +117,8 @@ class VisionEncoder(nn.Module):
 class VisionTower(nn.Module):
     """The ViT up to the layer whose output the projector reads (`VisionConfig.layers_run`);
     for LLaVA its later layers and `post_layernorm` are loaded with the checkpoint but never
-    run (the features are a hidden state), for Gemma 3 every layer runs and the features
-    are `post_layernorm`'s output (SigLIP's `last_hidden_state`)."""
+    run (the features are a hidden state), for Gemma 3 and Idefics3 every layer runs and
+    the features are `post_layernorm`'s output (SigLIP's `last_hidden_state`)."""
 
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
@@ -118,7 +136,7 @@ class VisionTower(nn.Module):
             x = self.pre_layrnorm(x)
         for layer in self.encoder.layers[: self.config.layers_run]:
             x = layer(x)
-        return self.post_layernorm(x) if self.config.pooled else x
+        return self.post_layernorm(x) if self.config.normed_output else x
 
 
 class MultiModalProjector(nn.Module):
@@ -157,3 +175,28 @@ class Gemma3Projector(nn.Module):
         normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = (normed * (1.0 + self.mm_soft_emb_norm.weight.float())).to(x.dtype)
         return torch.matmul(normed, self.mm_input_projection_weight).to(x.dtype)
+
+
+class PixelShuffleProjector(nn.Module):
+    """Idefics3's connector: a tile's (N, P, V) output regrouped so that each row holds
+    `scale_factor` x `scale_factor` neighbouring patches (transformers' `pixel_shuffle`),
+    then `proj` (V * scale_factor ** 2 -> hidden, no bias)."""
+
+    def __init__(self, cfg: VisionConfig, text_hidden_size: int) -> None:
+        super().__init__()
+        self.scale = cfg.scale_factor
+        self.proj = nn.Linear(cfg.hidden_size * self.scale ** 2, text_hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, seq, width = x.shape
+        side, scale = int(seq ** 0.5), self.scale
+        x = x.reshape(n, side, side // scale, width * scale).permute(0, 2, 1, 3)
+        x = x.reshape(n, side // scale, side // scale, width * scale * scale).permute(0, 2, 1, 3)
+        return self.proj(x.reshape(n, seq // scale ** 2, width * scale * scale))
+
+
+def projector_class(cfg: VisionConfig) -> type[nn.Module]:
+    """The module between the tower and the decoder for `cfg`'s family."""
+    if cfg.pooled:
+        return Gemma3Projector
+    return PixelShuffleProjector if cfg.tiled else MultiModalProjector

@@ -4,7 +4,9 @@ whose image tokens' embeddings are the projected image features.
 * LLaVA-style (LLaVA-1.5, LLaVA-NeXT without tiling, the OneVision shape with one image
   tile): a CLIP or SigLIP hidden state through an MLP before a Llama-family decoder;
 * Gemma 3: SigLIP's output pooled and projected before Gemma 3's decoder, an image's
-  tokens attending to each other both ways (`AttentionMetadata.image_spans`).
+  tokens attending to each other both ways (`AttentionMetadata.image_spans`);
+* Idefics3 / SmolVLM: each tile of an image through a SigLIP-shaped tower, its output
+  pixel-shuffled and projected, before a Llama-family decoder.
 
 The decoder is the text model's class itself, so everything the text path has (the
 native stack, quantized linears, LoRA, the compiled step) runs unchanged; the image side
@@ -19,7 +21,7 @@ from llmserve.distributed.parallel import ShardPlan
 from llmserve.errors import UnsupportedModelError
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
-from llmserve.models.vision import Gemma3Projector, MultiModalProjector, VisionTower
+from llmserve.models.vision import VisionTower, projector_class
 
 # a checkpoint's prefixes (transformers 4.x and 5.x layouts) -> the model's
 NAME_PREFIXES = (
@@ -30,6 +32,10 @@ NAME_PREFIXES = (
     ("model.vision_tower.", "vision_tower."),
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
+    # Idefics3 / SmolVLM
+    ("model.text_model.", "model."),
+    ("model.vision_model.", "vision_tower."),
+    ("model.connector.modality_projection.", "multi_modal_projector."),
 )
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 # SigLIP's attention-pooling head: a hidden state or the normed output is read, never the
@@ -56,8 +62,7 @@ class VisionLanguageModel:
         super().__init__(cfg, None)
         assert cfg.vision is not None  # the registry picks these classes for vision configs
         self.vision_tower = VisionTower(cfg.vision)
-        projector = Gemma3Projector if cfg.vision.pooled else MultiModalProjector
-        self.multi_modal_projector = projector(cfg.vision, cfg.hidden_size)
+        self.multi_modal_projector = projector_class(cfg.vision)(cfg.vision, cfg.hidden_size)
 
     @property
     def tokens_per_image(self) -> int:
@@ -104,3 +109,8 @@ class LlavaForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
 
 class Gemma3ForConditionalGeneration(VisionLanguageModel, Gemma3ForCausalLM):
     """Gemma 3 with its SigLIP tower and pooled projector."""
+
+
+class Idefics3ForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
+    """Idefics3 and SmolVLM: tiles through the tower and pixel-shuffle projector, a
+    Llama-family decoder."""

@@ -282,19 +282,22 @@ MMPROJ_GLOBAL = {model.removeprefix("vision_tower."): file
 
 
 def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16,
-                 legacy_fc_names: bool = False) -> Path:
-    """A transformers LLaVA's or Gemma 3's vision tower and projector as the projector file
-    llama.cpp's converter writes (`--mmproj`): `clip.*` metadata, `v.*` and `mm.*` tensors,
-    matrices in `qtype`; SigLIP's pooling head left out, and LLaVA's post-layernorm, as the
-    converter does; Gemma 3's soft-embedding norm as 1 + weight, its projection in F16.
+                 legacy_fc_names: bool = False, preproc_image_size: int = 0) -> Path:
+    """A transformers LLaVA's, Gemma 3's or SmolVLM's / Idefics3's vision tower and
+    projector as the projector file llama.cpp's converter writes (`--mmproj`): `clip.*`
+    metadata, `v.*` and `mm.*` tensors, matrices in `qtype`; SigLIP's pooling head left
+    out, and LLaVA's post-layernorm, as the converter does; Gemma 3's soft-embedding norm
+    as 1 + weight, its projection in F16; SmolVLM's scale factor and preprocessing size.
     `legacy_fc_names`: each layer's fc1 named `ffn_down` and fc2 `ffn_up`, as llama.cpp's
     older converters named them."""
     vision = llava.config.vision_config
     gemma3 = llava.config.model_type == "gemma3"
+    tiled = llava.config.model_type in ("idefics3", "smolvlm")
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.has_llava_projector", not gemma3)
-    writer.add_string("clip.projector_type", "gemma3" if gemma3 else "mlp")
+    writer.add_bool("clip.has_llava_projector", not gemma3 and not tiled)
+    writer.add_string("clip.projector_type",
+                      "gemma3" if gemma3 else "idefics3" if tiled else "mlp")
     writer.add_bool("clip.use_gelu", vision.hidden_act != "quick_gelu")
     for key, value in {"image_size": vision.image_size, "patch_size": vision.patch_size,
                        "embedding_length": vision.hidden_size,
@@ -309,6 +312,9 @@ def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16,
         scale = vision.image_size // vision.patch_size // per_side
         if scale != 4:  # llama.cpp's converter writes it only then
             writer.add_uint32("clip.vision.projector.scale_factor", scale)
+    if tiled:
+        writer.add_uint32("clip.vision.projector.scale_factor", llava.config.scale_factor)
+        writer.add_uint32("clip.vision.preproc_image_size", preproc_image_size)
     clip = vision.model_type == "clip_vision_model"
     mean, std = ((0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)) \
         if clip else ((0.5,) * 3, (0.5,) * 3)
@@ -318,13 +324,17 @@ def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16,
                                   if legacy_fc_names else {})
     for name, tensor in llava.state_dict().items():
         tensor = tensor.detach().float()
-        for prefix in ("model.vision_tower.vision_model.", "model.vision_tower."):
+        for prefix in ("model.vision_tower.vision_model.", "model.vision_tower.",
+                       "model.vision_model."):
             name = name.replace(prefix, "vision_tower.")
         name = name.replace("model.multi_modal_projector.", "multi_modal_projector.")
-        if name.startswith("vision_tower.head.") or ("post_layernorm" in name and not gemma3):
+        if name.startswith("vision_tower.head.") or (
+                "post_layernorm" in name and not gemma3 and not tiled):
             continue
         kind = qtype if tensor.dim() >= 2 else QT.F32
-        if name == "multi_modal_projector.mm_input_projection_weight":
+        if name == "model.connector.modality_projection.proj.weight":
+            target = "mm.model.fc.weight"
+        elif name == "multi_modal_projector.mm_input_projection_weight":
             target, kind = "mm.input_projection.weight", QT.F16
         elif name == "multi_modal_projector.mm_soft_emb_norm.weight":
             target, tensor = "mm.soft_emb_norm.weight", tensor + 1

@@ -8,7 +8,11 @@ for a GGUF decoder.
 * "gemma3": the SigLIP tower's normed output pooled `clip.vision.projector.scale_factor`
   (default 4) patches a side, `mm.soft_emb_norm` (stored as 1 + weight) and
   `mm.input_projection`; the decoder is Gemma 3's, each image between its
-  <start_of_image> and <end_of_image> tokens, attending to itself both ways.
+  <start_of_image> and <end_of_image> tokens, attending to itself both ways;
+* "idefics3" (SmolVLM, Idefics3): an image cut into tiles of the tower's size after its
+  longest edge is resized to `clip.vision.preproc_image_size`, each tile's normed output
+  pixel-shuffled `clip.vision.projector.scale_factor` a side and projected (`mm.model.fc`);
+  the decoder's vocabulary has the image and tile tokens.
 
 Images are preprocessed as the tower's Hugging Face processor would (CLIP: shortest edge
 and centre crop; SigLIP: a fixed resize, bilinear for Gemma 3) with the file's mean and
@@ -29,7 +33,13 @@ from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.gguf_meta import open_gguf, read_metadata
 from llmserve.loader.gguf import tensor_to_torch
 from llmserve.loader.weights import require_path
-from llmserve.multimodal import BICUBIC, BILINEAR, ImageProcessor
+from llmserve.multimodal import (
+    BICUBIC,
+    BILINEAR,
+    LANCZOS,
+    ImageProcessor,
+    TiledImageProcessor,
+)
 
 # `v.blk.{i}.<name>` -> `vision_tower.encoder.layers.{i}.<name>`
 LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
@@ -42,9 +52,11 @@ GLOBAL_NAMES = {"v.patch_embd": "vision_tower.embeddings.patch_embedding",
                 "v.post_ln": "vision_tower.post_layernorm",
                 "mm.0": "multi_modal_projector.linear_1",
                 "mm.2": "multi_modal_projector.linear_2",
-                "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm"}
+                "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
+                "mm.model.fc": "multi_modal_projector.proj"}
 INPUT_PROJECTION = "mm.input_projection.weight"  # Gemma 3's, a (vision, text) matrix
-PROJECTOR_TYPES = ("mlp", "gemma3")
+PROJECTOR_TYPES = ("mlp", "gemma3", "idefics3")
+FAMILIES = {"mlp": "LLaVA", "gemma3": "Gemma 3", "idefics3": "Idefics3"}
 CLASS_EMBEDDING = "v.class_embd"
 
 
@@ -57,7 +69,8 @@ class Projector:
 
 def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Projector:
     """The projector file at `path`, its tensors dequantized to `dtype`. Refused by name:
-    another projector type than LLaVA's MLP or Gemma 3's, a tower without its tensors."""
+    another projector type than LLaVA's MLP, Gemma 3's or Idefics3's, a tower without its
+    tensors."""
     path = require_path(path, is_dir=False)
     reader = open_gguf(path)
     meta = read_metadata(reader)
@@ -68,12 +81,13 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
     kind = meta.get("clip.projector_type", "mlp")
     if kind not in PROJECTOR_TYPES:
         raise UnsupportedModelError(f"{path}: projector type {kind!r} is not supported "
-                                    f"(LLaVA's 'mlp', Gemma 3's 'gemma3')")
+                                    f"(LLaVA's 'mlp', Gemma 3's 'gemma3', SmolVLM's "
+                                    f"'idefics3')")
     by_name = {t.name: t for t in reader.tensors}
     clip = CLASS_EMBEDDING in by_name
-    if kind == "gemma3" and clip:
-        raise ModelFormatError(f"{path}: a Gemma 3 projector's tower is SigLIP (it has a "
-                               f"class embedding)")
+    if kind != "mlp" and clip:
+        raise ModelFormatError(f"{path}: a {FAMILIES[kind]} projector's tower is SigLIP-"
+                               f"shaped (it has a class embedding)")
     vision = _vision_config(path, meta, clip, kind)
     tensors = {}
     for name, tensor in by_name.items():
@@ -81,7 +95,7 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
             if name == INPUT_PROJECTION and kind == "gemma3" else _model_name(name)
         if target is None:
             raise ModelFormatError(f"{path}: tensor {name!r} has no place in a "
-                                   f"{'Gemma 3' if kind == 'gemma3' else 'LLaVA'} tower")
+                                   f"{FAMILIES[kind]} tower")
         weight = tensor_to_torch(tensor)
         if name == CLASS_EMBEDDING:
             weight = weight.reshape(-1)
@@ -96,8 +110,13 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
     mean = tuple(meta.get("clip.vision.image_mean", (0.5,) * 3))
     std = tuple(meta.get("clip.vision.image_std", (0.5,) * 3))
     resample = BILINEAR if vision.pooled else BICUBIC
-    processor = ImageProcessor(None, side, BICUBIC, (side, side), 1 / 255, mean, std) if clip \
-        else ImageProcessor((side, side), None, resample, None, 1 / 255, mean, std)
+    if vision.tiled:
+        edge = int(meta.get("clip.vision.preproc_image_size", 4 * side) or 4 * side)
+        processor = TiledImageProcessor(edge, side, True, LANCZOS, 1 / 255, mean, std)
+    elif clip:
+        processor = ImageProcessor(None, side, BICUBIC, (side, side), 1 / 255, mean, std)
+    else:
+        processor = ImageProcessor((side, side), None, resample, None, 1 / 255, mean, std)
     return Projector(vision, tensors, processor)
 
 
@@ -137,6 +156,19 @@ def _vision_config(path: Path, meta: dict[str, Any], clip: bool, kind: str) -> V
 
     gelu = bool(meta.get("clip.use_gelu", False))
     try:
+        if kind == "idefics3":
+            return VisionConfig(
+                architecture="idefics3", tower="siglip",
+                hidden_size=int(number("embedding_length")),
+                intermediate_size=int(number("feed_forward_length")),
+                num_hidden_layers=int(number("block_count")),
+                num_attention_heads=int(number("attention.head_count")),
+                image_size=int(number("image_size")), patch_size=int(number("patch_size")),
+                num_channels=3, layer_norm_eps=float(number("attention.layer_norm_epsilon")),
+                hidden_act="gelu_pytorch_tanh", feature_layer=-1, select_strategy="full",
+                projector_act="gelu", projector_bias=False, image_token_id=0,
+                image_token_in_vocabulary=False,
+                scale_factor=int(meta.get("clip.vision.projector.scale_factor", 2) or 2))
         if kind == "gemma3":
             side = int(number("image_size")) // int(number("patch_size"))
             pooled = side // int(meta.get("clip.vision.projector.scale_factor", 4) or 4)
@@ -169,22 +201,28 @@ def _vision_config(path: Path, meta: dict[str, Any], clip: bool, kind: str) -> V
         raise ModelFormatError(f"{path}: {e}") from None
 
 
-GEMMA3_IMAGE_TOKENS = ("<image_soft_token>", "<start_of_image>", "<end_of_image>")
+# a family's image token first, then those its prompts write around images
+IMAGE_TOKENS = {"gemma3": ("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
+                "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>")}
 
 
-def gemma3_image_tokens(config: Any, vision: VisionConfig, tokenizer: Any,
-                        path: str | Path) -> VisionConfig:
-    """A Gemma 3 projector's image side with its decoder's image, begin and end tokens
-    (Gemma 3's vocabulary has all three: an image is written as transformers' processor
-    writes it); refused by name for another decoder."""
-    if config.architecture != "gemma3":
-        raise ModelFormatError(f"{path} is a Gemma 3 projector; the model is "
-                               f"{config.architecture!r}, not Gemma 3")
-    ids = [tokenizer.token_to_id(token) for token in GEMMA3_IMAGE_TOKENS]
-    missing = [t for t, i in zip(GEMMA3_IMAGE_TOKENS, ids, strict=True) if i is None]
+def image_tokens(config: Any, vision: VisionConfig, tokenizer: Any,
+                 path: str | Path) -> VisionConfig:
+    """A Gemma 3 or Idefics3 projector's image side with its decoder's image tokens (their
+    vocabularies have them: an image is written as transformers' processor writes it);
+    refused by name for a decoder of another family or a vocabulary without them."""
+    kind = "gemma3" if vision.pooled else "idefics3"
+    if (config.architecture == "gemma3") != (kind == "gemma3"):
+        raise ModelFormatError(f"{path} is a {FAMILIES[kind]} projector; the model is "
+                               f"{config.architecture!r}")
+    names = IMAGE_TOKENS[kind]
+    ids = [tokenizer.token_to_id(token) for token in names]
+    missing = [t for t, i in zip(names, ids, strict=True) if i is None]
     if missing:
         raise ModelFormatError(f"the model's vocabulary lacks {', '.join(missing)}, which a "
-                               f"Gemma 3 projector's images need")
-    image, begin, end = ids
-    return dataclasses.replace(vision, image_token_id=image, image_token_in_vocabulary=True,
-                               begin_image_token_id=begin, end_image_token_id=end)
+                               f"{FAMILIES[kind]} projector's images need")
+    vision = dataclasses.replace(vision, image_token_id=ids[0], image_token_in_vocabulary=True)
+    if kind == "gemma3":
+        vision = dataclasses.replace(vision, begin_image_token_id=ids[1],
+                                     end_image_token_id=ids[2])
+    return vision

@@ -29,7 +29,7 @@ from llmserve.loader.kernel_choice import (
     choose_quantization,
     choose_stream_prefetch,
 )
-from llmserve.loader.mmproj import gemma3_image_tokens, read_mmproj
+from llmserve.loader.mmproj import image_tokens, read_mmproj
 from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
 from llmserve.models.llama import STACKED_PARAMS
@@ -198,8 +198,8 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
                             on_blocks if quantization == "kquant" else None)
         tokenizer = Tokenizer.from_gguf_metadata(weights.metadata)
         if projector is not None:
-            if projector.vision.pooled:
-                config = replace(config, vision=gemma3_image_tokens(
+            if projector.vision.pooled or projector.vision.tiled:
+                config = replace(config, vision=image_tokens(
                     config, projector.vision, tokenizer, mmproj))
             weights.config = config
             weights.tensors.update(projector.tensors)

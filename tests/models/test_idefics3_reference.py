@@ -218,3 +218,62 @@ def test_the_memory_calculator_counts_the_tower(idefics3):
                      if ".vision_model." in name or ".connector." in name)
     assert vision_parameter_count(config) == image_side
     assert parameter_counts(config)[0] == sum(held.values())
+
+
+@pytest.fixture(scope="module")
+def smolvlm_gguf(tmp_path_factory, smollm2_gguf):
+    """(Llama decoder GGUF, its SmolVLM projector file, transformers' SmolVLM on the same
+    weights, the image token): smollm2's vocabulary plus SmolVLM's image tokens (control
+    tokens, as SmolVLM's GGUF files mark them)."""
+    import transformers
+    from gguf import GGMLQuantizationType as QT
+
+    from llmserve.gguf_meta import open_gguf, read_metadata
+    from tests.gguf_writer import write_gguf, write_mmproj
+    from tests.tiny_models import randomize
+
+    folder = tmp_path_factory.mktemp("smolvlm-gguf")
+    meta = read_metadata(open_gguf(smollm2_gguf))
+    tokenizer = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    tokens = list(tokenizer["tokenizer.ggml.tokens"])
+    types = list(tokenizer.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    image = len(tokens)
+    tokenizer["tokenizer.ggml.tokens"] = tokens + [
+        "<image>", "<fake_token_around_image>", "<global-img>"]
+    tokenizer["tokenizer.ggml.token_type"] = types + [3, 3, 3]
+    text = transformers.LlamaConfig(vocab_size=len(tokens) + 3, hidden_size=64,
+                                    intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2,
+                                    max_position_embeddings=2048, tie_word_embeddings=True)
+    vision = transformers.SmolVLMVisionConfig(hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=3, num_attention_heads=4,
+                                              image_size=32, patch_size=4)
+    model = transformers.SmolVLMForConditionalGeneration(transformers.SmolVLMConfig(
+        vision_config=vision, text_config=text, scale_factor=2, image_token_id=image,
+        tie_word_embeddings=True))
+    randomize(model)
+    model.eval()
+    decoder = transformers.LlamaForCausalLM(text)
+    decoder.model.load_state_dict(model.model.text_model.state_dict())
+    gguf_path = write_gguf(decoder, folder / "text.gguf", QT.F32, tokenizer)
+    mmproj = write_mmproj(model, folder / "mmproj.gguf", QT.F32, preproc_image_size=64)
+    return gguf_path, mmproj, model, image
+
+
+def test_gguf_with_a_smolvlm_projector_file_matches_transformers(smolvlm_gguf):
+    gguf_path, mmproj, reference, image_token = smolvlm_gguf
+    llm = LLM(str(gguf_path), mmproj=str(mmproj), dtype="float32", kv_cache_memory="64MiB")
+    images = [random_image(40, 40, 50), random_image(41, 20, 20)]
+    content = [{"type": "image", "image": im} for im in images] + [
+        {"type": "text", "text": "What is in the pictures?"}]
+    (out,) = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+    ids = out.prompt_token_ids
+    processor = Idefics3ImageProcessorPil(size={"longest_edge": 64},
+                                          max_image_size={"longest_edge": 32})
+    pixels = torch.from_numpy(np.asarray(processor([images], return_tensors="np")[
+        "pixel_values"]))
+    assert ids.count(image_token) == pixels.shape[1] * TOKENS_PER_TILE == 10 * TOKENS_PER_TILE
+    with torch.inference_mode():
+        generated = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
+                                       max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    assert out.outputs[0].token_ids == generated[0, len(ids):].tolist()

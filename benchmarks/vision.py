@@ -1,14 +1,23 @@
 """Images side by side: llmserve and llama.cpp's llama-server on the same GGUF + projector
 file, one run.
 
-    python benchmarks/vision.py [--gguf FILE] [--tower clip-l-336|siglip-400m]
-                                [--out DIR] [--streams 1,16] [--requests-per-stream 2]
+    python benchmarks/vision.py [--family llava|gemma3|smolvlm] [--gguf FILE]
+                                [--tower clip-l-336|siglip-400m] [--out DIR]
+                                [--streams 1,16] [--requests-per-stream 2]
 
 The projector file is written here (random weights, F16, as llama.cpp's converter lays it
-out): LLaVA-1.5's tower (CLIP ViT-L/14 at 336 px: 24 layers x 1024, 576 image tokens) or a
-SigLIP-400M-shaped one (27 layers x 1152, 14 px patches at 384: 729 tokens), and the
-two-layer MLP projector into the decoder's width. The decoder is --gguf (the default
-model's file by default). Each server alone on the machine, 2 threads (llama.cpp with as
+out). `--family llava` (the default): LLaVA-1.5's tower (CLIP ViT-L/14 at 336 px: 24 layers
+x 1024, 576 image tokens) or a SigLIP-400M-shaped one (27 layers x 1152, 14 px patches at
+384: 729 tokens), and the two-layer MLP projector into the width of --gguf (the default
+model's file by default). `--family gemma3`: Gemma 3's tower (SigLIP-400M's shape at
+896 px: 4096 patches pooled 4 x 4 to 256 tokens) and projector before the catalog's
+gemma3-270m decoder; `--family smolvlm`: SmolVLM-256M's tower (SigLIP-base's shape,
+12 layers x 768 at 512 px, 16 px patches, pixel-shuffled 4 x 4 to 64 tokens a tile; an
+image resized to 2048 px on its longest edge: 4 x 4 tiles and the whole image, 1088
+tokens) before the catalog's smollm2-135m decoder (SmolVLM-256M's own decoder shape).
+Those decoders' vocabularies lack the image tokens, so the decoder file is the catalog's
+with them added (their embedding rows appended), as the families' GGUF files hold them,
+and the family's chat template. Each server alone on the machine, 2 threads (llama.cpp with as
 many slots as the widest level, continuous batching), answers `llmserve bench vision`: a
 warm-up, then at each level of streams two one-image chats per stream, each image new (512
 x 512 random pixels), 32 tokens out, greedy. Image encode time: llmserve's in process (the
@@ -34,7 +43,36 @@ from run_all import ANCHORS, DEFAULT_GGUF, THREADS, free_port, server
 TOWERS = {  # name -> (layers, hidden, intermediate, heads, image side, patch, class token)
     "clip-l-336": (24, 1024, 4096, 16, 336, 14, True),
     "siglip-400m": (27, 1152, 4304, 16, 384, 14, False),
+    "siglip-400m-896": (27, 1152, 4304, 16, 896, 14, False),  # Gemma 3's
+    "siglip-base-512": (12, 768, 3072, 12, 512, 16, False),  # SmolVLM-256M's
 }
+# family -> (projector type, tower, catalog decoder, tokens added to its vocabulary,
+# image tokens a 512 px image takes, chat template)
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}")
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}"
+    "{% endif %}")
+FAMILIES = {
+    "gemma3": ("gemma3", "siglip-400m-896", "gemma3-270m", ["<image_soft_token>"], 256 + 8,
+               GEMMA3_TEMPLATE),
+    "smolvlm": ("idefics3", "siglip-base-512", "smollm2-135m",
+                ["<image>", "<fake_token_around_image>", "<global-img>",
+                 "<end_of_utterance>"], 17 * 64 + 64, SMOLVLM_TEMPLATE),
+}
+SMOLVLM_SCALE, SMOLVLM_EDGE = 4, 2048
 OUTPUT_LEN = 32
 
 
@@ -44,23 +82,32 @@ def decoder_width(path: Path) -> int:
     return int(reader.fields[f"{arch}.embedding_length"].parts[-1][0])
 
 
-def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0) -> Path:
+def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
+                    kind: str = "mlp") -> Path:
     """Random weights of `tower`'s shape in a projector file as llama.cpp's converter writes
-    it (matrices F16, norms and biases F32)."""
+    it (matrices F16, norms and biases F32), with LLaVA's MLP (`kind` "mlp"), Gemma 3's
+    projection ("gemma3") or SmolVLM's pixel-shuffle one ("idefics3")."""
     layers, hidden, inner, heads, side, patch, clip = TOWERS[tower]
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_bool("clip.has_llava_projector", True)
-    writer.add_string("clip.projector_type", "mlp")
+    writer.add_bool("clip.has_llava_projector", kind == "mlp")
+    writer.add_string("clip.projector_type", kind)
     writer.add_bool("clip.use_gelu", not clip)
+    if kind == "idefics3":
+        writer.add_uint32("clip.vision.projector.scale_factor", SMOLVLM_SCALE)
+        writer.add_uint32("clip.vision.preproc_image_size", SMOLVLM_EDGE)
     for key, value in {"image_size": side, "patch_size": patch, "embedding_length": hidden,
                        "feed_forward_length": inner, "block_count": layers,
                        "attention.head_count": heads, "projection_dim": text_hidden}.items():
         writer.add_uint32(f"clip.vision.{key}", value)
     writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5 if clip else 1e-6)
-    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
-    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    if kind == "mlp":
+        writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+        writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    else:
+        writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+        writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
 
     def matrix(name: str, *shape: int) -> None:
         writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float16))
@@ -90,15 +137,62 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0) -> 
         vector(f"v.blk.{i}.ffn_up.bias", inner)
         matrix(f"v.blk.{i}.ffn_down.weight", hidden, inner)
         vector(f"v.blk.{i}.ffn_down.bias", hidden)
-    matrix("mm.0.weight", text_hidden, hidden)
-    vector("mm.0.bias", text_hidden)
-    matrix("mm.2.weight", text_hidden, text_hidden)
-    vector("mm.2.bias", text_hidden)
+    if kind != "mlp":  # the normed output is the features
+        vector("v.post_ln.weight", hidden, 1.0)
+        vector("v.post_ln.bias", hidden, 0.0)
+    if kind == "gemma3":
+        matrix("mm.input_projection.weight", hidden, text_hidden)  # used as x @ W
+        vector("mm.soft_emb_norm.weight", hidden, 1.0)  # stored as 1 + weight
+    elif kind == "idefics3":
+        matrix("mm.model.fc.weight", text_hidden, hidden * SMOLVLM_SCALE ** 2)
+    else:
+        matrix("mm.0.weight", text_hidden, hidden)
+        vector("mm.0.bias", text_hidden)
+        matrix("mm.2.weight", text_hidden, text_hidden)
+        vector("mm.2.bias", text_hidden)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def with_image_tokens(source: Path, out: Path, tokens: list[str], template: str,
+                      seed: int = 0) -> Path:
+    """`source` (a GGUF decoder) with `tokens` added to its vocabulary as control tokens,
+    their embedding rows appended (random, in the embedding's own type), and
+    `template` as its chat template; every other tensor and key as it was."""
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    extra = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [3] * len(tokens),
+             "tokenizer.ggml.scores": [0.0] * len(tokens)}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture",
+                                                 "tokenizer.chat_template"):
+            continue
+        value = field.contents()
+        if name in extra:
+            value = value + extra[name]
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, field.types[0], sub_type=sub)
+    writer.add_string("tokenizer.chat_template", template)
+    rng = np.random.default_rng(seed)
+    for tensor in reader.tensors:
+        data = np.array(tensor.data)
+        if tensor.name == "token_embd.weight":
+            rows = (rng.standard_normal((len(tokens), int(tensor.shape[0]))) * 0.02)
+            added = rows.astype(np.float32)
+            if tensor.tensor_type not in (gguf.GGMLQuantizationType.F32,
+                                          gguf.GGMLQuantizationType.F16):
+                added = gguf.quants.quantize(added, tensor.tensor_type)
+            data = np.concatenate([data, added.astype(data.dtype)])
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
 
 
 _STAMP = r"(\d+)\.(\d+)\.(\d+)\.(\d+) I "
@@ -132,7 +226,9 @@ def bench_cli(args: list[str], out: Path, env: dict | None = None) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
+    parser.add_argument("--family", choices=["llava", *FAMILIES], default="llava")
+    parser.add_argument("--gguf", type=Path, default=None,
+                        help="the decoder (llava only; default: the default model's file)")
     parser.add_argument("--tower", choices=sorted(TOWERS), default="clip-l-336")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results/vision")
     parser.add_argument("--streams", default="1,16")
@@ -140,13 +236,23 @@ def main() -> int:
     parser.add_argument("--llama-server", type=Path, default=ANCHORS / "bin/llama-server")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    kind, per_image = "mlp", None
+    if args.family != "llava":
+        from llmserve.loader.catalog import fetch_model
+
+        kind, args.tower, decoder, tokens, per_image, template = FAMILIES[args.family]
+        args.gguf = args.out / f"{args.family}-{decoder}.gguf"
+        if not args.gguf.exists():
+            with_image_tokens(fetch_model(decoder), args.gguf, tokens, template)
+    args.gguf = args.gguf or DEFAULT_GGUF
     projector = args.out / f"mmproj-{args.tower}-{args.gguf.stem}.gguf"
     if not projector.exists():
-        write_projector(projector, args.tower, decoder_width(args.gguf))
+        write_projector(projector, args.tower, decoder_width(args.gguf), kind=kind)
     widest = max(int(s) for s in args.streams.split(","))
     common = ["--streams", args.streams, "--requests-per-stream",
               str(args.requests_per_stream), "--output-len", str(OUTPUT_LEN)]
-    results: dict = {"gguf": str(args.gguf), "tower": args.tower, "projector": str(projector)}
+    results: dict = {"gguf": str(args.gguf), "tower": args.tower, "projector": str(projector),
+                     "family": args.family}
     with LoadMonitor() as monitor:
         results["llmserve"] = bench_cli(
             ["--model", str(args.gguf), "--mmproj", str(projector),
@@ -155,7 +261,7 @@ def main() -> int:
     results["llmserve"]["load"] = monitor.summary()
     port = free_port()
     tokens = TOWERS[args.tower]
-    per_slot = (tokens[4] // tokens[5]) ** 2 + 1 + 128 + OUTPUT_LEN
+    per_slot = (per_image or (tokens[4] // tokens[5]) ** 2 + 1) + 128 + OUTPUT_LEN
     log = args.out / f"llama.cpp-{args.tower}.log"
     cmd = [str(args.llama_server), "-m", str(args.gguf), "--mmproj", str(projector),
            "--port", str(port), "-t", str(THREADS), "-tb", str(THREADS), "-np", str(widest),

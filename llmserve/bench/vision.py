@@ -147,7 +147,8 @@ def encode_image_ms(model: str, mmproj: str | None = None, repeats: int = 3,
     if prompts is None:
         raise LLMServeError(f"{model} takes no images")
     image = Image.open(io.BytesIO(random_png(image_side, 7))).convert("RGB")
-    pixels = prompts.processor(image).unsqueeze(0)
+    pixels = prompts.processor(image)  # (3, S, S), or an Idefics3 image's (tiles, 3, S, S)
+    pixels = pixels.unsqueeze(0) if pixels.dim() == 3 else pixels
     model_ = llm.engine.loaded.model
     times = []
     with torch.inference_mode():
@@ -158,7 +159,8 @@ def encode_image_ms(model: str, mmproj: str | None = None, repeats: int = 3,
                 times.append((time.perf_counter() - start) * 1000)
     vision = llm.engine.loaded.config.vision
     return {"encode_ms": statistics.median(times), "runs_ms": times,
-            "tokens_per_image": vision.tokens_per_image, "tower": vision.tower,
+            "tokens_per_image": vision.tokens_per_image * pixels.shape[0],
+            "tiles": pixels.shape[0], "tower": vision.tower,
             "tower_layers": vision.num_hidden_layers, "tower_hidden": vision.hidden_size}
 
 

@@ -103,7 +103,10 @@ class InputProcessor:
             if images:
                 raise RequestRejected("this model reads text only: it takes no images")
             return ids, []
-        if len(images) > MAX_IMAGES_PER_REQUEST:
+        # images placed already come from a chat rendered here, its images counted there
+        # (an Idefics3 image is placed as its tiles, many more than the images)
+        if sum(not (isinstance(m, ImageInput) and m.length) for m in images) > \
+                MAX_IMAGES_PER_REQUEST:
             raise RequestRejected(f"{len(images)} images in one prompt; at most "
                                   f"{MAX_IMAGES_PER_REQUEST}")
         text = prompt.get("prompt")

@@ -27,6 +27,7 @@ sampled throughout (monitor.py).
 """
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -109,19 +110,22 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
         writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
         writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
 
-    def matrix(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float16))
+    def matrix(name: str, *shape: int, dtype: type = np.float16) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(dtype))
 
     def vector(name: str, size: int, value: float | None = None) -> None:
         data = np.full(size, value, np.float32) if value is not None else \
             (rng.standard_normal(size) * 0.02).astype(np.float32)
         writer.add_tensor(name, data)
 
-    matrix("v.patch_embd.weight", hidden, 3, patch, patch)
+    # the embeddings: F16 for LLaVA, F32 for Gemma 3 and SmolVLM, as the converter writes
+    # them (llama.cpp's graphs for those add the position table to F32 rows directly)
+    embedding = matrix if kind == "mlp" else functools.partial(matrix, dtype=np.float32)
+    embedding("v.patch_embd.weight", hidden, 3, patch, patch)
     if not clip:
         vector("v.patch_embd.bias", hidden)
     positions = (side // patch) ** 2 + int(clip)
-    matrix("v.position_embd.weight", positions, hidden)
+    embedding("v.position_embd.weight", positions, hidden)
     if clip:
         vector("v.class_embd", hidden)
         vector("v.pre_ln.weight", hidden, 1.0)

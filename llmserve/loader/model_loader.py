@@ -101,6 +101,16 @@ def _auto_choice(stored: str | None, device: torch.device, config: ModelConfig |
     return choice.quantization, choice
 
 
+def fast_bf16_matmul() -> bool:
+    """Whether torch multiplies bfloat16 matrices faster than float32 here: on AMX tiles
+    (a 4096 x 1152 by 1152 x 4304 product, 2 threads of a Xeon: 1087 GFLOP/s against 245;
+    with AVX512-BF16 alone 193 against 276, on AVX-512 64, on AVX2 22: slower)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def load_model(
     spec: str | None,
     dtype: torch.dtype = torch.float32,
@@ -213,6 +223,11 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
         quantization, choice = _auto_choice(weights.quantization, torch.device(device),
                                             weights.config, main_block_type(weights.blocks))
     quantize_model(model, quantization, linear_blocks(model, weights.blocks))
+    if quantization is not None and hasattr(model, "set_tower_dtype") and \
+            device_is_cpu(device) and fast_bf16_matmul():
+        model.set_tower_dtype(torch.bfloat16)
+        logger.info("vision tower: bfloat16 (the CPU's AMX tiles multiply it 4x as fast as "
+                    "float32)")
     weights.blocks.clear()  # views of the file: the packed copies are the model's
     classifier = None if weights.classifier is None else weights.classifier.to(device)
     return LoadedModel(model, tokenizer, weights.config, source, quantization, classifier,

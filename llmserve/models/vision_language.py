@@ -68,6 +68,12 @@ class VisionLanguageModel:
     def tokens_per_image(self) -> int:
         return self.config.vision.tokens_per_image
 
+    def set_tower_dtype(self, dtype: torch.dtype) -> None:
+        """Run the tower and projector in `dtype` (their inputs cast to it, their rows
+        placed in the decoder's dtype)."""
+        self.vision_tower.to(dtype)
+        self.multi_modal_projector.to(dtype)
+
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(N, C, S, S) preprocessed images -> (N, tokens_per_image, hidden_size), the rows
         each image's tokens take in the decoder."""

@@ -2,7 +2,9 @@
 however its prompt is chunked, preempted and resumed, or repeated by other requests.
 
     rows_for(scheduled images) -> each image's rows (tokens_per_image, hidden)
-        the step's images not held are encoded in one batch (`encode`)
+        the step's images not held are encoded (`encode`), one at a time: an image's rows
+        never depend on which others a step encodes (a GEMM may block its rows
+        differently by their count)
         least recently used images beyond `max_rows` rows are dropped (never this step's)
 """
 
@@ -26,19 +28,16 @@ class EncoderCache:
         self.num_encoded = 0  # images the encoder ran on (a hit costs none)
 
     def rows_for(self, images: Sequence[ImageInput]) -> dict[str, torch.Tensor]:
-        """Every image's rows by hash, the missing ones encoded now in one batch."""
+        """Every image's rows by hash, the missing ones encoded now, one by one."""
         missing: dict[str, ImageInput] = {}
         for image in images:
             if image.hash in self.rows:
                 self.rows.move_to_end(image.hash)
             else:
                 missing.setdefault(image.hash, image)
-        if missing:
-            pixels = torch.stack([m.pixel_values for m in missing.values()])
-            encoded = self.encode(pixels)  # (N, tokens, hidden)
-            for key, rows in zip(missing, encoded, strict=True):
-                self.rows[key] = rows
-            self.num_encoded += len(missing)
+        for key, image in missing.items():
+            self.rows[key] = self.encode(image.pixel_values.unsqueeze(0))[0]
+            self.num_encoded += 1
         wanted = {image.hash for image in images}
         held = sum(r.shape[0] for r in self.rows.values())
         for key in list(self.rows):

@@ -277,3 +277,28 @@ def test_gguf_with_a_smolvlm_projector_file_matches_transformers(smolvlm_gguf):
         generated = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
                                        max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert out.outputs[0].token_ids == generated[0, len(ids):].tolist()
+
+
+def test_the_default_path_runs_the_tower_in_bfloat16_on_amx(smolvlm_folder, monkeypatch):
+    """A quantized model's tower runs in bfloat16 only where torch multiplies it on AMX
+    tiles (4x float32 there; slower than float32 with AVX512-BF16 alone); float32 on the
+    exact path (a float checkpoint's default). The rows stay within 1.2 % of float32's (a
+    SigLIP-base image of 17 tiles, measured: README)."""
+    from llmserve.loader import model_loader
+    from llmserve.loader.model_loader import fast_bf16_matmul
+
+    def tower_dtype(llm):
+        return llm.engine.loaded.model.vision_tower.embeddings.patch_embedding.weight.dtype
+
+    default = LLM(str(smolvlm_folder), quantization="int8", kv_cache_memory="64MiB")
+    assert tower_dtype(default) == (torch.bfloat16 if fast_bf16_matmul() else torch.float32)
+    exact = LLM(str(smolvlm_folder), dtype="float32", kv_cache_memory="64MiB")
+    assert tower_dtype(exact) == torch.float32
+    image = random_image(3, 40, 50)
+    pixels = exact.engine.input_processor.images.processor(to_rgb(image))
+    with torch.inference_mode():
+        ours = default.engine.loaded.model.encode_images(pixels[:1]).float()
+        ref = exact.engine.loaded.model.encode_images(pixels[:1])
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.02
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not model_loader.fast_bf16_matmul()

@@ -358,3 +358,12 @@ def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def with_control_tokens(tokenizer: dict[str, Any], tokens: list[str]) -> tuple[dict, int]:
+    """GGUF `tokenizer.*` metadata with `tokens` appended as control tokens (as vision
+    models' GGUF files mark their image tokens), and the first one's id."""
+    first = len(tokenizer["tokenizer.ggml.tokens"])
+    types = tokenizer.get("tokenizer.ggml.token_type", [1] * first)
+    return {**tokenizer, "tokenizer.ggml.tokens": [*tokenizer["tokenizer.ggml.tokens"], *tokens],
+            "tokenizer.ggml.token_type": [*types, *[3] * len(tokens)]}, first

@@ -219,21 +219,9 @@ class VisionConfig:
         SigLIP-so400m at 896 px) and pooled projector."""
         if tower != "siglip":
             raise UnsupportedModelError(f"a Gemma 3 vision tower is SigLIP, not {tower}")
-        if vision.get("num_channels", 3) != 3:
-            raise UnsupportedModelError("a Gemma 3 vision tower takes RGB images")
         return cls(
-            architecture="gemma3", tower=tower,
-            hidden_size=vision.get("hidden_size", 1152),
-            intermediate_size=vision.get("intermediate_size", 4304),
-            num_hidden_layers=vision.get("num_hidden_layers", 27),
-            num_attention_heads=vision.get("num_attention_heads", 16),
-            image_size=vision.get("image_size", 896),
-            patch_size=vision.get("patch_size", 14),
-            num_channels=3,
-            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
-            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-            feature_layer=-1, select_strategy="full",  # the last layer's normed output
-            projector_act="gelu", projector_bias=False,  # (no MLP: unused)
+            architecture="gemma3",
+            **_normed_siglip(vision, "Gemma 3", (1152, 4304, 27, 16, 896, 14)),
             image_token_id=image_token if image_token is not None else 262144,
             mm_tokens_per_image=cfg.get("mm_tokens_per_image", 256),
             begin_image_token_id=cfg.get("boi_token_id", cfg.get("boi_token_index", 255999)),
@@ -245,21 +233,27 @@ class VisionConfig:
                   image_token: Any) -> "VisionConfig":
         """Idefics3's and SmolVLM's SigLIP-shaped tower (their configs' defaults) and
         pixel-shuffle projector."""
-        if vision.get("num_channels", 3) != 3:
-            raise UnsupportedModelError("an Idefics3 vision tower takes RGB images")
         return cls(
-            architecture="idefics3", tower="siglip",
-            hidden_size=vision.get("hidden_size", 1152),
-            intermediate_size=vision.get("intermediate_size", 3072),
-            num_hidden_layers=vision.get("num_hidden_layers", 12),
-            num_attention_heads=vision.get("num_attention_heads", 16),
-            image_size=vision.get("image_size", 224),
-            patch_size=vision.get("patch_size", 32),
-            num_channels=3,
-            layer_norm_eps=float(vision.get("layer_norm_eps", 1e-6)),
-            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-            feature_layer=-1, select_strategy="full",  # the last layer's normed output
-            projector_act="gelu", projector_bias=False,  # (no MLP: unused)
+            architecture="idefics3",
+            **_normed_siglip(vision, "an Idefics3", (1152, 3072, 12, 16, 224, 32)),
             image_token_id=image_token if image_token is not None else 128257,
             scale_factor=cfg.get("scale_factor", 2),
         )
+
+
+def _normed_siglip(vision: dict[str, Any], family: str,
+                   defaults: tuple[int, int, int, int, int, int]) -> dict[str, Any]:
+    """A SigLIP-shaped tower read at its last layer's normed output (Gemma 3, Idefics3):
+    its fields from `vision_config`, `defaults` (hidden, intermediate, layers, heads,
+    image side, patch) where it says nothing."""
+    if vision.get("num_channels", 3) != 3:
+        raise UnsupportedModelError(f"{family} vision tower takes RGB images")
+    names = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "image_size", "patch_size")
+    return {**{name: vision.get(name, default) for name, default in zip(names, defaults,
+                                                                         strict=True)},
+            "tower": "siglip", "num_channels": 3,
+            "layer_norm_eps": float(vision.get("layer_norm_eps", 1e-6)),
+            "hidden_act": vision.get("hidden_act", "gelu_pytorch_tanh"),
+            "feature_layer": -1, "select_strategy": "full",
+            "projector_act": "gelu", "projector_bias": False}  # (no MLP: unused)

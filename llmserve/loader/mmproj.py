@@ -156,47 +156,31 @@ def _vision_config(path: Path, meta: dict[str, Any], clip: bool, kind: str) -> V
 
     gelu = bool(meta.get("clip.use_gelu", False))
     try:
-        if kind == "idefics3":
-            return VisionConfig(
-                architecture="idefics3", tower="siglip",
-                hidden_size=int(number("embedding_length")),
-                intermediate_size=int(number("feed_forward_length")),
-                num_hidden_layers=int(number("block_count")),
-                num_attention_heads=int(number("attention.head_count")),
-                image_size=int(number("image_size")), patch_size=int(number("patch_size")),
-                num_channels=3, layer_norm_eps=float(number("attention.layer_norm_epsilon")),
-                hidden_act="gelu_pytorch_tanh", feature_layer=-1, select_strategy="full",
-                projector_act="gelu", projector_bias=False, image_token_id=0,
-                image_token_in_vocabulary=False,
-                scale_factor=int(meta.get("clip.vision.projector.scale_factor", 2) or 2))
-        if kind == "gemma3":
-            side = int(number("image_size")) // int(number("patch_size"))
-            pooled = side // int(meta.get("clip.vision.projector.scale_factor", 4) or 4)
-            return VisionConfig(
-                architecture="gemma3", tower="siglip",
-                hidden_size=int(number("embedding_length")),
-                intermediate_size=int(number("feed_forward_length")),
-                num_hidden_layers=int(number("block_count")),
-                num_attention_heads=int(number("attention.head_count")),
-                image_size=int(number("image_size")), patch_size=int(number("patch_size")),
-                num_channels=3, layer_norm_eps=float(number("attention.layer_norm_epsilon")),
-                hidden_act="gelu_pytorch_tanh", feature_layer=-1, select_strategy="full",
-                projector_act="gelu", projector_bias=False, image_token_id=0,
-                image_token_in_vocabulary=False, mm_tokens_per_image=pooled * pooled,
-                begin_image_token_id=0, end_image_token_id=0)  # the decoder's, set at load
-        return VisionConfig(
-            architecture="llava", tower="clip" if clip else "siglip",
+        tower = dict(
             hidden_size=int(number("embedding_length")),
             intermediate_size=int(number("feed_forward_length")),
             num_hidden_layers=int(number("block_count")),
             num_attention_heads=int(number("attention.head_count")),
             image_size=int(number("image_size")), patch_size=int(number("patch_size")),
             num_channels=3, layer_norm_eps=float(number("attention.layer_norm_epsilon")),
+            projector_act="gelu", image_token_id=0,  # the decoder's, set at load
+            image_token_in_vocabulary=False)
+        scale = meta.get("clip.vision.projector.scale_factor")
+        if kind != "mlp":  # SigLIP-shaped towers read at their last layer's normed output
+            tower |= dict(tower="siglip", hidden_act="gelu_pytorch_tanh", feature_layer=-1,
+                          select_strategy="full", projector_bias=False)
+        if kind == "idefics3":
+            return VisionConfig(architecture="idefics3", scale_factor=int(scale or 2), **tower)
+        if kind == "gemma3":
+            pooled = tower["image_size"] // tower["patch_size"] // int(scale or 4)
+            return VisionConfig(architecture="gemma3", mm_tokens_per_image=pooled * pooled,
+                                begin_image_token_id=0, end_image_token_id=0, **tower)
+        return VisionConfig(
+            architecture="llava", tower="clip" if clip else "siglip",
             # ggml's GELU is the tanh form
             hidden_act=("gelu" if clip else "gelu_pytorch_tanh") if gelu else "quick_gelu",
             feature_layer=-2, select_strategy="default" if clip else "full",
-            projector_act="gelu", projector_bias=True, image_token_id=0,
-            image_token_in_vocabulary=False)
+            projector_bias=True, **tower)
     except (TypeError, ValueError) as e:
         raise ModelFormatError(f"{path}: {e}") from None
 

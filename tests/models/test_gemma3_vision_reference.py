@@ -19,7 +19,7 @@ from llmserve.engine.engine import Engine
 from llmserve.engine.input_processor import RequestRejected
 from llmserve.multimodal import ImageInput, to_rgb
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
-from tests.models.test_llava_reference import our_logits, random_image
+from tests.models.test_llava_reference import assert_memory_counts, our_logits, random_image
 from tests.tiny_models import (
     GEMMA3_BOI_ID,
     GEMMA3_EOI_ID,
@@ -230,15 +230,9 @@ def test_image_token_runs_are_checked(gemma3v):
 
 
 def test_the_memory_calculator_counts_the_tower(gemma3v):
-    from llmserve.memory import parameter_counts, vision_parameter_count
-
     _, reference, llm = gemma3v
-    config = llm.engine.loaded.config
-    held = {name: p.numel() for name, p in reference.named_parameters()}
-    image_side = sum(n for name, n in held.items()
-                     if ".vision_tower." in name or ".multi_modal_projector." in name)
-    assert vision_parameter_count(config) == image_side
-    assert parameter_counts(config)[0] == sum(held.values())
+    assert_memory_counts(reference, llm.engine.loaded.config,
+                         (".vision_tower.", ".multi_modal_projector."))
 
 
 @pytest.fixture(scope="module")
@@ -250,19 +244,17 @@ def gemma3_gguf(tmp_path_factory, smollm2_gguf):
     from gguf import GGMLQuantizationType as QT
 
     from llmserve.gguf_meta import open_gguf, read_metadata
-    from tests.gguf_writer import write_gguf, write_mmproj
+    from tests.gguf_writer import with_control_tokens, write_gguf, write_mmproj
     from tests.tiny_models import randomize
 
     folder = tmp_path_factory.mktemp("gemma3-gguf")
     meta = read_metadata(open_gguf(smollm2_gguf))
     tokenizer = {k: v for k, v in meta.items() if k.startswith("tokenizer.")
                  and k != "tokenizer.chat_template"}
-    tokens = list(tokenizer["tokenizer.ggml.tokens"])
-    types = list(tokenizer.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    boi, eoi, image = len(tokens), len(tokens) + 1, len(tokens) + 2
-    tokenizer["tokenizer.ggml.tokens"] = tokens + [
-        "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
-    tokenizer["tokenizer.ggml.token_type"] = types + [3, 3, 3]
+    tokenizer, boi = with_control_tokens(tokenizer, [
+        "<start_of_image>", "<end_of_image>", "<image_soft_token>"])
+    eoi, image = boi + 1, boi + 2
+    tokens = tokenizer["tokenizer.ggml.tokens"][:boi]
     tokenizer["tokenizer.chat_template"] = (
         "{% for m in messages %}{{ '<start_of_turn>' + m['role'] + '\\n' + m['content'] + "
         "'<end_of_turn>\\n' }}{% endfor %}{{ '<start_of_turn>model\\n' }}")

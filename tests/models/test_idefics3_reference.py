@@ -18,7 +18,7 @@ from llmserve.engine.engine import Engine
 from llmserve.engine.input_processor import RequestRejected
 from llmserve.multimodal import TiledImage, TiledImageProcessor, to_rgb
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
-from tests.models.test_llava_reference import our_logits, random_image
+from tests.models.test_llava_reference import assert_memory_counts, our_logits, random_image
 from tests.tiny_models import IDEFICS3_IMAGE_ID, save_tiny_idefics3
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -209,15 +209,8 @@ def test_tile_runs_are_checked(idefics3):
 
 
 def test_the_memory_calculator_counts_the_tower(idefics3):
-    from llmserve.memory import parameter_counts, vision_parameter_count
-
     _, reference, llm = idefics3
-    config = llm.engine.loaded.config
-    held = {name: p.numel() for name, p in reference.named_parameters()}
-    image_side = sum(n for name, n in held.items()
-                     if ".vision_model." in name or ".connector." in name)
-    assert vision_parameter_count(config) == image_side
-    assert parameter_counts(config)[0] == sum(held.values())
+    assert_memory_counts(reference, llm.engine.loaded.config, (".vision_model.", ".connector."))
 
 
 @pytest.fixture(scope="module")
@@ -229,18 +222,15 @@ def smolvlm_gguf(tmp_path_factory, smollm2_gguf):
     from gguf import GGMLQuantizationType as QT
 
     from llmserve.gguf_meta import open_gguf, read_metadata
-    from tests.gguf_writer import write_gguf, write_mmproj
+    from tests.gguf_writer import with_control_tokens, write_gguf, write_mmproj
     from tests.tiny_models import randomize
 
     folder = tmp_path_factory.mktemp("smolvlm-gguf")
     meta = read_metadata(open_gguf(smollm2_gguf))
     tokenizer = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
-    tokens = list(tokenizer["tokenizer.ggml.tokens"])
-    types = list(tokenizer.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    image = len(tokens)
-    tokenizer["tokenizer.ggml.tokens"] = tokens + [
-        "<image>", "<fake_token_around_image>", "<global-img>"]
-    tokenizer["tokenizer.ggml.token_type"] = types + [3, 3, 3]
+    tokenizer, image = with_control_tokens(tokenizer, [
+        "<image>", "<fake_token_around_image>", "<global-img>"])
+    tokens = tokenizer["tokenizer.ggml.tokens"][:image]
     text = transformers.LlamaConfig(vocab_size=len(tokens) + 3, hidden_size=64,
                                     intermediate_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=2,

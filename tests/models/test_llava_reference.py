@@ -241,12 +241,19 @@ def test_a_text_model_refuses_images(smollm2_llm):
 
 
 def test_the_memory_calculator_counts_the_tower(llava):
+    # SigLIP's pooling head is never loaded
+    assert_memory_counts(llava[2], llava[3].engine.loaded.config,
+                         (".vision_tower.", ".multi_modal_projector."), ".vision_tower.head.")
+
+
+def assert_memory_counts(reference, config, image_parts: tuple[str, ...],
+                         unloaded: str | None = None) -> None:
+    """`llmserve memory`'s counts equal transformers' model's parameters: the image side
+    (names holding one of `image_parts`) and the whole (less those named `unloaded`)."""
     from llmserve.memory import parameter_counts, vision_parameter_count
 
-    reference, config = llava[2], llava[3].engine.loaded.config
     held = {name: p.numel() for name, p in reference.named_parameters()
-            if ".vision_tower.head." not in name}  # SigLIP's pooling head is never loaded
-    image_side = sum(n for name, n in held.items()
-                     if ".vision_tower." in name or ".multi_modal_projector." in name)
+            if unloaded is None or unloaded not in name}
+    image_side = sum(n for name, n in held.items() if any(p in name for p in image_parts))
     assert vision_parameter_count(config) == image_side
     assert parameter_counts(config)[0] == sum(held.values())

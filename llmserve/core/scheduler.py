@@ -226,7 +226,7 @@ class Scheduler:
         whole (`SchedulerConfig.whole_images`) and the chunk would end inside one: up to
         that image when the chunk starts before it, else through its end (past the
         budget by less than an image)."""
-        if not self.config.whole_images or not request.mm_inputs:
+        if not self.config.whole_images or not request.mm_inputs or num_new == 0:
             return num_new
         end = start + num_new
         for image in request.mm_inputs:

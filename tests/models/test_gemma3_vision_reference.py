@@ -214,6 +214,7 @@ def test_a_chunk_never_ends_inside_an_image():
     assert scheduler._chunk(request, 9, 8) == 12  # from inside it (a prefix hit) to its end
     assert scheduler._chunk(request, 21, 8) == 8  # text only
     assert scheduler._chunk(request, 25, 8) == 5
+    assert scheduler._chunk(request, 9, 0) == 0  # no budget left: nothing, not the image
     plain = Scheduler(SchedulerConfig(max_num_batched_tokens=8), KVCacheManager(64, 16, False))
     assert plain._chunk(request, 0, 8) == 8  # LLaVA's images may be split
 

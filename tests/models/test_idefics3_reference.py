@@ -292,3 +292,10 @@ def test_the_default_path_runs_the_tower_in_bfloat16_on_amx(smolvlm_folder, monk
     assert ((ours - ref).norm() / ref.norm()).item() < 0.02
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     assert not model_loader.fast_bf16_matmul()
+
+
+def test_llmserve_memory_says_what_a_tile_costs(smolvlm_folder):
+    from llmserve.entrypoints.cli.memory_report import memory_report
+
+    report = memory_report(str(smolvlm_folder), 1, 256, "float32", None, "64MiB", 16)
+    assert f"each image takes {TOKENS_PER_TILE} tokens a tile (a tile of 32 px" in report

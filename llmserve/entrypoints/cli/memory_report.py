@@ -117,8 +117,7 @@ def memory_report(
         lines.insert(2, f"images        a {vision.tower.upper()} tower of "
                         f"{vision.num_hidden_layers} layers x {vision.hidden_size} and the "
                         f"projector: {vision_parameter_count(cfg):,} parameters (float, in "
-                        f"the weights); each image takes {vision.tokens_per_image} tokens "
-                        f"of the context and KV")
+                        f"the weights); {_image_tokens(vision)} of the context and KV")
     if tensor_parallel_size > 1:
         lines += _rank_lines(cfg, tensor_parallel_size, weight_dtype, method, kv_torch_dtype,
                              budget, block_size)
@@ -205,3 +204,12 @@ def _kv_dtype(name: str | None, weight_dtype: torch.dtype) -> torch.dtype:
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _image_tokens(vision) -> str:
+    """What an image costs in the context: its tokens, or a tiled model's per tile."""
+    if vision.tiled:  # Idefics3 / SmolVLM: 1 tile for a small image, rows x cols + 1 else
+        return (f"each image takes {vision.tokens_per_image} tokens a tile (a tile of "
+                f"{vision.image_size} px; an image is cut into up to rows x columns of them "
+                f"plus the whole)")
+    return f"each image takes {vision.tokens_per_image} tokens"

@@ -305,7 +305,8 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
     if errors[0].get("type") == "json_invalid":
         error = errors[0].get("ctx", {}).get("error", "")
         return f"invalid JSON in the request body: {error}", None
-    located = [(_field_path(e.get("loc", ())), e) for e in errors]
+    located = [(_field_path(e.get("loc", ()), e.get("type") == "extra_forbidden"), e)
+               for e in errors]
     root = located[0][0][:1]
     same_field = [(loc, e) for loc, e in located if loc[:1] == root]
     loc, error = max(same_field, key=lambda le: (not le[1].get("type", "").endswith("_type"),
@@ -320,11 +321,16 @@ def describe_validation_error(errors: list[Any]) -> tuple[str, str | None]:
     return f"{param}: {error.get('msg')}", param
 
 
-def _field_path(loc: tuple[Any, ...]) -> list[str | int]:
+def _field_path(loc: tuple[Any, ...], unknown_key: bool = False) -> list[str | int]:
     """A pydantic error location less "body" and the names pydantic gives union branches
-    ("str", "list[int]", "constrained-str")."""
-    return [p for p in loc if isinstance(p, int) or p != "body" and not any(c in p for c in "[]-")
+    ("str", "list[int]", "constrained-str"); with `unknown_key` (a key refused as extra)
+    its last part is the key as the request wrote it, kept whatever it holds (a fuzzed
+    key with a "[" in it was taken for a branch name, and the 400 named no field)."""
+    *path, last = loc or ("",)
+    kept = [p for p in (loc if not unknown_key else path)
+            if isinstance(p, int) or p != "body" and not any(c in p for c in "[]-")
             and p not in ("str", "int", "float", "bool")]
+    return kept + [last] if unknown_key and loc else kept
 
 
 class AuthMiddleware:

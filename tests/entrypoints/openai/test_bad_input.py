@@ -251,6 +251,17 @@ def test_tokenize_honours_what_it_accepts(server, tokenizer):
     assert strs["token_strs"] == [tokenizer.id_to_token(i) for i in strs["tokens"]]
 
 
+def test_a_refused_unknown_key_is_named_whatever_it_holds(server):
+    """/tokenize refuses keys it does not define; a key with brackets or a dash in it (as
+    the fuzzer sent: "Ni\\x05A...([...\\b") is named as written, not taken for a union
+    branch's name and dropped (which left "the request body must be a JSON object")."""
+    with server.http() as http:
+        for key in ("a[0]-b", "([\U00024098\b"):
+            error = _check_error(http.post("/tokenize", json={"prompt": "hi", key: 1}), 400,
+                                 key)
+            assert error["param"] == key
+
+
 def test_a_refused_field_is_not_logged_as_ignored(server, caplog):
     """A field the route refuses gets its 400, not also an "ignoring" line in the log; a
     field nobody defines is logged as ignored."""

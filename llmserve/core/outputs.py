@@ -112,6 +112,11 @@ class SchedulerOutput:
     # the grammar bitmask rows of the constrained requests sampled this step (a
     # structured.GrammarStep: rows keyed by (request id, draft j)); None: none constrained
     grammar: Any = None
+    # images (multimodal.ImageInput) whose rows requests wait for, to encode a slice of
+    # beside this step's tokens, first asked first; hashes of rows or encodes in progress
+    # to drop after the step (core/image_encodes.py)
+    encode_images: list[Any] = field(default_factory=list)
+    drop_images: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -134,7 +139,8 @@ class ModelRunnerOutput:
     `pooler_output[i]`: a pooling request's output (a float32 CPU tensor: its embedding or
     class scores) at the step its prompt's last chunk ran, else None.
     `tier_loaded[request_id]`: how many leading blocks of its `TierLoad` arrived intact;
-    `tier_load_seconds`: the step's time reading them.
+    `tier_load_seconds`: the step's time reading them. `encoded_images`: the hashes of
+    the asked images (`SchedulerOutput.encode_images`) whose rows are ready.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -144,6 +150,7 @@ class ModelRunnerOutput:
     pooler_output: list[Any] = field(default_factory=list)
     tier_loaded: dict[str, int] = field(default_factory=dict)
     tier_load_seconds: float = 0.0
+    encoded_images: list[str] = field(default_factory=list)
 
     @classmethod
     def empty(cls, req_ids: list[str]) -> "ModelRunnerOutput":

@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmserve.config.engine import SCHEDULING_POLICIES
+from llmserve.core.image_encodes import ImageEncodes
 from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.outputs import (
     KVLoad,
@@ -111,6 +112,7 @@ class Scheduler:
         self._scheduled_at = 0.0  # when the step in flight was handed to the runner
         # static policy: the unfinished members of the batch being run (empty: none runs)
         self.batch: set[Request] = set()
+        self.images = ImageEncodes()  # the images' rows the runner holds or encodes
 
     # ---- admission and removal -------------------------------------------------------
 
@@ -218,20 +220,28 @@ class Scheduler:
             if not self.kv.allocate_slots(request, num_new, hits):
                 break  # wait for running requests to free blocks
             self._admit(request, num_hit)
-            self._emit(request, num_new, out)
-            budget -= num_new
+            if num_new:  # (else it runs once its image is encoded)
+                self._emit(request, num_new, out)
+                budget -= num_new
 
     def _chunk(self, request: Request, start: int, num_new: int) -> int:
-        """`num_new` tokens from `start`, or where the model's images must be computed
-        whole (`SchedulerConfig.whole_images`) and the chunk would end inside one: up to
-        that image when the chunk starts before it, else through its end (past the
-        budget by less than an image)."""
-        if not self.config.whole_images or not request.mm_inputs or num_new == 0:
+        """`num_new` tokens from `start`, stopping short of the first image whose rows
+        the runner does not hold yet (which is asked for: `ImageEncodes`); and where the
+        model's images must be computed whole (`SchedulerConfig.whole_images`) and the
+        chunk would end inside one: up to that image when the chunk starts before it,
+        else through its end (past the budget by less than an image)."""
+        if not request.mm_inputs or num_new == 0:
             return num_new
         end = start + num_new
-        for image in request.mm_inputs:
+        for image in request.mm_inputs:  # in prompt order
             image_end = image.offset + image.length
-            if image.offset < end < image_end:
+            if image_end <= start:
+                continue
+            if image.offset >= end:
+                break
+            if not self.images.ready(image):
+                return max(0, image.offset - start)
+            if self.config.whole_images and end < image_end:
                 return image.offset - start if image.offset > start else image_end - start
         return num_new
 
@@ -377,7 +387,15 @@ class Scheduler:
     def _finish_output(self, out: SchedulerOutput) -> None:
         """What the step's final batch implies: prompt tokens computed, prompts whose KV
         goes to a decode engine once their first token is sampled."""
+        self.images.finish_output(out, self.requests.values())
+        # the step's requests: those it computes for and those whose images it encodes
         self.last_scheduled_ids = [s.request_id for s in out.scheduled]
+        if out.encode_images:
+            asked = {image.hash for image in out.encode_images}
+            self.last_scheduled_ids += [
+                r.request_id for r in self.requests.values()
+                if r.request_id not in self.last_scheduled_ids
+                and any(image.hash in asked for image in r.mm_inputs)]
         out.tier_saves = self.kv.take_filled_blocks()
         self._step_prefill_tokens = 0
         for s in out.scheduled:
@@ -404,6 +422,7 @@ class Scheduler:
         self.resume_cost.observe_step(self._step_prefill_tokens,
                                       time.perf_counter() - self._scheduled_at)
         self._finish_loads(out, result)
+        self.images.update(result.encoded_images)
         updates = []
         scheduled: list[Request | None] = []  # each row's request (None: aborted since)
         for load in out.kv_loads:

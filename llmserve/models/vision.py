@@ -7,6 +7,8 @@ follow Hugging Face's `CLIPVisionModel` / `SiglipVisionModel` under `vision_towe
 `LlavaMultiModalProjector` / `Gemma3MultiModalProjector` under `multi_modal_projector.`.
 """
 
+from collections.abc import Generator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,7 +106,12 @@ class VisionEncoderLayer(nn.Module):
         self.mlp = VisionMLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+        return self.feed_forward(self.attend(x))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.self_attn(self.layer_norm1(x))
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.mlp(self.layer_norm2(x))
 
 
@@ -131,12 +138,31 @@ class VisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(N, C, S, S) -> the feature layer's hidden states (N, P (+1), hidden)."""
+        return run_slices(self.slices(pixel_values))
+
+    def slices(self, pixel_values: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """`forward` a slice at a time: it yields after the embeddings and after each
+        layer's attention and its MLP, and returns the features. The same ops in the same
+        order as `forward`, whoever interleaves what between the slices."""
         x = self.embeddings(pixel_values)
         if self.pre_layrnorm is not None:
             x = self.pre_layrnorm(x)
+        yield
         for layer in self.encoder.layers[: self.config.layers_run]:
-            x = layer(x)
+            x = layer.attend(x)
+            yield
+            x = layer.feed_forward(x)
+            yield
         return self.post_layernorm(x) if self.config.normed_output else x
+
+
+def run_slices(slices: Generator[None, None, torch.Tensor]) -> torch.Tensor:
+    """A sliced computation's result, its slices run back to back."""
+    while True:
+        try:
+            next(slices)
+        except StopIteration as done:
+            return done.value
 
 
 class MultiModalProjector(nn.Module):

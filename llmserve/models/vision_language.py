@@ -10,9 +10,12 @@ whose image tokens' embeddings are the projected image features.
 
 The decoder is the text model's class itself, so everything the text path has (the
 native stack, quantized linears, LoRA, the compiled step) runs unchanged; the image side
-(`VisionLanguageModel`) adds `encode_images`, which the model runner calls on the step
-that first needs an image's tokens, and `forward`'s `embeds`, which put the rows in place.
+(`VisionLanguageModel`) adds `encode_slices` (`encode_images` a slice at a time), which
+the model runner runs a few slices per step beside the other requests' tokens until an
+image's rows are ready, and `forward`'s `embeds`, which put the rows in place.
 """
+
+from collections.abc import Generator
 
 import torch
 
@@ -21,7 +24,7 @@ from llmserve.distributed.parallel import ShardPlan
 from llmserve.errors import UnsupportedModelError
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
-from llmserve.models.vision import VisionTower, projector_class
+from llmserve.models.vision import VisionTower, projector_class, run_slices
 
 # a checkpoint's prefixes (transformers 4.x and 5.x layouts) -> the model's
 NAME_PREFIXES = (
@@ -77,7 +80,13 @@ class VisionLanguageModel:
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(N, C, S, S) preprocessed images -> (N, tokens_per_image, hidden_size), the rows
         each image's tokens take in the decoder."""
-        features = self.vision_tower(pixel_values)
+        return run_slices(self.encode_slices(pixel_values))
+
+    def encode_slices(self, pixel_values: torch.Tensor
+                      ) -> Generator[None, None, torch.Tensor]:
+        """`encode_images` a slice at a time (`VisionTower.slices`): the model runner runs
+        a few slices per step beside the other requests' tokens."""
+        features = yield from self.vision_tower.slices(pixel_values)
         if self.config.vision.select_strategy == "default":
             features = features[:, 1:]  # CLIP's class token (a SigLIP's first patch)
         return self.multi_modal_projector(features)

@@ -9,13 +9,15 @@ of other ranks (an executor drives one runner per rank, `executor/`).
         rows dropped / added, new block ids  (InputBatch.update)
         KV loads written                     (kv_connector.load_kv, disaggregated decode)
         KV tier blocks read in               (kv_tier.load; their requests compute nothing)
-        images the step's tokens need encoded (encoder_cache: once per image)
+        slices of the asked images' encodes  (encoder_cache: once per image, beside the
+                                             step's tokens, never a whole image in a step)
         forward over the flat batch          (image tokens take their image's rows)
         blocks the forward filled kept       (kv_tier.save: copied now, written off-step)
         prompt logprobs of prefill chunks
         pooling requests' chunks pooled; their outputs once their prompt is done
         logits at the sample positions (at each draft too) -> grammar masks -> sample
         KV saves sent                        (kv_connector.save_kv, disaggregated prefill)
+        images the scheduler evicts dropped
 """
 
 import time
@@ -30,7 +32,7 @@ from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.layers.pooler import Pooler
-from llmserve.worker.encoder_cache import EncoderCache
+from llmserve.worker.encoder_cache import IDLE_BUDGET_S, STEP_BUDGET_S, EncoderCache
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
 from llmserve.worker.rejection_sampler import verify
@@ -65,7 +67,7 @@ class ModelRunner:
         self.attention = attention or attention_backend(self.device)
         self.input_batch = InputBatch(max_num_seqs, self.block_size, self.device)
         # a vision-language model's encoder outputs by image (None: a text model)
-        encode = getattr(model, "encode_images", None)
+        encode = getattr(model, "encode_slices", None)
         self.encoder_cache = None if encode is None else EncoderCache(
             lambda pixels: encode(pixels.to(self.device)))
         vision = getattr(getattr(model, "config", None), "vision", None)
@@ -76,6 +78,13 @@ class ModelRunner:
         """Run the step: sample for every request whose chunk ends its tokens (within its
         grammar's mask, `out.grammar`, for structured output), and gather the logprobs
         and prompt logprobs asked for."""
+        try:
+            return self._execute(out)
+        finally:
+            if out.drop_images:
+                self.encoder_cache.drop(out.drop_images)
+
+    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.input_batch
         batch.update(out)
         for load in out.kv_loads:  # prompts a prefill engine computed
@@ -83,6 +92,9 @@ class ModelRunner:
         result = ModelRunnerOutput.empty([s.request_id for s in out.scheduled])
         if out.tier_loads:
             self._load_from_tier(out, result)
+        if out.encode_images:
+            result.encoded_images = self.encoder_cache.advance(
+                out.encode_images, STEP_BUDGET_S if out.scheduled else IDLE_BUDGET_S)
         if not out.scheduled:
             return result
         step = batch.prepare(out.scheduled, self.attention)

@@ -147,7 +147,8 @@ def test_greedy_matches_reference_in_a_chat_of_several_turns(idefics3):
     assert ids.count(IDEFICS3_IMAGE_ID) == pixels.shape[1] * TOKENS_PER_TILE
     with torch.inference_mode():
         generated = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
-                                       max_new_tokens=12, min_new_tokens=12, do_sample=False)
+                                       max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                       eos_token_id=None)
     assert out.outputs[0].token_ids == generated[0, len(ids):].tolist()
 
 
@@ -265,7 +266,8 @@ def test_gguf_with_a_smolvlm_projector_file_matches_transformers(smolvlm_gguf):
     assert ids.count(image_token) == pixels.shape[1] * TOKENS_PER_TILE == 10 * TOKENS_PER_TILE
     with torch.inference_mode():
         generated = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
-                                       max_new_tokens=12, min_new_tokens=12, do_sample=False)
+                                       max_new_tokens=12, do_sample=False, pad_token_id=0,
+                                       eos_token_id=None)
     assert out.outputs[0].token_ids == generated[0, len(ids):].tolist()
 
 

@@ -62,7 +62,7 @@ def reference_tokens(llava, image_token: int, ids: list[int], image_positions: l
     pixels = torch.from_numpy(np.asarray(processor(images, return_tensors="np")["pixel_values"]))
     with torch.inference_mode():
         out = llava.generate(input_ids=torch.tensor([ref_ids]), pixel_values=pixels,
-                             max_new_tokens=10, min_new_tokens=10, do_sample=False)
+                             max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(ids):].tolist()
 
 

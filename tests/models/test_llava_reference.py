@@ -20,6 +20,7 @@ from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.multimodal import ImageError, ImageProcessor, to_rgb
+from llmserve.worker import model_runner
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.tiny_models import IMAGE_TOKEN_ID, save_tiny_llava
 
@@ -53,7 +54,8 @@ def reference_pixels(tower: str, folder, images) -> torch.Tensor:
 def reference_greedy(reference, ids: list[int], pixels: torch.Tensor, n: int) -> list[int]:
     with torch.inference_mode():
         out = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
-                                 max_new_tokens=n, min_new_tokens=n, do_sample=False)
+                                 max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)  # EOS a token like any other
     return out[0, len(ids):].tolist()
 
 
@@ -190,6 +192,32 @@ def test_batching_chunking_preemption_and_cache_hits_change_no_output(llava):
     many = prompts * 3
     assert token_ids(tight.generate(many, GREEDY, use_tqdm=False)) == alone * 3
     assert tight.engine.scheduler.num_preemptions > 0
+
+
+def test_an_image_is_encoded_a_slice_a_step_while_the_others_decode(llava, monkeypatch):
+    """With one slice a step, the text request gets a token on every step of the image's
+    encode (its embeddings, each layer's attention and MLP, the projector), the image
+    request waits at its image meanwhile, and its tokens are those it gets alone."""
+    _, _, _, llm = llava
+    monkeypatch.setattr(model_runner, "STEP_BUDGET_S", 0.0)
+    engine = Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=llm.engine.loaded)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    text_id = engine.add_request("USER: a text prompt ASSISTANT:", params)
+    engine.step()  # its prompt
+    image_id = engine.add_request(image_prompt(12), GREEDY)
+    cache = engine.executor.runner.encoder_cache
+    num_slices = 1 + 2 * llm.engine.loaded.config.vision.layers_run
+    for i in range(num_slices):
+        got = {o.request_id for o in engine.step()}
+        assert text_id in got and image_id not in got
+        assert cache.num_slices == i + 1 and cache.num_encoded == 0
+    engine.step()  # the last step runs the projector: the image request goes on next
+    assert cache.num_encoded == 1
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outputs[image_id].outputs[0].token_ids == token_ids(
+        llm.generate(image_prompt(12), GREEDY, use_tqdm=False))[0]
 
 
 def test_the_same_image_hits_the_prefix_cache_and_another_never_does(llava):

@@ -239,6 +239,8 @@ def main() -> int:
     parser.add_argument("--streams", default="1,16")
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--llama-server", type=Path, default=ANCHORS / "bin/llama-server")
+    parser.add_argument("--beside", type=int, default=4,
+                        help="text streams timed beside image chats (0: not measured)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     kind, per_image = "mlp", None
@@ -255,7 +257,8 @@ def main() -> int:
         write_projector(projector, args.tower, decoder_width(args.gguf), kind=kind)
     widest = max(int(s) for s in args.streams.split(","))
     common = ["--streams", args.streams, "--requests-per-stream",
-              str(args.requests_per_stream), "--output-len", str(OUTPUT_LEN)]
+              str(args.requests_per_stream), "--output-len", str(OUTPUT_LEN),
+              "--beside", str(args.beside)]
     results: dict = {"gguf": str(args.gguf), "tower": args.tower, "projector": str(projector),
                      "family": args.family}
     with LoadMonitor() as monitor:
@@ -299,7 +302,7 @@ def main() -> int:
 def summary_table(results: dict) -> str:
     ours, peer = results["llmserve"], results["llama.cpp"]
     lines = [f"tower {results['tower']}, decoder {Path(results['gguf']).name}",
-             f"{'measure':<28}{'llmserve':>10}{'llama.cpp':>11}{'ratio':>8}"]
+             f"{'measure':<44}{'llmserve':>10}{'llama.cpp':>11}{'ratio':>8}"]
     encode = ours["encode"]["encode_ms"], peer["encode_ms"]
     lines.append(_row("image encode, ms per image", *encode, lower_is_better=True))
     for a, b in zip(ours["runs"], peer["runs"], strict=True):
@@ -307,6 +310,15 @@ def summary_table(results: dict) -> str:
         lines.append(_row(f"TTFT p50 s, {s} stream(s)", a["ttft_p50_s"], b["ttft_p50_s"],
                           lower_is_better=True))
         lines.append(_row(f"output tok/s, {s} stream(s)", a["tok_s"], b["tok_s"]))
+    if "beside" in ours:
+        n = ours["beside"]["text_streams"]
+        for phase in ("alone", "beside"):
+            lines.append(_row(f"{n} text streams {phase} images: largest gap ms",
+                              ours["beside"][phase]["gap_max_ms"],
+                              peer["beside"][phase]["gap_max_ms"], lower_is_better=True))
+            lines.append(_row(f"{n} text streams {phase} images: tok/s",
+                              ours["beside"][phase]["text_tok_s"],
+                              peer["beside"][phase]["text_tok_s"]))
     lines.append("ratio: llmserve / llama.cpp (times: below 1 is faster; tok/s: above 1)")
     return "\n".join(lines)
 
@@ -316,7 +328,7 @@ def _row(label: str, ours: float | None, peer: float | None,
     ratio = "-" if not ours or not peer else f"{ours / peer:.2f}x"
     def fmt(x: float | None) -> str:
         return "-" if x is None else f"{x:.2f}"
-    return f"{label:<28}{fmt(ours):>10}{fmt(peer):>11}{ratio:>8}"
+    return f"{label:<44}{fmt(ours):>10}{fmt(peer):>11}{ratio:>8}"
 
 
 if __name__ == "__main__":

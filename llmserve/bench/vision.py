@@ -5,6 +5,9 @@ llama.cpp's `llama-server --mmproj`, vLLM), and the image encoder's own time in 
   each with an image of its own (random pixels: never a cache hit) and a short question,
   streamed, greedy, `output_len` tokens (ignore_eos); TTFT p50 and output tokens a second
   over the level's wall time.
+* **Beside** (`beside_images`, with `beside` text streams): text chats streaming while
+  one-image chats run one after another; the text streams' largest gap between tokens
+  against their gaps alone (an image encoded inside one step stalls every stream).
 * **Encode** (`encode_image_ms`, in process): the vision tower and projector on one
   preprocessed image, the median of `repeats` runs after one warm-up.
 """
@@ -23,6 +26,7 @@ import numpy as np
 from llmserve.errors import LLMServeError
 
 QUESTION = "Describe this picture in detail."
+TEXT_LEN = 64  # the tokens of each text chat beside the images
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,9 @@ class VisionBenchConfig:
     output_len: int = 32
     image_side: int = 512  # the random images' width and height, in pixels
     seed: int = 0
+    # text chats streaming while one-image chats run one after another (0: not measured)
+    beside: int = 0
+    beside_images: int = 2
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1 or self.requests_per_stream < 1:
@@ -127,11 +134,91 @@ def run_vision_bench(config: VisionBenchConfig) -> dict[str, Any]:
         images = [random_png(config.image_side, seed + 1 + len(runs) * 1000 + i)
                   for i in range(count)]
         runs.append(one_level(config, streams, images))
-    return {"config": {"base_url": config.base_url, "model": config.model,
-                       "streams": list(config.streams),
-                       "requests_per_stream": config.requests_per_stream,
-                       "output_len": config.output_len, "image_side": config.image_side},
-            "runs": runs}
+    report = {"config": {"base_url": config.base_url, "model": config.model,
+                         "streams": list(config.streams),
+                         "requests_per_stream": config.requests_per_stream,
+                         "output_len": config.output_len, "image_side": config.image_side},
+              "runs": runs}
+    if config.beside:
+        report["beside"] = beside_images(config, config.beside, [
+            random_png(config.image_side, seed + 90_000 + i)
+            for i in range(config.beside_images)])
+    return report
+
+
+def _text_body(config: VisionBenchConfig) -> dict[str, Any]:
+    return {"model": config.model, "stream": True, "temperature": 0,
+            "max_tokens": TEXT_LEN, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Tell me a long story."}]}
+
+
+def _token_times(http: httpx.Client, url: str, body: dict[str, Any]) -> list[float]:
+    """When each streamed chunk with text arrived (monotonic seconds)."""
+    times = []
+    with http.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            raise LLMServeError(f"{response.status_code}: {response.read()[:300]!r}")
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"content"' in line and \
+                    '"content":""' not in line.replace(" ", ""):
+                times.append(time.monotonic())
+    return times
+
+
+def beside_images(config: VisionBenchConfig, text_streams: int, images: list[bytes],
+                  alone_s: float = 10.0) -> dict[str, Any]:
+    """`text_streams` text chats streaming back to back: for `alone_s` seconds alone, then
+    while the one-image chats of `images` run one after another. Per phase, the text
+    streams' gaps between tokens of a chat (p50 and the largest) and their tokens a
+    second; and each image chat's TTFT. An image encoded inside a step shows as the
+    largest gap: every stream waits for it."""
+    url = f"{config.base_url.rstrip('/')}/v1/chat/completions"
+    chats: list[list[float]] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def text_stream() -> None:
+        with httpx.Client(timeout=1800) as http:
+            while not stop.is_set():
+                try:
+                    times = _token_times(http, url, _text_body(config))
+                except (LLMServeError, httpx.HTTPError) as e:
+                    with lock:
+                        errors.append(str(e))
+                    return
+                with lock:
+                    chats.append(times)
+
+    threads = [threading.Thread(target=text_stream) for _ in range(text_streams)]
+    for t in threads:
+        t.start()
+    time.sleep(alone_s / 2)  # every stream decoding
+    alone = (time.monotonic(), time.monotonic() + alone_s)
+    time.sleep(alone_s)
+    ttfts = []
+    beside_start = time.monotonic()
+    with httpx.Client(timeout=1800) as http:
+        for image in images:
+            ttfts.append(_one_chat(http, url, _chat_body(config, image))["ttft_s"])
+    beside = (beside_start, time.monotonic())
+    stop.set()
+    for t in threads:
+        t.join()
+    if errors:
+        raise LLMServeError(f"{len(errors)} text request(s) failed: {errors[0]}")
+
+    def phase(window: tuple[float, float]) -> dict[str, float]:
+        gaps = [b - a for times in chats for a, b in zip(times, times[1:], strict=False)
+                if window[0] <= b <= window[1]]
+        tokens = sum(window[0] <= t <= window[1] for times in chats for t in times)
+        seconds = window[1] - window[0]
+        return {"seconds": seconds, "text_tok_s": tokens / seconds,
+                "gap_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
+                "gap_max_ms": 1000 * max(gaps) if gaps else None}
+
+    return {"text_streams": text_streams, "images": len(images), "alone": phase(alone),
+            "beside": phase(beside), "image_ttft_s": ttfts}
 
 
 def encode_image_ms(model: str, mmproj: str | None = None, repeats: int = 3,
@@ -177,4 +264,14 @@ def format_vision_bench(report: dict[str, Any]) -> str:
     for run in report["runs"]:
         lines.append(f"  {run['streams']:>7} {run['requests']:>9} {run['ttft_p50_s']:>11.2f} "
                      f"{run['tok_s']:>8.2f} {run['wall_s']:>8.1f}")
+    if "beside" in report:
+        b = report["beside"]
+        lines.append(f"{b['text_streams']} text streams, then beside {b['images']} one-image "
+                     f"chats run one after another (image TTFT "
+                     f"{', '.join(f'{t:.1f}' for t in b['image_ttft_s'])} s):")
+        lines.append(f"  {'phase':>7} {'text tok/s':>11} {'gap p50 ms':>11} {'gap max ms':>11}")
+        for name in ("alone", "beside"):
+            p = b[name]
+            lines.append(f"  {name:>7} {p['text_tok_s']:>11.2f} {p['gap_p50_ms'] or 0:>11.0f} "
+                         f"{p['gap_max_ms'] or 0:>11.0f}")
     return "\n".join(lines)

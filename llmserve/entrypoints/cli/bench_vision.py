@@ -28,7 +28,8 @@ def cmd_bench_vision(args: argparse.Namespace) -> int:
         if args.base_url is not None:
             report = run_vision_bench(VisionBenchConfig(
                 args.base_url, args.served_model or "default", streams,
-                args.requests_per_stream, args.output_len, args.image_side))
+                args.requests_per_stream, args.output_len, args.image_side,
+                beside=args.beside))
         else:
             report = _against_own_server(args, streams)
         if encode is not None:
@@ -49,7 +50,7 @@ def _against_own_server(args: argparse.Namespace, streams: tuple[int, ...]) -> d
         url = server.wait_until_serving()
         return run_vision_bench(VisionBenchConfig(
             url, server.model_name, streams, args.requests_per_stream, args.output_len,
-            args.image_side))
+            args.image_side, beside=args.beside))
     finally:
         server.stop()
 
@@ -67,6 +68,9 @@ def _arguments(vi: argparse.ArgumentParser) -> None:
     vi.add_argument("--output-len", type=int, default=32)
     vi.add_argument("--image-side", type=int, default=512,
                     help="the random images' side in pixels (default 512)")
+    vi.add_argument("--beside", type=int, default=0, metavar="N",
+                    help="then N text chats streaming while two one-image chats run: their "
+                    "largest gap between tokens against their gaps alone (default 0: not run)")
     vi.add_argument("--output-json", metavar="FILE", help="write every figure as JSON")
 
 

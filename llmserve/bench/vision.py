@@ -6,8 +6,9 @@ llama.cpp's `llama-server --mmproj`, vLLM), and the image encoder's own time in 
   streamed, greedy, `output_len` tokens (ignore_eos); TTFT p50 and output tokens a second
   over the level's wall time.
 * **Beside** (`beside_images`, with `beside` text streams): text chats streaming while
-  one-image chats run one after another; the text streams' largest gap between tokens
-  against their gaps alone (an image encoded inside one step stalls every stream).
+  one-image chats run one after another; the longest time no text stream got a token
+  and their gaps between tokens, against the same alone (an image encoded inside one
+  step stalls every stream).
 * **Encode** (`encode_image_ms`, in process): the vision tower and projector on one
   preprocessed image, the median of `repeats` runs after one warm-up.
 """
@@ -169,9 +170,10 @@ def beside_images(config: VisionBenchConfig, text_streams: int, images: list[byt
                   alone_s: float = 10.0) -> dict[str, Any]:
     """`text_streams` text chats streaming back to back: for `alone_s` seconds alone, then
     while the one-image chats of `images` run one after another. Per phase, the text
-    streams' gaps between tokens of a chat (p50 and the largest) and their tokens a
-    second; and each image chat's TTFT. An image encoded inside a step shows as the
-    largest gap: every stream waits for it."""
+    streams' gaps between tokens of a chat (p50 and the largest), the longest time no
+    text stream got any text (an image encoded inside one step: every stream waits for
+    it; one chat's largest gap also counts text a detokenizer holds back, a random
+    model's partial characters), their tokens a second; and each image chat's TTFT."""
     url = f"{config.base_url.rstrip('/')}/v1/chat/completions"
     chats: list[list[float]] = []
     errors: list[str] = []
@@ -208,14 +210,17 @@ def beside_images(config: VisionBenchConfig, text_streams: int, images: list[byt
     if errors:
         raise LLMServeError(f"{len(errors)} text request(s) failed: {errors[0]}")
 
-    def phase(window: tuple[float, float]) -> dict[str, float]:
+    def phase(window: tuple[float, float]) -> dict[str, float | None]:
         gaps = [b - a for times in chats for a, b in zip(times, times[1:], strict=False)
                 if window[0] <= b <= window[1]]
-        tokens = sum(window[0] <= t <= window[1] for times in chats for t in times)
+        every = sorted(t for times in chats for t in times if window[0] <= t <= window[1])
+        silences = [b - a for a, b in zip([window[0], *every], [*every, window[1]],
+                                          strict=True)]
         seconds = window[1] - window[0]
-        return {"seconds": seconds, "text_tok_s": tokens / seconds,
+        return {"seconds": seconds, "text_tok_s": len(every) / seconds,
                 "gap_p50_ms": 1000 * statistics.median(gaps) if gaps else None,
-                "gap_max_ms": 1000 * max(gaps) if gaps else None}
+                "gap_max_ms": 1000 * max(gaps) if gaps else None,
+                "silence_max_ms": 1000 * max(silences)}
 
     return {"text_streams": text_streams, "images": len(images), "alone": phase(alone),
             "beside": phase(beside), "image_ttft_s": ttfts}
@@ -269,9 +274,10 @@ def format_vision_bench(report: dict[str, Any]) -> str:
         lines.append(f"{b['text_streams']} text streams, then beside {b['images']} one-image "
                      f"chats run one after another (image TTFT "
                      f"{', '.join(f'{t:.1f}' for t in b['image_ttft_s'])} s):")
-        lines.append(f"  {'phase':>7} {'text tok/s':>11} {'gap p50 ms':>11} {'gap max ms':>11}")
+        lines.append(f"  {'phase':>7} {'text tok/s':>11} {'gap p50 ms':>11} {'gap max ms':>11} "
+                     f"{'no text, max ms':>16}")
         for name in ("alone", "beside"):
             p = b[name]
             lines.append(f"  {name:>7} {p['text_tok_s']:>11.2f} {p['gap_p50_ms'] or 0:>11.0f} "
-                         f"{p['gap_max_ms'] or 0:>11.0f}")
+                         f"{p['gap_max_ms'] or 0:>11.0f} {p['silence_max_ms']:>16.0f}")
     return "\n".join(lines)

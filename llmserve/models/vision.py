@@ -15,6 +15,10 @@ from torch import nn
 
 from llmserve.config.vision import VisionConfig
 
+# the patches a slice of a layer's attention or MLP takes (`VisionEncoderLayer.slices`):
+# about 50 ms of a 4,096-patch SigLIP-400M layer in bfloat16 on 2 cores
+SLICE_ROWS = 1024
+
 
 def _activation(name: str):
     return {
@@ -75,15 +79,21 @@ class VisionAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every patch's key and value heads, (N, h, T, d) each."""
+        return self._heads(self.k_proj(x)), self._heads(self.v_proj(x))
+
+    def attend(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+               ) -> torch.Tensor:
+        """The attention output of `x`'s patches (some of the image's rows, or all), each
+        seeing every patch's key."""
         n, t, _ = x.shape
-
-        def heads(y: torch.Tensor) -> torch.Tensor:
-            return y.view(n, t, self.num_heads, self.head_dim).transpose(1, 2)  # (N, h, T, d)
-
-        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)),
-                                             heads(self.v_proj(x)))  # every patch sees all
+        out = F.scaled_dot_product_attention(self._heads(self.q_proj(x)), keys, values)
         return self.out_proj(out.transpose(1, 2).reshape(n, t, -1))
+
+    def _heads(self, y: torch.Tensor) -> torch.Tensor:
+        n, t, _ = y.shape
+        return y.view(n, t, self.num_heads, self.head_dim).transpose(1, 2)  # (N, h, T, d)
 
 
 class VisionMLP(nn.Module):
@@ -105,14 +115,27 @@ class VisionEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = VisionMLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.feed_forward(self.attend(x))
+    def slices(self, x: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+        """The layer on (N, T, hidden) a slice at a time: the keys and values, then the
+        attention and then the MLP `SLICE_ROWS` patches at a time (a patch's rows never
+        depend on the others' beyond its keys)."""
+        normed = self.layer_norm1(x)
+        keys, values = self.self_attn.keys_values(normed)
+        yield
+        attended = torch.empty_like(x)
+        for rows in _row_blocks(x.shape[1]):
+            attended[:, rows] = x[:, rows] + self.self_attn.attend(normed[:, rows], keys,
+                                                                    values)
+            yield
+        out = torch.empty_like(x)
+        for rows in _row_blocks(x.shape[1]):
+            out[:, rows] = attended[:, rows] + self.mlp(self.layer_norm2(attended[:, rows]))
+            yield
+        return out
 
-    def attend(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.self_attn(self.layer_norm1(x))
 
-    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.layer_norm2(x))
+def _row_blocks(num_rows: int) -> list[slice]:
+    return [slice(lo, min(lo + SLICE_ROWS, num_rows)) for lo in range(0, num_rows, SLICE_ROWS)]
 
 
 class VisionEncoder(nn.Module):
@@ -141,18 +164,15 @@ class VisionTower(nn.Module):
         return run_slices(self.slices(pixel_values))
 
     def slices(self, pixel_values: torch.Tensor) -> Generator[None, None, torch.Tensor]:
-        """`forward` a slice at a time: it yields after the embeddings and after each
-        layer's attention and its MLP, and returns the features. The same ops in the same
-        order as `forward`, whoever interleaves what between the slices."""
+        """`forward` a slice at a time: it yields after the embeddings and after each of a
+        layer's slices (`VisionEncoderLayer.slices`), and returns the features. The same
+        ops in the same order whoever interleaves what between the slices."""
         x = self.embeddings(pixel_values)
         if self.pre_layrnorm is not None:
             x = self.pre_layrnorm(x)
         yield
         for layer in self.encoder.layers[: self.config.layers_run]:
-            x = layer.attend(x)
-            yield
-            x = layer.feed_forward(x)
-            yield
+            x = yield from layer.slices(x)
         return self.post_layernorm(x) if self.config.normed_output else x
 
 

@@ -19,6 +19,7 @@ from llmserve.engine.input_processor import RequestRejected
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
+from llmserve.models import vision
 from llmserve.multimodal import ImageError, ImageProcessor, to_rgb
 from llmserve.worker import model_runner
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
@@ -121,6 +122,19 @@ def test_image_features_equal_transformers(llava):
     assert ours.shape == ref.shape and diff <= 1e-5
 
 
+def test_image_features_sliced_by_rows_equal_transformers(llava, monkeypatch):
+    """Each layer's attention and MLP a few patches at a time, as an image of thousands of
+    patches runs them beside other requests (`vision.SLICE_ROWS`)."""
+    tower, folder, reference, llm = llava
+    monkeypatch.setattr(vision, "SLICE_ROWS", 5)
+    pixels = reference_pixels(tower, folder, [random_image(2)])
+    with torch.inference_mode():
+        ours = llm.engine.loaded.model.encode_images(pixels)
+        ref = reference.get_image_features(pixels, vision_feature_layer=-2,
+                                           vision_feature_select_strategy="default")
+    assert (ours - torch.stack(list(ref.pooler_output))).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("num_images", [1, 2])
 def test_logits_match_reference(llava, num_images):
     tower, folder, reference, llm = llava
@@ -196,8 +210,9 @@ def test_batching_chunking_preemption_and_cache_hits_change_no_output(llava):
 
 def test_an_image_is_encoded_a_slice_a_step_while_the_others_decode(llava, monkeypatch):
     """With one slice a step, the text request gets a token on every step of the image's
-    encode (its embeddings, each layer's attention and MLP, the projector), the image
-    request waits at its image meanwhile, and its tokens are those it gets alone."""
+    encode (its embeddings; each layer's keys and values, attention, MLP; the projector),
+    the image request waits at its image meanwhile, and its tokens are those it gets
+    alone."""
     _, _, _, llm = llava
     monkeypatch.setattr(model_runner, "STEP_BUDGET_S", 0.0)
     engine = Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=llm.engine.loaded)
@@ -206,7 +221,9 @@ def test_an_image_is_encoded_a_slice_a_step_while_the_others_decode(llava, monke
     engine.step()  # its prompt
     image_id = engine.add_request(image_prompt(12), GREEDY)
     cache = engine.executor.runner.encoder_cache
-    num_slices = 1 + 2 * llm.engine.loaded.config.vision.layers_run
+    pixels = llm.engine.input_processor.images.processor(random_image(12))
+    num_slices = sum(1 for _ in llm.engine.loaded.model.encode_slices(pixels[None]))
+    assert num_slices == 1 + 3 * llm.engine.loaded.config.vision.layers_run  # one row block
     for i in range(num_slices):
         got = {o.request_id for o in engine.step()}
         assert text_id in got and image_id not in got

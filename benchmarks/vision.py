@@ -255,7 +255,8 @@ def main() -> int:
     projector = args.out / f"mmproj-{args.tower}-{args.gguf.stem}.gguf"
     if not projector.exists():
         write_projector(projector, args.tower, decoder_width(args.gguf), kind=kind)
-    widest = max(int(s) for s in args.streams.split(","))
+    # seats for the widest level, and for the text streams beside an image chat
+    widest = max(*(int(s) for s in args.streams.split(",")), args.beside + 1)
     common = ["--streams", args.streams, "--requests-per-stream",
               str(args.requests_per_stream), "--output-len", str(OUTPUT_LEN),
               "--beside", str(args.beside)]

@@ -42,6 +42,7 @@ class VisionBenchConfig:
     # text chats streaming while one-image chats run one after another (0: not measured)
     beside: int = 0
     beside_images: int = 2
+    beside_alone_s: float = 10.0  # the text streams timed alone first
 
     def __post_init__(self) -> None:
         if not self.streams or min(self.streams) < 1 or self.requests_per_stream < 1:
@@ -143,7 +144,7 @@ def run_vision_bench(config: VisionBenchConfig) -> dict[str, Any]:
     if config.beside:
         report["beside"] = beside_images(config, config.beside, [
             random_png(config.image_side, seed + 90_000 + i)
-            for i in range(config.beside_images)])
+            for i in range(config.beside_images)], config.beside_alone_s)
     return report
 
 

@@ -284,3 +284,22 @@ def test_image_urls_are_fetched_from_allowed_hosts_only(llava_llm, image_host, e
         refused = ask(s, f"{image_host}/picture.png")
         assert refused.status_code == 400
         assert "--allowed-media-domains" in refused.json()["error"]["message"]
+
+
+def test_bench_vision_times_text_streams_beside_image_chats(vision_server):
+    """`llmserve bench vision --beside`: the text streams' tokens a second, gaps and the
+    longest time none got text, alone and beside the image chats, and the images' TTFT."""
+    from llmserve.bench.vision import VisionBenchConfig, format_vision_bench, run_vision_bench
+
+    report = run_vision_bench(VisionBenchConfig(
+        vision_server.url, MODEL, streams=(1,), requests_per_stream=1, output_len=4,
+        image_side=64, beside=2, beside_images=2, beside_alone_s=1.0))
+    assert report["runs"][0]["requests"] == 1 and report["runs"][0]["output_tokens"] == 4
+    beside = report["beside"]
+    assert beside["text_streams"] == 2 and len(beside["image_ttft_s"]) == 2
+    for phase in ("alone", "beside"):
+        figures = beside[phase]
+        assert figures["text_tok_s"] > 0 and figures["gap_p50_ms"] > 0
+        assert 0 < figures["gap_p50_ms"] <= figures["gap_max_ms"]
+        assert 0 < figures["silence_max_ms"] <= 1000 * figures["seconds"]
+    assert "no text, max ms" in format_vision_bench(report)

@@ -8,7 +8,7 @@ from torch import nn
 from llmserve import LLM, SamplingParams
 from llmserve.loader.weights import LoadedWeights
 from llmserve.models.registry import model_class
-from tests.models.test_llama_reference import full_logits, reference_greedy
+from tests.models.test_llama_reference import LOGIT_TOLERANCE, full_logits, reference_greedy
 
 
 def random_ids(n: int, seed: int, vocab: int = 256) -> list[int]:
@@ -53,3 +53,25 @@ def check_engine_tokens(folder, reference: nn.Module, prompts: list[list[int]],
     assert tokens(alone) == expected
     assert tokens(generate(chunked, prompts)) == expected
     return alone
+
+
+def assert_greedy_follows(reference: nn.Module, ids: list[int], tokens: list[int],
+                          image_token: int | None = None, tolerance: float = LOGIT_TOLERANCE,
+                          **inputs: torch.Tensor) -> None:
+    """Greedy `tokens` after the prompt `ids`, checked on the reference's whole forwards
+    over the sequence so far (`inputs`: its image inputs; `image_token`: the token whose
+    positions go in `token_type_ids`, as Gemma 3's take them): each token is the
+    reference's argmax, or within `tolerance` of it, a near tie that the order of float
+    sums breaks either way (a prefill chunked at an image against one whole forward)."""
+    sequence = list(ids)
+    with torch.inference_mode():
+        for k, token in enumerate(tokens):
+            input_ids = torch.tensor([sequence])
+            extra = {} if image_token is None else {
+                "token_type_ids": (input_ids == image_token).long()}
+            logits = reference(input_ids=input_ids, **inputs, **extra).logits[0, -1]
+            best = int(logits.argmax())
+            assert logits[token] >= logits[best] - tolerance, (
+                f"token {k}: ours {token} (logit {logits[token]:.6f}), the reference's "
+                f"{best} ({logits[best]:.6f})")
+            sequence.append(token)

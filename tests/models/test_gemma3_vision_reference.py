@@ -18,6 +18,7 @@ from llmserve.engine.input_processor import RequestRejected
 from llmserve.multimodal import to_rgb
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.models.test_llava_reference import assert_memory_counts, our_logits, random_image
+from tests.reference_checks import assert_greedy_follows
 from tests.tiny_models import (
     GEMMA3_BOI_ID,
     GEMMA3_EOI_ID,
@@ -130,22 +131,6 @@ def test_the_images_tokens_see_each_other_both_ways(gemma3v):
     assert (causal - both_ways).abs().max().item() > 100 * LOGIT_TOLERANCE
 
 
-def reference_greedy(reference, ids: list[int], pixels: torch.Tensor, image_token: int,
-                     n: int) -> list[int]:
-    """transformers' greedy tokens, each from a whole forward over the sequence so far
-    (its cached `generate` now and then picks a token that its own forward scores below
-    another on this tiny config, whose 8-token sliding window is shorter than an image;
-    EOS is a token like any other, as with `ignore_eos`)."""
-    tokens = list(ids)
-    with torch.inference_mode():
-        for _ in range(n):
-            inputs = torch.tensor([tokens])
-            logits = reference(input_ids=inputs, pixel_values=pixels,
-                               token_type_ids=(inputs == image_token).long()).logits
-            tokens.append(int(logits[0, -1].argmax()))
-    return tokens[len(ids):]
-
-
 def test_greedy_matches_reference_in_a_chat_of_several_turns(gemma3v):
     folder, reference, llm = gemma3v
     first, second = random_image(5), random_image(6, 64, 30)
@@ -160,8 +145,8 @@ def test_greedy_matches_reference_in_a_chat_of_several_turns(gemma3v):
     ids = out.prompt_token_ids
     assert ids.count(GEMMA3_IMAGE_ID) == 2 * TOKENS_PER_IMAGE
     pixels = reference_pixels(folder, [first, second])
-    assert out.outputs[0].token_ids == reference_greedy(reference, ids, pixels,
-                                                        GEMMA3_IMAGE_ID, 12)
+    assert_greedy_follows(reference, ids, out.outputs[0].token_ids, GEMMA3_IMAGE_ID,
+                          pixel_values=pixels)
 
 
 def image_prompt(seed: int, text: str = "What is this?") -> dict:
@@ -289,7 +274,8 @@ def test_gguf_with_a_gemma3_projector_file_matches_transformers(gemma3_gguf, num
     assert ids.count(image_token) == num_images * TOKENS_PER_IMAGE
     processor = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
     pixels = torch.from_numpy(np.asarray(processor(images, return_tensors="np")["pixel_values"]))
-    assert out.outputs[0].token_ids == reference_greedy(reference, ids, pixels, image_token, 12)
+    assert_greedy_follows(reference, ids, out.outputs[0].token_ids, image_token,
+                          pixel_values=pixels)
 
 
 def test_a_gemma3_projector_needs_a_gemma3_decoder(gemma3_gguf, smollm2_gguf):

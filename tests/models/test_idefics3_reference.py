@@ -19,6 +19,7 @@ from llmserve.engine.input_processor import RequestRejected
 from llmserve.multimodal import TiledImage, TiledImageProcessor, to_rgb
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.models.test_llava_reference import assert_memory_counts, our_logits, random_image
+from tests.reference_checks import assert_greedy_follows
 from tests.tiny_models import IDEFICS3_IMAGE_ID, save_tiny_idefics3
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -145,11 +146,7 @@ def test_greedy_matches_reference_in_a_chat_of_several_turns(idefics3):
     ids = out.prompt_token_ids
     pixels = reference_pixels(folder, [first, second])
     assert ids.count(IDEFICS3_IMAGE_ID) == pixels.shape[1] * TOKENS_PER_TILE
-    with torch.inference_mode():
-        generated = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
-                                       max_new_tokens=12, do_sample=False, pad_token_id=0,
-                                       eos_token_id=None)
-    assert out.outputs[0].token_ids == generated[0, len(ids):].tolist()
+    assert_greedy_follows(reference, ids, out.outputs[0].token_ids, pixel_values=pixels)
 
 
 def image_prompt(seed: int, text: str = "What is this?", size=(40, 70)) -> dict:
@@ -264,11 +261,7 @@ def test_gguf_with_a_smolvlm_projector_file_matches_transformers(smolvlm_gguf):
     pixels = torch.from_numpy(np.asarray(processor([images], return_tensors="np")[
         "pixel_values"]))
     assert ids.count(image_token) == pixels.shape[1] * TOKENS_PER_TILE == 10 * TOKENS_PER_TILE
-    with torch.inference_mode():
-        generated = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
-                                       max_new_tokens=12, do_sample=False, pad_token_id=0,
-                                       eos_token_id=None)
-    assert out.outputs[0].token_ids == generated[0, len(ids):].tolist()
+    assert_greedy_follows(reference, ids, out.outputs[0].token_ids, pixel_values=pixels)
 
 
 def test_the_default_path_runs_the_tower_in_bfloat16_on_amx(smolvlm_folder, monkeypatch):

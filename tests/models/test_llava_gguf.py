@@ -14,6 +14,7 @@ from llmserve.errors import ModelFormatError, RequestRejected, UnsupportedModelE
 from llmserve.gguf_meta import open_gguf, read_metadata
 from tests.gguf_writer import write_gguf, write_mmproj
 from tests.models.test_llava_reference import random_image
+from tests.reference_checks import assert_greedy_follows
 from tests.tiny_models import randomize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -52,18 +53,17 @@ def llm(files):
     return LLM(str(gguf_path), mmproj=str(mmproj), dtype="float32", kv_cache_memory="64MiB")
 
 
-def reference_tokens(llava, image_token: int, ids: list[int], image_positions: list[int],
-                     images) -> list[int]:
+def assert_follows_reference(llava, image_token: int, ids: list[int],
+                             image_positions: list[int], images, tokens: list[int]) -> None:
+    """Our greedy `tokens` are transformers' on the prompt with its image token at the
+    images' positions (`assert_greedy_follows`)."""
     ref_ids = list(ids)
     for p in image_positions:
         ref_ids[p] = image_token
     processor = CLIPImageProcessorPil(size={"shortest_edge": 28},
                                       crop_size={"height": 28, "width": 28})
     pixels = torch.from_numpy(np.asarray(processor(images, return_tensors="np")["pixel_values"]))
-    with torch.inference_mode():
-        out = llava.generate(input_ids=torch.tensor([ref_ids]), pixel_values=pixels,
-                             max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, len(ids):].tolist()
+    assert_greedy_follows(llava, ref_ids, tokens, pixel_values=pixels)
 
 
 @pytest.mark.parametrize("num_images", [1, 2])
@@ -77,8 +77,8 @@ def test_gguf_with_a_projector_file_matches_transformers(files, llm, num_images)
     positions = [m.offset + i for m in llm.engine.input_processor.images.encode(
         llm.tokenizer, *_rendered(llm, content))[1] for i in range(m.length)]
     assert len(positions) == num_images * vision.tokens_per_image == 16 * num_images
-    assert out.outputs[0].token_ids == reference_tokens(llava, image_token,
-                                                        out.prompt_token_ids, positions, images)
+    assert_follows_reference(llava, image_token, out.prompt_token_ids, positions, images,
+                             out.outputs[0].token_ids)
 
 
 def _rendered(llm, content):

@@ -23,6 +23,7 @@ from llmserve.models import vision
 from llmserve.multimodal import ImageError, ImageProcessor, to_rgb
 from llmserve.worker import model_runner
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
+from tests.reference_checks import assert_greedy_follows
 from tests.tiny_models import IMAGE_TOKEN_ID, save_tiny_llava
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -50,14 +51,6 @@ def llava(request, tmp_path_factory):
 def reference_pixels(tower: str, folder, images) -> torch.Tensor:
     processor = PROCESSORS[tower].from_pretrained(folder)
     return torch.from_numpy(np.asarray(processor(images, return_tensors="np")["pixel_values"]))
-
-
-def reference_greedy(reference, ids: list[int], pixels: torch.Tensor, n: int) -> list[int]:
-    with torch.inference_mode():
-        out = reference.generate(input_ids=torch.tensor([ids]), pixel_values=pixels,
-                                 max_new_tokens=n, do_sample=False, pad_token_id=0,
-                                 eos_token_id=None)  # EOS a token like any other
-    return out[0, len(ids):].tolist()
 
 
 def our_logits(model, ids: list[int], pixels: torch.Tensor,
@@ -158,7 +151,7 @@ def test_logits_match_reference(llava, num_images):
 
 def test_greedy_matches_reference_in_a_chat_of_several_turns(llava):
     """Images in two user turns and an assistant turn between: our chat's greedy tokens
-    equal transformers' generate on the same ids and pixels."""
+    are transformers' on the same ids and pixels (`assert_greedy_follows`)."""
     tower, folder, reference, llm = llava
     first, second = random_image(5), random_image(6, 64, 30)
     chat = [
@@ -172,8 +165,8 @@ def test_greedy_matches_reference_in_a_chat_of_several_turns(llava):
     assert out.prompt_token_ids.count(IMAGE_TOKEN_ID) == 2 * (
         llm.engine.loaded.config.vision.tokens_per_image)
     pixels = reference_pixels(tower, folder, [first, second])
-    assert out.outputs[0].token_ids == reference_greedy(reference, out.prompt_token_ids,
-                                                        pixels, 12)
+    assert_greedy_follows(reference, out.prompt_token_ids, out.outputs[0].token_ids,
+                          pixel_values=pixels)
 
 
 def image_prompt(seed: int, text: str = "What is this?") -> dict:

@@ -39,6 +39,8 @@ class ImageEncodes:
     def finish_output(self, out: Any, requests: Iterable[Any]) -> None:
         """The step's asks and drops (`requests`: every unfinished request, its tokens of
         this step counted as computed; the runner drops after the step's forward)."""
+        if not (self.asked or self.held):
+            return  # (a text model's steps: nothing to look through)
         needed = {image.hash for r in requests for image in r.mm_inputs
                   if image.offset + image.length > r.num_computed_tokens}
         drops = [key for key in self.asked if key not in needed]

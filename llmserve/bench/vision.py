@@ -18,6 +18,7 @@ import io
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,23 @@ def _one_chat(http: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, f
     return {"ttft_s": first, "tokens": tokens, "seconds": time.monotonic() - start}
 
 
+def _send_all(url: str, bodies: Iterable[dict[str, Any]],
+              send: Callable[[httpx.Client, str, dict[str, Any]], Any], results: list,
+              errors: list[str], lock: threading.Lock) -> None:
+    """Each body sent in turn on one connection, what `send` returns appended to
+    `results`; a failure is recorded in `errors` and ends the stream."""
+    with httpx.Client(timeout=1800) as http:
+        for body in bodies:
+            try:
+                result = send(http, url, body)
+            except (LLMServeError, httpx.HTTPError) as e:
+                with lock:
+                    errors.append(str(e))
+                return
+            with lock:
+                results.append(result)
+
+
 def one_level(config: VisionBenchConfig, streams: int, images: list[bytes]
               ) -> dict[str, Any]:
     """`streams` concurrent streams, each sending its share of `images` one after another."""
@@ -100,16 +118,8 @@ def one_level(config: VisionBenchConfig, streams: int, images: list[bytes]
     lock = threading.Lock()
 
     def stream(index: int) -> None:
-        with httpx.Client(timeout=1800) as http:
-            for image in images[index::streams]:
-                try:
-                    record = _one_chat(http, url, _chat_body(config, image))
-                except (LLMServeError, httpx.HTTPError) as e:
-                    with lock:
-                        errors.append(str(e))
-                    return
-                with lock:
-                    records.append(record)
+        _send_all(url, (_chat_body(config, image) for image in images[index::streams]),
+                  _one_chat, records, errors, lock)
 
     start = time.monotonic()
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
@@ -182,16 +192,11 @@ def beside_images(config: VisionBenchConfig, text_streams: int, images: list[byt
     stop = threading.Event()
 
     def text_stream() -> None:
-        with httpx.Client(timeout=1800) as http:
+        def bodies() -> Iterator[dict[str, Any]]:
             while not stop.is_set():
-                try:
-                    times = _token_times(http, url, _text_body(config))
-                except (LLMServeError, httpx.HTTPError) as e:
-                    with lock:
-                        errors.append(str(e))
-                    return
-                with lock:
-                    chats.append(times)
+                yield _text_body(config)
+
+        _send_all(url, bodies(), _token_times, chats, errors, lock)
 
     threads = [threading.Thread(target=text_stream) for _ in range(text_streams)]
     for t in threads:

@@ -75,6 +75,12 @@ def vision_parameter_count(cfg: ModelConfig) -> int:
     if vision is None:
         return 0
     v, f, t = vision.hidden_size, vision.intermediate_size, cfg.hidden_size
+    if vision.merged:  # Qwen2.5-VL: patch embedding, gated MLPs, RMSNorms, the merger
+        patch = vision.num_channels * vision.temporal_patch_size * vision.patch_size ** 2 * v
+        layer = 4 * (v * v + v) + 3 * (v * f + f) - f + v + 2 * v
+        wide = v * vision.spatial_merge_size ** 2
+        merger = v + wide * wide + wide + wide * vision.out_hidden_size + vision.out_hidden_size
+        return patch + vision.num_hidden_layers * layer + merger
     positions = vision.num_patches + int(vision.has_class_token)
     # patches, positions, and SigLIP's patch bias or CLIP's class token
     embeddings = vision.num_channels * vision.patch_size ** 2 * v + positions * v + v

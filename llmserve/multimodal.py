@@ -49,15 +49,25 @@ class ImageError(LLMServeError, ValueError):
 class ImageInput:
     """One image of a prompt: its preprocessed pixels, their content hash (which keys the
     encoder cache and, with the token ids, the prefix cache's blocks) and where its tokens
-    sit: prompt positions `offset .. offset + length - 1`, all the image token."""
+    sit: prompt positions `offset .. offset + length - 1`, all the image token.
+    Qwen2.5-VL's (`MergedImageProcessor`): the pixels are the image's patches, (patches,
+    C x frames x patch x patch) in merge-block order, and `grid` its tokens' (rows,
+    columns), `length` = rows x columns."""
 
-    pixel_values: Any  # torch.Tensor (C, S, S) float32
+    pixel_values: Any  # torch.Tensor (C, S, S) float32; Qwen2.5-VL's: (patches, width)
     hash: str
     offset: int = 0
     length: int = 0
+    grid: tuple[int, int] | None = None
+
+    @property
+    def num_tokens(self) -> int | None:
+        """The tokens the image takes where its size sets them (Qwen2.5-VL); None: the
+        model's `tokens_per_image`."""
+        return None if self.grid is None else self.grid[0] * self.grid[1]
 
     def placed(self, offset: int, length: int) -> "ImageInput":
-        return ImageInput(self.pixel_values, self.hash, offset, length)
+        return ImageInput(self.pixel_values, self.hash, offset, length, self.grid)
 
 
 # chat content parts that carry an image: OpenAI's image_url, the Responses API's
@@ -184,10 +194,15 @@ class ImageProcessor:
 
     @classmethod
     def for_model(cls, folder: Path | None, vision: VisionConfig
-                  ) -> "ImageProcessor | TiledImageProcessor":
+                  ) -> "ImageProcessor | TiledImageProcessor | MergedImageProcessor":
         """From the folder's preprocessor_config.json; without one (a GGUF), the tower's
-        own defaults at its image size. Idefics3's: a `TiledImageProcessor`."""
+        own defaults at its image size. Idefics3's: a `TiledImageProcessor`; Qwen2.5-VL's:
+        a `MergedImageProcessor`."""
         path = None if folder is None else Path(folder) / "preprocessor_config.json"
+        if vision.merged:
+            return MergedImageProcessor.from_config(
+                _read_config(path) if path is not None and path.is_file() else {}, vision,
+                path or "the tower's defaults")
         if vision.tiled:
             return TiledImageProcessor.from_config(
                 _read_config(path) if path is not None and path.is_file() else {}, vision,
@@ -392,6 +407,106 @@ class TiledImageProcessor:
         tiles, rows, cols = self.tiles(image)
         return TiledImage([ImageInput(t, hashlib.sha256(t.numpy().tobytes()).hexdigest())
                            for t in tiles], rows, cols)
+
+
+# Qwen2.5-VL's processor's pixel bounds (transformers' defaults; checkpoints set their own)
+MERGED_MIN_PIXELS = 56 * 56
+MERGED_MAX_PIXELS = 28 * 28 * 1280
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class MergedImageProcessor:
+    """Qwen2.5-VL's preprocessing (`Qwen2VLImageProcessor`, PIL): the image resized to
+    sides that are multiples of a merged patch (28 px), as close to its own as the pixel
+    bounds allow (`smart_resize`), rescaled and normalised, then cut into patches in
+    merge-block order, each patch repeated over `temporal_patch_size` frames. Pixel values
+    bit-equal to transformers'."""
+
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    resample: int
+    rescale_factor: float | None
+    mean: tuple[float, ...] | None
+    std: tuple[float, ...] | None
+
+    @classmethod
+    def from_config(cls, cfg: Any, vision: VisionConfig,
+                    source: Any = "preprocessor_config.json") -> "MergedImageProcessor":
+        if not isinstance(cfg, dict):
+            raise ModelFormatError(f"{source} is not a JSON object")
+        size = cfg.get("size") if isinstance(cfg.get("size"), dict) else {}
+        low = cfg.get("min_pixels", size.get("shortest_edge", MERGED_MIN_PIXELS))
+        high = cfg.get("max_pixels", size.get("longest_edge", MERGED_MAX_PIXELS))
+        for name, value in (("min_pixels", low), ("max_pixels", high)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelFormatError(f"{source}: {name} must be a positive integer")
+        for key, own in (("patch_size", vision.patch_size),
+                         ("merge_size", vision.spatial_merge_size),
+                         ("temporal_patch_size", vision.temporal_patch_size)):
+            if cfg.get(key, own) != own:
+                raise ModelFormatError(f"{source}: {key} {cfg[key]!r}; the vision tower's "
+                                       f"is {own}")
+        if not cfg.get("do_resize", True):
+            raise ModelFormatError(f"{source}: do_resize false is not supported")
+        resample = cfg.get("resample", BICUBIC)
+        if resample not in RESAMPLE:
+            raise ModelFormatError(f"{source}: unsupported resample {resample!r}")
+        normalize = cfg.get("do_normalize", True)
+        return cls(
+            low, max(high, low), vision.patch_size, vision.spatial_merge_size,
+            vision.temporal_patch_size, resample,
+            float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            tuple(cfg.get("image_mean", OPENAI_CLIP_MEAN)) if normalize else None,
+            tuple(cfg.get("image_std", OPENAI_CLIP_STD)) if normalize else None)
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """transformers' `smart_resize`: sides that are multiples of a merged patch, the
+        pixels within the bounds, the aspect kept as near as that allows."""
+        factor = self.patch_size * self.merge_size
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            raise ImageError(f"the image is {width}x{height}: a side more than "
+                             f"{MAX_ASPECT_RATIO} times the other")
+        h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+        if h_bar * w_bar > self.max_pixels:
+            beta = math.sqrt(height * width / self.max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (height * width))
+            h_bar = math.ceil(height * beta / factor) * factor
+            w_bar = math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
+
+    def __call__(self, image: Any) -> tuple[torch.Tensor, tuple[int, int]]:
+        """An RGB `PIL.Image` -> its patches (patches, C x frames x patch x patch) float32
+        and its tokens' grid (rows, columns)."""
+        from PIL import Image
+
+        height, width = self.resized_size(image.height, image.width)
+        image = image.resize((width, height),
+                             resample=getattr(Image.Resampling, RESAMPLE[self.resample]))
+        pixels = _rescaled(np.moveaxis(np.asarray(image), -1, 0), self.rescale_factor,
+                           self.mean, self.std).numpy()
+        channels, p, m = pixels.shape[0], self.patch_size, self.merge_size
+        rows, cols = height // p // m, width // p // m
+        patches = pixels.reshape(channels, rows, m, p, cols, m, p)
+        patches = np.transpose(patches, (1, 4, 2, 5, 0, 3, 6))  # (rows, cols, m, m, C, p, p)
+        patches = np.broadcast_to(patches[:, :, :, :, :, None], (
+            *patches.shape[:5], self.temporal_patch_size, p, p))
+        flat = patches.reshape(rows * cols * m * m, channels * self.temporal_patch_size * p * p)
+        return torch.from_numpy(np.ascontiguousarray(flat)), (rows, cols)
+
+    def image_input(self, image: Any) -> ImageInput:
+        """`image` preprocessed and hashed (its grid in the hash: the same patches in
+        another arrangement are another image)."""
+        patches, grid = self(image)
+        digest = hashlib.sha256(patches.numpy().tobytes())
+        digest.update(f"{grid[0]}x{grid[1]}".encode())
+        return ImageInput(patches, digest.hexdigest(), grid=grid)
 
 
 def _longest_edge_size(height: int, width: int, edge: int) -> tuple[int, int]:

@@ -57,10 +57,11 @@ def check_engine_tokens(folder, reference: nn.Module, prompts: list[list[int]],
 
 def assert_greedy_follows(reference: nn.Module, ids: list[int], tokens: list[int],
                           image_token: int | None = None, tolerance: float = LOGIT_TOLERANCE,
-                          **inputs: torch.Tensor) -> None:
+                          type_ids: str = "token_type_ids", **inputs: torch.Tensor) -> None:
     """Greedy `tokens` after the prompt `ids`, checked on the reference's whole forwards
     over the sequence so far (`inputs`: its image inputs; `image_token`: the token whose
-    positions go in `token_type_ids`, as Gemma 3's take them): each token is the
+    positions go in `type_ids`: Gemma 3's `token_type_ids`, Qwen2.5-VL's
+    `mm_token_type_ids`): each token is the
     reference's argmax, or within `tolerance` of it, a near tie that the order of float
     sums breaks either way (a prefill chunked at an image against one whole forward)."""
     sequence = list(ids)
@@ -68,7 +69,7 @@ def assert_greedy_follows(reference: nn.Module, ids: list[int], tokens: list[int
         for k, token in enumerate(tokens):
             input_ids = torch.tensor([sequence])
             extra = {} if image_token is None else {
-                "token_type_ids": (input_ids == image_token).long()}
+                type_ids: (input_ids == image_token).long()}
             logits = reference(input_ids=input_ids, **inputs, **extra).logits[0, -1]
             best = int(logits.argmax())
             assert logits[token] >= logits[best] - tolerance, (

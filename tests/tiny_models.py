@@ -198,3 +198,62 @@ SMOLVLM_TEMPLATE = (
     "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
     "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}"
     "{% endif %}")
+
+
+# save_tiny_qwen2_5_vl's tokenizer: the image, video, vision start and end tokens, then
+# Qwen's turn markers
+QWEN_IMAGE_ID, QWEN_VIDEO_ID, QWEN_VISION_START_ID, QWEN_VISION_END_ID = 256, 257, 258, 259
+
+
+def save_tiny_qwen2_5_vl(folder: Path, patch_size: int = 4, window_size: int = 16,
+                         min_pixels: int = 16 * 16, max_pixels: int = 64 * 64,
+                         **text) -> torch.nn.Module:
+    """A tiny random Qwen2.5-VL: its ViT (patches of `patch_size` px, 2 x 2 merged into a
+    token, windows of `window_size` px, layers 1 and 3 of 4 over the whole image), a Qwen2
+    decoder with M-RoPE; saved with the byte tokenizer plus Qwen's image and turn tokens,
+    a preprocessor_config.json (images resized to `min_pixels` .. `max_pixels`) and
+    Qwen2.5-VL's chat template; returns transformers' model (the reference)."""
+    import json
+
+    import transformers
+    from tokenizers import AddedToken
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4,
+                  patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
+                  window_size=window_size, fullatt_block_indexes=[1, 3], out_hidden_size=64,
+                  hidden_act="silu")
+    decoder = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 1024, "bos_token_id": None, "eos_token_id": 261,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": [2, 3, 3]}, **text}
+    model = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        vision_config=vision, text_config=decoder, image_token_id=QWEN_IMAGE_ID,
+        video_token_id=QWEN_VIDEO_ID, vision_start_token_id=QWEN_VISION_START_ID,
+        vision_end_token_id=QWEN_VISION_END_ID))
+    model.config._attn_implementation = "eager"
+    save_tiny(model, folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (
+        "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>",
+        "<|im_start|>", "<|im_end|>")])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": min_pixels,
+        "max_pixels": max_pixels, "patch_size": patch_size, "temporal_patch_size": 2,
+        "merge_size": 2}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": QWEN2_5_VL_TEMPLATE, "eos_token": "<|im_end|>"}))
+    return model
+
+
+# Qwen2.5-VL's chat template (its image parts as the vision start, image pad and end tokens)
+QWEN2_5_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

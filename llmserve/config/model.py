@@ -66,6 +66,10 @@ class ModelConfig:
     qk_norm_across_heads: bool = False
     clip_qkv: float | None = None
     moe: "MoEConfig | None" = None  # a mixture of experts (`models/moe.py`)
+    # M-RoPE (Qwen2.5-VL): the rotary frequencies in sections turned by a token's
+    # temporal, row and column positions (an image token's are its place in the image; a
+    # text token's are all three its position)
+    mrope_section: tuple[int, ...] | None = None
     # a vision-language model's image side (`config/vision.py`); the fields above are its
     # decoder's
     vision: VisionConfig | None = None
@@ -95,6 +99,13 @@ class ModelConfig:
                 raise UnsupportedModelError(f"unsupported rope_scaling type '{kind}'")
             if kind in ("longrope", "su"):
                 _check_longrope(self.rope_scaling, self.head_dim)
+        if self.mrope_section is not None and (
+                len(self.mrope_section) != 3 or not all(_is_int(n) and n > 0
+                                                        for n in self.mrope_section)
+                or sum(self.mrope_section) != self.head_dim // 2):
+            raise ValueError(f"mrope_section must be three positive numbers adding up to "
+                             f"half the head size ({self.head_dim // 2}), got "
+                             f"{self.mrope_section!r}")
             numbers = ("factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings")
             for name in numbers if kind in ("llama3", "linear") else ():
@@ -196,6 +207,18 @@ class ModelConfig:
             rope_theta = rope_params.get("rope_theta", rope_theta)
             if rope_params.get("rope_type", "default") != "default":
                 rope_scaling = rope_params
+        mrope_section = None
+        for rope in (rope_scaling, rope_params):  # Qwen2.5-VL's M-RoPE, plain rope besides
+            if isinstance(rope, dict) and "mrope_section" in rope:
+                section = rope["mrope_section"]
+                mrope_section = tuple(section) if isinstance(section, list | tuple) \
+                    else section
+                if rope is rope_scaling:
+                    rest = {k: v for k, v in rope.items() if k not in (
+                        "mrope_section", "type", "rope_type", "rope_theta")}
+                    kind = rope.get("rope_type", rope.get("type", "default"))
+                    rope_scaling = None if kind in ("mrope", "default") and not rest \
+                        else rope_scaling
         gemma = arch in GEMMA_ARCHITECTURES
         if arch == "gemma3" and rope_local_theta is None:
             rope_local_theta = 10000.0
@@ -237,6 +260,7 @@ class ModelConfig:
             qk_norm_across_heads=arch == "olmoe",
             clip_qkv=cfg.get("clip_qkv") if arch == "olmoe" else None,
             moe=MoEConfig.from_hf_config(cfg, arch) if arch in MOE_ARCHITECTURES else None,
+            mrope_section=mrope_section,
             # a classifier's label names (the pooling runner's /classify)
             extra={"id2label": cfg["id2label"]} if isinstance(cfg.get("id2label"), dict)
             else {},
@@ -244,17 +268,27 @@ class ModelConfig:
 
     @classmethod
     def _vision_language(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """A LLaVA or Gemma 3 checkpoint: the decoder from `text_config` (Llama, or Gemma 3's
-        with its tied head, unless it says otherwise), the image side from the rest."""
+        """A vision-language checkpoint: the decoder from `text_config` (Llama, Gemma 3's
+        with its tied head unless it says otherwise, Qwen2.5-VL's Qwen2 with M-RoPE), the
+        image side from the rest."""
         text = cfg.get("text_config")
+        qwen = cfg.get("model_type") == "qwen2_5_vl"
+        if text is None and qwen:  # transformers 4.x: the decoder's fields at the top
+            text = {k: v for k, v in cfg.items() if k not in (
+                "vision_config", "model_type", "architectures")}
         if not isinstance(text, dict):
             raise ValueError("text_config must be an object")
         gemma3 = cfg.get("model_type") == "gemma3"
         text = {"model_type": "gemma3_text" if gemma3 else "llama", **text}
+        if qwen:  # (its own text model_type: a Qwen2 decoder with M-RoPE)
+            text["model_type"] = "qwen2"
         if "tie_word_embeddings" not in text:
             text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", gemma3)
         decoder = cls.from_hf_config(text)
         vision = VisionConfig.from_hf_config(cfg)
+        if qwen and decoder.mrope_section is None:
+            raise UnsupportedModelError("a Qwen2.5-VL decoder without M-RoPE's "
+                                        "mrope_section")
         if vision.image_token_id >= decoder.vocab_size:
             raise ValueError(f"image_token_id {vision.image_token_id} is outside the "
                              f"vocabulary ({decoder.vocab_size} tokens)")

@@ -5,7 +5,9 @@ through a two-layer MLP) or Gemma 3's (the tower's normed output average-pooled 
 `mm_tokens_per_image` rows, RMS-normed and projected; each image between its begin and
 end tokens, its tokens attending to each other both ways) or Idefics3's / SmolVLM's (an
 image split into tiles of the tower's size plus the whole image shrunk to one, each
-tile's normed output pixel-shuffled `scale_factor` a side and projected)."""
+tile's normed output pixel-shuffled `scale_factor` a side and projected) or Qwen2.5-VL's
+(a ViT of its own over an image of any size, 2 x 2 neighbouring patches merged into one
+token; `models/qwen_vision.py`)."""
 
 from dataclasses import dataclass
 from typing import Any
@@ -15,11 +17,12 @@ from llmserve.errors import UnsupportedModelError
 # `vision_config.model_type` -> the tower's family: CLIP (a class token, a LayerNorm before
 # the encoder) or SigLIP (neither; a biased patch embedding)
 VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
-                 "idefics3_vision": "siglip", "smolvlm_vision": "siglip"}
+                 "idefics3_vision": "siglip", "smolvlm_vision": "siglip",
+                 "qwen2_5_vl_vision": "qwen2_5_vit", "qwen2_5_vl": "qwen2_5_vit"}
 # vision-language `model_type`s (the decoder is `text_config`'s: `models/llama.py`'s for
 # LLaVA, `models/gemma3.py`'s for Gemma 3)
-VISION_ARCHITECTURES = ("llava", "gemma3", "idefics3", "smolvlm")
-TOWER_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh")
+VISION_ARCHITECTURES = ("llava", "gemma3", "idefics3", "smolvlm", "qwen2_5_vl")
+TOWER_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu")
 PROJECTOR_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "silu")
 MAX_TOWER_LAYERS = 256
 MAX_PATCHES = 1 << 16  # (image_size / patch_size) ** 2: tokens an image becomes
@@ -39,10 +42,16 @@ class VisionConfig:
     `begin_image_token_id`, its tokens and `end_image_token_id` between blank lines.
     Idefics3 / SmolVLM (`architecture` "idefics3"): each tile of an image is a run of
     `tokens_per_image` image tokens (its last layer's normed output, pixel-shuffled
-    `scale_factor` patches a side, projected)."""
+    `scale_factor` patches a side, projected).
+    Qwen2.5-VL (`architecture` "qwen2_5_vl"): an image of any size (its sides multiples of
+    `patch_size` x `spatial_merge_size`) is a run of one image token per
+    `spatial_merge_size` x `spatial_merge_size` patches, between the vision start and end
+    tokens its chat template writes; the decoder's rotary positions are M-RoPE's
+    (`ModelConfig.mrope_section`). `image_size` is the smallest image's side (one token);
+    `tokens_per_image` the most an image takes under the processor's default pixel cap."""
 
-    architecture: str  # "llava" | "gemma3" | "idefics3" (SmolVLM's too)
-    tower: str  # "clip" | "siglip"
+    architecture: str  # "llava" | "gemma3" | "idefics3" (SmolVLM's too) | "qwen2_5_vl"
+    tower: str  # "clip" | "siglip" | "qwen2_5_vit"
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -64,6 +73,14 @@ class VisionConfig:
     begin_image_token_id: int | None = None  # Gemma 3's <start_of_image>
     end_image_token_id: int | None = None  # and <end_of_image>
     scale_factor: int = 0  # Idefics3: patches a side merged into one row by pixel shuffle
+    # Qwen2.5-VL's tower: patches a side merged into one token, frames a patch spans (an
+    # image is two copies of itself), the window (px) its windowed layers attend within,
+    # the layers that attend over the whole image, the merger's output width
+    spatial_merge_size: int = 0
+    temporal_patch_size: int = 0
+    window_size: int = 0
+    full_attention_layers: tuple[int, ...] = ()
+    out_hidden_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in VISION_ARCHITECTURES:
@@ -105,6 +122,8 @@ class VisionConfig:
             raise ValueError(f"image_token_id must be a token id, got {self.image_token_id!r}")
         if self.pooled:
             self._check_pooling()
+        if self.merged:
+            self._check_merging()
         if self.tiled:
             side = self.image_size // self.patch_size
             scale = self.scale_factor
@@ -123,6 +142,35 @@ class VisionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be a token id, got {value!r}")
+
+    def _check_merging(self) -> None:
+        for name in ("spatial_merge_size", "temporal_patch_size", "window_size",
+                     "out_hidden_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"vision_config.{name} must be a positive integer, "
+                                 f"got {value!r}")
+        if self.window_size % (self.patch_size * self.spatial_merge_size):
+            raise ValueError(f"vision_config.window_size {self.window_size} is not a multiple "
+                             f"of a merged patch's {self.patch_size * self.spatial_merge_size} px")
+        if not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers
+                   for i in self.full_attention_layers):
+            raise ValueError(f"vision_config.fullatt_block_indexes must be layer indexes, got "
+                             f"{self.full_attention_layers!r}")
+        if (self.hidden_size // self.num_attention_heads) % 4:
+            raise ValueError("the vision tower's head size must be a multiple of 4 (its "
+                             "rotary positions turn a quarter of it by row, a quarter by "
+                             "column)")
+
+    @property
+    def merged(self) -> bool:
+        """Qwen2.5-VL's image side: images of any size, 2 x 2 patches to a token."""
+        return self.architecture == "qwen2_5_vl"
+
+    @property
+    def merged_patch(self) -> int:
+        """Pixels a side of one image token (Qwen2.5-VL: 28)."""
+        return self.patch_size * self.spatial_merge_size
 
     @property
     def pooled(self) -> bool:
@@ -169,6 +217,8 @@ class VisionConfig:
             return self.mm_tokens_per_image
         if self.tiled:
             return self.num_patches // self.scale_factor ** 2
+        if self.merged:
+            return DEFAULT_MAX_PIXELS // self.merged_patch ** 2
         positions = self.num_patches + int(self.has_class_token)
         return positions - int(self.select_strategy == "default")
 
@@ -193,6 +243,8 @@ class VisionConfig:
             return cls._gemma3(cfg, vision, tower, image_token)
         if cfg["model_type"] in ("idefics3", "smolvlm"):
             return cls._idefics3(cfg, vision, image_token)
+        if cfg["model_type"] == "qwen2_5_vl":
+            return cls._qwen2_5_vl(vision, image_token)
         return cls(
             architecture=cfg["model_type"], tower=tower,
             hidden_size=vision.get("hidden_size", 768),
@@ -239,6 +291,35 @@ class VisionConfig:
             image_token_id=image_token if image_token is not None else 128257,
             scale_factor=cfg.get("scale_factor", 2),
         )
+
+    @classmethod
+    def _qwen2_5_vl(cls, vision: dict[str, Any], image_token: Any) -> "VisionConfig":
+        """Qwen2.5-VL's ViT (its config's names and defaults: the 3B/7B/72B tower)."""
+        if vision.get("in_channels", vision.get("in_chans", 3)) != 3:
+            raise UnsupportedModelError("a Qwen2.5-VL vision tower takes RGB images")
+        patch, merge = vision.get("patch_size", 14), vision.get("spatial_merge_size", 2)
+        full = vision.get("fullatt_block_indexes", (7, 15, 23, 31))
+        return cls(
+            architecture="qwen2_5_vl", tower="qwen2_5_vit",
+            hidden_size=vision.get("hidden_size", 1280),
+            intermediate_size=vision.get("intermediate_size", 3420),
+            num_hidden_layers=vision.get("depth", vision.get("num_hidden_layers", 32)),
+            num_attention_heads=vision.get("num_heads", vision.get("num_attention_heads", 16)),
+            image_size=patch * merge if isinstance(patch, int) and isinstance(merge, int)
+            else patch, patch_size=patch, num_channels=3, layer_norm_eps=1e-6,
+            hidden_act=vision.get("hidden_act", "silu"), feature_layer=-1,
+            select_strategy="full", projector_act="gelu", projector_bias=True,
+            image_token_id=image_token if image_token is not None else 151655,
+            spatial_merge_size=merge,
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
+            window_size=vision.get("window_size", 112),
+            full_attention_layers=tuple(full) if isinstance(full, list | tuple) else full,
+            out_hidden_size=vision.get("out_hidden_size", 3584),
+        )
+
+
+# Qwen2.5-VL's image processor's default pixel cap (an image is resized under it)
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 
 
 def _normed_siglip(vision: dict[str, Any], family: str,

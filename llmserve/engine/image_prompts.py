@@ -1,8 +1,9 @@
 """How a vision-language model's prompts take images: where each image's tokens go, and
 the images' preprocessing on the way.
 
-An image is one run of `VisionConfig.image_token_id`, `tokens_per_image` long, in the
-prompt's token ids; the model runner replaces those positions' embeddings with the
+An image is one run of `VisionConfig.image_token_id`, `tokens_per_image` long (Qwen2.5-VL:
+one token per 28 x 28 px of the image as its processor resizes it), in the prompt's token
+ids; the model runner replaces those positions' embeddings with the
 image's rows. In text (a prompt string, a rendered chat) an image is its `marker`: the
 image token's own text where the vocabulary has one ("<image>"), else "<__media__>" (a
 GGUF model with an `--mmproj` projector file, as llama.cpp marks media). Gemma 3 marks an
@@ -24,6 +25,7 @@ from llmserve.errors import RequestRejected
 from llmserve.multimodal import (
     ImageInput,
     ImageProcessor,
+    MergedImageProcessor,
     TiledImage,
     TiledImageProcessor,
     take_images,
@@ -38,7 +40,7 @@ GLOBAL_IMAGE_TAG = "<global-img>"  # before the whole image's tile
 @dataclass(frozen=True)
 class ImagePrompts:
     vision: VisionConfig
-    processor: ImageProcessor | TiledImageProcessor
+    processor: ImageProcessor | TiledImageProcessor | MergedImageProcessor
     marker: str  # an image in prompt text
     # the image token is the vocabulary's own (a Hugging Face vision-language checkpoint):
     # runs of it in token-id prompts are images; else the id only fills their positions
@@ -48,7 +50,8 @@ class ImagePrompts:
     end_text: str = ""
 
     @classmethod
-    def build(cls, vision: VisionConfig, processor: ImageProcessor | TiledImageProcessor,
+    def build(cls, vision: VisionConfig,
+              processor: ImageProcessor | TiledImageProcessor | MergedImageProcessor,
               tokenizer: Tokenizer) -> "ImagePrompts":
         if not vision.image_token_in_vocabulary:
             return cls(vision, processor, MEDIA_MARKER, False)
@@ -98,10 +101,10 @@ class ImagePrompts:
                 else:
                     segments += [part, ""]
             segments[-1] += piece
-        size = self.vision.tokens_per_image
         ids = tokenizer.encode(segments[0], add_special_tokens=add_special_tokens)
         placed = []
         for run, piece in zip(segments[1::2], segments[2::2], strict=True):
+            size = self._size(run)
             placed.append(run.placed(len(ids), size))
             ids += [self.vision.image_token_id] * size
             ids += tokenizer.encode(piece, add_special_tokens=False) if piece else []
@@ -126,7 +129,6 @@ class ImagePrompts:
         """A token-id prompt and its images: images already placed (`encode`'s) are checked
         against the ids; otherwise each run of the image token (written once, expanded
         here, or `tokens_per_image` times) is the next image."""
-        size = self.vision.tokens_per_image
         if images and all(isinstance(m, ImageInput) and m.length for m in images):
             return self._check_placed(ids, images)
         if not self.token_in_vocabulary:
@@ -151,6 +153,7 @@ class ImagePrompts:
         last = 0
         exact = self.vision.pooled or self.vision.tiled  # runs as the processor writes them
         for (start, length), tile in zip(runs, tiles, strict=True):
+            size = self._size(tile)
             if length != size and (length != 1 or exact):
                 raise RequestRejected(
                     f"an image{' tile' if self.vision.tiled else ''} takes {size} image "
@@ -164,16 +167,21 @@ class ImagePrompts:
 
     def _check_placed(self, ids: list[int], images: list[ImageInput]
                       ) -> tuple[list[int], list[ImageInput]]:
-        token, size, end = self.vision.image_token_id, self.vision.tokens_per_image, 0
+        token, end = self.vision.image_token_id, 0
         for image in images:
+            size = self._size(image)
             span = ids[image.offset:image.offset + image.length]
             if image.offset < end or image.length != size or span != [token] * size:
                 raise RequestRejected("an image's place does not hold its image tokens")
             end = image.offset + image.length
-        if self.token_in_vocabulary and ids.count(token) != size * len(images):
+        if self.token_in_vocabulary and ids.count(token) != sum(m.length for m in images):
             raise RequestRejected("the prompt holds image tokens that no image fills (an "
                                   "earlier answer's context with its images?)")
         return ids, images
+
+    def _size(self, image: ImageInput) -> int:
+        """The image tokens `image` takes (Qwen2.5-VL's: by its size)."""
+        return image.num_tokens or self.vision.tokens_per_image
 
     def _input(self, image: Any) -> "ImageInput | TiledImage":
         """A `PIL.Image` preprocessed; an `ImageInput` or `TiledImage` as it is."""

@@ -1,6 +1,6 @@
-"""Rotary position embeddings: the cos/sin table, its Llama-3 and linear scalings, and the
-rotation of q and k (in place by the native kernel where it runs, not under
-`torch.compile`)."""
+"""Rotary position embeddings: the cos/sin table, its Llama-3 and linear scalings, M-RoPE's
+positions by section (Qwen2.5-VL), and the rotation of q and k (in place by the native
+kernel where it runs, not under `torch.compile`)."""
 
 import math
 from dataclasses import dataclass, field
@@ -62,8 +62,10 @@ class RotaryEmbedding(nn.Module):
         max_position: int,
         base: float,
         scaling: dict[str, Any] | None = None,
+        mrope_section: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
+        self.mrope_section = mrope_section
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (base**exponents)
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -84,18 +86,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", sin, persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryPositions":
-        """The rotation for one step's tokens, shared by all layers."""
-        return RotaryPositions(positions, self.cos_cache, self.sin_cache, dtype)
+        """The rotation for one step's tokens, shared by all layers: `positions` (T,), or
+        with M-RoPE (3, T), each token's temporal, row and column positions."""
+        return RotaryPositions(positions, self.cos_cache, self.sin_cache, dtype,
+                               self.mrope_section)
 
 
 @dataclass
 class RotaryPositions:
-    """Rotary tables at one step's positions (T,); cos/sin looked up once, when first used."""
+    """Rotary tables at one step's positions (T,); cos/sin looked up once, when first used.
+    M-RoPE's positions are (3, T): frequency section i (of `mrope_section`, in each half
+    of the head) turned by row i's position. A token whose three positions are equal
+    (every text token) gets the plain rotation at that position, bit for bit."""
 
     positions: torch.Tensor
     cos_cache: torch.Tensor  # (max_position, head_dim)
     sin_cache: torch.Tensor
     dtype: torch.dtype
+    mrope_section: tuple[int, ...] | None = None
 
     _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
 
@@ -111,15 +119,26 @@ class RotaryPositions:
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def look_up(self) -> None:
+        if self.positions.dim() == 2:
+            self._cos_sin = (self._by_section(self.cos_cache), self._by_section(self.sin_cache))
+            return
         cos = self.cos_cache[self.positions].to(self.dtype)
         sin = self.sin_cache[self.positions].to(self.dtype)
         self._cos_sin = (cos, sin)
+
+    def _by_section(self, table: torch.Tensor) -> torch.Tensor:
+        """(T, head_dim): each section of each half of the head from its row's positions."""
+        rows = table[self.positions]  # (3, T, head_dim)
+        sections = list(self.mrope_section) * 2
+        parts = rows.split(sections, dim=-1)
+        return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1).to(self.dtype)
 
     def rotate_qkv_(self, qkv: torch.Tensor, num_rotated_heads: int, head_dim: int) -> bool:
         """Rotate the first `num_rotated_heads` heads (q, then k) of fused qkv rows (T, C)
         in place with the native kernel; False (nothing done) where it cannot run."""
         lib = None if torch.compiler.is_compiling() else native_for(qkv, self.cos_cache)
-        if lib is None or qkv.dim() != 2 or self.positions.dtype != torch.long:
+        if lib is None or qkv.dim() != 2 or self.positions.dtype != torch.long or \
+                self.positions.dim() != 1:
             return False
         lib.rotary_inplace(
             ptr(qkv), qkv.shape[0], qkv.shape[1], num_rotated_heads, head_dim,

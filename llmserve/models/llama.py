@@ -122,8 +122,8 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+            cfg.mrope_section)
         vocab = len(plan.vocab) if plan else cfg.vocab_size
         self.embed_tokens = Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, plan, i)
@@ -164,7 +164,8 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (T,) -> final hidden states (T, hidden_size).
+        """input_ids, positions: (T,) -> final hidden states (T, hidden_size); with M-RoPE
+        positions may be (3, T) (a step with image tokens: `worker/mrope.py`).
 
         `embeds` (a vision-language model's image tokens): (index (K,), rows (K, hidden)),
         rows that replace the embeddings of tokens `index` of the T."""

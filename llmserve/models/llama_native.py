@@ -212,8 +212,9 @@ class NativeLlamaLayers:
     def can_run(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> bool:
         return (isinstance(meta.backend, NativeCPUBackend) and x.dtype == torch.float32
-                and positions.dtype == torch.long and kv_cache.dtype in KERNEL_KV_DTYPES
-                and not meta.image_spans)  # (per op: the layers' attention adds them)
+                # M-RoPE's (3, T) positions and Gemma 3's image spans: per op
+                and positions.dtype == torch.long and positions.dim() == 1
+                and kv_cache.dtype in KERNEL_KV_DTYPES and not meta.image_spans)
 
     def lora_args(self, step) -> tuple | None:
         """A LoRA step (`lora/manager.py`'s LoRAStep) as the stack's `LoraStep` layers and

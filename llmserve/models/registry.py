@@ -10,6 +10,7 @@ from llmserve.models.vision_language import (
     Gemma3ForConditionalGeneration,
     Idefics3ForConditionalGeneration,
     LlavaForConditionalGeneration,
+    Qwen2_5_VLForConditionalGeneration,
 )
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -31,6 +32,7 @@ VISION_LANGUAGE_CLASSES: dict[str, type[nn.Module]] = {
     "llava": LlavaForConditionalGeneration,
     "gemma3": Gemma3ForConditionalGeneration,
     "idefics3": Idefics3ForConditionalGeneration,
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
 }
 
 

@@ -6,7 +6,9 @@ whose image tokens' embeddings are the projected image features.
 * Gemma 3: SigLIP's output pooled and projected before Gemma 3's decoder, an image's
   tokens attending to each other both ways (`AttentionMetadata.image_spans`);
 * Idefics3 / SmolVLM: each tile of an image through a SigLIP-shaped tower, its output
-  pixel-shuffled and projected, before a Llama-family decoder.
+  pixel-shuffled and projected, before a Llama-family decoder;
+* Qwen2.5-VL: an image of any size through its own ViT and patch merger
+  (`qwen_vision.py`) before a Qwen2 decoder with M-RoPE positions (`worker/mrope.py`).
 
 The decoder is the text model's class itself, so everything the text path has (the
 native stack, quantized linears, LoRA, the compiled step) runs unchanged; the image side
@@ -24,6 +26,7 @@ from llmserve.distributed.parallel import ShardPlan
 from llmserve.errors import UnsupportedModelError
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
+from llmserve.models.qwen_vision import QwenVisionTower
 from llmserve.models.vision import VisionTower, projector_class, run_slices
 
 # a checkpoint's prefixes (transformers 4.x and 5.x layouts) -> the model's
@@ -39,6 +42,9 @@ NAME_PREFIXES = (
     ("model.text_model.", "model."),
     ("model.vision_model.", "vision_tower."),
     ("model.connector.modality_projection.", "multi_modal_projector."),
+    # Qwen2.5-VL (its merger inside the tower)
+    ("model.visual.", "vision_tower."),
+    ("visual.", "vision_tower."),
 )
 IMAGE_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 # SigLIP's attention-pooling head: a hidden state or the normed output is read, never the
@@ -64,6 +70,9 @@ class VisionLanguageModel:
                                         "tensor_parallel_size 1")
         super().__init__(cfg, None)
         assert cfg.vision is not None  # the registry picks these classes for vision configs
+        if cfg.vision.merged:  # the tower ends in its merger: no projector after it
+            self.vision_tower = QwenVisionTower(cfg.vision)
+            return
         self.vision_tower = VisionTower(cfg.vision)
         self.multi_modal_projector = projector_class(cfg.vision)(cfg.vision, cfg.hidden_size)
 
@@ -75,17 +84,22 @@ class VisionLanguageModel:
         """Run the tower and projector in `dtype` (their inputs cast to it, their rows
         placed in the decoder's dtype)."""
         self.vision_tower.to(dtype)
-        self.multi_modal_projector.to(dtype)
+        if not self.config.vision.merged:
+            self.multi_modal_projector.to(dtype)
 
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+    def encode_images(self, pixel_values: torch.Tensor,
+                      grid: tuple[int, int] | None = None) -> torch.Tensor:
         """(N, C, S, S) preprocessed images -> (N, tokens_per_image, hidden_size), the rows
-        each image's tokens take in the decoder."""
-        return run_slices(self.encode_slices(pixel_values))
+        each image's tokens take in the decoder. Qwen2.5-VL's: one image's (1, patches,
+        width) patches and its tokens' `grid` -> (1, rows x columns, hidden_size)."""
+        return run_slices(self.encode_slices(pixel_values, grid))
 
-    def encode_slices(self, pixel_values: torch.Tensor
+    def encode_slices(self, pixel_values: torch.Tensor, grid: tuple[int, int] | None = None
                       ) -> Generator[None, None, torch.Tensor]:
         """`encode_images` a slice at a time (`VisionTower.slices`): the model runner runs
         a few slices per step beside the other requests' tokens."""
+        if self.config.vision.merged:
+            return (yield from self.vision_tower.slices(pixel_values, grid))
         features = yield from self.vision_tower.slices(pixel_values)
         if self.config.vision.select_strategy == "default":
             features = features[:, 1:]  # CLIP's class token (a SigLIP's first patch)
@@ -129,3 +143,7 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel, Gemma3ForCausalLM):
 class Idefics3ForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
     """Idefics3 and SmolVLM: tiles through the tower and pixel-shuffle projector, a
     Llama-family decoder."""
+
+
+class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
+    """Qwen2.5-VL: its ViT and patch merger, a Qwen2 decoder with M-RoPE."""

@@ -34,8 +34,8 @@ Slices = Generator[None, None, torch.Tensor]
 
 
 class EncoderCache:
-    def __init__(self, encode_slices: Callable[[torch.Tensor], Slices]) -> None:
-        self.encode_slices = encode_slices  # (N, C, S, S) -> (N, tokens_per_image, hidden)
+    def __init__(self, encode_slices: Callable[[ImageInput], Slices]) -> None:
+        self.encode_slices = encode_slices  # an image -> its rows (1, tokens, hidden)
         self.rows: dict[str, torch.Tensor] = {}
         self.jobs: dict[str, Slices] = {}  # encodes part-done, by hash
         self.num_encoded = 0  # images the encoder ran on (a hit costs none)
@@ -51,8 +51,7 @@ class EncoderCache:
                 continue
             job = self.jobs.get(image.hash)
             if job is None:
-                job = self.jobs[image.hash] = self.encode_slices(
-                    image.pixel_values.unsqueeze(0))
+                job = self.jobs[image.hash] = self.encode_slices(image)
             while True:
                 try:
                     next(job)
@@ -70,8 +69,7 @@ class EncoderCache:
         back, from where an encode in progress stands)."""
         for image in images:
             if image.hash not in self.rows:
-                job = self.jobs.get(image.hash) or self.encode_slices(
-                    image.pixel_values.unsqueeze(0))
+                job = self.jobs.get(image.hash) or self.encode_slices(image)
                 self._hold(image.hash, run_slices(job))
         return {image.hash: self.rows[image.hash] for image in images}
 

@@ -32,6 +32,7 @@ from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.layers.pooler import Pooler
+from llmserve.worker import mrope
 from llmserve.worker.encoder_cache import IDLE_BUDGET_S, STEP_BUDGET_S, EncoderCache
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
@@ -69,8 +70,11 @@ class ModelRunner:
         # a vision-language model's encoder outputs by image (None: a text model)
         encode = getattr(model, "encode_slices", None)
         self.encoder_cache = None if encode is None else EncoderCache(
-            lambda pixels: encode(pixels.to(self.device)))
-        vision = getattr(getattr(model, "config", None), "vision", None)
+            lambda image: encode(image.pixel_values.unsqueeze(0).to(self.device), image.grid))
+        config = getattr(model, "config", None)
+        vision = getattr(config, "vision", None)
+        # M-RoPE (Qwen2.5-VL): an image request's positions follow its images' grids
+        self.mrope = getattr(config, "mrope_section", None) is not None
         self.images_attend_both_ways = vision is not None and vision.images_attend_both_ways
 
     @torch.inference_mode()
@@ -98,6 +102,8 @@ class ModelRunner:
         if not out.scheduled:
             return result
         step = batch.prepare(out.scheduled, self.attention)
+        if self.mrope:
+            step.positions = self._mrope_positions(out, step)
         if self.lora is not None:
             self._begin_lora(out)
         embeds = self._image_embeds(out, step) if self.encoder_cache is not None else None
@@ -166,6 +172,16 @@ class ModelRunner:
         index = torch.cat([torch.arange(f, f + hi - lo) for f, _, lo, hi in spans])
         values = torch.cat([rows[image.hash][lo:hi] for _, image, lo, hi in spans])
         return index.to(self.device), values
+
+    def _mrope_positions(self, out: SchedulerOutput, step: Any) -> torch.Tensor:
+        """The step's rotary positions where a request's images move them (`mrope.py`)."""
+        chunks = []
+        for i, s in enumerate(out.scheduled):
+            images = self.input_batch.requests[s.request_id].mm_inputs
+            if images:
+                first = int(step.last_token[i]) + 1 - s.num_tokens
+                chunks.append((first, s.start_position, s.num_tokens, images))
+        return mrope.step_positions(step.positions, chunks)
 
     def _load_from_tier(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
         start = time.perf_counter()

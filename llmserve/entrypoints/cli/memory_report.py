@@ -212,4 +212,8 @@ def _image_tokens(vision) -> str:
         return (f"each image takes {vision.tokens_per_image} tokens a tile (a tile of "
                 f"{vision.image_size} px; an image is cut into up to rows x columns of them "
                 f"plus the whole)")
+    if vision.merged:  # Qwen2.5-VL: by the image's size as its processor resizes it
+        side = vision.merged_patch
+        return (f"each image takes one token per {side} x {side} px as resized (up to "
+                f"{vision.tokens_per_image} under the processor's default pixel cap)")
     return f"each image takes {vision.tokens_per_image} tokens"

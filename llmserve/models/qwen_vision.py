@@ -1,0 +1,220 @@
+"""Qwen2.5-VL's vision tower: a ViT over an image of any size (its sides multiples of 28
+px), with 2-D rotary positions, attention within windows of 8 x 8 patches in most layers
+and over the whole image in a few (`full_attention_layers`), RMSNorm and a gated SiLU MLP,
+and a merger that turns each 2 x 2 block of patches into one decoder token.
+
+The processor hands the patches in merge-block order (the four patches of a token one
+after another, the tokens in row order); the tower reorders them window by window (each
+window's tokens together, so that a window is a run of rows), and the merger's output is
+put back in row order. Parameter names follow Hugging Face's
+`Qwen2_5_VisionTransformerPretrainedModel` (`visual.` in a checkpoint), under
+`vision_tower.`.
+"""
+
+from collections.abc import Generator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmserve.config.vision import VisionConfig
+from llmserve.models.vision import SLICE_ROWS, _activation
+
+ROPE_THETA = 10000.0
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) in float32, times the weight in the input's dtype (transformers' order)."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class PatchEmbed(nn.Module):
+    """A patch's pixels (C x frames x p x p, flat) through a Conv3d the size of a patch."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.shape = (cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size,
+                      cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.num_channels, cfg.hidden_size, self.shape[1:],
+                              stride=self.shape[1:], bias=False)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        x = patches.view(-1, *self.shape).to(self.proj.weight.dtype)
+        return self.proj(x).view(x.shape[0], -1)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def heads(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated in float32) and v of rows `x`, each (heads, rows, head_dim)."""
+        q, k, v = self.qkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        return q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = _activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size)
+        self.norm2 = RMSNorm(cfg.hidden_size)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+
+    def slices(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               spans: list[tuple[int, int]]) -> Generator[None, None, torch.Tensor]:
+        """The block on rows (P, hidden) a slice at a time: q, k and v `SLICE_ROWS` rows
+        at a time, then attention a run of `spans` (the rows that see each other: the
+        windows, or the whole image) at a time, then the projection and MLP by rows."""
+        heads, rows = self.attn.num_heads, x.shape[0]
+        q = x.new_empty(heads, rows, self.attn.head_dim)
+        k, v = torch.empty_like(q), torch.empty_like(q)
+        for block in _row_blocks(rows):
+            q[:, block], k[:, block], v[:, block] = self.attn.heads(
+                self.norm1(x[block]), cos[block], sin[block])
+            yield
+        attended = torch.empty_like(q)
+        for group in _span_groups(spans):
+            for lo, hi in group:
+                attended[:, lo:hi] = F.scaled_dot_product_attention(
+                    q[:, lo:hi], k[:, lo:hi], v[:, lo:hi])
+            yield
+        attended = attended.transpose(0, 1).reshape(rows, -1)
+        out = torch.empty_like(x)
+        for block in _row_blocks(rows):
+            h = x[block] + self.attn.proj(attended[block])
+            out[block] = h + self.mlp(self.norm2(h))
+            yield
+        return out
+
+
+def _row_blocks(num_rows: int) -> list[slice]:
+    return [slice(lo, min(lo + SLICE_ROWS, num_rows)) for lo in range(0, num_rows, SLICE_ROWS)]
+
+
+def _span_groups(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Consecutive spans gathered until each group holds about `SLICE_ROWS` rows."""
+    groups: list[list[tuple[int, int]]] = [[]]
+    rows = 0
+    for span in spans:
+        if rows >= SLICE_ROWS:
+            groups.append([])
+            rows = 0
+        groups[-1].append(span)
+        rows += span[1] - span[0]
+    return groups
+
+
+class PatchMerger(nn.Module):
+    """Each token's 2 x 2 patches (consecutive rows) normed, concatenated and through a
+    two-layer GELU MLP to the decoder's width."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        width = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.width = width
+        self.ln_q = RMSNorm(cfg.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(width, width), nn.GELU(),
+                                 nn.Linear(width, cfg.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+class QwenVisionTower(nn.Module):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.num_hidden_layers))
+        self.merger = PatchMerger(cfg)
+        quarter = cfg.hidden_size // cfg.num_attention_heads // 2
+        self.register_buffer("inv_freq", 1.0 / ROPE_THETA ** (
+            torch.arange(0, quarter, 2, dtype=torch.float) / quarter), persistent=False)
+
+    def slices(self, pixel_values: torch.Tensor, grid: tuple[int, int]
+               ) -> Generator[None, None, torch.Tensor]:
+        """(1, patches, C x frames x p x p) of an image of `grid` (rows, columns) tokens ->
+        (1, rows x columns, out_hidden_size) in row order, a slice at a time (see
+        `VisionBlock.slices`)."""
+        cfg = self.config
+        unit = cfg.spatial_merge_size ** 2
+        order, windows = window_order(grid, cfg.window_size // cfg.merged_patch)
+        x = self.patch_embed(pixel_values[0])
+        x = x.view(-1, unit, x.shape[-1])[order].reshape(x.shape)
+        cos, sin = self._rotary(grid, order)
+        whole = [(0, x.shape[0])]
+        spans = [(lo * unit, hi * unit) for lo, hi in windows]
+        yield
+        for i, block in enumerate(self.blocks):
+            x = yield from block.slices(
+                x, cos, sin, whole if i in cfg.full_attention_layers else spans)
+        merged = self.merger(x)
+        return merged[torch.argsort(order)].unsqueeze(0)
+
+    def _rotary(self, grid: tuple[int, int], order: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each patch's (row, column) angles, in window order: (P, head_dim) cos and sin."""
+        m = self.config.spatial_merge_size
+        rows, cols = grid
+        r = torch.arange(rows * m).view(rows, m, 1, 1).expand(rows, m, cols, m)
+        c = torch.arange(cols * m).view(1, 1, cols, m).expand(rows, m, cols, m)
+        # merge-block order: token by token (rows, cols), its m x m patches inside
+        r = r.permute(0, 2, 1, 3).reshape(-1, m * m)[order].reshape(-1)
+        c = c.permute(0, 2, 1, 3).reshape(-1, m * m)[order].reshape(-1)
+        angles = torch.cat([r[:, None].float() * self.inv_freq,
+                            c[:, None].float() * self.inv_freq], dim=-1)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
+
+
+def window_order(grid: tuple[int, int], side: int
+                 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The tokens of a `grid` (rows, columns) in window order (windows of `side` x `side`
+    tokens, row by row; each window's tokens in row order), and each window's run of
+    that order (first, end)."""
+    rows, cols = grid
+    index = torch.arange(rows * cols).view(rows, cols)
+    order, windows = [], []
+    start = 0
+    for top in range(0, rows, side):
+        for left in range(0, cols, side):
+            window = index[top:top + side, left:left + side].reshape(-1)
+            order.append(window)
+            windows.append((start, start + len(window)))
+            start += len(window)
+    return torch.cat(order), windows

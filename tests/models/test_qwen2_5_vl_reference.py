@@ -1,0 +1,282 @@
+"""Qwen2.5-VL against `transformers` on a tiny random checkpoint (its ViT with 2-D rotary
+positions, windowed and whole-image attention and the patch merger; a Qwen2 decoder with
+M-RoPE): pixel values and token grids, M-RoPE positions, image features, logits and
+greedy tokens with one and several images of different sizes and images in several
+turns; an image request's tokens unchanged by batching, chunking across its image,
+preemption and prefix-cache hits, on the float32 path and the default one."""
+
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+)
+
+from llmserve import LLM, SamplingParams
+from llmserve.config.engine import EngineConfig
+from llmserve.config.vision import VisionConfig
+from llmserve.engine.engine import Engine
+from llmserve.engine.input_processor import RequestRejected
+from llmserve.layers.attention.backend import AttentionMetadata
+from llmserve.layers.attention.selector import attention_backend
+from llmserve.layers.kv_cache import KVCache
+from llmserve.multimodal import ImageError, MergedImageProcessor, to_rgb
+from llmserve.worker import mrope
+from tests.models.test_llama_reference import LOGIT_TOLERANCE
+from tests.models.test_llava_reference import assert_memory_counts, random_image
+from tests.reference_checks import assert_greedy_follows
+from tests.tiny_models import QWEN_IMAGE_ID, save_tiny_qwen2_5_vl
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """(folder, transformers' model, our float32 LLM)."""
+    folder = tmp_path_factory.mktemp("qwen2_5_vl")
+    reference = save_tiny_qwen2_5_vl(folder).eval()
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="64MiB")
+    return folder, reference, llm
+
+
+def reference_inputs(folder, images) -> dict[str, torch.Tensor]:
+    """pixel_values (all images' patches) and image_grid_thw as transformers makes them."""
+    out = Qwen2VLImageProcessorPil.from_pretrained(folder)(images, return_tensors="np")
+    return {"pixel_values": torch.from_numpy(np.asarray(out["pixel_values"])),
+            "image_grid_thw": torch.from_numpy(np.asarray(out["image_grid_thw"]))}
+
+
+def test_preprocessing_equals_transformers():
+    """Patches bit-equal to transformers' PIL processor and the same grid, at the real
+    model's patch size and pixel bounds (and tight ones), for landscape, portrait, small,
+    huge, transparent and grey images; an image too thin is refused by name."""
+    vision = VisionConfig.from_hf_config({"model_type": "qwen2_5_vl", "vision_config": {
+        "model_type": "qwen2_5_vl_vision"}})
+    images = [random_image(0, 480, 640), random_image(1, 333, 200), random_image(2, 20, 21),
+              random_image(3, 60, 90, "RGBA"), random_image(4, 1100, 700, "L"),
+              random_image(5, 2000, 1500)]
+    for bounds in ({}, {"min_pixels": 128 * 28 * 28, "max_pixels": 256 * 28 * 28}):
+        ref = Qwen2VLImageProcessorPil(**bounds)
+        ours = MergedImageProcessor.from_config(bounds, vision)
+        for image in images:
+            out = ref([image], return_tensors="np")
+            patches, grid = ours(to_rgb(image))
+            t, h, w = out["image_grid_thw"][0].tolist()
+            assert (t, grid) == (1, (h // 2, w // 2)), image.size
+            assert torch.equal(patches, torch.from_numpy(out["pixel_values"])), image.size
+    with pytest.raises(ImageError, match="more than 200 times"):
+        ours(random_image(6, 2, 500))
+
+
+def chat_ids(llm, images, text="What is in these pictures?") -> tuple[list[int], list]:
+    content = [{"type": "image", "image": im} for im in images] + [
+        {"type": "text", "text": text}]
+    prompts = llm.engine.input_processor.images
+    rendered, inputs = prompts.render_chat(llm.tokenizer, [{"role": "user",
+                                                              "content": content}])
+    return prompts.encode(llm.tokenizer, rendered, inputs)
+
+
+def test_an_image_takes_one_token_per_merged_patch(qwen):
+    """The ids Qwen2.5-VL's processor makes of the same text: each image's pad token
+    repeated once per 2 x 2 patches of the image as resized (its grid from transformers'
+    image processor), the text around tokenized as transformers' tokenizer does."""
+    from transformers import PreTrainedTokenizerFast
+
+    folder, _, llm = qwen
+    images = [random_image(1, 40, 90), random_image(2, 20, 20), random_image(3, 130, 50)]
+    grids = reference_inputs(folder, images)["image_grid_thw"].tolist()
+    text = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Compare"
+            "<|vision_start|><|image_pad|><|vision_end|> and <|vision_start|><|image_pad|>"
+            "<|vision_end|>.<|im_end|>\n<|im_start|>assistant\n")
+    pieces = text.split("<|image_pad|>")
+    expanded = pieces[0] + "".join("<|image_pad|>" * (h * w // 4) + piece
+                                   for (_, h, w), piece in zip(grids, pieces[1:], strict=True))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    ids, placed = llm.engine.input_processor.images.encode(llm.tokenizer, text, images)
+    assert ids == tokenizer(expanded)["input_ids"]
+    assert [p.grid for p in placed] == [(h // 2, w // 2) for _, h, w in grids]
+    assert [p.length for p in placed] == [h * w // 4 for _, h, w in grids]
+    assert [ids[p.offset - 1] for p in placed] == [258] * 3  # after each vision start
+
+
+def test_positions_equal_transformers(qwen):
+    """M-RoPE's (3, T) positions of a prompt with images of different shapes, whole and
+    a chunk at a time, equal transformers' `get_rope_index`; after the prompt, every
+    position moved by the same delta."""
+    folder, reference, llm = qwen
+    images = [random_image(1, 40, 90), random_image(2, 20, 20), random_image(3, 130, 50)]
+    ids, placed = chat_ids(llm, images)
+    input_ids = torch.tensor([ids])
+    expected, delta = reference.model.get_rope_index(
+        input_ids, (input_ids == QWEN_IMAGE_ID).int(),
+        image_grid_thw=reference_inputs(folder, images)["image_grid_thw"])
+    assert np.array_equal(mrope.positions_of(placed, 0, len(ids)), expected[:, 0].numpy())
+    chunks = [mrope.positions_of(placed, lo, min(7, len(ids) - lo))
+              for lo in range(0, len(ids), 7)]
+    assert np.array_equal(np.concatenate(chunks, axis=1), expected[:, 0].numpy())
+    after = mrope.positions_of(placed, len(ids), 5)
+    assert np.array_equal(after, np.tile(np.arange(len(ids), len(ids) + 5) + int(delta), (3, 1)))
+
+
+def test_image_features_equal_transformers(qwen):
+    """Each image alone through our tower (windows of 2 x 2 tokens, partial at the
+    edges) equals transformers' tower over all of them at once."""
+    folder, reference, llm = qwen
+    images = [random_image(0, 40, 50), random_image(1, 90, 30), random_image(2, 64, 64)]
+    inputs = reference_inputs(folder, images)
+    with torch.inference_mode():
+        ref = reference.model.visual(inputs["pixel_values"],
+                                     grid_thw=inputs["image_grid_thw"]).pooler_output
+        ours, first = [], 0
+        for _, h, w in inputs["image_grid_thw"].tolist():
+            patches = inputs["pixel_values"][first:first + h * w]
+            ours.append(llm.engine.loaded.model.encode_images(patches[None],
+                                                              (h // 2, w // 2))[0])
+            first += h * w
+    ours = torch.cat(ours)
+    diff = (ours - ref).abs().max().item()
+    print(f"image features max |diff| vs transformers {diff:.2e}")
+    assert ours.shape == ref.shape and diff <= 1e-5
+
+
+def test_image_features_sliced_by_rows_equal_transformers(qwen, monkeypatch):
+    """Slices of a few rows (a window group, a row block) give the same rows."""
+    from llmserve.models import qwen_vision
+
+    folder, reference, llm = qwen
+    monkeypatch.setattr(qwen_vision, "SLICE_ROWS", 12)
+    inputs = reference_inputs(folder, [random_image(4, 64, 48)])
+    with torch.inference_mode():
+        ref = reference.model.visual(inputs["pixel_values"],
+                                     grid_thw=inputs["image_grid_thw"]).pooler_output
+        _, h, w = inputs["image_grid_thw"][0].tolist()
+        ours = llm.engine.loaded.model.encode_images(inputs["pixel_values"][None],
+                                                     (h // 2, w // 2))[0]
+    assert (ours - ref).abs().max().item() <= 1e-5
+
+
+def our_logits(llm, ids: list[int], placed: list) -> torch.Tensor:
+    """Logits at every position of one prompt through the paged path with M-RoPE's
+    positions, its image tokens taking the images' rows."""
+    model = llm.engine.loaded.model
+    cfg = model.config
+    index = torch.tensor([i for i, t in enumerate(ids) if t == QWEN_IMAGE_ID])
+    with torch.inference_mode():
+        rows = torch.cat([model.encode_images(m.pixel_values[None], m.grid)[0]
+                          for m in placed])
+        block_size, n = 16, len(ids)
+        kv = KVCache.allocate(cfg.num_hidden_layers, -(-n // block_size), block_size,
+                              cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+        meta = AttentionMetadata.build([n], [0], [list(range(-(-n // block_size)))],
+                                       block_size,
+                                       backend=attention_backend(torch.device("cpu")))
+        positions = torch.from_numpy(mrope.positions_of(placed, 0, n))
+        hidden = model(torch.tensor(ids), positions, kv, meta, embeds=(index, rows))
+        return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_logits_match_reference(qwen, num_images):
+    folder, reference, llm = qwen
+    images = [random_image(i, 40 + 17 * i, 50 + 20 * i) for i in range(num_images)]
+    ids, placed = chat_ids(llm, images)
+    ours = our_logits(llm, ids, placed)
+    input_ids = torch.tensor([ids])
+    with torch.inference_mode():
+        ref = reference(input_ids=input_ids, **reference_inputs(folder, images),
+                        mm_token_type_ids=(input_ids == QWEN_IMAGE_ID).int()).logits[0]
+    diff = (ours - ref).abs().max().item()
+    print(f"{num_images} image(s), {len(placed)} runs: max |logit diff| over {len(ids)} "
+          f"positions {diff:.2e}")
+    assert diff <= LOGIT_TOLERANCE
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_matches_reference_in_a_chat_of_several_turns(qwen):
+    folder, reference, llm = qwen
+    first, second = random_image(5, 64, 40), random_image(6, 30, 30)
+    chat = [
+        {"role": "user", "content": [{"type": "image", "image": first},
+                                     {"type": "text", "text": "Describe it."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A noisy square."}]},
+        {"role": "user", "content": [{"type": "text", "text": "And this one?"},
+                                     {"type": "image", "image": second}]},
+    ]
+    (out,) = llm.chat(chat, GREEDY, use_tqdm=False)
+    ids = out.prompt_token_ids
+    inputs = reference_inputs(folder, [first, second])
+    assert ids.count(QWEN_IMAGE_ID) == int(inputs["image_grid_thw"].prod(-1).sum()) // 4
+    assert_greedy_follows(reference, ids, out.outputs[0].token_ids, QWEN_IMAGE_ID,
+                          type_ids="mm_token_type_ids", **inputs)
+
+
+def image_prompt(seed: int, text: str = "What is this?", size=(40, 70)) -> dict:
+    return {"prompt": f"<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{text}"
+                      f"<|im_end|>\n<|im_start|>assistant\n",
+            "multi_modal_data": {"image": random_image(seed, *size)}}
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize("path", ["float32", "default"])
+def test_batching_chunking_preemption_and_cache_hits_change_no_output(qwen, path):
+    folder, _, _ = qwen
+    llm = LLM(str(folder), dtype="float32" if path == "float32" else "auto",
+              kv_cache_memory="64MiB")
+    loaded = llm.engine.loaded
+    prompts = [image_prompt(10), "<|im_start|>user\na text prompt beside it<|im_end|>\n"
+               "<|im_start|>assistant\n",
+               image_prompt(11, "And what is this one, in more words?", (30, 30)),
+               "<|im_start|>user\nanother text prompt, a little longer<|im_end|>\n"
+               "<|im_start|>assistant\n"]
+    alone = [token_ids(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in prompts]
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone  # batched
+    # chunks of 8 tokens: the images (45 and 16 tokens) split across steps
+    chunked = LLM.from_engine(Engine(EngineConfig(
+        kv_cache_memory="64MiB", max_num_batched_tokens=8, enable_prefix_caching=False),
+        loaded=loaded))
+    assert token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False)) == alone
+    assert chunked.engine.executor.runner.encoder_cache.num_encoded == 2
+    per_token = llm.engine.kv_plan.bytes_per_token
+    tight = LLM.from_engine(Engine(EngineConfig(kv_cache_memory=7 * 16 * per_token),
+                                   loaded=loaded))
+    assert token_ids(tight.generate(prompts * 3, GREEDY, use_tqdm=False)) == alone * 3
+    assert tight.engine.scheduler.num_preemptions > 0
+    cached = LLM.from_engine(Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=loaded))
+    text = "What is in the picture, described at length and with care, please?"
+    first = cached.generate(image_prompt(20, text), GREEDY, use_tqdm=False)[0]
+    again = cached.generate(image_prompt(20, text), GREEDY, use_tqdm=False)[0]
+    other = cached.generate(image_prompt(21, text), GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 64 and again.outputs[0].token_ids == \
+        first.outputs[0].token_ids
+    assert other.num_cached_tokens == 0  # the image starts in the first block
+    assert other.outputs[0].token_ids == token_ids(
+        llm.generate(image_prompt(21, text), GREEDY, use_tqdm=False))[0]
+
+
+def test_image_runs_are_checked(qwen):
+    """A token-id prompt's run of the image token: one (expanded to the image's size) or
+    exactly the image's size; any other length is refused, naming the size."""
+    _, _, llm = qwen
+    image = random_image(0, 40, 70)  # 5 x 9 tokens
+    start = llm.tokenizer.encode("<|im_start|>user\n<|vision_start|>",
+                                 add_special_tokens=False)
+    end = llm.tokenizer.encode("<|vision_end|>Hi<|im_end|>\n<|im_start|>assistant\n",
+                               add_special_tokens=False)
+    (one,) = llm.generate({"prompt_token_ids": start + [QWEN_IMAGE_ID] + end,
+                           "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+    (full,) = llm.generate({"prompt_token_ids": start + [QWEN_IMAGE_ID] * 45 + end,
+                            "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+    assert one.prompt_token_ids == full.prompt_token_ids
+    assert one.outputs[0].token_ids == full.outputs[0].token_ids
+    with pytest.raises(RequestRejected, match="takes 45 image tokens"):
+        llm.generate({"prompt_token_ids": start + [QWEN_IMAGE_ID] * 44 + end,
+                      "multi_modal_data": {"image": image}}, GREEDY, use_tqdm=False)
+
+
+def test_the_memory_calculator_counts_the_tower(qwen):
+    _, reference, llm = qwen
+    assert_memory_counts(reference, llm.engine.loaded.config, (".visual.",))

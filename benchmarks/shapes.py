@@ -97,6 +97,9 @@ SHAPES = {
                           131072, llama3_rope_factor=32.0),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 128, 14336, 128256, False, 500000.0, 1e-5,
                           131072, llama3_rope_factor=8.0),
+    # Qwen2.5-0.5B: the decoder of the Qwen2.5-VL image benchmark (`benchmarks/vision.py`)
+    "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 64, 4864, 151936, True, 1000000.0, 1e-6,
+                          32768, qkv_bias=True),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 128, 8960, 151936, True, 1000000.0, 1e-6,
                           32768, qkv_bias=True),
     "qwen2.5-3b": Shape("qwen2", 2048, 36, 16, 2, 128, 11008, 151936, True, 1000000.0, 1e-6,

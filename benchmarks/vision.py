@@ -1,7 +1,7 @@
 """Images side by side: llmserve and llama.cpp's llama-server on the same GGUF + projector
 file, one run.
 
-    python benchmarks/vision.py [--family llava|gemma3|smolvlm] [--gguf FILE]
+    python benchmarks/vision.py [--family llava|gemma3|smolvlm|qwen2.5vl] [--gguf FILE]
                                 [--tower clip-l-336|siglip-400m] [--out DIR]
                                 [--streams 1,16] [--requests-per-stream 2]
 
@@ -9,22 +9,26 @@ The projector file is written here (random weights, F16, as llama.cpp's converte
 out). `--family llava` (the default): LLaVA-1.5's tower (CLIP ViT-L/14 at 336 px: 24 layers
 x 1024, 576 image tokens) or a SigLIP-400M-shaped one (27 layers x 1152, 14 px patches at
 384: 729 tokens), and the two-layer MLP projector into the width of --gguf (the default
-model's file by default). `--family gemma3`: Gemma 3's tower (SigLIP-400M's shape at
-896 px: 4096 patches pooled 4 x 4 to 256 tokens) and projector before the catalog's
-gemma3-270m decoder; `--family smolvlm`: SmolVLM-256M's tower (SigLIP-base's shape,
-12 layers x 768 at 512 px, 16 px patches, pixel-shuffled 4 x 4 to 64 tokens a tile; an
-image resized to 2048 px on its longest edge: 4 x 4 tiles and the whole image, 1088
-tokens) before the catalog's smollm2-135m decoder (SmolVLM-256M's own decoder shape).
-Those decoders' vocabularies lack the image tokens, so the decoder file is the catalog's
-with them added (their embedding rows appended), as the families' GGUF files hold them,
-and the family's chat template. Each server alone on the machine, 2 threads (llama.cpp with as
-many slots as the widest level, continuous batching), answers `llmserve bench vision`: a
+model's file by default). `--family gemma3`: Gemma 3's tower (SigLIP-400M's shape at 896
+px: 4096 patches pooled 4 x 4 to 256 tokens) and projector before the catalog's gemma3-270m
+decoder; `--family smolvlm`: SmolVLM-256M's tower (SigLIP-base's shape, 12 layers x 768 at
+512 px, 16 px patches, pixel-shuffled 4 x 4 to 64 tokens a tile; an image resized to 2048
+px on its longest edge: 4 x 4 tiles and the whole image, 1088 tokens) before the catalog's
+smollm2-135m decoder (SmolVLM-256M's own decoder shape); `--family qwen2.5vl`:
+Qwen2.5-VL-3B's and 7B's ViT (32 layers x 1280, 14 px patches merged 2 x 2, windows of 112
+px, four layers over the whole image; a 512 px image resized to 504: 324 tokens) before a
+Qwen2.5-0.5B-shaped random decoder (`benchmarks/shapes.py`, Q8_0) as llama.cpp's `qwen2vl`
+architecture (M-RoPE sections 8, 12, 12 of its 64-wide heads). Those decoders' vocabularies
+lack the image tokens, so the decoder file is the catalog's (or the shape's) with them
+added (their embedding rows appended), as the families' GGUF files hold them, and the
+family's chat template. Each server alone on the machine, 2 threads (llama.cpp with as many
+slots as the widest level, continuous batching), answers `llmserve bench vision`: a
 warm-up, then at each level of streams two one-image chats per stream, each image new (512
 x 512 random pixels), 32 tokens out, greedy. Image encode time: llmserve's in process (the
 tower and projector on one image, median of 3), llama.cpp's from its log ("encoding mtmd
 batch" to "decoding image batch" at log verbosity 4, median; it encodes a SmolVLM image
-tile by tile, so its median tile's time times the tiles an image takes). The machine's
-load is sampled throughout (monitor.py).
+tile by tile, so its median tile's time times the tiles an image takes). The machine's load
+is sampled throughout (monitor.py).
 """
 
 import argparse
@@ -47,7 +51,10 @@ TOWERS = {  # name -> (layers, hidden, intermediate, heads, image side, patch, c
     "siglip-400m": (27, 1152, 4304, 16, 384, 14, False),
     "siglip-400m-896": (27, 1152, 4304, 16, 896, 14, False),  # Gemma 3's
     "siglip-base-512": (12, 768, 3072, 12, 512, 16, False),  # SmolVLM-256M's
+    "qwen2.5-vl-vit": (32, 1280, 3420, 16, 504, 28, False),  # its side in merged patches
 }
+QWEN_PATCH, QWEN_WINDOW_PATTERN = 14, 8  # layers 7, 15, 23, 31 over the whole image
+QWEN_MROPE = [8, 12, 12, 0]
 # family -> (projector type, tower, catalog decoder, tokens added to its vocabulary,
 # image tokens a 512 px image takes, chat template)
 GEMMA3_TEMPLATE = (
@@ -74,6 +81,17 @@ FAMILIES = {
                 ["<image>", "<fake_token_around_image>", "<global-img>",
                  "<end_of_utterance>"], 17 * 64 + 64, SMOLVLM_TEMPLATE),
 }
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+FAMILIES["qwen2.5vl"] = ("qwen2.5vl", "qwen2.5-vl-vit", "shape:qwen2.5-0.5b",
+                         ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"], 324 + 2,
+                         QWEN_TEMPLATE)
 SMOLVLM_SCALE, SMOLVLM_EDGE = 4, 2048
 OUTPUT_LEN = 32
 
@@ -89,6 +107,8 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
     """Random weights of `tower`'s shape in a projector file as llama.cpp's converter writes
     it (matrices F16, norms and biases F32), with LLaVA's MLP (`kind` "mlp"), Gemma 3's
     projection ("gemma3") or SmolVLM's pixel-shuffle one ("idefics3")."""
+    if kind == "qwen2.5vl":
+        return write_qwen_projector(path, tower, text_hidden, seed)
     layers, hidden, inner, heads, side, patch, clip = TOWERS[tower]
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "clip")
@@ -162,13 +182,69 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
     return path
 
 
+def write_qwen_projector(path: Path, tower: str, text_hidden: int, seed: int = 0) -> Path:
+    """Random weights of Qwen2.5-VL's ViT and merger as llama.cpp's converter writes its
+    projector file (the Conv3d as two 2-D kernels, q/k/v split, RMSNorms, gated MLPs)."""
+    layers, hidden, inner, heads, _, _, _ = TOWERS[tower]
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "qwen2.5vl")
+    writer.add_bool("clip.use_silu", True)
+    for key, value in {"image_size": 560, "patch_size": QWEN_PATCH,
+                       "embedding_length": hidden, "feed_forward_length": inner,
+                       "block_count": layers, "attention.head_count": heads,
+                       "projection_dim": text_hidden,
+                       "n_wa_pattern": QWEN_WINDOW_PATTERN}.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+
+    def matrix(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float16))
+
+    def vector(name: str, size: int, value: float | None = None) -> None:
+        data = np.full(size, value, np.float32) if value is not None else \
+            (rng.standard_normal(size) * 0.02).astype(np.float32)
+        writer.add_tensor(name, data)
+
+    matrix("v.patch_embd.weight", hidden, 3, QWEN_PATCH, QWEN_PATCH)
+    matrix("v.patch_embd.weight.1", hidden, 3, QWEN_PATCH, QWEN_PATCH)
+    for i in range(layers):
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            matrix(f"v.blk.{i}.{name}.weight", hidden, hidden)
+            vector(f"v.blk.{i}.{name}.bias", hidden)
+        for name in ("ln1", "ln2"):
+            vector(f"v.blk.{i}.{name}.weight", hidden, 1.0)
+        for name in ("ffn_gate", "ffn_up"):
+            matrix(f"v.blk.{i}.{name}.weight", inner, hidden)
+            vector(f"v.blk.{i}.{name}.bias", inner)
+        matrix(f"v.blk.{i}.ffn_down.weight", hidden, inner)
+        vector(f"v.blk.{i}.ffn_down.bias", hidden)
+    wide = 4 * hidden
+    vector("v.post_ln.weight", hidden, 1.0)
+    matrix("mm.0.weight", wide, wide)
+    vector("mm.0.bias", wide)
+    matrix("mm.2.weight", text_hidden, wide)
+    vector("mm.2.bias", text_hidden)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def with_image_tokens(source: Path, out: Path, tokens: list[str], template: str,
-                      seed: int = 0) -> Path:
+                      seed: int = 0, arch: str | None = None,
+                      extra_keys: dict | None = None) -> Path:
     """`source` (a GGUF decoder) with `tokens` added to its vocabulary as control tokens,
     their embedding rows appended (random, in the embedding's own type), and
-    `template` as its chat template; every other tensor and key as it was."""
+    `template` as its chat template; every other tensor and key as it was (`arch`: the
+    file as another architecture, its keys renamed; `extra_keys`: more metadata)."""
     reader = gguf.GGUFReader(str(source))
-    arch = reader.fields["general.architecture"].contents()
+    own = reader.fields["general.architecture"].contents()
+    arch = arch or own
     writer = gguf.GGUFWriter(str(out), arch)
     extra = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": [3] * len(tokens),
              "tokenizer.ggml.scores": [0.0] * len(tokens)}
@@ -180,8 +256,14 @@ def with_image_tokens(source: Path, out: Path, tokens: list[str], template: str,
         if name in extra:
             value = value + extra[name]
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        if name.startswith(f"{own}."):
+            name = arch + name[len(own):]
+        if name == f"{arch}.vocab_size":  # the embedding's rows, the tokens appended
+            value += len(tokens)
         writer.add_key_value(name, value, field.types[0], sub_type=sub)
     writer.add_string("tokenizer.chat_template", template)
+    for name, value in (extra_keys or {}).items():
+        writer.add_array(name, value)
     rng = np.random.default_rng(seed)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
@@ -248,8 +330,14 @@ def main() -> int:
         from llmserve.loader.catalog import fetch_model
 
         kind, args.tower, decoder, tokens, per_image, template = FAMILIES[args.family]
-        args.gguf = args.out / f"{args.family}-{decoder}.gguf"
-        if not args.gguf.exists():
+        args.gguf = args.out / f"{args.family}-{decoder.removeprefix('shape:')}.gguf"
+        if not args.gguf.exists() and decoder.startswith("shape:"):  # Qwen2.5-VL's
+            from shapes import shape_gguf
+
+            with_image_tokens(shape_gguf(decoder.removeprefix("shape:"), "Q8_0"), args.gguf,
+                              tokens, template, arch="qwen2vl", extra_keys={
+                                  "qwen2vl.rope.dimension_sections": QWEN_MROPE})
+        elif not args.gguf.exists():
             with_image_tokens(fetch_model(decoder), args.gguf, tokens, template)
     args.gguf = args.gguf or DEFAULT_GGUF
     projector = args.out / f"mmproj-{args.tower}-{args.gguf.stem}.gguf"

@@ -11,7 +11,7 @@ from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.errors import RequestRejected
 from llmserve.lora_request import LoRARequest
-from llmserve.multimodal import IMAGE_PART_TYPES
+from llmserve.multimodal.images import IMAGE_PART_TYPES
 from llmserve.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,

@@ -14,7 +14,12 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from llmserve.loader.mmproj import GLOBAL_NAMES, LAYER_NAMES
+from llmserve.loader.mmproj import (
+    GLOBAL_NAMES,
+    LAYER_NAMES,
+    QWEN_GLOBAL_NAMES,
+    QWEN_LAYER_NAMES,
+)
 
 # Hugging Face `model_type` -> GGUF `general.architecture`
 GGUF_ARCH = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -50,15 +55,17 @@ MIXTRAL = {".block_sparse_moe.": ".mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_pr
 
 def write_gguf(model: torch.nn.Module, path: Path, qtype: QT = QT.F32,
                metadata: dict[str, Any] | None = None,
-               types: dict[str, QT] | None = None) -> Path:
+               types: dict[str, QT] | None = None, arch: str | None = None) -> Path:
     """`model` (a transformers CausalLM) as a GGUF file at `path`: 2-D and 3-D linear
     weights in `qtype` (F32, F16, Q8_0, Q4_0, Q4_K, ...), norms, biases and the router in
     F32; `types`: other types for some matrices, by GGUF name or its part after
     `blk.N.` (a Q4_K_M-like mix: {"attn_v.weight": QT.Q6_K, "token_embd.weight": QT.Q6_K});
-    `metadata`: more key/values (a tokenizer's `tokenizer.ggml.*`)."""
+    `metadata`: more key/values (a tokenizer's `tokenizer.ggml.*`); `arch`: another
+    `general.architecture` than the model type's (a Qwen2 decoder as Qwen2.5-VL's
+    "qwen2vl")."""
     config = model.config
     model_type = config.model_type
-    arch = GGUF_ARCH[model_type]
+    arch = arch or GGUF_ARCH[model_type]
     writer = gguf.GGUFWriter(str(path), arch)
     if types:
         writer = _TypedWriter(writer, types)
@@ -352,6 +359,58 @@ def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16,
             target = f"{MMPROJ_GLOBAL[module]}.{leaf}"
         else:
             continue  # the decoder: its own GGUF file
+        _add(writer, target, tensor, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_qwen_mmproj(model: torch.nn.Module, path: Path, qtype: QT = QT.F16) -> Path:
+    """A transformers Qwen2.5-VL's tower and merger as llama.cpp's converter writes its
+    projector file: `clip.projector_type` "qwen2.5vl", the window pattern, the Conv3d's
+    two frames as `v.patch_embd.weight` and `.weight.1`, q, k and v split."""
+    vision = model.config.vision_config
+    full = list(vision.fullatt_block_indexes)
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "qwen2.5vl")
+    writer.add_bool("clip.use_silu", True)
+    for key, value in {"image_size": 560, "patch_size": vision.patch_size,
+                       "embedding_length": vision.hidden_size,
+                       "feed_forward_length": vision.intermediate_size,
+                       "block_count": vision.depth,
+                       "attention.head_count": vision.num_heads,
+                       "projection_dim": vision.out_hidden_size,
+                       "n_wa_pattern": full[0] + 1}.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
+    writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
+    layer_names = {model: file for file, model in QWEN_LAYER_NAMES.items()}
+    global_names = {model.removeprefix("vision_tower."): file
+                    for file, model in QWEN_GLOBAL_NAMES.items()}
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("model.visual."):
+            continue  # the decoder: its own GGUF file
+        name, tensor = name.removeprefix("model.visual."), tensor.detach().float()
+        kind = qtype if tensor.dim() >= 2 else QT.F32
+        if name == "patch_embed.proj.weight":  # (hidden, C, 2, p, p): a 2-D kernel a frame
+            _add(writer, "v.patch_embd.weight", tensor[:, :, 0].contiguous(), QT.F32)
+            _add(writer, "v.patch_embd.weight.1", tensor[:, :, 1].contiguous(), QT.F32)
+            continue
+        module, leaf = name.rsplit(".", 1)
+        if module.startswith("blocks."):
+            _, layer, rest = module.split(".", 2)
+            if rest == "attn.qkv":
+                for part, piece in zip(("attn_q", "attn_k", "attn_v"), tensor.chunk(3),
+                                       strict=True):
+                    _add(writer, f"v.blk.{layer}.{part}.{leaf}", piece.contiguous(), kind)
+                continue
+            target = f"v.blk.{layer}.{layer_names[rest]}.{leaf}"
+        else:
+            target = f"{global_names[module]}.{leaf}"
         _add(writer, target, tensor, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

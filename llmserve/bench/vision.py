@@ -245,20 +245,26 @@ def encode_image_ms(model: str, mmproj: str | None = None, repeats: int = 3,
     if prompts is None:
         raise LLMServeError(f"{model} takes no images")
     image = Image.open(io.BytesIO(random_png(image_side, 7))).convert("RGB")
-    pixels = prompts.processor(image)  # (3, S, S), or an Idefics3 image's (tiles, 3, S, S)
-    pixels = pixels.unsqueeze(0) if pixels.dim() == 3 else pixels
+    vision = llm.engine.loaded.config.vision
+    # (3, S, S), an Idefics3 image's (tiles, 3, S, S), or Qwen2.5-VL's patches and grid
+    pixels, grid = prompts.processor(image), None
+    if vision.merged:
+        patches, grid = pixels
+        pixels, tokens = patches.unsqueeze(0), grid[0] * grid[1]
+    else:
+        pixels = pixels.unsqueeze(0) if pixels.dim() == 3 else pixels
+        tokens = vision.tokens_per_image * pixels.shape[0]
     model_ = llm.engine.loaded.model
     times = []
     with torch.inference_mode():
         for i in range(repeats + 1):
             start = time.perf_counter()
-            model_.encode_images(pixels)
+            model_.encode_images(pixels, grid)
             if i:
                 times.append((time.perf_counter() - start) * 1000)
-    vision = llm.engine.loaded.config.vision
     return {"encode_ms": statistics.median(times), "runs_ms": times,
-            "tokens_per_image": vision.tokens_per_image * pixels.shape[0],
-            "tiles": pixels.shape[0], "tower": vision.tower,
+            "tokens_per_image": tokens,
+            "tiles": 1 if vision.merged else pixels.shape[0], "tower": vision.tower,
             "tower_layers": vision.num_hidden_layers, "tower_hidden": vision.hidden_size}
 
 

@@ -22,13 +22,12 @@ from typing import Any
 from llmserve.chat_template import ChatTemplateError
 from llmserve.config.vision import VisionConfig
 from llmserve.errors import RequestRejected
-from llmserve.multimodal import (
-    ImageInput,
+from llmserve.multimodal.images import ImageInput, take_images
+from llmserve.multimodal.processors import (
     ImageProcessor,
     MergedImageProcessor,
     TiledImage,
     TiledImageProcessor,
-    take_images,
 )
 from llmserve.tokenizer import Tokenizer
 

@@ -12,7 +12,7 @@ from typing import Any
 from llmserve.distributed.kv_transfer import TransferredKV
 from llmserve.engine.image_prompts import ImagePrompts
 from llmserve.errors import RequestRejected
-from llmserve.multimodal import MAX_IMAGES_PER_REQUEST, ImageInput
+from llmserve.multimodal.images import MAX_IMAGES_PER_REQUEST, ImageInput
 from llmserve.sampling_params import SamplingParams
 from llmserve.structured import StructuredOutputManager
 from llmserve.tokenizer import Tokenizer

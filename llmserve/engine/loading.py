@@ -29,7 +29,7 @@ from llmserve.layers.pooler import Pooler
 from llmserve.loader.attention_choice import choose_attention
 from llmserve.loader.model_loader import LoadedModel, decide_auto
 from llmserve.memory import parse_size
-from llmserve.multimodal import ImageProcessor
+from llmserve.multimodal.processors import ImageProcessor
 from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
 from llmserve.spec_decode.speculator import Speculator

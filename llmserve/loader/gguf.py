@@ -33,7 +33,8 @@ from llmserve.quantization.kquant import KQUANT_TYPES, LEGACY_TYPES, SUPER, RawB
 # Mixtral's: `MIXTRAL`).
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
                       "gemma2": "gemma2", "phi3": "phi3",
-                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
+                      "qwen2vl": "qwen2"}  # Qwen2.5-VL's decoder: Qwen2 with M-RoPE
 MIXTRAL = "mixtral"
 # llama.cpp's mixtures renormalise the chosen experts' weights as each family does, fixed
 # per architecture (its `build_moe_ffn(..., norm_w)`), unless `{arch}.expert_weights_norm`
@@ -404,7 +405,25 @@ def _build_config(
         final_logit_softcapping=number("final_logit_softcapping", 0.0) or None,
         qk_norm_across_heads=arch == "olmoe",
         moe=moe,
+        mrope_section=_mrope_section(metadata, arch),
     )
+
+
+def _mrope_section(metadata: dict[str, Any], arch: str) -> tuple[int, ...] | None:
+    """Qwen2.5-VL's M-RoPE sections (`qwen2vl.rope.dimension_sections`: temporal, row,
+    column and a fourth, unused, 0)."""
+    if arch != "qwen2vl":
+        return None
+    key = f"{arch}.rope.dimension_sections"
+    sections = metadata.get(key)
+    if not isinstance(sections, list | tuple) or len(sections) < 3 or any(
+            not isinstance(n, int) for n in sections):
+        raise ValueError(f"GGUF metadata '{key}' must list M-RoPE's sections, got "
+                         f"{sections!r}")
+    if any(sections[3:]):
+        raise UnsupportedModelError(f"{key} {list(sections)}: a fourth M-RoPE section is "
+                                    f"not supported")
+    return tuple(sections[:3])
 
 
 def _moe_config(metadata: dict[str, Any], arch: str, tensors: dict[str, GGUFTensor],

@@ -12,7 +12,13 @@ for a GGUF decoder.
 * "idefics3" (SmolVLM, Idefics3): an image cut into tiles of the tower's size after its
   longest edge is resized to `clip.vision.preproc_image_size`, each tile's normed output
   pixel-shuffled `clip.vision.projector.scale_factor` a side and projected (`mm.model.fc`);
-  the decoder's vocabulary has the image and tile tokens.
+  the decoder's vocabulary has the image and tile tokens;
+* "qwen2.5vl" (Qwen2.5-VL): its ViT (the Conv3d patch embedding stored as two 2-D
+  kernels, q/k/v split, RMSNorms, gated MLPs; layers `n_wa_pattern - 1`, `2 n_wa_pattern
+  - 1`, ... over the whole image, the rest in windows) and merger (`v.post_ln`, `mm.0`,
+  `mm.2`); images of any size, between 8 and 4,096 tokens (llama.cpp's bounds, or the
+  file's `clip.vision.image_min_pixels` / `image_max_pixels`); the decoder a `qwen2vl`
+  GGUF (M-RoPE) whose vocabulary has `<|image_pad|>`.
 
 Images are preprocessed as the tower's Hugging Face processor would (CLIP: shortest edge
 and centre crop; SigLIP: a fixed resize, bilinear for Gemma 3) with the file's mean and
@@ -33,11 +39,14 @@ from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.gguf_meta import open_gguf, read_metadata
 from llmserve.loader.gguf import tensor_to_torch
 from llmserve.loader.weights import require_path
-from llmserve.multimodal import (
+from llmserve.multimodal.processors import (
     BICUBIC,
     BILINEAR,
     LANCZOS,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
     ImageProcessor,
+    MergedImageProcessor,
     TiledImageProcessor,
 )
 
@@ -55,8 +64,18 @@ GLOBAL_NAMES = {"v.patch_embd": "vision_tower.embeddings.patch_embedding",
                 "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
                 "mm.model.fc": "multi_modal_projector.proj"}
 INPUT_PROJECTION = "mm.input_projection.weight"  # Gemma 3's, a (vision, text) matrix
-PROJECTOR_TYPES = ("mlp", "gemma3", "idefics3")
-FAMILIES = {"mlp": "LLaVA", "gemma3": "Gemma 3", "idefics3": "Idefics3"}
+PROJECTOR_TYPES = ("mlp", "gemma3", "idefics3", "qwen2.5vl")
+FAMILIES = {"mlp": "LLaVA", "gemma3": "Gemma 3", "idefics3": "Idefics3",
+            "qwen2.5vl": "Qwen2.5-VL"}
+# Qwen2.5-VL's `v.blk.{i}.<name>` -> `vision_tower.blocks.{i}.<name>` (q, k and v fused)
+QWEN_LAYER_NAMES = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2",
+                    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                    "ffn_down": "mlp.down_proj"}
+QWEN_GLOBAL_NAMES = {"v.post_ln": "vision_tower.merger.ln_q",
+                     "mm.0": "vision_tower.merger.mlp.0", "mm.2": "vision_tower.merger.mlp.2"}
+# llama.cpp's bounds on a Qwen2.5-VL image's tokens (its `set_limit_image_tokens(8, 4096)`)
+QWEN_MIN_TOKENS, QWEN_MAX_TOKENS = 8, 4096
+QWEN_WINDOW = 112  # px a side of its windows: llama.cpp's, whatever the file says
 CLASS_EMBEDDING = "v.class_embd"
 
 
@@ -64,7 +83,7 @@ CLASS_EMBEDDING = "v.class_embd"
 class Projector:
     vision: VisionConfig
     tensors: dict[str, torch.Tensor]  # under the model's names (`models/vision_language.py`)
-    processor: ImageProcessor
+    processor: ImageProcessor | TiledImageProcessor | MergedImageProcessor
 
 
 def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Projector:
@@ -82,8 +101,10 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
     if kind not in PROJECTOR_TYPES:
         raise UnsupportedModelError(f"{path}: projector type {kind!r} is not supported "
                                     f"(LLaVA's 'mlp', Gemma 3's 'gemma3', SmolVLM's "
-                                    f"'idefics3')")
+                                    f"'idefics3', Qwen2.5-VL's 'qwen2.5vl')")
     by_name = {t.name: t for t in reader.tensors}
+    if kind == "qwen2.5vl":
+        return _qwen_projector(path, meta, by_name, dtype)
     clip = CLASS_EMBEDDING in by_name
     if kind != "mlp" and clip:
         raise ModelFormatError(f"{path}: a {FAMILIES[kind]} projector's tower is SigLIP-"
@@ -117,6 +138,86 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
         processor = ImageProcessor(None, side, BICUBIC, (side, side), 1 / 255, mean, std)
     else:
         processor = ImageProcessor((side, side), None, resample, None, 1 / 255, mean, std)
+    return Projector(vision, tensors, processor)
+
+
+def projector_family(projector: Projector) -> str:
+    """The family a projector's images are for, in words."""
+    vision = projector.vision
+    if vision.merged:
+        return FAMILIES["qwen2.5vl"]
+    return FAMILIES["gemma3" if vision.pooled else "idefics3" if vision.tiled else "mlp"]
+
+
+def _qwen_projector(path: Path, meta: dict[str, Any], by_name: dict[str, Any],
+                    dtype: torch.dtype) -> Projector:
+    """A Qwen2.5-VL projector file: its tower and merger under the model's names."""
+    def number(key: str, default: Any = None) -> Any:
+        value = meta.get(f"clip.vision.{key}", default)
+        if value is None:
+            raise ModelFormatError(f"{path} lacks clip.vision.{key}")
+        return value
+
+    try:
+        depth = int(number("block_count"))
+        pattern = int(number("n_wa_pattern", 0))
+        merger_out = by_name.get("mm.2.weight")
+        if merger_out is None:
+            raise ModelFormatError(f"{path} lacks mm.2.weight")
+        tower = {
+            "model_type": "qwen2_5_vl_vision",
+            "hidden_size": int(number("embedding_length")),
+            "intermediate_size": int(number("feed_forward_length")), "depth": depth,
+            "num_heads": int(number("attention.head_count")),
+            "patch_size": int(number("patch_size")),
+            "spatial_merge_size": int(number("spatial_merge_size", 2)),
+            "window_size": QWEN_WINDOW,
+            # no window pattern: every layer over the whole image
+            "fullatt_block_indexes": [i for i in range(depth)
+                                      if not pattern or (i + 1) % pattern == 0],
+            "out_hidden_size": int(merger_out.shape[1])}
+        vision = VisionConfig.from_hf_config(
+            {"model_type": "qwen2_5_vl", "vision_config": tower, "image_token_id": 0})
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{path}: {e}") from None
+    vision = dataclasses.replace(vision, image_token_in_vocabulary=False)
+    tensors: dict[str, torch.Tensor] = {}
+    frames: dict[str, torch.Tensor] = {}  # the patch embedding's two 2-D kernels
+    qkv: dict[str, dict[str, torch.Tensor]] = {}  # each layer's q, k, v, to be fused
+    for name, tensor in by_name.items():
+        weight = tensor_to_torch(tensor).to(dtype)
+        stem, _, leaf = name.rpartition(".")
+        match = re.fullmatch(r"v\.blk\.(\d+)\.(\w+)", stem)
+        if name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+            frames[name] = weight
+        elif match and match.group(2) in ("attn_q", "attn_k", "attn_v"):
+            qkv.setdefault(f"vision_tower.blocks.{match.group(1)}.attn.qkv.{leaf}", {})[
+                match.group(2)] = weight
+        elif match and match.group(2) in QWEN_LAYER_NAMES:
+            tensors[f"vision_tower.blocks.{match.group(1)}."
+                    f"{QWEN_LAYER_NAMES[match.group(2)]}.{leaf}"] = weight
+        elif stem in QWEN_GLOBAL_NAMES:
+            tensors[f"{QWEN_GLOBAL_NAMES[stem]}.{leaf}"] = weight
+        else:
+            raise ModelFormatError(f"{path}: tensor {name!r} has no place in a Qwen2.5-VL "
+                                   f"tower")
+    if len(frames) != 2:
+        raise ModelFormatError(f"{path} lacks v.patch_embd.weight and its second frame's "
+                               f"v.patch_embd.weight.1")
+    # the Conv3d (hidden, C, frames, p, p), each frame's kernel stored as a 2-D one
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.stack(
+        [frames["v.patch_embd.weight"], frames["v.patch_embd.weight.1"]], dim=2)
+    for target, parts in qkv.items():
+        if set(parts) != {"attn_q", "attn_k", "attn_v"}:
+            raise ModelFormatError(f"{path}: {target} lacks one of q, k and v")
+        tensors[target] = torch.cat([parts["attn_q"], parts["attn_k"], parts["attn_v"]])
+    side = vision.merged_patch
+    processor = MergedImageProcessor(
+        int(meta.get("clip.vision.image_min_pixels") or QWEN_MIN_TOKENS * side * side),
+        int(meta.get("clip.vision.image_max_pixels") or QWEN_MAX_TOKENS * side * side),
+        vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size, BICUBIC,
+        1 / 255, tuple(meta.get("clip.vision.image_mean", OPENAI_CLIP_MEAN)),
+        tuple(meta.get("clip.vision.image_std", OPENAI_CLIP_STD)))
     return Projector(vision, tensors, processor)
 
 
@@ -187,16 +288,19 @@ def _vision_config(path: Path, meta: dict[str, Any], clip: bool, kind: str) -> V
 
 # a family's image token first, then those its prompts write around images
 IMAGE_TOKENS = {"gemma3": ("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
-                "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>")}
+                "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>"),
+                "qwen2.5vl": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
 
 
 def image_tokens(config: Any, vision: VisionConfig, tokenizer: Any,
                  path: str | Path) -> VisionConfig:
-    """A Gemma 3 or Idefics3 projector's image side with its decoder's image tokens (their
-    vocabularies have them: an image is written as transformers' processor writes it);
-    refused by name for a decoder of another family or a vocabulary without them."""
-    kind = "gemma3" if vision.pooled else "idefics3"
-    if (config.architecture == "gemma3") != (kind == "gemma3"):
+    """A Gemma 3, Idefics3 or Qwen2.5-VL projector's image side with its decoder's image
+    tokens (their vocabularies have them: an image is written as transformers' processor
+    writes it); refused by name for a decoder of another family or a vocabulary without
+    them."""
+    kind = "gemma3" if vision.pooled else "qwen2.5vl" if vision.merged else "idefics3"
+    if (config.architecture == "gemma3") != (kind == "gemma3") or (
+            config.mrope_section is not None) != (kind == "qwen2.5vl"):
         raise ModelFormatError(f"{path} is a {FAMILIES[kind]} projector; the model is "
                                f"{config.architecture!r}")
     names = IMAGE_TOKENS[kind]

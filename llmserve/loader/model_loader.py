@@ -11,7 +11,7 @@ from torch import nn
 
 from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
-from llmserve.errors import UnsupportedModelError
+from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.kernels import native
 from llmserve.layers.linear import Linear
 from llmserve.loader import weight_cache
@@ -29,7 +29,7 @@ from llmserve.loader.kernel_choice import (
     choose_quantization,
     choose_stream_prefetch,
 )
-from llmserve.loader.mmproj import image_tokens, read_mmproj
+from llmserve.loader.mmproj import image_tokens, projector_family, read_mmproj
 from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
 from llmserve.models.llama import STACKED_PARAMS
@@ -196,6 +196,11 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
         if quantization == "auto":
             quantization, choice = _gguf_auto_choice(source.path, device, config)
         if projector is not None:
+            if (config.mrope_section is not None) != projector.vision.merged:
+                wants = "another family's" if config.mrope_section else "a qwen2vl"
+                raise ModelFormatError(f"{mmproj} is a {projector_family(projector)} "
+                                       f"projector; it needs {wants} decoder, not "
+                                       f"{source.path.name}")
             config = replace(config, vision=projector.vision)
         model = _new_model(config, tp, device, dtype)
 
@@ -208,7 +213,7 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
                             on_blocks if quantization == "kquant" else None)
         tokenizer = Tokenizer.from_gguf_metadata(weights.metadata)
         if projector is not None:
-            if projector.vision.pooled or projector.vision.tiled:
+            if projector.vision.pooled or projector.vision.tiled or projector.vision.merged:
                 config = replace(config, vision=image_tokens(
                     config, projector.vision, tokenizer, mmproj))
             weights.config = config

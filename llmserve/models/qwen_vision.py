@@ -98,8 +98,9 @@ class VisionBlock(nn.Module):
     def slices(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                spans: list[tuple[int, int]]) -> Generator[None, None, torch.Tensor]:
         """The block on rows (P, hidden) a slice at a time: q, k and v `SLICE_ROWS` rows
-        at a time, then attention a run of `spans` (the rows that see each other: the
-        windows, or the whole image) at a time, then the projection and MLP by rows."""
+        at a time, then attention within `spans` (the rows that see each other: the
+        windows, or the whole image) about `SLICE_PAIRS` query-key pairs at a time, then
+        the projection and MLP by rows."""
         heads, rows = self.attn.num_heads, x.shape[0]
         q = x.new_empty(heads, rows, self.attn.head_dim)
         k, v = torch.empty_like(q), torch.empty_like(q)
@@ -108,10 +109,10 @@ class VisionBlock(nn.Module):
                 self.norm1(x[block]), cos[block], sin[block])
             yield
         attended = torch.empty_like(q)
-        for group in _span_groups(spans):
-            for lo, hi in group:
+        for group in _attention_slices(spans):
+            for (lo, hi), (key_lo, key_hi) in group:
                 attended[:, lo:hi] = F.scaled_dot_product_attention(
-                    q[:, lo:hi], k[:, lo:hi], v[:, lo:hi])
+                    q[:, lo:hi], k[:, key_lo:key_hi], v[:, key_lo:key_hi])
             yield
         attended = attended.transpose(0, 1).reshape(rows, -1)
         out = torch.empty_like(x)
@@ -126,16 +127,28 @@ def _row_blocks(num_rows: int) -> list[slice]:
     return [slice(lo, min(lo + SLICE_ROWS, num_rows)) for lo in range(0, num_rows, SLICE_ROWS)]
 
 
-def _span_groups(spans: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Consecutive spans gathered until each group holds about `SLICE_ROWS` rows."""
-    groups: list[list[tuple[int, int]]] = [[]]
-    rows = 0
-    for span in spans:
-        if rows >= SLICE_ROWS:
-            groups.append([])
-            rows = 0
-        groups[-1].append(span)
-        rows += span[1] - span[0]
+# query x key pairs a slice of attention computes: `SLICE_ROWS` patches' queries against a
+# 4,096-patch image's keys (SigLIP-400M's slices, ~50 ms)
+SLICE_PAIRS = SLICE_ROWS * 4096
+
+Piece = tuple[tuple[int, int], tuple[int, int]]  # (query rows, the key rows they see)
+
+
+def _attention_slices(spans: list[tuple[int, int]]) -> list[list[Piece]]:
+    """The attention over `spans` (runs of rows that see each other: windows, or the whole
+    image) in slices of about `SLICE_PAIRS` query-key pairs: small windows gathered, a
+    large span's queries split into blocks that each see all its keys."""
+    groups: list[list[Piece]] = [[]]
+    pairs = 0
+    for lo, hi in spans:
+        step = max(16, SLICE_PAIRS // (hi - lo))  # query rows a slice takes of this span
+        for start in range(lo, hi, step):
+            if pairs >= SLICE_PAIRS:
+                groups.append([])
+                pairs = 0
+            end = min(start + step, hi)
+            groups[-1].append(((start, end), (lo, hi)))
+            pairs += (end - start) * (hi - lo)
     return groups
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 import torch
 
 from llmserve.models.vision import run_slices
-from llmserve.multimodal import ImageInput
+from llmserve.multimodal.images import ImageInput
 
 # encoder time a step spends beside other requests' tokens (at least one slice: a layer's
 # attention or its MLP, ~0.1 s for a 4,096-patch SigLIP-400M image in bfloat16 on 2 cores),

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from llmserve.multimodal import ImageInput
+from llmserve.multimodal.images import ImageInput
 
 
 def positions_of(images: Sequence[ImageInput], start: int, count: int) -> np.ndarray:

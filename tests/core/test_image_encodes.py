@@ -8,7 +8,7 @@ from llmserve.core.kv_cache_manager import KVCacheManager
 from llmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerConfig
-from llmserve.multimodal import ImageInput
+from llmserve.multimodal.images import ImageInput
 from llmserve.sampling_params import SamplingParams
 
 TOKEN = 7

@@ -16,7 +16,8 @@ from llmserve import LLM, SamplingParams
 from llmserve.config.engine import EngineConfig
 from llmserve.engine.engine import Engine
 from llmserve.engine.input_processor import RequestRejected
-from llmserve.multimodal import TiledImage, TiledImageProcessor, to_rgb
+from llmserve.multimodal.images import to_rgb
+from llmserve.multimodal.processors import TiledImage, TiledImageProcessor
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.models.test_llava_reference import assert_memory_counts, our_logits, random_image
 from tests.reference_checks import assert_greedy_follows

@@ -20,7 +20,8 @@ from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.models import vision
-from llmserve.multimodal import ImageError, ImageProcessor, to_rgb
+from llmserve.multimodal.images import ImageError, to_rgb
+from llmserve.multimodal.processors import ImageProcessor
 from llmserve.worker import model_runner
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.reference_checks import assert_greedy_follows

@@ -20,7 +20,8 @@ from llmserve.engine.input_processor import RequestRejected
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
-from llmserve.multimodal import ImageError, MergedImageProcessor, to_rgb
+from llmserve.multimodal.images import ImageError, to_rgb
+from llmserve.multimodal.processors import MergedImageProcessor
 from llmserve.worker import mrope
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.models.test_llava_reference import assert_memory_counts, random_image
@@ -141,18 +142,38 @@ def test_image_features_equal_transformers(qwen):
 
 
 def test_image_features_sliced_by_rows_equal_transformers(qwen, monkeypatch):
-    """Slices of a few rows (a window group, a row block) give the same rows."""
+    """Slices of a few rows give the same rows: q, k and v and the MLP 12 rows at a time,
+    two 16-patch windows a slice, the whole-image layers' queries 16 at a time against
+    all 192 keys."""
     from llmserve.models import qwen_vision
+    from llmserve.models.vision import run_slices
 
     folder, reference, llm = qwen
     monkeypatch.setattr(qwen_vision, "SLICE_ROWS", 12)
-    inputs = reference_inputs(folder, [random_image(4, 64, 48)])
+    monkeypatch.setattr(qwen_vision, "SLICE_PAIRS", 12 * 40)
+    inputs = reference_inputs(folder, [random_image(4, 64, 48)])  # 8 x 6 tokens
+    model = llm.engine.loaded.model
     with torch.inference_mode():
         ref = reference.model.visual(inputs["pixel_values"],
                                      grid_thw=inputs["image_grid_thw"]).pooler_output
         _, h, w = inputs["image_grid_thw"][0].tolist()
-        ours = llm.engine.loaded.model.encode_images(inputs["pixel_values"][None],
-                                                     (h // 2, w // 2))[0]
+        slices = model.encode_slices(inputs["pixel_values"][None], (h // 2, w // 2))
+        count = 0
+
+        def counted():
+            nonlocal count
+            while True:
+                try:
+                    next(slices)
+                except StopIteration as done:
+                    return done.value
+                count += 1
+                yield
+
+        ours = run_slices(counted())[0]
+    # per layer 16 q/k/v and 16 MLP blocks of 12 rows; 6 slices of windows or 12 blocks of
+    # whole-image queries; one for the patch embedding
+    assert count == 1 + 2 * (16 + 6 + 16) + 2 * (16 + 12 + 16)
     assert (ours - ref).abs().max().item() <= 1e-5
 
 
@@ -280,3 +301,80 @@ def test_image_runs_are_checked(qwen):
 def test_the_memory_calculator_counts_the_tower(qwen):
     _, reference, llm = qwen
     assert_memory_counts(reference, llm.engine.loaded.config, (".visual.",))
+
+
+@pytest.fixture(scope="module")
+def qwen_gguf(tmp_path_factory, smollm2_gguf):
+    """(qwen2vl decoder GGUF, its qwen2.5vl projector file, transformers' Qwen2.5-VL on
+    the same weights, the image token): smollm2's vocabulary plus Qwen's image tokens
+    (control tokens), the real model's patches (14 px) and windows (112 px)."""
+    import transformers
+    from gguf import GGMLQuantizationType as QT
+
+    from llmserve.gguf_meta import open_gguf, read_metadata
+    from tests.gguf_writer import with_control_tokens, write_gguf, write_qwen_mmproj
+    from tests.tiny_models import QWEN2_5_VL_TEMPLATE, randomize
+
+    folder = tmp_path_factory.mktemp("qwen-gguf")
+    meta = read_metadata(open_gguf(smollm2_gguf))
+    tokenizer = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    tokenizer, image = with_control_tokens(tokenizer, [
+        "<|image_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    tokenizer["tokenizer.chat_template"] = QWEN2_5_VL_TEMPLATE
+    text = dict(vocab_size=len(tokenizer["tokenizer.ggml.tokens"]), hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=None,
+                eos_token_id=None)
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[1, 3], out_hidden_size=64, hidden_act="silu")
+    model = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+        vision_config=vision, text_config={**text, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+        image_token_id=image, video_token_id=image, vision_start_token_id=image + 1,
+        vision_end_token_id=image + 2))
+    randomize(model)
+    model.eval()
+    decoder = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**text,
+                                                                     rope_theta=10000.0))
+    decoder.model.load_state_dict(model.model.language_model.state_dict())
+    decoder.lm_head.load_state_dict(model.lm_head.state_dict())
+    gguf_path = write_gguf(decoder, folder / "text.gguf", QT.F32, {
+        **tokenizer, "qwen2vl.rope.dimension_sections": [2, 3, 3, 0]}, arch="qwen2vl")
+    mmproj = write_qwen_mmproj(model, folder / "mmproj.gguf", QT.F32)
+    return gguf_path, mmproj, model, image
+
+
+def test_gguf_with_a_qwen_projector_file_matches_transformers(qwen_gguf):
+    """A qwen2vl GGUF decoder and its qwen2.5vl projector file: images of 2 x 3 and 1 x 2
+    windows, resized within llama.cpp's 8 to 4,096 tokens an image; greedy tokens follow
+    transformers' on the same weights (processor bounds set to llama.cpp's)."""
+    gguf_path, mmproj, reference, image_token = qwen_gguf
+    llm = LLM(str(gguf_path), mmproj=str(mmproj), dtype="float32", kv_cache_memory="64MiB")
+    images = [random_image(40, 230, 300), random_image(41, 100, 150)]
+    content = [{"type": "image", "image": im} for im in images] + [
+        {"type": "text", "text": "What is in the pictures?"}]
+    (out,) = llm.chat([{"role": "user", "content": content}], GREEDY, use_tqdm=False)
+    ids = out.prompt_token_ids
+    processor = Qwen2VLImageProcessorPil(min_pixels=8 * 28 * 28, max_pixels=4096 * 28 * 28)
+    batch = processor(images, return_tensors="np")
+    inputs = {"pixel_values": torch.from_numpy(np.asarray(batch["pixel_values"])),
+              "image_grid_thw": torch.from_numpy(np.asarray(batch["image_grid_thw"]))}
+    assert inputs["image_grid_thw"].tolist() == [[1, 16, 22], [1, 8, 10]]
+    assert ids.count(image_token) == 8 * 11 + 4 * 5
+    assert_greedy_follows(reference, ids, out.outputs[0].token_ids, image_token,
+                          type_ids="mm_token_type_ids", **inputs)
+
+
+def test_a_projector_for_another_family_is_refused(qwen_gguf, smollm2_gguf):
+    gguf_path, mmproj, _, _ = qwen_gguf
+    with pytest.raises(Exception, match="Qwen2.5-VL projector; it needs a qwen2vl decoder"):
+        LLM(str(smollm2_gguf), mmproj=str(mmproj), kv_cache_memory="64MiB")
+
+
+def test_llmserve_memory_says_what_an_image_costs(qwen):
+    from llmserve.entrypoints.cli.memory_report import memory_report
+
+    folder, _, _ = qwen
+    report = memory_report(str(folder), 1, 256, "float32", None, "64MiB", 16)
+    assert "each image takes one token per 8 x 8 px as resized" in report

@@ -32,7 +32,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _read_image(path: str) -> Any:
-    from llmserve.multimodal import decode_image
+    from llmserve.multimodal.images import decode_image
 
     try:
         data = Path(path).read_bytes()

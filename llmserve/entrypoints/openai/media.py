@@ -2,7 +2,7 @@
 (`--allowed-media-domains`): none by default, so a request can make the server reach no
 host. A fetch runs on the event loop (I/O only, never blocking it), within a byte cap and a
 timeout, following redirects only within the allowed hosts; the bytes become a data URL,
-decoded like any other (off the loop, `multimodal.py`)."""
+decoded like any other (off the loop, `multimodal/images.py`)."""
 
 import base64
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from llmserve.entrypoints.openai.protocol import BadRequest, ChatMessage, ImageURL
-from llmserve.multimodal import MAX_IMAGE_BYTES
+from llmserve.multimodal.images import MAX_IMAGE_BYTES
 
 FETCH_TIMEOUT_S = 10.0
 MAX_REDIRECTS = 3

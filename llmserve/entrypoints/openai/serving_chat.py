@@ -52,7 +52,7 @@ from llmserve.entrypoints.openai.tool_calls import (
 )
 from llmserve.entrypoints.openai.tool_parsers import Extracted, ToolCallExtractor
 from llmserve.errors import LLMServeError
-from llmserve.multimodal import ImageError
+from llmserve.multimodal.images import ImageError
 from llmserve.outputs import CompletionOutput, RequestOutput
 from llmserve.sampling_params import SamplingParams
 from llmserve.tokenizer import PromptTooLong

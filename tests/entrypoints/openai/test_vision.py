@@ -228,7 +228,7 @@ def image_host(image):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from llmserve.multimodal import MAX_IMAGE_BYTES
+    from llmserve.multimodal.images import MAX_IMAGE_BYTES
 
     body = png(image)
 

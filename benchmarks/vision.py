@@ -189,7 +189,7 @@ def write_qwen_projector(path: Path, tower: str, text_hidden: int, seed: int = 0
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "qwen2.5vl")
+    writer.add_string("clip.projector_type", "qwen2.5vl_merger")
     writer.add_bool("clip.use_silu", True)
     for key, value in {"image_size": 560, "patch_size": QWEN_PATCH,
                        "embedding_length": hidden, "feed_forward_length": inner,

@@ -369,13 +369,13 @@ def write_mmproj(llava: torch.nn.Module, path: Path, qtype: QT = QT.F16,
 
 def write_qwen_mmproj(model: torch.nn.Module, path: Path, qtype: QT = QT.F16) -> Path:
     """A transformers Qwen2.5-VL's tower and merger as llama.cpp's converter writes its
-    projector file: `clip.projector_type` "qwen2.5vl", the window pattern, the Conv3d's
+    projector file: `clip.projector_type` "qwen2.5vl_merger", the window pattern, the Conv3d's
     two frames as `v.patch_embd.weight` and `.weight.1`, q, k and v split."""
     vision = model.config.vision_config
     full = list(vision.fullatt_block_indexes)
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
-    writer.add_string("clip.projector_type", "qwen2.5vl")
+    writer.add_string("clip.projector_type", "qwen2.5vl_merger")
     writer.add_bool("clip.use_silu", True)
     for key, value in {"image_size": 560, "patch_size": vision.patch_size,
                        "embedding_length": vision.hidden_size,

@@ -13,7 +13,7 @@ for a GGUF decoder.
   longest edge is resized to `clip.vision.preproc_image_size`, each tile's normed output
   pixel-shuffled `clip.vision.projector.scale_factor` a side and projected (`mm.model.fc`);
   the decoder's vocabulary has the image and tile tokens;
-* "qwen2.5vl" (Qwen2.5-VL): its ViT (the Conv3d patch embedding stored as two 2-D
+* "qwen2.5vl_merger" (Qwen2.5-VL): its ViT (the Conv3d patch embedding stored as two 2-D
   kernels, q/k/v split, RMSNorms, gated MLPs; layers `n_wa_pattern - 1`, `2 n_wa_pattern
   - 1`, ... over the whole image, the rest in windows) and merger (`v.post_ln`, `mm.0`,
   `mm.2`); images of any size, between 8 and 4,096 tokens (llama.cpp's bounds, or the
@@ -64,9 +64,9 @@ GLOBAL_NAMES = {"v.patch_embd": "vision_tower.embeddings.patch_embedding",
                 "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
                 "mm.model.fc": "multi_modal_projector.proj"}
 INPUT_PROJECTION = "mm.input_projection.weight"  # Gemma 3's, a (vision, text) matrix
-PROJECTOR_TYPES = ("mlp", "gemma3", "idefics3", "qwen2.5vl")
+PROJECTOR_TYPES = ("mlp", "gemma3", "idefics3", "qwen2.5vl_merger")
 FAMILIES = {"mlp": "LLaVA", "gemma3": "Gemma 3", "idefics3": "Idefics3",
-            "qwen2.5vl": "Qwen2.5-VL"}
+            "qwen2.5vl_merger": "Qwen2.5-VL"}
 # Qwen2.5-VL's `v.blk.{i}.<name>` -> `vision_tower.blocks.{i}.<name>` (q, k and v fused)
 QWEN_LAYER_NAMES = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2",
                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -101,9 +101,9 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
     if kind not in PROJECTOR_TYPES:
         raise UnsupportedModelError(f"{path}: projector type {kind!r} is not supported "
                                     f"(LLaVA's 'mlp', Gemma 3's 'gemma3', SmolVLM's "
-                                    f"'idefics3', Qwen2.5-VL's 'qwen2.5vl')")
+                                    f"'idefics3', Qwen2.5-VL's 'qwen2.5vl_merger')")
     by_name = {t.name: t for t in reader.tensors}
-    if kind == "qwen2.5vl":
+    if kind == "qwen2.5vl_merger":
         return _qwen_projector(path, meta, by_name, dtype)
     clip = CLASS_EMBEDDING in by_name
     if kind != "mlp" and clip:
@@ -145,7 +145,7 @@ def projector_family(projector: Projector) -> str:
     """The family a projector's images are for, in words."""
     vision = projector.vision
     if vision.merged:
-        return FAMILIES["qwen2.5vl"]
+        return FAMILIES["qwen2.5vl_merger"]
     return FAMILIES["gemma3" if vision.pooled else "idefics3" if vision.tiled else "mlp"]
 
 
@@ -289,7 +289,7 @@ def _vision_config(path: Path, meta: dict[str, Any], clip: bool, kind: str) -> V
 # a family's image token first, then those its prompts write around images
 IMAGE_TOKENS = {"gemma3": ("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
                 "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>"),
-                "qwen2.5vl": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
+                "qwen2.5vl_merger": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
 
 
 def image_tokens(config: Any, vision: VisionConfig, tokenizer: Any,
@@ -298,9 +298,9 @@ def image_tokens(config: Any, vision: VisionConfig, tokenizer: Any,
     tokens (their vocabularies have them: an image is written as transformers' processor
     writes it); refused by name for a decoder of another family or a vocabulary without
     them."""
-    kind = "gemma3" if vision.pooled else "qwen2.5vl" if vision.merged else "idefics3"
+    kind = "gemma3" if vision.pooled else "qwen2.5vl_merger" if vision.merged else "idefics3"
     if (config.architecture == "gemma3") != (kind == "gemma3") or (
-            config.mrope_section is not None) != (kind == "qwen2.5vl"):
+            config.mrope_section is not None) != (kind == "qwen2.5vl_merger"):
         raise ModelFormatError(f"{path} is a {FAMILIES[kind]} projector; the model is "
                                f"{config.architecture!r}")
     names = IMAGE_TOKENS[kind]

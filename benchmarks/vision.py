@@ -323,6 +323,8 @@ def main() -> int:
     parser.add_argument("--llama-server", type=Path, default=ANCHORS / "bin/llama-server")
     parser.add_argument("--beside", type=int, default=4,
                         help="text streams timed beside image chats (0: not measured)")
+    parser.add_argument("--only", choices=["llmserve", "llama.cpp"], default=None,
+                        help="run one server; the other's results are read from --out")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     kind, per_image = "mlp", None
@@ -350,12 +352,20 @@ def main() -> int:
               "--beside", str(args.beside)]
     results: dict = {"gguf": str(args.gguf), "tower": args.tower, "projector": str(projector),
                      "family": args.family}
-    with LoadMonitor() as monitor:
-        results["llmserve"] = bench_cli(
-            ["--model", str(args.gguf), "--mmproj", str(projector),
-             "--server-args", f"--threads {THREADS} --max-num-seqs {widest}", *common],
-            args.out / f"llmserve-{args.tower}.json")
-    results["llmserve"]["load"] = monitor.summary()
+    ours = args.out / f"llmserve-{args.tower}.json"
+    if args.only == "llama.cpp":
+        results["llmserve"] = json.loads(ours.read_text())
+    else:
+        with LoadMonitor() as monitor:
+            results["llmserve"] = bench_cli(
+                ["--model", str(args.gguf), "--mmproj", str(projector),
+                 "--server-args", f"--threads {THREADS} --max-num-seqs {widest}", *common],
+                ours)
+        results["llmserve"]["load"] = monitor.summary()
+        ours.write_text(json.dumps(results["llmserve"], indent=1))
+    if args.only == "llmserve":
+        print(json.dumps(results["llmserve"]["load"]))
+        return 0
     port = free_port()
     tokens = TOWERS[args.tower]
     per_slot = (per_image or (tokens[4] // tokens[5]) ** 2 + 1) + 128 + OUTPUT_LEN

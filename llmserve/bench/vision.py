@@ -96,17 +96,27 @@ def _send_all(url: str, bodies: Iterable[dict[str, Any]],
               send: Callable[[httpx.Client, str, dict[str, Any]], Any], results: list,
               errors: list[str], lock: threading.Lock) -> None:
     """Each body sent in turn on one connection, what `send` returns appended to
-    `results`; a failure is recorded in `errors` and ends the stream."""
-    with httpx.Client(timeout=1800) as http:
+    `results`; a failure is recorded in `errors` and ends the stream. A request the
+    server closed the kept-alive connection on before answering (a race every HTTP
+    client meets) is sent once more, on a new connection."""
+    http = httpx.Client(timeout=1800)
+    try:
         for body in bodies:
             try:
-                result = send(http, url, body)
+                try:
+                    result = send(http, url, body)
+                except httpx.RemoteProtocolError:
+                    http.close()
+                    http = httpx.Client(timeout=1800)
+                    result = send(http, url, body)
             except (LLMServeError, httpx.HTTPError) as e:
                 with lock:
                     errors.append(str(e))
                 return
             with lock:
                 results.append(result)
+    finally:
+        http.close()
 
 
 def one_level(config: VisionBenchConfig, streams: int, images: list[bytes]

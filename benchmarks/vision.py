@@ -46,6 +46,9 @@ import numpy as np
 from monitor import LoadMonitor, warning
 from run_all import ANCHORS, DEFAULT_GGUF, THREADS, free_port, server
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/tiny_models.py
+from tests.tiny_models import QWEN2_5_VL_TEMPLATE  # noqa: E402
+
 TOWERS = {  # name -> (layers, hidden, intermediate, heads, image side, patch, class token)
     "clip-l-336": (24, 1024, 4096, 16, 336, 14, True),
     "siglip-400m": (27, 1152, 4304, 16, 384, 14, False),
@@ -81,17 +84,9 @@ FAMILIES = {
                 ["<image>", "<fake_token_around_image>", "<global-img>",
                  "<end_of_utterance>"], 17 * 64 + 64, SMOLVLM_TEMPLATE),
 }
-QWEN_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}"
-    "<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 FAMILIES["qwen2.5vl"] = ("qwen2.5vl", "qwen2.5-vl-vit", "shape:qwen2.5-0.5b",
                          ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"], 324 + 2,
-                         QWEN_TEMPLATE)
+                         QWEN2_5_VL_TEMPLATE)
 SMOLVLM_SCALE, SMOLVLM_EDGE = 4, 2048
 OUTPUT_LEN = 32
 
@@ -102,6 +97,33 @@ def decoder_width(path: Path) -> int:
     return int(reader.fields[f"{arch}.embedding_length"].parts[-1][0])
 
 
+class RandomTensors:
+    """A projector file's random tensors: matrices (std 0.02, F16 unless told) and vectors
+    (std 0.02, or a constant: a norm's ones), F32."""
+
+    def __init__(self, writer: gguf.GGUFWriter, seed: int) -> None:
+        self.writer, self.rng = writer, np.random.default_rng(seed)
+
+    def functions(self) -> tuple:
+        return self.matrix, self.vector
+
+    def matrix(self, name: str, *shape: int, dtype: type = np.float16) -> None:
+        self.writer.add_tensor(name, (self.rng.standard_normal(shape) * 0.02).astype(dtype))
+
+    def vector(self, name: str, size: int, value: float | None = None) -> None:
+        data = np.full(size, value, np.float32) if value is not None else \
+            (self.rng.standard_normal(size) * 0.02).astype(np.float32)
+        self.writer.add_tensor(name, data)
+
+    @staticmethod
+    def finish(writer: gguf.GGUFWriter, path: Path) -> Path:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+
 def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
                     kind: str = "mlp") -> Path:
     """Random weights of `tower`'s shape in a projector file as llama.cpp's converter writes
@@ -110,7 +132,6 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
     if kind == "qwen2.5vl":
         return write_qwen_projector(path, tower, text_hidden, seed)
     layers, hidden, inner, heads, side, patch, clip = TOWERS[tower]
-    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_bool("clip.has_llava_projector", kind == "mlp")
@@ -131,14 +152,7 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
         writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
         writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
 
-    def matrix(name: str, *shape: int, dtype: type = np.float16) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(dtype))
-
-    def vector(name: str, size: int, value: float | None = None) -> None:
-        data = np.full(size, value, np.float32) if value is not None else \
-            (rng.standard_normal(size) * 0.02).astype(np.float32)
-        writer.add_tensor(name, data)
-
+    matrix, vector = RandomTensors(writer, seed).functions()
     # the embeddings: F16 for LLaVA, F32 for Gemma 3 and SmolVLM, as the converter writes
     # them (llama.cpp's graphs for those add the position table to F32 rows directly)
     embedding = matrix if kind == "mlp" else functools.partial(matrix, dtype=np.float32)
@@ -175,18 +189,13 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
         vector("mm.0.bias", text_hidden)
         matrix("mm.2.weight", text_hidden, text_hidden)
         vector("mm.2.bias", text_hidden)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return RandomTensors.finish(writer, path)
 
 
 def write_qwen_projector(path: Path, tower: str, text_hidden: int, seed: int = 0) -> Path:
     """Random weights of Qwen2.5-VL's ViT and merger as llama.cpp's converter writes its
     projector file (the Conv3d as two 2-D kernels, q/k/v split, RMSNorms, gated MLPs)."""
     layers, hidden, inner, heads, _, _, _ = TOWERS[tower]
-    rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
     writer.add_string("clip.projector_type", "qwen2.5vl_merger")
@@ -201,14 +210,7 @@ def write_qwen_projector(path: Path, tower: str, text_hidden: int, seed: int = 0
     writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
     writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
 
-    def matrix(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.02).astype(np.float16))
-
-    def vector(name: str, size: int, value: float | None = None) -> None:
-        data = np.full(size, value, np.float32) if value is not None else \
-            (rng.standard_normal(size) * 0.02).astype(np.float32)
-        writer.add_tensor(name, data)
-
+    matrix, vector = RandomTensors(writer, seed).functions()
     matrix("v.patch_embd.weight", hidden, 3, QWEN_PATCH, QWEN_PATCH)
     matrix("v.patch_embd.weight.1", hidden, 3, QWEN_PATCH, QWEN_PATCH)
     for i in range(layers):
@@ -228,11 +230,7 @@ def write_qwen_projector(path: Path, tower: str, text_hidden: int, seed: int = 0
     vector("mm.0.bias", wide)
     matrix("mm.2.weight", text_hidden, wide)
     vector("mm.2.bias", text_hidden)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return RandomTensors.finish(writer, path)
 
 
 def with_image_tokens(source: Path, out: Path, tokens: list[str], template: str,

@@ -99,13 +99,6 @@ class ModelConfig:
                 raise UnsupportedModelError(f"unsupported rope_scaling type '{kind}'")
             if kind in ("longrope", "su"):
                 _check_longrope(self.rope_scaling, self.head_dim)
-        if self.mrope_section is not None and (
-                len(self.mrope_section) != 3 or not all(_is_int(n) and n > 0
-                                                        for n in self.mrope_section)
-                or sum(self.mrope_section) != self.head_dim // 2):
-            raise ValueError(f"mrope_section must be three positive numbers adding up to "
-                             f"half the head size ({self.head_dim // 2}), got "
-                             f"{self.mrope_section!r}")
             numbers = ("factor", "low_freq_factor", "high_freq_factor",
                        "original_max_position_embeddings")
             for name in numbers if kind in ("llama3", "linear") else ():
@@ -113,6 +106,13 @@ class ModelConfig:
                 if (value is not None or name == "factor") and not _is_positive(value):
                     raise ValueError(f"rope_scaling {name} must be a positive number, "
                                      f"got {value!r}")
+        if self.mrope_section is not None and (
+                not isinstance(self.mrope_section, tuple) or len(self.mrope_section) != 3
+                or not all(_is_int(n) and n > 0 for n in self.mrope_section)
+                or sum(self.mrope_section) != self.head_dim // 2):
+            raise ValueError(f"mrope_section must be three positive numbers adding up to "
+                             f"half the head size ({self.head_dim // 2}), got "
+                             f"{self.mrope_section!r}")
 
     def _check_values(self) -> None:
         """Types and ranges of the numbers, which come from untrusted files: a ValueError

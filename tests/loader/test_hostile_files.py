@@ -707,6 +707,9 @@ CONFIG_CASES = {  # config.json edit -> (error, message)
                               "rope_scaling must be an object"),
     "rope factor missing": ({"rope_scaling": {"rope_type": "linear"}}, ModelFormatError,
                             "rope_scaling factor must be a positive number, got None"),
+    "mrope sections not half the head": (
+        {"rope_scaling": {"type": "mrope", "mrope_section": [16, 24, "24"]}}, ModelFormatError,
+        r"mrope_section must be three positive numbers adding up to half the head size"),
     "sliding window a string": ({"sliding_window": "4096"}, ModelFormatError,
                                 "sliding_window must be a positive integer, got '4096'"),
     "NaN theta": ({"rope_theta": float("nan")}, ModelFormatError,

@@ -104,8 +104,11 @@ class RandomTensors:
     def __init__(self, writer: gguf.GGUFWriter, seed: int) -> None:
         self.writer, self.rng = writer, np.random.default_rng(seed)
 
-    def functions(self) -> tuple:
-        return self.matrix, self.vector
+    def attention(self, layer: int, hidden: int) -> None:
+        """A tower layer's q, k, v and output projections, each with its bias."""
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            self.matrix(f"v.blk.{layer}.{name}.weight", hidden, hidden)
+            self.vector(f"v.blk.{layer}.{name}.bias", hidden)
 
     def matrix(self, name: str, *shape: int, dtype: type = np.float16) -> None:
         self.writer.add_tensor(name, (self.rng.standard_normal(shape) * 0.02).astype(dtype))
@@ -152,7 +155,8 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
         writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
         writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
 
-    matrix, vector = RandomTensors(writer, seed).functions()
+    tensors = RandomTensors(writer, seed)
+    matrix, vector = tensors.matrix, tensors.vector
     # the embeddings: F16 for LLaVA, F32 for Gemma 3 and SmolVLM, as the converter writes
     # them (llama.cpp's graphs for those add the position table to F32 rows directly)
     embedding = matrix if kind == "mlp" else functools.partial(matrix, dtype=np.float32)
@@ -166,9 +170,7 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
         vector("v.pre_ln.weight", hidden, 1.0)
         vector("v.pre_ln.bias", hidden, 0.0)
     for i in range(layers):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            matrix(f"v.blk.{i}.{name}.weight", hidden, hidden)
-            vector(f"v.blk.{i}.{name}.bias", hidden)
+        tensors.attention(i, hidden)
         for name in ("ln1", "ln2"):
             vector(f"v.blk.{i}.{name}.weight", hidden, 1.0)
             vector(f"v.blk.{i}.{name}.bias", hidden, 0.0)
@@ -210,13 +212,12 @@ def write_qwen_projector(path: Path, tower: str, text_hidden: int, seed: int = 0
     writer.add_array("clip.vision.image_mean", [0.48145466, 0.4578275, 0.40821073])
     writer.add_array("clip.vision.image_std", [0.26862954, 0.26130258, 0.27577711])
 
-    matrix, vector = RandomTensors(writer, seed).functions()
+    tensors = RandomTensors(writer, seed)
+    matrix, vector = tensors.matrix, tensors.vector
     matrix("v.patch_embd.weight", hidden, 3, QWEN_PATCH, QWEN_PATCH)
     matrix("v.patch_embd.weight.1", hidden, 3, QWEN_PATCH, QWEN_PATCH)
     for i in range(layers):
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            matrix(f"v.blk.{i}.{name}.weight", hidden, hidden)
-            vector(f"v.blk.{i}.{name}.bias", hidden)
+        tensors.attention(i, hidden)
         for name in ("ln1", "ln2"):
             vector(f"v.blk.{i}.{name}.weight", hidden, 1.0)
         for name in ("ffn_gate", "ffn_up"):

@@ -106,6 +106,9 @@ SHAPES = {
                         32768, qkv_bias=True),
     "qwen2.5-7b": Shape("qwen2", 3584, 28, 28, 4, 128, 18944, 152064, False, 1000000.0, 1e-6,
                         32768, qkv_bias=True),
+    # Qwen3-0.6B: the decoder of the Qwen3-VL image benchmark (`benchmarks/vision.py`)
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True, 1000000.0, 1e-6,
+                        40960, qk_norm=True),
     "qwen3-1.7b": Shape("qwen3", 2048, 28, 16, 8, 128, 6144, 151936, True, 1000000.0, 1e-6,
                         40960, qk_norm=True),
     # Qwen3-30B-A3B: 128 experts of 768, 8 a token; whole (17 GB at Q4_0), and its first 12

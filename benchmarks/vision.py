@@ -1,7 +1,8 @@
 """Images side by side: llmserve and llama.cpp's llama-server on the same GGUF + projector
 file, one run.
 
-    python benchmarks/vision.py [--family llava|gemma3|smolvlm|qwen2.5vl] [--gguf FILE]
+    python benchmarks/vision.py [--family llava|gemma3|smolvlm|qwen2.5vl|qwen3vl]
+                                [--gguf FILE]
                                 [--tower clip-l-336|siglip-400m] [--out DIR]
                                 [--streams 1,16] [--requests-per-stream 2]
 
@@ -18,7 +19,11 @@ smollm2-135m decoder (SmolVLM-256M's own decoder shape); `--family qwen2.5vl`:
 Qwen2.5-VL-3B's and 7B's ViT (32 layers x 1280, 14 px patches merged 2 x 2, windows of 112
 px, four layers over the whole image; a 512 px image resized to 504: 324 tokens) before a
 Qwen2.5-0.5B-shaped random decoder (`benchmarks/shapes.py`, Q8_0) as llama.cpp's `qwen2vl`
-architecture (M-RoPE sections 8, 12, 12 of its 64-wide heads). Those decoders' vocabularies
+architecture (M-RoPE sections 8, 12, 12 of its 64-wide heads); `--family qwen3vl`:
+Qwen3-VL-4B's and 8B's ViT (27 layers x 1152, 16 px patches merged 2 x 2, learned
+positions on a 48 x 48 grid, DeepStack from layers 8, 16 and 24; a 512 px image: 256
+tokens) before a Qwen3-0.6B-shaped random decoder (Q8_0) as llama.cpp's `qwen3vl`
+(interleaved M-RoPE sections 24, 20, 20, three DeepStack layers). Those decoders' vocabularies
 lack the image tokens, so the decoder file is the catalog's (or the shape's) with them
 added (their embedding rows appended), as the families' GGUF files hold them, and the
 family's chat template. Each server alone on the machine, 2 threads (llama.cpp with as many
@@ -55,9 +60,12 @@ TOWERS = {  # name -> (layers, hidden, intermediate, heads, image side, patch, c
     "siglip-400m-896": (27, 1152, 4304, 16, 896, 14, False),  # Gemma 3's
     "siglip-base-512": (12, 768, 3072, 12, 512, 16, False),  # SmolVLM-256M's
     "qwen2.5-vl-vit": (32, 1280, 3420, 16, 504, 28, False),  # its side in merged patches
+    "qwen3-vl-vit": (27, 1152, 4304, 16, 512, 32, False),
 }
 QWEN_PATCH, QWEN_WINDOW_PATTERN = 14, 8  # layers 7, 15, 23, 31 over the whole image
 QWEN_MROPE = [8, 12, 12, 0]
+QWEN3_PATCH, QWEN3_POSITIONS, QWEN3_DEEPSTACK = 16, 48 * 48, (8, 16, 24)
+QWEN3_MROPE = [24, 20, 20, 0]
 # family -> (projector type, tower, catalog decoder, tokens added to its vocabulary,
 # image tokens a 512 px image takes, chat template)
 GEMMA3_TEMPLATE = (
@@ -87,6 +95,15 @@ FAMILIES = {
 FAMILIES["qwen2.5vl"] = ("qwen2.5vl", "qwen2.5-vl-vit", "shape:qwen2.5-0.5b",
                          ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"], 324 + 2,
                          QWEN2_5_VL_TEMPLATE)
+FAMILIES["qwen3vl"] = ("qwen3vl", "qwen3-vl-vit", "shape:qwen3-0.6b",
+                       ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>"], 256 + 2,
+                       QWEN2_5_VL_TEMPLATE)
+# a shape decoder as its family's llama.cpp architecture: (architecture, its keys)
+DECODER_ARCHS = {
+    "qwen2.5vl": ("qwen2vl", {"qwen2vl.rope.dimension_sections": QWEN_MROPE}),
+    "qwen3vl": ("qwen3vl", {"qwen3vl.rope.dimension_sections": QWEN3_MROPE,
+                            "qwen3vl.n_deepstack_layers": len(QWEN3_DEEPSTACK)}),
+}
 SMOLVLM_SCALE, SMOLVLM_EDGE = 4, 2048
 OUTPUT_LEN = 32
 
@@ -134,6 +151,8 @@ def write_projector(path: Path, tower: str, text_hidden: int, seed: int = 0,
     projection ("gemma3") or SmolVLM's pixel-shuffle one ("idefics3")."""
     if kind == "qwen2.5vl":
         return write_qwen_projector(path, tower, text_hidden, seed)
+    if kind == "qwen3vl":
+        return write_qwen3_projector(path, tower, text_hidden, seed)
     layers, hidden, inner, heads, side, patch, clip = TOWERS[tower]
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_bool("clip.has_vision_encoder", True)
@@ -234,6 +253,61 @@ def write_qwen_projector(path: Path, tower: str, text_hidden: int, seed: int = 0
     return RandomTensors.finish(writer, path)
 
 
+def write_qwen3_projector(path: Path, tower: str, text_hidden: int, seed: int = 0) -> Path:
+    """Random weights of Qwen3-VL's ViT, merger and DeepStack mergers as llama.cpp's
+    converter writes its projector file (the Conv3d as two 2-D kernels and its bias,
+    learned positions, q/k/v fused, LayerNorms, GELU MLPs)."""
+    layers, hidden, inner, heads, _, _, _ = TOWERS[tower]
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "qwen3vl_merger")
+    writer.add_bool("clip.use_gelu", True)
+    side = int(QWEN3_POSITIONS ** 0.5)
+    for key, value in {"image_size": side * QWEN3_PATCH, "patch_size": QWEN3_PATCH,
+                       "embedding_length": hidden, "feed_forward_length": inner,
+                       "block_count": layers, "attention.head_count": heads,
+                       "projection_dim": text_hidden, "spatial_merge_size": 2}.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.is_deepstack_layers",
+                     [i in QWEN3_DEEPSTACK for i in range(layers)])
+
+    tensors = RandomTensors(writer, seed)
+    matrix, vector = tensors.matrix, tensors.vector
+    matrix("v.patch_embd.weight", hidden, 3, QWEN3_PATCH, QWEN3_PATCH)
+    matrix("v.patch_embd.weight.1", hidden, 3, QWEN3_PATCH, QWEN3_PATCH)
+    vector("v.patch_embd.bias", hidden)
+    matrix("v.position_embd.weight", QWEN3_POSITIONS, hidden, dtype=np.float32)
+    wide = 4 * hidden
+
+    def merger(prefix: str, fc1: str, fc2: str, norm_width: int) -> None:
+        vector(f"{prefix}norm.weight" if prefix else "v.post_ln.weight", norm_width, 1.0)
+        vector(f"{prefix}norm.bias" if prefix else "v.post_ln.bias", norm_width, 0.0)
+        matrix(f"{fc1}.weight", wide, wide)
+        vector(f"{fc1}.bias", wide)
+        matrix(f"{fc2}.weight", text_hidden, wide)
+        vector(f"{fc2}.bias", text_hidden)
+
+    for i in range(layers):
+        matrix(f"v.blk.{i}.attn_qkv.weight", 3 * hidden, hidden)
+        vector(f"v.blk.{i}.attn_qkv.bias", 3 * hidden)
+        matrix(f"v.blk.{i}.attn_out.weight", hidden, hidden)
+        vector(f"v.blk.{i}.attn_out.bias", hidden)
+        for name in ("ln1", "ln2"):
+            vector(f"v.blk.{i}.{name}.weight", hidden, 1.0)
+            vector(f"v.blk.{i}.{name}.bias", hidden, 0.0)
+        matrix(f"v.blk.{i}.ffn_up.weight", inner, hidden)
+        vector(f"v.blk.{i}.ffn_up.bias", inner)
+        matrix(f"v.blk.{i}.ffn_down.weight", hidden, inner)
+        vector(f"v.blk.{i}.ffn_down.bias", hidden)
+        if i in QWEN3_DEEPSTACK:
+            merger(f"v.deepstack.{i}.", f"v.deepstack.{i}.fc1", f"v.deepstack.{i}.fc2", wide)
+    merger("", "mm.0", "mm.2", hidden)
+    return RandomTensors.finish(writer, path)
+
+
 def with_image_tokens(source: Path, out: Path, tokens: list[str], template: str,
                       seed: int = 0, arch: str | None = None,
                       extra_keys: dict | None = None) -> Path:
@@ -262,7 +336,10 @@ def with_image_tokens(source: Path, out: Path, tokens: list[str], template: str,
         writer.add_key_value(name, value, field.types[0], sub_type=sub)
     writer.add_string("tokenizer.chat_template", template)
     for name, value in (extra_keys or {}).items():
-        writer.add_array(name, value)
+        if isinstance(value, int):
+            writer.add_uint32(name, value)
+        else:
+            writer.add_array(name, value)
     rng = np.random.default_rng(seed)
     for tensor in reader.tensors:
         data = np.array(tensor.data)
@@ -332,12 +409,12 @@ def main() -> int:
 
         kind, args.tower, decoder, tokens, per_image, template = FAMILIES[args.family]
         args.gguf = args.out / f"{args.family}-{decoder.removeprefix('shape:')}.gguf"
-        if not args.gguf.exists() and decoder.startswith("shape:"):  # Qwen2.5-VL's
+        if not args.gguf.exists() and decoder.startswith("shape:"):  # the Qwen-VLs'
             from shapes import shape_gguf
 
+            arch, keys = DECODER_ARCHS[args.family]
             with_image_tokens(shape_gguf(decoder.removeprefix("shape:"), "Q8_0"), args.gguf,
-                              tokens, template, arch="qwen2vl", extra_keys={
-                                  "qwen2vl.rope.dimension_sections": QWEN_MROPE})
+                              tokens, template, arch=arch, extra_keys=keys)
         elif not args.gguf.exists():
             with_image_tokens(fetch_model(decoder), args.gguf, tokens, template)
     args.gguf = args.gguf or DEFAULT_GGUF

@@ -75,12 +75,19 @@ def vision_parameter_count(cfg: ModelConfig) -> int:
     if vision is None:
         return 0
     v, f, t = vision.hidden_size, vision.intermediate_size, cfg.hidden_size
-    if vision.merged:  # Qwen2.5-VL: patch embedding, gated MLPs, RMSNorms, the merger
+    if vision.merged:
         patch = vision.num_channels * vision.temporal_patch_size * vision.patch_size ** 2 * v
-        layer = 4 * (v * v + v) + 3 * (v * f + f) - f + v + 2 * v
         wide = v * vision.spatial_merge_size ** 2
-        merger = v + wide * wide + wide + wide * vision.out_hidden_size + vision.out_hidden_size
-        return patch + vision.num_hidden_layers * layer + merger
+        mlp = wide * wide + wide + wide * vision.out_hidden_size + vision.out_hidden_size
+        if vision.architecture == "qwen2_5_vl":  # gated MLPs, RMSNorms, the merger
+            layer = 4 * (v * v + v) + 3 * (v * f + f) - f + v + 2 * v
+            return patch + vision.num_hidden_layers * layer + v + mlp
+        # Qwen3-VL: biased patches, learned positions, plain MLPs, LayerNorms, the merger
+        # and the DeepStack mergers (normed after the shuffle)
+        layer = 4 * (v * v + v) + 2 * v * f + f + v + 4 * v
+        return (patch + v + vision.num_position_embeddings * v
+                + vision.num_hidden_layers * layer + 2 * v + mlp
+                + len(vision.deepstack_layers) * (2 * wide + mlp))
     positions = vision.num_patches + int(vision.has_class_token)
     # patches, positions, and SigLIP's patch bias or CLIP's class token
     embeddings = vision.num_channels * vision.patch_size ** 2 * v + positions * v + v

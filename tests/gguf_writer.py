@@ -15,8 +15,11 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from llmserve.loader.mmproj import (
+    DEEPSTACK_NAMES,
     GLOBAL_NAMES,
     LAYER_NAMES,
+    QWEN3_GLOBAL_NAMES,
+    QWEN3_LAYER_NAMES,
     QWEN_GLOBAL_NAMES,
     QWEN_LAYER_NAMES,
 )
@@ -411,6 +414,63 @@ def write_qwen_mmproj(model: torch.nn.Module, path: Path, qtype: QT = QT.F16) ->
             target = f"v.blk.{layer}.{layer_names[rest]}.{leaf}"
         else:
             target = f"{global_names[module]}.{leaf}"
+        _add(writer, target, tensor, kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_qwen3_mmproj(model: torch.nn.Module, path: Path, qtype: QT = QT.F16) -> Path:
+    """A transformers Qwen3-VL's tower, merger and DeepStack mergers as llama.cpp's
+    converter writes its projector file: `clip.projector_type` "qwen3vl_merger", a flag a
+    layer for DeepStack, the Conv3d's two frames and its bias, q/k/v fused as
+    `attn_qkv`, each DeepStack merger under its layer's index."""
+    vision = model.config.vision_config
+    side = int(vision.num_position_embeddings ** 0.5)
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_bool("clip.has_vision_encoder", True)
+    writer.add_string("clip.projector_type", "qwen3vl_merger")
+    writer.add_bool("clip.use_gelu", True)
+    for key, value in {"image_size": side * vision.patch_size, "patch_size": vision.patch_size,
+                       "embedding_length": vision.hidden_size,
+                       "feed_forward_length": vision.intermediate_size,
+                       "block_count": vision.depth, "attention.head_count": vision.num_heads,
+                       "projection_dim": vision.out_hidden_size,
+                       "spatial_merge_size": vision.spatial_merge_size}.items():
+        writer.add_uint32(f"clip.vision.{key}", value)
+    writer.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    writer.add_array("clip.vision.is_deepstack_layers", [
+        i in vision.deepstack_visual_indexes for i in range(vision.depth)])
+    layer_names = {model: file for file, model in QWEN3_LAYER_NAMES.items()}
+    global_names = {model.removeprefix("vision_tower."): file
+                    for file, model in QWEN3_GLOBAL_NAMES.items()}
+    deep_names = {model: file for file, model in DEEPSTACK_NAMES.items()}
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("model.visual."):
+            continue  # the decoder: its own GGUF file
+        name, tensor = name.removeprefix("model.visual."), tensor.detach().float()
+        kind = qtype if tensor.dim() >= 2 else QT.F32
+        if name == "patch_embed.proj.weight":  # (hidden, C, 2, p, p): a 2-D kernel a frame
+            _add(writer, "v.patch_embd.weight", tensor[:, :, 0].contiguous(), QT.F32)
+            _add(writer, "v.patch_embd.weight.1", tensor[:, :, 1].contiguous(), QT.F32)
+            continue
+        module, leaf = name.rsplit(".", 1)
+        if module.startswith("blocks."):
+            _, layer, rest = module.split(".", 2)
+            target = f"v.blk.{layer}.attn_qkv.{leaf}" if rest == "attn.qkv" else \
+                f"v.blk.{layer}.{layer_names[rest]}.{leaf}"
+        elif module.startswith("deepstack_merger_list."):
+            _, k, rest = module.split(".", 2)
+            layer = vision.deepstack_visual_indexes[int(k)]
+            target = f"v.deepstack.{layer}.{deep_names[rest]}.{leaf}"
+        else:
+            target = f"{global_names[module]}.{leaf}"
+        if module == "pos_embed":
+            kind = QT.F32
         _add(writer, target, tensor, kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

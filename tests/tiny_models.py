@@ -248,6 +248,49 @@ def save_tiny_qwen2_5_vl(folder: Path, patch_size: int = 4, window_size: int = 1
     return model
 
 
+def save_tiny_qwen3_vl(folder: Path, patch_size: int = 4, min_pixels: int = 16 * 16,
+                       max_pixels: int = 64 * 64, **text) -> torch.nn.Module:
+    """A tiny random Qwen3-VL: its ViT (patches of `patch_size` px, 2 x 2 merged into a
+    token, learned positions on a 4 x 4 grid, DeepStack from layers 0 and 2 of 4), a Qwen3
+    decoder (3 layers) with interleaved M-RoPE; saved like `save_tiny_qwen2_5_vl`, its
+    images normalised to [-1, 1] as Qwen3-VL's are; returns transformers' model."""
+    import json
+
+    import transformers
+    from tokenizers import AddedToken
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4,
+                  patch_size=patch_size, spatial_merge_size=2, temporal_patch_size=2,
+                  out_hidden_size=64, num_position_embeddings=16,
+                  deepstack_visual_indexes=[0, 2])
+    decoder = {"vocab_size": 320, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "head_dim": 16, "max_position_embeddings": 1024, "bos_token_id": None,
+               "eos_token_id": 261, "rope_parameters": {
+                   "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                   "mrope_interleaved": True}, **text}
+    model = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
+        vision_config=vision, text_config=decoder, image_token_id=QWEN_IMAGE_ID,
+        video_token_id=QWEN_VIDEO_ID, vision_start_token_id=QWEN_VISION_START_ID,
+        vision_end_token_id=QWEN_VISION_END_ID))
+    model.config._attn_implementation = "eager"
+    save_tiny(model, folder)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (
+        "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>",
+        "<|im_start|>", "<|im_end|>")])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "size": {
+            "shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": QWEN2_5_VL_TEMPLATE, "eos_token": "<|im_end|>"}))
+    return model
+
+
 # Qwen2.5-VL's chat template (its image parts as the vision start, image pad and end tokens)
 QWEN2_5_VL_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

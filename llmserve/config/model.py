@@ -66,10 +66,12 @@ class ModelConfig:
     qk_norm_across_heads: bool = False
     clip_qkv: float | None = None
     moe: "MoEConfig | None" = None  # a mixture of experts (`models/moe.py`)
-    # M-RoPE (Qwen2.5-VL): the rotary frequencies in sections turned by a token's
-    # temporal, row and column positions (an image token's are its place in the image; a
-    # text token's are all three its position)
+    # M-RoPE (Qwen2.5-VL, Qwen3-VL): the rotary frequencies in sections turned by a
+    # token's temporal, row and column positions (an image token's are its place in the
+    # image; a text token's are all three its position); Qwen3-VL's interleaved (the
+    # frequencies taken t, h, w, t, h, w, ... while the row and column sections last)
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
     # a vision-language model's image side (`config/vision.py`); the fields above are its
     # decoder's
     vision: VisionConfig | None = None
@@ -215,7 +217,8 @@ class ModelConfig:
                     else section
                 if rope is rope_scaling:
                     rest = {k: v for k, v in rope.items() if k not in (
-                        "mrope_section", "type", "rope_type", "rope_theta")}
+                        "mrope_section", "mrope_interleaved", "type", "rope_type",
+                        "rope_theta")}
                     kind = rope.get("rope_type", rope.get("type", "default"))
                     rope_scaling = None if kind in ("mrope", "default") and not rest \
                         else rope_scaling
@@ -272,7 +275,8 @@ class ModelConfig:
         with its tied head unless it says otherwise, Qwen2.5-VL's Qwen2 with M-RoPE), the
         image side from the rest."""
         text = cfg.get("text_config")
-        qwen = cfg.get("model_type") == "qwen2_5_vl"
+        qwen3 = cfg.get("model_type") == "qwen3_vl"
+        qwen = cfg.get("model_type") == "qwen2_5_vl" or qwen3
         if text is None and qwen:  # transformers 4.x: the decoder's fields at the top
             text = {k: v for k, v in cfg.items() if k not in (
                 "vision_config", "model_type", "architectures")}
@@ -280,8 +284,10 @@ class ModelConfig:
             raise ValueError("text_config must be an object")
         gemma3 = cfg.get("model_type") == "gemma3"
         text = {"model_type": "gemma3_text" if gemma3 else "llama", **text}
-        if qwen:  # (its own text model_type: a Qwen2 decoder with M-RoPE)
-            text["model_type"] = "qwen2"
+        if qwen:  # (their own text model_types: Qwen2 / Qwen3 decoders with M-RoPE)
+            text["model_type"] = "qwen3" if qwen3 else "qwen2"
+        if qwen3:  # transformers' Qwen3-VL turns interleaved sections, [24, 20, 20] unsaid
+            text = _with_mrope_section(text, (24, 20, 20))
         if "tie_word_embeddings" not in text:
             text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", gemma3)
         decoder = cls.from_hf_config(text)
@@ -289,6 +295,11 @@ class ModelConfig:
         if qwen and decoder.mrope_section is None:
             raise UnsupportedModelError("a Qwen2.5-VL decoder without M-RoPE's "
                                         "mrope_section")
+        if qwen3:
+            decoder = replace(decoder, mrope_interleaved=True)
+        if vision.merged and vision.out_hidden_size != decoder.hidden_size:
+            raise ValueError(f"vision_config.out_hidden_size {vision.out_hidden_size} is not "
+                             f"the decoder's hidden_size {decoder.hidden_size}")
         if vision.image_token_id >= decoder.vocab_size:
             raise ValueError(f"image_token_id {vision.image_token_id} is outside the "
                              f"vocabulary ({decoder.vocab_size} tokens)")
@@ -352,6 +363,22 @@ class MoEConfig:
             if arch == "qwen2_moe" else 0,
             sparse_step=cfg.get("decoder_sparse_step", 1) or 1,
             dense_layers=tuple(dense))
+
+
+def _with_mrope_section(text: dict[str, Any], default: tuple[int, ...]) -> dict[str, Any]:
+    """A Qwen3-VL `text_config` whose rotary parameters say `mrope_section` (the default
+    transformers turns where they do not) and a base (transformers' 500,000 unsaid)."""
+    rope = text.get("rope_parameters")
+    key = "rope_parameters" if isinstance(rope, dict) or not isinstance(
+        text.get("rope_scaling"), dict) else "rope_scaling"
+    rope = dict(text.get(key) or {})
+    if not isinstance(rope, dict):
+        return text  # refused by name where it is read
+    rope.setdefault("mrope_section", list(default))
+    rope.setdefault("rope_type", "default")
+    if "rope_theta" not in rope and "rope_theta" not in text:
+        rope["rope_theta"] = 500000.0
+    return {**text, key: rope}
 
 
 def _check_longrope(scaling: dict[str, Any], head_dim: int) -> None:

@@ -6,9 +6,10 @@ through a two-layer MLP) or Gemma 3's (the tower's normed output average-pooled 
 end tokens, its tokens attending to each other both ways) or Idefics3's / SmolVLM's (an
 image split into tiles of the tower's size plus the whole image shrunk to one, each
 tile's normed output pixel-shuffled `scale_factor` a side and projected) or Qwen2.5-VL's
-(a ViT of its own over an image of any size, 2 x 2 neighbouring patches merged into one
-token; `models/qwen_vision.py`)."""
+and Qwen3-VL's (a ViT of their own over an image of any size, 2 x 2 neighbouring patches
+merged into one token; `models/qwen_vision.py`)."""
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,10 +19,11 @@ from llmserve.errors import UnsupportedModelError
 # the encoder) or SigLIP (neither; a biased patch embedding)
 VISION_TOWERS = {"clip_vision_model": "clip", "siglip_vision_model": "siglip",
                  "idefics3_vision": "siglip", "smolvlm_vision": "siglip",
-                 "qwen2_5_vl_vision": "qwen2_5_vit", "qwen2_5_vl": "qwen2_5_vit"}
+                 "qwen2_5_vl_vision": "qwen2_5_vit", "qwen2_5_vl": "qwen2_5_vit",
+                 "qwen3_vl_vision": "qwen3_vit", "qwen3_vl": "qwen3_vit"}
 # vision-language `model_type`s (the decoder is `text_config`'s: `models/llama.py`'s for
 # LLaVA, `models/gemma3.py`'s for Gemma 3)
-VISION_ARCHITECTURES = ("llava", "gemma3", "idefics3", "smolvlm", "qwen2_5_vl")
+VISION_ARCHITECTURES = ("llava", "gemma3", "idefics3", "smolvlm", "qwen2_5_vl", "qwen3_vl")
 TOWER_ACTIVATIONS = ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu")
 PROJECTOR_ACTIVATIONS = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "silu")
 MAX_TOWER_LAYERS = 256
@@ -48,10 +50,16 @@ class VisionConfig:
     `spatial_merge_size` x `spatial_merge_size` patches, between the vision start and end
     tokens its chat template writes; the decoder's rotary positions are M-RoPE's
     (`ModelConfig.mrope_section`). `image_size` is the smallest image's side (one token);
-    `tokens_per_image` the most an image takes under the processor's default pixel cap."""
+    `tokens_per_image` the most an image takes under the processor's default pixel cap.
+    Qwen3-VL (`architecture` "qwen3_vl"): the same image tokens, a tower attending over
+    the whole image in every layer, with learned positions (`num_position_embeddings`, a
+    square grid interpolated to the image's) besides the rotary ones; the outputs of
+    `deepstack_layers` are merged too and added to the image tokens' hidden states after
+    the decoder's first layers (an image token's row is the embedding, then one row per
+    deepstack layer, side by side)."""
 
-    architecture: str  # "llava" | "gemma3" | "idefics3" (SmolVLM's too) | "qwen2_5_vl"
-    tower: str  # "clip" | "siglip" | "qwen2_5_vit"
+    architecture: str  # "llava" | "gemma3" | "idefics3" (SmolVLM's) | "qwen2_5_vl" | "qwen3_vl"
+    tower: str  # "clip" | "siglip" | "qwen2_5_vit" | "qwen3_vit"
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
@@ -81,6 +89,10 @@ class VisionConfig:
     window_size: int = 0
     full_attention_layers: tuple[int, ...] = ()
     out_hidden_size: int = 0
+    # Qwen3-VL's tower: its learned positions (a square grid) and the layers whose outputs
+    # are merged for the decoder's first layers
+    num_position_embeddings: int = 0
+    deepstack_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in VISION_ARCHITECTURES:
@@ -144,13 +156,16 @@ class VisionConfig:
                 raise ValueError(f"{name} must be a token id, got {value!r}")
 
     def _check_merging(self) -> None:
-        for name in ("spatial_merge_size", "temporal_patch_size", "window_size",
-                     "out_hidden_size"):
+        qwen3 = self.architecture == "qwen3_vl"
+        for name in ("spatial_merge_size", "temporal_patch_size", "out_hidden_size",
+                     "num_position_embeddings" if qwen3 else "window_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"vision_config.{name} must be a positive integer, "
                                  f"got {value!r}")
-        if self.window_size % (self.patch_size * self.spatial_merge_size):
+        if qwen3:
+            self._check_qwen3()
+        elif self.window_size % (self.patch_size * self.spatial_merge_size):
             raise ValueError(f"vision_config.window_size {self.window_size} is not a multiple "
                              f"of a merged patch's {self.patch_size * self.spatial_merge_size} px")
         if not all(isinstance(i, int) and 0 <= i < self.num_hidden_layers
@@ -162,10 +177,29 @@ class VisionConfig:
                              "rotary positions turn a quarter of it by row, a quarter by "
                              "column)")
 
+    def _check_qwen3(self) -> None:
+        side = math.isqrt(self.num_position_embeddings)
+        if side * side != self.num_position_embeddings or side < 2:
+            raise ValueError(f"vision_config.num_position_embeddings must be a square grid "
+                             f"of at least 2 x 2, got {self.num_position_embeddings}")
+        layers = self.deepstack_layers
+        if not isinstance(layers, tuple) or len(set(layers)) != len(layers) or not all(
+                isinstance(i, int) and not isinstance(i, bool)
+                and 0 <= i < self.num_hidden_layers for i in layers):
+            raise ValueError(f"vision_config.deepstack_visual_indexes must be distinct layer "
+                             f"indexes, got {layers!r}")
+
     @property
     def merged(self) -> bool:
-        """Qwen2.5-VL's image side: images of any size, 2 x 2 patches to a token."""
-        return self.architecture == "qwen2_5_vl"
+        """Qwen2.5-VL's and Qwen3-VL's image side: images of any size, 2 x 2 patches to a
+        token."""
+        return self.architecture in ("qwen2_5_vl", "qwen3_vl")
+
+    @property
+    def row_width(self) -> int:
+        """An image token's row as the tower gives it: the embedding (`out_hidden_size`
+        for the merged towers) and Qwen3-VL's deepstack rows beside it."""
+        return self.out_hidden_size * (1 + len(self.deepstack_layers))
 
     @property
     def merged_patch(self) -> int:
@@ -245,6 +279,8 @@ class VisionConfig:
             return cls._idefics3(cfg, vision, image_token)
         if cfg["model_type"] == "qwen2_5_vl":
             return cls._qwen2_5_vl(vision, image_token)
+        if cfg["model_type"] == "qwen3_vl":
+            return cls._qwen3_vl(vision, image_token)
         return cls(
             architecture=cfg["model_type"], tower=tower,
             hidden_size=vision.get("hidden_size", 768),
@@ -315,6 +351,39 @@ class VisionConfig:
             window_size=vision.get("window_size", 112),
             full_attention_layers=tuple(full) if isinstance(full, list | tuple) else full,
             out_hidden_size=vision.get("out_hidden_size", 3584),
+        )
+
+
+    @classmethod
+    def _qwen3_vl(cls, vision: dict[str, Any], image_token: Any) -> "VisionConfig":
+        """Qwen3-VL's ViT (its config's names and defaults: transformers'
+        Qwen3VLVisionConfig, the 8B's tower)."""
+        if vision.get("in_channels", 3) != 3:
+            raise UnsupportedModelError("a Qwen3-VL vision tower takes RGB images")
+        rope = vision.get("rope_parameters") or vision.get("rope_scaling") or {}
+        if not isinstance(rope, dict) or rope.get("rope_type", "axial") != "axial" \
+                or rope.get("rope_theta", 10000.0) != 10000.0:
+            raise UnsupportedModelError(f"unsupported Qwen3-VL vision rotary parameters "
+                                        f"{rope!r}")
+        patch, merge = vision.get("patch_size", 16), vision.get("spatial_merge_size", 2)
+        deepstack = vision.get("deepstack_visual_indexes", (8, 16, 24))
+        return cls(
+            architecture="qwen3_vl", tower="qwen3_vit",
+            hidden_size=vision.get("hidden_size", 1152),
+            intermediate_size=vision.get("intermediate_size", 4304),
+            num_hidden_layers=vision.get("depth", vision.get("num_hidden_layers", 27)),
+            num_attention_heads=vision.get("num_heads", vision.get("num_attention_heads", 16)),
+            image_size=patch * merge if isinstance(patch, int) and isinstance(merge, int)
+            else patch, patch_size=patch, num_channels=3, layer_norm_eps=1e-6,
+            hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"), feature_layer=-1,
+            select_strategy="full", projector_act="gelu", projector_bias=True,
+            image_token_id=image_token if image_token is not None else 151655,
+            spatial_merge_size=merge,
+            temporal_patch_size=vision.get("temporal_patch_size", 2),
+            out_hidden_size=vision.get("out_hidden_size", 3584),
+            num_position_embeddings=vision.get("num_position_embeddings", 2304),
+            deepstack_layers=tuple(deepstack) if isinstance(deepstack, list | tuple)
+            else deepstack,
         )
 
 

@@ -1,6 +1,6 @@
 """Rotary position embeddings: the cos/sin table, its Llama-3 and linear scalings, M-RoPE's
-positions by section (Qwen2.5-VL), and the rotation of q and k (in place by the native
-kernel where it runs, not under `torch.compile`)."""
+positions by section (Qwen2.5-VL) or interleaved (Qwen3-VL), and the rotation of q and k
+(in place by the native kernel where it runs, not under `torch.compile`)."""
 
 import math
 from dataclasses import dataclass, field
@@ -63,9 +63,11 @@ class RotaryEmbedding(nn.Module):
         base: float,
         scaling: dict[str, Any] | None = None,
         mrope_section: tuple[int, ...] | None = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
-        self.mrope_section = mrope_section
+        self.register_buffer("mrope_rows", None if mrope_section is None else mrope_rows(
+            head_dim, mrope_section, mrope_interleaved), persistent=False)
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
         inv_freq = 1.0 / (base**exponents)
         kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -89,21 +91,39 @@ class RotaryEmbedding(nn.Module):
         """The rotation for one step's tokens, shared by all layers: `positions` (T,), or
         with M-RoPE (3, T), each token's temporal, row and column positions."""
         return RotaryPositions(positions, self.cos_cache, self.sin_cache, dtype,
-                               self.mrope_section)
+                               self.mrope_rows)
+
+
+def mrope_rows(head_dim: int, section: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """(head_dim,): which of M-RoPE's three position rows (temporal, row, column) turns
+    each column of the head. By section (Qwen2.5-VL): the first `section[0]` frequencies
+    of each half by the temporal row, the next `section[1]` by the row, the rest by the
+    column. Interleaved (Qwen3-VL): frequency j by the row where j % 3 == 1 and j <
+    3 x section[1], by the column where j % 3 == 2 and j < 3 x section[2], else by the
+    temporal row."""
+    half = head_dim // 2
+    if interleaved:
+        j = torch.arange(half)
+        rows = torch.zeros(half, dtype=torch.long)
+        rows[(j % 3 == 1) & (j < 3 * section[1])] = 1
+        rows[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    else:
+        rows = torch.repeat_interleave(torch.arange(3), torch.tensor(section))
+    return torch.cat([rows, rows])
 
 
 @dataclass
 class RotaryPositions:
     """Rotary tables at one step's positions (T,); cos/sin looked up once, when first used.
-    M-RoPE's positions are (3, T): frequency section i (of `mrope_section`, in each half
-    of the head) turned by row i's position. A token whose three positions are equal
-    (every text token) gets the plain rotation at that position, bit for bit."""
+    M-RoPE's positions are (3, T): each column of the head turned by the position of its
+    row (`mrope_rows`). A token whose three positions are equal (every text token) gets
+    the plain rotation at that position, bit for bit."""
 
     positions: torch.Tensor
     cos_cache: torch.Tensor  # (max_position, head_dim)
     sin_cache: torch.Tensor
     dtype: torch.dtype
-    mrope_section: tuple[int, ...] | None = None
+    mrope_rows: torch.Tensor | None = None  # (head_dim,) 0, 1 or 2
 
     _cos_sin: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
 
@@ -127,11 +147,10 @@ class RotaryPositions:
         self._cos_sin = (cos, sin)
 
     def _by_section(self, table: torch.Tensor) -> torch.Tensor:
-        """(T, head_dim): each section of each half of the head from its row's positions."""
+        """(T, head_dim): each column of the head from its row's positions."""
         rows = table[self.positions]  # (3, T, head_dim)
-        sections = list(self.mrope_section) * 2
-        parts = rows.split(sections, dim=-1)
-        return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1).to(self.dtype)
+        index = self.mrope_rows.view(1, 1, -1).expand(1, *rows.shape[1:])
+        return rows.gather(0, index)[0].to(self.dtype)
 
     def rotate_qkv_(self, qkv: torch.Tensor, num_rotated_heads: int, head_dim: int) -> bool:
         """Rotate the first `num_rotated_heads` heads (q, then k) of fused qkv rows (T, C)

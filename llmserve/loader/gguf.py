@@ -34,7 +34,8 @@ from llmserve.quantization.kquant import KQUANT_TYPES, LEGACY_TYPES, SUPER, RawB
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
                       "gemma2": "gemma2", "phi3": "phi3",
                       "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe",
-                      "qwen2vl": "qwen2"}  # Qwen2.5-VL's decoder: Qwen2 with M-RoPE
+                      # Qwen2.5-VL's and Qwen3-VL's decoders: Qwen2 / Qwen3 with M-RoPE
+                      "qwen2vl": "qwen2", "qwen3vl": "qwen3"}
 MIXTRAL = "mixtral"
 # llama.cpp's mixtures renormalise the chosen experts' weights as each family does, fixed
 # per architecture (its `build_moe_ffn(..., norm_w)`), unless `{arch}.expert_weights_norm`
@@ -406,13 +407,18 @@ def _build_config(
         qk_norm_across_heads=arch == "olmoe",
         moe=moe,
         mrope_section=_mrope_section(metadata, arch),
+        mrope_interleaved=arch == "qwen3vl",  # llama.cpp's "imrope"
+        # Qwen3-VL: the layers an image token's DeepStack rows are added after (the
+        # projector file's rows must match)
+        extra={"deepstack_layers": size("n_deepstack_layers", 0, minimum=0)}
+        if arch == "qwen3vl" else {},
     )
 
 
 def _mrope_section(metadata: dict[str, Any], arch: str) -> tuple[int, ...] | None:
-    """Qwen2.5-VL's M-RoPE sections (`qwen2vl.rope.dimension_sections`: temporal, row,
-    column and a fourth, unused, 0)."""
-    if arch != "qwen2vl":
+    """Qwen2.5-VL's and Qwen3-VL's M-RoPE sections (`{arch}.rope.dimension_sections`:
+    temporal, row, column and a fourth, unused, 0)."""
+    if arch not in ("qwen2vl", "qwen3vl"):
         return None
     key = f"{arch}.rope.dimension_sections"
     sections = metadata.get(key)

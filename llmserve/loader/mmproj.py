@@ -18,7 +18,12 @@ for a GGUF decoder.
   - 1`, ... over the whole image, the rest in windows) and merger (`v.post_ln`, `mm.0`,
   `mm.2`); images of any size, between 8 and 4,096 tokens (llama.cpp's bounds, or the
   file's `clip.vision.image_min_pixels` / `image_max_pixels`); the decoder a `qwen2vl`
-  GGUF (M-RoPE) whose vocabulary has `<|image_pad|>`.
+  GGUF (M-RoPE) whose vocabulary has `<|image_pad|>`;
+* "qwen3vl_merger" (Qwen3-VL): its ViT (the patch embedding as above with its bias,
+  learned positions `v.position_embd`, q/k/v fused or split, LayerNorms, plain GELU MLPs,
+  every layer over the whole image), merger (`v.post_ln`, `mm.0`, `mm.2`) and DeepStack
+  mergers (`v.deepstack.{layer}.norm/fc1/fc2`); the decoder a `qwen3vl` GGUF
+  (interleaved M-RoPE) with as many `n_deepstack_layers`.
 
 Images are preprocessed as the tower's Hugging Face processor would (CLIP: shortest edge
 and centre crop; SigLIP: a fixed resize, bilinear for Gemma 3) with the file's mean and
@@ -64,15 +69,25 @@ GLOBAL_NAMES = {"v.patch_embd": "vision_tower.embeddings.patch_embedding",
                 "mm.soft_emb_norm": "multi_modal_projector.mm_soft_emb_norm",
                 "mm.model.fc": "multi_modal_projector.proj"}
 INPUT_PROJECTION = "mm.input_projection.weight"  # Gemma 3's, a (vision, text) matrix
-PROJECTOR_TYPES = ("mlp", "gemma3", "idefics3", "qwen2.5vl_merger")
+PROJECTOR_TYPES = ("mlp", "gemma3", "idefics3", "qwen2.5vl_merger", "qwen3vl_merger")
 FAMILIES = {"mlp": "LLaVA", "gemma3": "Gemma 3", "idefics3": "Idefics3",
-            "qwen2.5vl_merger": "Qwen2.5-VL"}
+            "qwen2.5vl_merger": "Qwen2.5-VL", "qwen3vl_merger": "Qwen3-VL"}
+QWEN_PROJECTORS = {"qwen2.5vl_merger": "qwen2_5_vl", "qwen3vl_merger": "qwen3_vl"}
 # Qwen2.5-VL's `v.blk.{i}.<name>` -> `vision_tower.blocks.{i}.<name>` (q, k and v fused)
 QWEN_LAYER_NAMES = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2",
                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                     "ffn_down": "mlp.down_proj"}
 QWEN_GLOBAL_NAMES = {"v.post_ln": "vision_tower.merger.ln_q",
                      "mm.0": "vision_tower.merger.mlp.0", "mm.2": "vision_tower.merger.mlp.2"}
+# Qwen3-VL's (its DeepStack mergers' `v.deepstack.{layer}.<name>` beside)
+QWEN3_LAYER_NAMES = {"attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2",
+                     "ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2"}
+QWEN3_GLOBAL_NAMES = {"v.post_ln": "vision_tower.merger.norm",
+                      "mm.0": "vision_tower.merger.linear_fc1",
+                      "mm.2": "vision_tower.merger.linear_fc2",
+                      "v.patch_embd": "vision_tower.patch_embed.proj",
+                      "v.position_embd": "vision_tower.pos_embed"}
+DEEPSTACK_NAMES = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
 # llama.cpp's bounds on a Qwen2.5-VL image's tokens (its `set_limit_image_tokens(8, 4096)`)
 QWEN_MIN_TOKENS, QWEN_MAX_TOKENS = 8, 4096
 QWEN_WINDOW = 112  # px a side of its windows: llama.cpp's, whatever the file says
@@ -101,10 +116,11 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
     if kind not in PROJECTOR_TYPES:
         raise UnsupportedModelError(f"{path}: projector type {kind!r} is not supported "
                                     f"(LLaVA's 'mlp', Gemma 3's 'gemma3', SmolVLM's "
-                                    f"'idefics3', Qwen2.5-VL's 'qwen2.5vl_merger')")
+                                    f"'idefics3', Qwen2.5-VL's 'qwen2.5vl_merger', "
+                                    f"Qwen3-VL's 'qwen3vl_merger')")
     by_name = {t.name: t for t in reader.tensors}
-    if kind == "qwen2.5vl_merger":
-        return _qwen_projector(path, meta, by_name, dtype)
+    if kind in QWEN_PROJECTORS:
+        return _qwen_projector(path, meta, by_name, dtype, QWEN_PROJECTORS[kind])
     clip = CLASS_EMBEDDING in by_name
     if kind != "mlp" and clip:
         raise ModelFormatError(f"{path}: a {FAMILIES[kind]} projector's tower is SigLIP-"
@@ -143,64 +159,81 @@ def read_mmproj(path: str | Path, dtype: torch.dtype = torch.float32) -> Project
 
 def projector_family(projector: Projector) -> str:
     """The family a projector's images are for, in words."""
-    vision = projector.vision
-    if vision.merged:
-        return FAMILIES["qwen2.5vl_merger"]
-    return FAMILIES["gemma3" if vision.pooled else "idefics3" if vision.tiled else "mlp"]
+    return FAMILIES[_projector_kind(projector.vision)]
 
 
 def _qwen_projector(path: Path, meta: dict[str, Any], by_name: dict[str, Any],
-                    dtype: torch.dtype) -> Projector:
-    """A Qwen2.5-VL projector file: its tower and merger under the model's names."""
+                    dtype: torch.dtype, family: str) -> Projector:
+    """A Qwen2.5-VL or Qwen3-VL (`family` "qwen2_5_vl" / "qwen3_vl") projector file: its
+    tower and mergers under the model's names."""
     def number(key: str, default: Any = None) -> Any:
         value = meta.get(f"clip.vision.{key}", default)
         if value is None:
             raise ModelFormatError(f"{path} lacks clip.vision.{key}")
         return value
 
+    qwen3 = family == "qwen3_vl"
+    name = FAMILIES["qwen3vl_merger" if qwen3 else "qwen2.5vl_merger"]
     try:
         depth = int(number("block_count"))
-        pattern = int(number("n_wa_pattern", 0))
         merger_out = by_name.get("mm.2.weight")
         if merger_out is None:
             raise ModelFormatError(f"{path} lacks mm.2.weight")
         tower = {
-            "model_type": "qwen2_5_vl_vision",
+            "model_type": f"{family}_vision",
             "hidden_size": int(number("embedding_length")),
             "intermediate_size": int(number("feed_forward_length")), "depth": depth,
             "num_heads": int(number("attention.head_count")),
             "patch_size": int(number("patch_size")),
             "spatial_merge_size": int(number("spatial_merge_size", 2)),
-            "window_size": QWEN_WINDOW,
-            # no window pattern: every layer over the whole image
-            "fullatt_block_indexes": [i for i in range(depth)
-                                      if not pattern or (i + 1) % pattern == 0],
             "out_hidden_size": int(merger_out.shape[1])}
+        if qwen3:
+            positions = by_name.get("v.position_embd.weight")
+            if positions is None:
+                raise ModelFormatError(f"{path} lacks v.position_embd.weight")
+            tower |= {"num_position_embeddings": int(positions.shape[1]),
+                      "deepstack_visual_indexes": _deepstack_layers(meta, by_name, depth)}
+        else:
+            pattern = int(number("n_wa_pattern", 0))
+            # no window pattern: every layer over the whole image
+            tower |= {"window_size": QWEN_WINDOW, "fullatt_block_indexes": [
+                i for i in range(depth) if not pattern or (i + 1) % pattern == 0]}
         vision = VisionConfig.from_hf_config(
-            {"model_type": "qwen2_5_vl", "vision_config": tower, "image_token_id": 0})
+            {"model_type": family, "vision_config": tower, "image_token_id": 0})
     except (TypeError, ValueError) as e:
         raise ModelFormatError(f"{path}: {e}") from None
     vision = dataclasses.replace(vision, image_token_in_vocabulary=False)
+    layer_names = QWEN3_LAYER_NAMES if qwen3 else QWEN_LAYER_NAMES
+    global_names = QWEN3_GLOBAL_NAMES if qwen3 else QWEN_GLOBAL_NAMES
     tensors: dict[str, torch.Tensor] = {}
     frames: dict[str, torch.Tensor] = {}  # the patch embedding's two 2-D kernels
     qkv: dict[str, dict[str, torch.Tensor]] = {}  # each layer's q, k, v, to be fused
-    for name, tensor in by_name.items():
+    for tensor_name, tensor in by_name.items():
         weight = tensor_to_torch(tensor).to(dtype)
-        stem, _, leaf = name.rpartition(".")
+        stem, _, leaf = tensor_name.rpartition(".")
         match = re.fullmatch(r"v\.blk\.(\d+)\.(\w+)", stem)
-        if name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
-            frames[name] = weight
+        deep = re.fullmatch(r"v\.deepstack\.(\d+)\.(\w+)", stem)
+        if tensor_name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+            frames[tensor_name] = weight
         elif match and match.group(2) in ("attn_q", "attn_k", "attn_v"):
             qkv.setdefault(f"vision_tower.blocks.{match.group(1)}.attn.qkv.{leaf}", {})[
                 match.group(2)] = weight
-        elif match and match.group(2) in QWEN_LAYER_NAMES:
+        elif match and match.group(2) == "attn_qkv":
+            tensors[f"vision_tower.blocks.{match.group(1)}.attn.qkv.{leaf}"] = weight
+        elif match and match.group(2) in layer_names:
             tensors[f"vision_tower.blocks.{match.group(1)}."
-                    f"{QWEN_LAYER_NAMES[match.group(2)]}.{leaf}"] = weight
-        elif stem in QWEN_GLOBAL_NAMES:
-            tensors[f"{QWEN_GLOBAL_NAMES[stem]}.{leaf}"] = weight
+                    f"{layer_names[match.group(2)]}.{leaf}"] = weight
+        elif stem in global_names:
+            tensors[f"{global_names[stem]}.{leaf}"] = weight.reshape(-1, weight.shape[-1]) \
+                if stem == "v.position_embd" else weight
+        elif qwen3 and deep and int(deep.group(1)) in vision.deepstack_layers \
+                and deep.group(2) in DEEPSTACK_NAMES:
+            k = vision.deepstack_layers.index(int(deep.group(1)))
+            tensors[f"vision_tower.deepstack_merger_list.{k}."
+                    f"{DEEPSTACK_NAMES[deep.group(2)]}.{leaf}"] = weight
         else:
-            raise ModelFormatError(f"{path}: tensor {name!r} has no place in a Qwen2.5-VL "
-                                   f"tower")
+            raise ModelFormatError(f"{path}: tensor {tensor_name!r} has no place in a "
+                                   f"{name} tower")
     if len(frames) != 2:
         raise ModelFormatError(f"{path} lacks v.patch_embd.weight and its second frame's "
                                f"v.patch_embd.weight.1")
@@ -219,6 +252,27 @@ def _qwen_projector(path: Path, meta: dict[str, Any], by_name: dict[str, Any],
         1 / 255, tuple(meta.get("clip.vision.image_mean", OPENAI_CLIP_MEAN)),
         tuple(meta.get("clip.vision.image_std", OPENAI_CLIP_STD)))
     return Projector(vision, tensors, processor)
+
+
+def _deepstack_layers(meta: dict[str, Any], by_name: dict[str, Any], depth: int) -> list[int]:
+    """A Qwen3-VL tower's DeepStack layers: `clip.vision.is_deepstack_layers` (a flag a
+    layer), else the layers with `v.deepstack.{layer}.*` tensors."""
+    flags = meta.get("clip.vision.is_deepstack_layers")
+    if isinstance(flags, list | tuple):
+        if len(flags) != depth:
+            raise ValueError(f"clip.vision.is_deepstack_layers has {len(flags)} flags for "
+                             f"{depth} layers")
+        return [i for i, flag in enumerate(flags) if flag]
+    found = {int(m.group(1)) for name in by_name
+             if (m := re.match(r"v\.deepstack\.(\d+)\.", name))}
+    return sorted(found)
+
+
+def _projector_kind(vision: VisionConfig) -> str:
+    """The projector type a tower's file says (`clip.projector_type`)."""
+    if vision.merged:
+        return "qwen3vl_merger" if vision.architecture == "qwen3_vl" else "qwen2.5vl_merger"
+    return "gemma3" if vision.pooled else "idefics3" if vision.tiled else "mlp"
 
 
 def _unswap_fc(tensors: dict[str, torch.Tensor], vision: VisionConfig) -> None:
@@ -289,18 +343,19 @@ def _vision_config(path: Path, meta: dict[str, Any], clip: bool, kind: str) -> V
 # a family's image token first, then those its prompts write around images
 IMAGE_TOKENS = {"gemma3": ("<image_soft_token>", "<start_of_image>", "<end_of_image>"),
                 "idefics3": ("<image>", "<fake_token_around_image>", "<global-img>"),
-                "qwen2.5vl_merger": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
+                "qwen2.5vl_merger": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"),
+                "qwen3vl_merger": ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>")}
 
 
 def image_tokens(config: Any, vision: VisionConfig, tokenizer: Any,
                  path: str | Path) -> VisionConfig:
-    """A Gemma 3, Idefics3 or Qwen2.5-VL projector's image side with its decoder's image
-    tokens (their vocabularies have them: an image is written as transformers' processor
-    writes it); refused by name for a decoder of another family or a vocabulary without
-    them."""
-    kind = "gemma3" if vision.pooled else "qwen2.5vl_merger" if vision.merged else "idefics3"
+    """A Gemma 3, Idefics3, Qwen2.5-VL or Qwen3-VL projector's image side with its
+    decoder's image tokens (their vocabularies have them: an image is written as
+    transformers' processor writes it); refused by name for a decoder of another family
+    or a vocabulary without them."""
+    kind = _projector_kind(vision)
     if (config.architecture == "gemma3") != (kind == "gemma3") or (
-            config.mrope_section is not None) != (kind == "qwen2.5vl_merger"):
+            config.mrope_section is not None) != vision.merged:
         raise ModelFormatError(f"{path} is a {FAMILIES[kind]} projector; the model is "
                                f"{config.architecture!r}")
     names = IMAGE_TOKENS[kind]

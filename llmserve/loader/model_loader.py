@@ -29,7 +29,7 @@ from llmserve.loader.kernel_choice import (
     choose_quantization,
     choose_stream_prefetch,
 )
-from llmserve.loader.mmproj import image_tokens, projector_family, read_mmproj
+from llmserve.loader.mmproj import Projector, image_tokens, projector_family, read_mmproj
 from llmserve.loader.weights import WeightSlices
 from llmserve.models.compile import compile_model
 from llmserve.models.llama import STACKED_PARAMS
@@ -196,11 +196,7 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
         if quantization == "auto":
             quantization, choice = _gguf_auto_choice(source.path, device, config)
         if projector is not None:
-            if (config.mrope_section is not None) != projector.vision.merged:
-                wants = "another family's" if config.mrope_section else "a qwen2vl"
-                raise ModelFormatError(f"{mmproj} is a {projector_family(projector)} "
-                                       f"projector; it needs {wants} decoder, not "
-                                       f"{source.path.name}")
+            _check_projector_family(config, projector, mmproj, source.path.name)
             config = replace(config, vision=projector.vision)
         model = _new_model(config, tp, device, dtype)
 
@@ -238,6 +234,25 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
     return LoadedModel(model, tokenizer, weights.config, source, quantization, classifier,
                        weights.has_lm_head,
                        None if projector is None else projector.processor), choice
+
+
+def _check_projector_family(config: ModelConfig, projector: Projector, mmproj: Any,
+                            decoder: str) -> None:
+    """A Qwen-VL projector needs its own family's decoder (M-RoPE; Qwen3-VL's interleaved,
+    with as many DeepStack layers as the projector gives rows), every other projector one
+    without M-RoPE: a mismatch refused by name."""
+    vision = projector.vision
+    qwen3 = vision.architecture == "qwen3_vl"
+    wants = ("a qwen3vl" if qwen3 else "a qwen2vl") if vision.merged else "another family's"
+    if (config.mrope_section is not None) != vision.merged or (
+            vision.merged and config.mrope_interleaved != qwen3):
+        raise ModelFormatError(f"{mmproj} is a {projector_family(projector)} projector; it "
+                               f"needs {wants} decoder, not {decoder}")
+    layers = config.extra.get("deepstack_layers", 0)
+    if qwen3 and layers != len(vision.deepstack_layers):
+        raise ModelFormatError(f"{mmproj} gives {len(vision.deepstack_layers)} DeepStack "
+                               f"rows an image token; {decoder} adds {layers} "
+                               f"(qwen3vl.n_deepstack_layers)")
 
 
 def _new_model(config: ModelConfig, tp: TensorParallel | None, device, dtype) -> nn.Module:

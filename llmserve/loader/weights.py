@@ -14,7 +14,7 @@ import torch
 
 from llmserve.config.model import ModelConfig
 from llmserve.errors import ModelFormatError, ModelNotFoundError
-from llmserve.models.qwen_vision import QwenVisionTower
+from llmserve.models.qwen_vision import merged_tower
 from llmserve.models.vision import VisionTower, projector_class
 from llmserve.models.vision_language import UNUSED_PREFIXES
 
@@ -123,8 +123,8 @@ def image_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     if config.vision is None:
         return {}
     with torch.device("meta"):
-        if config.vision.merged:  # Qwen2.5-VL: the merger is the tower's
-            modules = {"vision_tower": QwenVisionTower(config.vision)}
+        if config.vision.merged:  # Qwen2.5-VL, Qwen3-VL: the merger is the tower's
+            modules = {"vision_tower": merged_tower(config.vision)}
         else:
             projector = projector_class(config.vision)(config.vision, config.hidden_size)
             modules = {"vision_tower": VisionTower(config.vision),

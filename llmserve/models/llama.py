@@ -123,7 +123,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-            cfg.mrope_section)
+            cfg.mrope_section, cfg.mrope_interleaved)
         vocab = len(plan.vocab) if plan else cfg.vocab_size
         self.embed_tokens = Embedding(vocab, cfg.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, plan, i)
@@ -168,15 +168,25 @@ class LlamaForCausalLM(nn.Module):
         positions may be (3, T) (a step with image tokens: `worker/mrope.py`).
 
         `embeds` (a vision-language model's image tokens): (index (K,), rows (K, hidden)),
-        rows that replace the embeddings of tokens `index` of the T."""
+        rows that replace the embeddings of tokens `index` of the T. Rows (K, hidden x
+        (1 + D)) hold D DeepStack rows after the embedding (Qwen3-VL): the d-th is added
+        to the tokens' hidden states after layer d."""
+        deepstack: tuple[torch.Tensor, ...] = ()
+        if embeds is not None and embeds[1].shape[1] > self.config.hidden_size:
+            index, rows = embeds
+            first, *deepstack = rows.split(self.config.hidden_size, dim=1)
+            embeds = (index, first)
         x = self._embed(input_ids, embeds)
-        if (native := self._native_stack(x, positions, kv_cache, meta)) is not None:
+        if not deepstack and (
+                native := self._native_stack(x, positions, kv_cache, meta)) is not None:
             return native
         rope = self.model.rotary.at(positions, x.dtype)
         if self.compiled_layers is not None:
             rope.look_up()  # the tables go into the compiled layer as inputs
         for i, layer in enumerate(self.model.layers):
             x = layer(rope, x, kv_cache.layer(i), meta)
+            if i < len(deepstack):
+                x = x.index_add(0, embeds[0], deepstack[i].to(x.dtype))
         return self.model.norm(x)
 
     def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,

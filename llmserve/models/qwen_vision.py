@@ -3,6 +3,12 @@ px), with 2-D rotary positions, attention within windows of 8 x 8 patches in mos
 and over the whole image in a few (`full_attention_layers`), RMSNorm and a gated SiLU MLP,
 and a merger that turns each 2 x 2 block of patches into one decoder token.
 
+Qwen3-VL's (`Qwen3VisionTower`): the same patches, rotary positions and slices, with
+learned positions besides (a square grid, bilinearly interpolated to the image's),
+LayerNorms, a plain GELU MLP, attention over the whole image in every layer, and
+DeepStack: the outputs of a few layers merged like the last and given to the decoder's
+first layers (an image token's row holds them after its embedding).
+
 The processor hands the patches in merge-block order (the four patches of a token one
 after another, the tokens in row order); the tower reorders them window by window (each
 window's tokens together, so that a window is a run of rows), and the merger's output is
@@ -11,6 +17,7 @@ put back in row order. Parameter names follow Hugging Face's
 `vision_tower.`.
 """
 
+import math
 from collections.abc import Generator
 
 import torch
@@ -45,7 +52,7 @@ class PatchEmbed(nn.Module):
         self.shape = (cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size,
                       cfg.patch_size)
         self.proj = nn.Conv3d(cfg.num_channels, cfg.hidden_size, self.shape[1:],
-                              stride=self.shape[1:], bias=False)
+                              stride=self.shape[1:], bias=cfg.architecture == "qwen3_vl")
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         x = patches.view(-1, *self.shape).to(self.proj.weight.dtype)
@@ -87,13 +94,29 @@ class VisionMLP(nn.Module):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
+class PlainMLP(nn.Module):
+    """Qwen3-VL's tower MLP: two biased linears around the activation."""
+
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = _activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
 class VisionBlock(nn.Module):
     def __init__(self, cfg: VisionConfig) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(cfg.hidden_size)
-        self.norm2 = RMSNorm(cfg.hidden_size)
+        qwen3 = cfg.architecture == "qwen3_vl"
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6) if qwen3 else \
+            RMSNorm(cfg.hidden_size)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6) if qwen3 else \
+            RMSNorm(cfg.hidden_size)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = PlainMLP(cfg) if qwen3 else VisionMLP(cfg)
 
     def slices(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                spans: list[tuple[int, int]]) -> Generator[None, None, torch.Tensor]:
@@ -174,7 +197,8 @@ class QwenVisionTower(nn.Module):
         self.config = cfg
         self.patch_embed = PatchEmbed(cfg)
         self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.num_hidden_layers))
-        self.merger = PatchMerger(cfg)
+        self.merger = Qwen3PatchMerger(cfg, postshuffle=False) \
+            if cfg.architecture == "qwen3_vl" else PatchMerger(cfg)
         quarter = cfg.hidden_size // cfg.num_attention_heads // 2
         self.register_buffer("inv_freq", 1.0 / ROPE_THETA ** (
             torch.arange(0, quarter, 2, dtype=torch.float) / quarter), persistent=False)
@@ -199,20 +223,29 @@ class QwenVisionTower(nn.Module):
         merged = self.merger(x)
         return merged[torch.argsort(order)].unsqueeze(0)
 
-    def _rotary(self, grid: tuple[int, int], order: torch.Tensor
+    def _rotary(self, grid: tuple[int, int], order: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each patch's (row, column) angles, in window order: (P, head_dim) cos and sin."""
-        m = self.config.spatial_merge_size
-        rows, cols = grid
-        r = torch.arange(rows * m).view(rows, m, 1, 1).expand(rows, m, cols, m)
-        c = torch.arange(cols * m).view(1, 1, cols, m).expand(rows, m, cols, m)
-        # merge-block order: token by token (rows, cols), its m x m patches inside
-        r = r.permute(0, 2, 1, 3).reshape(-1, m * m)[order].reshape(-1)
-        c = c.permute(0, 2, 1, 3).reshape(-1, m * m)[order].reshape(-1)
+        """Each patch's (row, column) angles, in window order (merge-block order without
+        one): (P, head_dim) cos and sin."""
+        r, c = patch_places(grid, self.config.spatial_merge_size, order)
         angles = torch.cat([r[:, None].float() * self.inv_freq,
                             c[:, None].float() * self.inv_freq], dim=-1)
         angles = torch.cat([angles, angles], dim=-1)
         return angles.cos(), angles.sin()
+
+
+def patch_places(grid: tuple[int, int], m: int, order: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each patch's row and column (P,) in merge-block order (token by token, in row order
+    or the tokens' `order`, its m x m patches inside) of an image of `grid` tokens."""
+    rows, cols = grid
+    r = torch.arange(rows * m).view(rows, m, 1, 1).expand(rows, m, cols, m)
+    c = torch.arange(cols * m).view(1, 1, cols, m).expand(rows, m, cols, m)
+    r = r.permute(0, 2, 1, 3).reshape(-1, m * m)
+    c = c.permute(0, 2, 1, 3).reshape(-1, m * m)
+    if order is not None:
+        r, c = r[order], c[order]
+    return r.reshape(-1), c.reshape(-1)
 
 
 def window_order(grid: tuple[int, int], side: int
@@ -231,3 +264,79 @@ def window_order(grid: tuple[int, int], side: int
             windows.append((start, start + len(window)))
             start += len(window)
     return torch.cat(order), windows
+
+
+class Qwen3PatchMerger(nn.Module):
+    """Qwen3-VL's merger: each token's 2 x 2 patches LayerNormed (each patch, or the four
+    side by side: `postshuffle`, the DeepStack mergers'), concatenated and through a
+    two-layer GELU MLP to the decoder's width."""
+
+    def __init__(self, cfg: VisionConfig, postshuffle: bool) -> None:
+        super().__init__()
+        width = cfg.hidden_size * cfg.spatial_merge_size ** 2
+        self.width, self.postshuffle = width, postshuffle
+        self.norm = nn.LayerNorm(width if postshuffle else cfg.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(width, width)
+        self.act = nn.GELU()
+        self.linear_fc2 = nn.Linear(width, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width) if self.postshuffle else x).view(-1, self.width)
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class Qwen3VisionTower(QwenVisionTower):
+    def __init__(self, cfg: VisionConfig) -> None:
+        super().__init__(cfg)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.deepstack_merger_list = nn.ModuleList(
+            Qwen3PatchMerger(cfg, postshuffle=True) for _ in cfg.deepstack_layers)
+
+    def slices(self, pixel_values: torch.Tensor, grid: tuple[int, int]
+               ) -> Generator[None, None, torch.Tensor]:
+        """(1, patches, C x frames x p x p) of an image of `grid` (rows, columns) tokens ->
+        (1, rows x columns, out_hidden_size x (1 + DeepStack layers)) in row order: each
+        token's embedding, then its DeepStack rows, a slice at a time."""
+        cfg = self.config
+        x = self.patch_embed(pixel_values[0])
+        x = x + self._learned_positions(grid).to(x.dtype)
+        cos, sin = self._rotary(grid)
+        whole = [(0, x.shape[0])]
+        yield
+        deep = []
+        for i, block in enumerate(self.blocks):
+            x = yield from block.slices(x, cos, sin, whole)
+            if i in cfg.deepstack_layers:  # a slice of its own, as the last merger's
+                deep.append(self.deepstack_merger_list[cfg.deepstack_layers.index(i)](x))
+                yield
+        return torch.cat([self.merger(x), *deep], dim=-1).unsqueeze(0)
+
+    def _learned_positions(self, grid: tuple[int, int]) -> torch.Tensor:
+        """(P, hidden) each patch's learned position: the square table bilinearly
+        interpolated (corners aligned) to the image's patches, as transformers'
+        `get_vision_interpolation_indices_and_weights` computes it."""
+        side = math.isqrt(self.config.num_position_embeddings)
+        m = self.config.spatial_merge_size
+        r, c = patch_places(grid, m)
+        h_taps, h_weights = _bilinear_taps(r, grid[0] * m, side)
+        w_taps, w_weights = _bilinear_taps(c, grid[1] * m, side)
+        index = (h_taps[:, :, None] * side + w_taps[:, None, :]).reshape(-1, 4)
+        weights = (h_weights[:, :, None] * w_weights[:, None, :]).reshape(-1, 4)
+        return (self.pos_embed(index) * weights[:, :, None]).sum(1)
+
+
+def _bilinear_taps(index: torch.Tensor, size: int, side: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two table entries (of `side`) each of `index` (on an axis of `size`) reads, and
+    their weights, corners aligned."""
+    src = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
+    floor = torch.floor(src)
+    offsets = torch.arange(0, 2)
+    taps = (floor.long()[:, None] + offsets).clamp(0, side - 1)
+    weights = (1 - (src[:, None] - floor[:, None] - offsets).abs()).clamp(min=0)
+    return taps, weights
+
+
+def merged_tower(cfg: VisionConfig) -> QwenVisionTower:
+    """The tower of a merged-patch family (`VisionConfig.merged`)."""
+    return Qwen3VisionTower(cfg) if cfg.architecture == "qwen3_vl" else QwenVisionTower(cfg)

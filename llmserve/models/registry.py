@@ -11,6 +11,7 @@ from llmserve.models.vision_language import (
     Idefics3ForConditionalGeneration,
     LlavaForConditionalGeneration,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
 )
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -33,6 +34,7 @@ VISION_LANGUAGE_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": Gemma3ForConditionalGeneration,
     "idefics3": Idefics3ForConditionalGeneration,
     "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
 }
 
 

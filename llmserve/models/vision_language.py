@@ -8,7 +8,10 @@ whose image tokens' embeddings are the projected image features.
 * Idefics3 / SmolVLM: each tile of an image through a SigLIP-shaped tower, its output
   pixel-shuffled and projected, before a Llama-family decoder;
 * Qwen2.5-VL: an image of any size through its own ViT and patch merger
-  (`qwen_vision.py`) before a Qwen2 decoder with M-RoPE positions (`worker/mrope.py`).
+  (`qwen_vision.py`) before a Qwen2 decoder with M-RoPE positions (`worker/mrope.py`);
+* Qwen3-VL: likewise before a Qwen3 decoder with interleaved M-RoPE, the tower's
+  DeepStack rows added to the image tokens' hidden states after the decoder's first
+  layers (`LlamaForCausalLM.forward`).
 
 The decoder is the text model's class itself, so everything the text path has (the
 native stack, quantized linears, LoRA, the compiled step) runs unchanged; the image side
@@ -26,7 +29,7 @@ from llmserve.distributed.parallel import ShardPlan
 from llmserve.errors import UnsupportedModelError
 from llmserve.models.gemma3 import Gemma3ForCausalLM
 from llmserve.models.llama import LlamaForCausalLM
-from llmserve.models.qwen_vision import QwenVisionTower
+from llmserve.models.qwen_vision import merged_tower
 from llmserve.models.vision import VisionTower, projector_class, run_slices
 
 # a checkpoint's prefixes (transformers 4.x and 5.x layouts) -> the model's
@@ -71,7 +74,7 @@ class VisionLanguageModel:
         super().__init__(cfg, None)
         assert cfg.vision is not None  # the registry picks these classes for vision configs
         if cfg.vision.merged:  # the tower ends in its merger: no projector after it
-            self.vision_tower = QwenVisionTower(cfg.vision)
+            self.vision_tower = merged_tower(cfg.vision)
             return
         self.vision_tower = VisionTower(cfg.vision)
         self.multi_modal_projector = projector_class(cfg.vision)(cfg.vision, cfg.hidden_size)
@@ -147,3 +150,8 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
 
 class Qwen2_5_VLForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
     """Qwen2.5-VL: its ViT and patch merger, a Qwen2 decoder with M-RoPE."""
+
+
+class Qwen3VLForConditionalGeneration(VisionLanguageModel, LlamaForCausalLM):
+    """Qwen3-VL: its ViT, patch merger and DeepStack mergers, a Qwen3 decoder with
+    interleaved M-RoPE."""

@@ -459,8 +459,10 @@ def main() -> int:
     results["llama.cpp"]["server"] = info
     encoded = encode_times_ms(log.read_text())
     # one encode per tile (SmolVLM: an image is 17): per image, the median tile's time
-    # times the tiles an image takes (its encodes over the images sent, warm-up included)
-    images = 1 + sum(run["requests"] for run in results["llama.cpp"]["runs"])
+    # times the tiles an image takes (its encodes over the images sent, warm-up and the
+    # images beside the text streams included)
+    images = 1 + sum(run["requests"] for run in results["llama.cpp"]["runs"]) + \
+        results["llama.cpp"].get("beside", {}).get("images", 0)
     per_image = max(1, round(len(encoded) / images))
     results["llama.cpp"]["encode_ms"] = statistics.median(encoded) * per_image \
         if encoded else None

@@ -242,40 +242,51 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("path", ["float32", "default"])
-def test_batching_chunking_preemption_and_cache_hits_change_no_output(qwen, path):
-    folder, _, _ = qwen
+def assert_invariant(folder, path: str, prompts: list) -> tuple[LLM, LLM, LLM]:
+    """`prompts` (image and text requests) give their tokens alone when batched, chunked
+    8 tokens a step (images split across steps), preempted (7 blocks of KV cache) and
+    hit in the prefix cache (an image chat sent twice); returns the LLM on `path`, the
+    chunked and the cached one, for the caller's own checks."""
     llm = LLM(str(folder), dtype="float32" if path == "float32" else "auto",
               kv_cache_memory="64MiB")
     loaded = llm.engine.loaded
-    prompts = [image_prompt(10), "<|im_start|>user\na text prompt beside it<|im_end|>\n"
-               "<|im_start|>assistant\n",
-               image_prompt(11, "And what is this one, in more words?", (30, 30)),
-               "<|im_start|>user\nanother text prompt, a little longer<|im_end|>\n"
-               "<|im_start|>assistant\n"]
     alone = [token_ids(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in prompts]
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone  # batched
-    # chunks of 8 tokens: the images (45 and 16 tokens) split across steps
     chunked = LLM.from_engine(Engine(EngineConfig(
         kv_cache_memory="64MiB", max_num_batched_tokens=8, enable_prefix_caching=False),
         loaded=loaded))
     assert token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False)) == alone
-    assert chunked.engine.executor.runner.encoder_cache.num_encoded == 2
     per_token = llm.engine.kv_plan.bytes_per_token
     tight = LLM.from_engine(Engine(EngineConfig(kv_cache_memory=7 * 16 * per_token),
                                    loaded=loaded))
     assert token_ids(tight.generate(prompts * 3, GREEDY, use_tqdm=False)) == alone * 3
     assert tight.engine.scheduler.num_preemptions > 0
     cached = LLM.from_engine(Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=loaded))
-    text = "What is in the picture, described at length and with care, please?"
-    first = cached.generate(image_prompt(20, text), GREEDY, use_tqdm=False)[0]
-    again = cached.generate(image_prompt(20, text), GREEDY, use_tqdm=False)[0]
-    other = cached.generate(image_prompt(21, text), GREEDY, use_tqdm=False)[0]
+    first = cached.generate(image_prompt(20, LONG_QUESTION), GREEDY, use_tqdm=False)[0]
+    again = cached.generate(image_prompt(20, LONG_QUESTION), GREEDY, use_tqdm=False)[0]
     assert again.num_cached_tokens >= 64 and again.outputs[0].token_ids == \
         first.outputs[0].token_ids
+    return llm, chunked, cached
+
+
+LONG_QUESTION = "What is in the picture, described at length and with care, please?"
+
+
+@pytest.mark.parametrize("path", ["float32", "default"])
+def test_batching_chunking_preemption_and_cache_hits_change_no_output(qwen, path):
+    folder, _, _ = qwen
+    prompts = [image_prompt(10), "<|im_start|>user\na text prompt beside it<|im_end|>\n"
+               "<|im_start|>assistant\n",
+               image_prompt(11, "And what is this one, in more words?", (30, 30)),
+               "<|im_start|>user\nanother text prompt, a little longer<|im_end|>\n"
+               "<|im_start|>assistant\n"]
+    # the images (45 and 16 tokens) split across steps, each encoded once
+    llm, chunked, cached = assert_invariant(folder, path, prompts)
+    assert chunked.engine.executor.runner.encoder_cache.num_encoded == 2
+    other = cached.generate(image_prompt(21, LONG_QUESTION), GREEDY, use_tqdm=False)[0]
     assert other.num_cached_tokens == 0  # the image starts in the first block
     assert other.outputs[0].token_ids == token_ids(
-        llm.generate(image_prompt(21, text), GREEDY, use_tqdm=False))[0]
+        llm.generate(image_prompt(21, LONG_QUESTION), GREEDY, use_tqdm=False))[0]
 
 
 def test_image_runs_are_checked(qwen):

@@ -14,10 +14,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 )
 
 from llmserve import LLM, SamplingParams
-from llmserve.config.engine import EngineConfig
 from llmserve.config.model import ModelConfig
 from llmserve.config.vision import VisionConfig
-from llmserve.engine.engine import Engine
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.multimodal.images import to_rgb
 from llmserve.multimodal.processors import MergedImageProcessor
@@ -25,11 +23,11 @@ from llmserve.worker import mrope
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.models.test_llava_reference import assert_memory_counts, random_image
 from tests.models.test_qwen2_5_vl_reference import (
+    assert_invariant,
     chat_ids,
     image_prompt,
     our_logits,
     reference_inputs,
-    token_ids,
 )
 from tests.reference_checks import assert_greedy_follows
 from tests.tiny_models import QWEN_IMAGE_ID, save_tiny_qwen3_vl
@@ -227,29 +225,9 @@ def test_greedy_matches_reference_in_a_chat_of_several_turns(qwen3):
 def test_batching_chunking_preemption_and_cache_hits_change_no_output(qwen3, path):
     """Chunks of 8 tokens split the images (and their DeepStack rows) across steps."""
     folder, _, _ = qwen3
-    llm = LLM(str(folder), dtype="float32" if path == "float32" else "auto",
-              kv_cache_memory="64MiB")
-    loaded = llm.engine.loaded
-    prompts = [image_prompt(10), "<|im_start|>user\na text prompt beside it<|im_end|>\n"
-               "<|im_start|>assistant\n",
-               image_prompt(11, "And what is this one, in more words?", (30, 30))]
-    alone = [token_ids(llm.generate(p, GREEDY, use_tqdm=False))[0] for p in prompts]
-    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == alone
-    chunked = LLM.from_engine(Engine(EngineConfig(
-        kv_cache_memory="64MiB", max_num_batched_tokens=8, enable_prefix_caching=False),
-        loaded=loaded))
-    assert token_ids(chunked.generate(prompts, GREEDY, use_tqdm=False)) == alone
-    per_token = llm.engine.kv_plan.bytes_per_token
-    tight = LLM.from_engine(Engine(EngineConfig(kv_cache_memory=7 * 16 * per_token),
-                                   loaded=loaded))
-    assert token_ids(tight.generate(prompts * 3, GREEDY, use_tqdm=False)) == alone * 3
-    assert tight.engine.scheduler.num_preemptions > 0
-    cached = LLM.from_engine(Engine(EngineConfig(kv_cache_memory="64MiB"), loaded=loaded))
-    text = "What is in the picture, described at length and with care, please?"
-    first = cached.generate(image_prompt(20, text), GREEDY, use_tqdm=False)[0]
-    again = cached.generate(image_prompt(20, text), GREEDY, use_tqdm=False)[0]
-    assert again.num_cached_tokens >= 64 and again.outputs[0].token_ids == \
-        first.outputs[0].token_ids
+    assert_invariant(folder, path, [
+        image_prompt(10), "<|im_start|>user\na text prompt beside it<|im_end|>\n"
+        "<|im_start|>assistant\n", image_prompt(11, "And what is this one?", (30, 30))])
 
 
 def test_the_memory_calculator_counts_the_tower(qwen3):

@@ -213,10 +213,8 @@ def save_tiny_qwen2_5_vl(folder: Path, patch_size: int = 4, window_size: int = 1
     decoder with M-RoPE; saved with the byte tokenizer plus Qwen's image and turn tokens,
     a preprocessor_config.json (images resized to `min_pixels` .. `max_pixels`) and
     Qwen2.5-VL's chat template; returns transformers' model (the reference)."""
-    import json
 
     import transformers
-    from tokenizers import AddedToken
 
     folder.mkdir(parents=True, exist_ok=True)
     vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4,
@@ -232,20 +230,8 @@ def save_tiny_qwen2_5_vl(folder: Path, patch_size: int = 4, window_size: int = 1
         vision_config=vision, text_config=decoder, image_token_id=QWEN_IMAGE_ID,
         video_token_id=QWEN_VIDEO_ID, vision_start_token_id=QWEN_VISION_START_ID,
         vision_end_token_id=QWEN_VISION_END_ID))
-    model.config._attn_implementation = "eager"
-    save_tiny(model, folder)
-    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in (
-        "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>",
-        "<|im_start|>", "<|im_end|>")])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": min_pixels,
-        "max_pixels": max_pixels, "patch_size": patch_size, "temporal_patch_size": 2,
-        "merge_size": 2}))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": QWEN2_5_VL_TEMPLATE, "eos_token": "<|im_end|>"}))
-    return model
+    return _save_qwen_vl(model, folder, {
+        "min_pixels": min_pixels, "max_pixels": max_pixels, "patch_size": patch_size})
 
 
 def save_tiny_qwen3_vl(folder: Path, patch_size: int = 4, min_pixels: int = 16 * 16,
@@ -254,10 +240,8 @@ def save_tiny_qwen3_vl(folder: Path, patch_size: int = 4, min_pixels: int = 16 *
     token, learned positions on a 4 x 4 grid, DeepStack from layers 0 and 2 of 4), a Qwen3
     decoder (3 layers) with interleaved M-RoPE; saved like `save_tiny_qwen2_5_vl`, its
     images normalised to [-1, 1] as Qwen3-VL's are; returns transformers' model."""
-    import json
 
     import transformers
-    from tokenizers import AddedToken
 
     folder.mkdir(parents=True, exist_ok=True)
     vision = dict(depth=4, hidden_size=32, intermediate_size=48, num_heads=4,
@@ -274,6 +258,20 @@ def save_tiny_qwen3_vl(folder: Path, patch_size: int = 4, min_pixels: int = 16 *
         vision_config=vision, text_config=decoder, image_token_id=QWEN_IMAGE_ID,
         video_token_id=QWEN_VIDEO_ID, vision_start_token_id=QWEN_VISION_START_ID,
         vision_end_token_id=QWEN_VISION_END_ID))
+    return _save_qwen_vl(model, folder, {
+        "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+        "patch_size": patch_size, "image_mean": [0.5] * 3, "image_std": [0.5] * 3})
+
+
+def _save_qwen_vl(model: torch.nn.Module, folder: Path, preprocessor: dict
+                  ) -> torch.nn.Module:
+    """A Qwen-VL `model` saved (randomised) with the byte tokenizer plus Qwen's image and
+    turn tokens, a preprocessor_config.json (`preprocessor`'s bounds, patches and
+    normalisation; 2 frames, 2 x 2 merged) and Qwen's chat template."""
+    import json
+
+    from tokenizers import AddedToken
+
     model.config._attn_implementation = "eager"
     save_tiny(model, folder)
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -282,10 +280,8 @@ def save_tiny_qwen3_vl(folder: Path, patch_size: int = 4, min_pixels: int = 16 *
         "<|im_start|>", "<|im_end|>")])
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "size": {
-            "shortest_edge": min_pixels, "longest_edge": max_pixels},
-        "patch_size": patch_size, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}))
+        "image_processor_type": "Qwen2VLImageProcessor", "temporal_patch_size": 2,
+        "merge_size": 2, **preprocessor}))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "chat_template": QWEN2_5_VL_TEMPLATE, "eos_token": "<|im_end|>"}))
     return model

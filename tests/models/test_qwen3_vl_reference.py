@@ -23,6 +23,7 @@ from llmserve.worker import mrope
 from tests.models.test_llama_reference import LOGIT_TOLERANCE
 from tests.models.test_llava_reference import assert_memory_counts, random_image
 from tests.models.test_qwen2_5_vl_reference import (
+    assert_chat_follows,
     assert_invariant,
     chat_ids,
     image_prompt,
@@ -204,21 +205,7 @@ def test_logits_need_the_deepstack_rows(qwen3):
 
 
 def test_greedy_matches_reference_in_a_chat_of_several_turns(qwen3):
-    folder, reference, llm = qwen3
-    first, second = random_image(5, 64, 40), random_image(6, 30, 30)
-    chat = [
-        {"role": "user", "content": [{"type": "image", "image": first},
-                                     {"type": "text", "text": "Describe it."}]},
-        {"role": "assistant", "content": [{"type": "text", "text": "A noisy square."}]},
-        {"role": "user", "content": [{"type": "text", "text": "And this one?"},
-                                     {"type": "image", "image": second}]},
-    ]
-    (out,) = llm.chat(chat, GREEDY, use_tqdm=False)
-    ids = out.prompt_token_ids
-    inputs = reference_inputs(folder, [first, second])
-    assert ids.count(QWEN_IMAGE_ID) == int(inputs["image_grid_thw"].prod(-1).sum()) // 4
-    assert_greedy_follows(reference, ids, out.outputs[0].token_ids, QWEN_IMAGE_ID,
-                          type_ids="mm_token_type_ids", **inputs)
+    assert_chat_follows(*qwen3)
 
 
 @pytest.mark.parametrize("path", ["float32", "default"])

@@ -293,8 +293,10 @@ class ModelConfig:
         decoder = cls.from_hf_config(text)
         vision = VisionConfig.from_hf_config(cfg)
         if qwen and decoder.mrope_section is None:
-            raise UnsupportedModelError("a Qwen2.5-VL decoder without M-RoPE's "
-                                        "mrope_section")
+            rope = text.get("rope_parameters", text.get("rope_scaling"))
+            raise UnsupportedModelError(f"a {'Qwen3-VL' if qwen3 else 'Qwen2.5-VL'} decoder "
+                                        f"without M-RoPE's mrope_section (rotary parameters "
+                                        f"{rope!r})")
         if qwen3:
             decoder = replace(decoder, mrope_interleaved=True)
         if vision.merged and vision.out_hidden_size != decoder.hidden_size:
@@ -371,9 +373,10 @@ def _with_mrope_section(text: dict[str, Any], default: tuple[int, ...]) -> dict[
     rope = text.get("rope_parameters")
     key = "rope_parameters" if isinstance(rope, dict) or not isinstance(
         text.get("rope_scaling"), dict) else "rope_scaling"
-    rope = dict(text.get(key) or {})
+    rope = text.get(key) or {}
     if not isinstance(rope, dict):
         return text  # refused by name where it is read
+    rope = dict(rope)
     rope.setdefault("mrope_section", list(default))
     rope.setdefault("rope_type", "default")
     if "rope_theta" not in rope and "rope_theta" not in text:

@@ -65,6 +65,9 @@ def test_the_config_reads_as_transformers_does():
     bad = {**cfg, "vision_config": {**cfg["vision_config"], "deepstack_visual_indexes": [30]}}
     with pytest.raises(ValueError, match="deepstack_visual_indexes"):
         ModelConfig.from_hf_config(bad)
+    text = {**cfg["text_config"], "rope_parameters": "bad"}
+    with pytest.raises(Exception, match="a Qwen3-VL decoder without M-RoPE's mrope_section"):
+        ModelConfig.from_hf_config({**cfg, "text_config": text})
 
 
 def test_interleaved_rotary_equals_transformers():

@@ -117,6 +117,8 @@ def error_problem(status: int, content: bytes, path: str, body: Any) -> str | No
         return f"the 400 names no field: {error.message!r}"
     root = re.split(r"[.\[]", error.param, maxsplit=1)[0]
     model = BODIES.get(path)
+    if error.param in body:  # a field whose own name holds "." or "["
+        return None
     if root in body or root in HEADERS or (model is not None and root in model.model_fields):
         return None
     return f"param {error.param!r} is not a field of the request"

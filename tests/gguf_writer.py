@@ -394,16 +394,7 @@ def write_qwen_mmproj(model: torch.nn.Module, path: Path, qtype: QT = QT.F16) ->
     layer_names = {model: file for file, model in QWEN_LAYER_NAMES.items()}
     global_names = {model.removeprefix("vision_tower."): file
                     for file, model in QWEN_GLOBAL_NAMES.items()}
-    for name, tensor in model.state_dict().items():
-        if not name.startswith("model.visual."):
-            continue  # the decoder: its own GGUF file
-        name, tensor = name.removeprefix("model.visual."), tensor.detach().float()
-        kind = qtype if tensor.dim() >= 2 else QT.F32
-        if name == "patch_embed.proj.weight":  # (hidden, C, 2, p, p): a 2-D kernel a frame
-            _add(writer, "v.patch_embd.weight", tensor[:, :, 0].contiguous(), QT.F32)
-            _add(writer, "v.patch_embd.weight.1", tensor[:, :, 1].contiguous(), QT.F32)
-            continue
-        module, leaf = name.rsplit(".", 1)
+    for module, leaf, tensor, kind in _visual_tensors(writer, model, qtype):
         if module.startswith("blocks."):
             _, layer, rest = module.split(".", 2)
             if rest == "attn.qkv":
@@ -449,16 +440,7 @@ def write_qwen3_mmproj(model: torch.nn.Module, path: Path, qtype: QT = QT.F16) -
     global_names = {model.removeprefix("vision_tower."): file
                     for file, model in QWEN3_GLOBAL_NAMES.items()}
     deep_names = {model: file for file, model in DEEPSTACK_NAMES.items()}
-    for name, tensor in model.state_dict().items():
-        if not name.startswith("model.visual."):
-            continue  # the decoder: its own GGUF file
-        name, tensor = name.removeprefix("model.visual."), tensor.detach().float()
-        kind = qtype if tensor.dim() >= 2 else QT.F32
-        if name == "patch_embed.proj.weight":  # (hidden, C, 2, p, p): a 2-D kernel a frame
-            _add(writer, "v.patch_embd.weight", tensor[:, :, 0].contiguous(), QT.F32)
-            _add(writer, "v.patch_embd.weight.1", tensor[:, :, 1].contiguous(), QT.F32)
-            continue
-        module, leaf = name.rsplit(".", 1)
+    for module, leaf, tensor, kind in _visual_tensors(writer, model, qtype):
         if module.startswith("blocks."):
             _, layer, rest = module.split(".", 2)
             target = f"v.blk.{layer}.attn_qkv.{leaf}" if rest == "attn.qkv" else \
@@ -477,6 +459,22 @@ def write_qwen3_mmproj(model: torch.nn.Module, path: Path, qtype: QT = QT.F16) -
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _visual_tensors(writer: gguf.GGUFWriter, model: torch.nn.Module, qtype: QT):
+    """A Qwen-VL tower's tensors as (module, leaf, tensor, GGUF type), the Conv3d patch
+    embedding's weight written here already as a 2-D kernel a frame (llama.cpp's
+    `v.patch_embd.weight` and `.weight.1`); the decoder's left out (its own file)."""
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("model.visual."):
+            continue
+        name, tensor = name.removeprefix("model.visual."), tensor.detach().float()
+        if name == "patch_embed.proj.weight":  # (hidden, C, 2, p, p)
+            _add(writer, "v.patch_embd.weight", tensor[:, :, 0].contiguous(), QT.F32)
+            _add(writer, "v.patch_embd.weight.1", tensor[:, :, 1].contiguous(), QT.F32)
+            continue
+        module, leaf = name.rsplit(".", 1)
+        yield module, leaf, tensor, qtype if tensor.dim() >= 2 else QT.F32
 
 
 def with_control_tokens(tokenizer: dict[str, Any], tokens: list[str]) -> tuple[dict, int]:

@@ -5,7 +5,8 @@
 
 `SchedulerOutput` carries everything a step needs: the scheduled tokens and new block ids
 (`ScheduledRequest`, a request's data once as `NewRequestData`), blocks to copy, KV to load
-or save by block id (disaggregated prefill), draft tokens (`ScheduledRequest.spec_token_ids`)
+or save by block id (disaggregated prefill), draft tokens to verify
+(`ScheduledRequest.spec_token_ids`) and how many to propose after sampling (`num_drafts`),
 and the grammar bitmask rows of the requests it samples (`grammar`). No KV tensor rides in
 it; the bitmask is the one array (computed beside the forward, see `structured/manager.py`).
 
@@ -54,6 +55,9 @@ class ScheduledRequest:
     new: NewRequestData | None = None
     # draft tokens computed after token_ids and verified by sampling at each of them
     spec_token_ids: list[int] = field(default_factory=list)
+    # speculative decoding: once the step has sampled, propose up to this many drafts for
+    # the next step (the speculator's policy; the runner's proposer makes them)
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -141,6 +145,9 @@ class ModelRunnerOutput:
     `tier_loaded[request_id]`: how many leading blocks of its `TierLoad` arrived intact;
     `tier_load_seconds`: the step's time reading them. `encoded_images`: the hashes of
     the asked images (`SchedulerOutput.encode_images`) whose rows are ready.
+    `draft_token_ids[i]`: the drafts proposed after this step for row i to verify in its
+    next one (asked for by `ScheduledRequest.num_drafts`), else []; `draft_seconds`: the
+    step's time proposing them.
     """
 
     req_ids: list[str] = field(default_factory=list)
@@ -151,11 +158,14 @@ class ModelRunnerOutput:
     tier_loaded: dict[str, int] = field(default_factory=dict)
     tier_load_seconds: float = 0.0
     encoded_images: list[str] = field(default_factory=list)
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+    draft_seconds: float = 0.0
 
     @classmethod
     def empty(cls, req_ids: list[str]) -> "ModelRunnerOutput":
         n = len(req_ids)
-        return cls(list(req_ids), [[] for _ in range(n)], [None] * n, [None] * n, [None] * n)
+        return cls(list(req_ids), [[] for _ in range(n)], [None] * n, [None] * n, [None] * n,
+                   draft_token_ids=[[] for _ in range(n)])
 
     @classmethod
     def from_sampled(cls, out: SchedulerOutput,

@@ -486,6 +486,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_blocks_sent = None
+        request.spec_token_ids = []  # (it recomputes; the next sample brings new drafts)
         self._preempted_ids.add(request.request_id)
         request.num_preempted_tokens += request.num_computed_tokens
         request.num_computed_tokens = 0

@@ -2,11 +2,16 @@
 scheduler at the edges of each step, and what it adds travels in the `SchedulerOutput` as
 data (draft tokens on the scheduled requests, the grammar bitmask rows).
 
-    before_schedule(running, finished)   e.g. the proposer sets request.spec_token_ids
+    before_schedule(running, finished)   e.g. drafts cut to what their request can use
     schedule()                           the scheduler's own policy
-    after_schedule(out, requests)        e.g. the grammar masks of the rows to sample
-    ... the forward ...
-    after_update(out, result)            e.g. the speculator counts accepted drafts
+    after_schedule(out, requests)        e.g. the grammar masks of the rows to sample,
+                                         how many drafts to propose after sampling
+    ... the forward, the sampling, the runner's drafts ...
+    after_update(out, result)            e.g. the speculator counts accepted drafts and
+                                         sets the new ones
+
+A stage runs no model code: that is the runner's (drafts are proposed by the runner after
+its forward, `worker/drafts.py`).
 """
 
 from collections.abc import Mapping
@@ -18,9 +23,8 @@ from llmserve.core.request import Request
 class StepStage:
     """A feature's hooks at the scheduler's edges. Contract: a stage never changes which
     requests run or how many tokens each gets (that is the scheduler's policy); it may
-    set `Request.spec_token_ids` before scheduling (the scheduler trims them to the
-    budget) and fill `SchedulerOutput` fields that are its own. Every hook defaults to
-    doing nothing."""
+    set `Request.spec_token_ids` (the scheduler trims them to the budget) and fill
+    `SchedulerOutput` fields that are its own. Every hook defaults to doing nothing."""
 
     def before_schedule(self, running: list[Request], finished_ids: set[str]) -> None:
         """Before a step is scheduled; `finished_ids`: requests that ended since the

@@ -7,8 +7,9 @@
                     output_processor.process(...) -> RequestOutputs (detokenized, stops)
 
 Features attach at interfaces, never in `step`: speculative decoding and structured output
-are `StepStage`s the scheduler calls (their drafts and grammar masks travel in the
-`SchedulerOutput`), disaggregated prefill is a `KVConnector` the runner calls, beam search
+are `StepStage`s the scheduler calls (their draft counts, drafts and grammar masks travel
+in the `SchedulerOutput`; the drafts themselves are the runner's proposer's, made after
+each step's sampling), disaggregated prefill is a `KVConnector` the runner calls, beam search
 and n > 1 are parents above the engine's requests (`BeamSearch`, `ParallelGroup`), and
 tensor parallelism is the executor's business.
 """
@@ -32,6 +33,7 @@ from llmserve.engine.loading import (
     attention_backend_name,
     build_kv_tier,
     build_pooler,
+    build_proposer,
     build_speculator,
     free_memory_bytes,
     image_prompts,
@@ -127,15 +129,16 @@ class Engine:
         self.pooler = build_pooler(config, self.loaded)
         self.lora = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank,
                                 config.max_cpu_loras or 16) if config.enable_lora else None
+        proposer = build_proposer(config, self.loaded, self.device, self.dtype,
+                                  plan.num_tokens)
         runner = ModelRunner(self.loaded.model, kv_cache, self.device,
                              max_num_seqs=config.max_num_seqs, attention=self.attention,
                              kv_connector=self.kv_connector, pooler=self.pooler,
-                             lora=self.lora, kv_tier=self.kv_tier)
+                             lora=self.lora, kv_tier=self.kv_tier, proposer=proposer)
         self.executor: Executor = ranks.bind_runner(runner) if ranks else UniProcExecutor(runner)
         warm_up(self.loaded.model, kv_cache, self.attention)
         self.structured = StructuredOutputManager(self.tokenizer, model_cfg.vocab_size)
-        self.speculator = build_speculator(config, self.loaded, self.device, plan.num_tokens,
-                                           self.executor)
+        self.speculator = build_speculator(config, self.loaded, proposer, self.executor)
         stages = [GrammarStage(self.structured)]
         if self.speculator is not None:
             stages.insert(0, ProposerStage(self.speculator, self.max_model_len))

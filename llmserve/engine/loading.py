@@ -32,6 +32,8 @@ from llmserve.memory import parse_size
 from llmserve.multimodal.processors import ImageProcessor
 from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
+from llmserve.spec_decode.medusa import HeadsFormatError, MedusaProposer
+from llmserve.spec_decode.proposer import NgramProposer, Proposer
 from llmserve.spec_decode.speculator import Speculator
 from llmserve.tokenizer import Tokenizer
 
@@ -123,24 +125,41 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.
     return executor, quantization
 
 
-def build_speculator(config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                     kv_num_tokens: int, executor: Executor) -> Speculator | None:
+def build_proposer(config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                   dtype: torch.dtype, kv_num_tokens: int) -> Proposer | None:
+    """Where speculative decoding's drafts come from (None: no speculation): prompt
+    lookup, Medusa heads on the target's hidden states, or a draft model (`self_draft`:
+    the target's checkpoint, quantized) with a KV cache for as many tokens as the
+    target's. The runner calls it after each step."""
     spec = config.speculative_config
     if spec is None:
         return None
-    draft = None
-    if spec.method != "ngram":
-        draft = DraftModelProposer.build(spec, config, loaded, device, kv_num_tokens)
+    if spec.method == "ngram":
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method == "medusa":
+        try:
+            return MedusaProposer.build(spec, loaded, device, dtype)
+        except HeadsFormatError as e:
+            raise ValueError(f"speculative_config: {e}") from None
+    return DraftModelProposer.build(spec, config, loaded, device, kv_num_tokens)
+
+
+def build_speculator(config: EngineConfig, loaded: LoadedModel, proposer: Proposer | None,
+                     executor: Executor) -> Speculator | None:
+    """The speculation policy, with a draft token's cost per batch size measured on this
+    machine when k adapts (before any request is admitted)."""
+    spec = config.speculative_config
+    if spec is None or proposer is None:
+        return None
     costs = None
     if spec.adaptive:
         executor.calibrate(spec.num_speculative_tokens)
         runner = executor.runner
         costs = measure_step_costs(loaded.model, runner.kv_cache, runner.attention,
-                                   spec.num_speculative_tokens,
-                                   draft.time_step if draft is not None else None)
+                                   spec.num_speculative_tokens, proposer.step_seconds)
         logger.info("speculative decoding: a draft token costs %s of a step (by batch "
                     "size)", {b: round(c, 2) for b, c in costs.by_batch.items()})
-    return Speculator.build(spec, draft, costs)
+    return Speculator(spec, costs)
 
 
 def image_prompts(loaded: LoadedModel) -> ImagePrompts | None:

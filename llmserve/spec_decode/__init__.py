@@ -5,11 +5,15 @@
 * `draft_model.py`: a draft model with its own small paged KV cache (also `self_draft`:
   the target's checkpoint on its quantized path, drafting for the exact path);
 * `speculator.py`: the engine's policy (adaptive k per request, off for large batches)
-  and running counts.
+  and running counts; `proposer_stage.py` applies it at the scheduler's edges.
 
-The scheduler sends a request's drafts after its last token (`core/scheduler.py`), the
-runner verifies them in the same forward (`worker/model_runner.py`, by the rule in
-`worker/rejection_sampler.py`: every emitted token is distributed as the target model's,
-greedy rows exactly the target's argmax), and the engine takes the accepted tokens in
-order, stop conditions included (`engine/engine.py`).
+Drafts are proposed after the forward: when a step is scheduled the policy says how many
+drafts each sampling request wants (`ScheduledRequest.num_drafts`); once the step has
+sampled, the runner asks the proposer for them (`worker/drafts.py`), and they come back in
+`ModelRunnerOutput.draft_token_ids`. The scheduler sends a request's drafts after its
+last token in the next step, the runner verifies them in the same forward
+(`worker/model_runner.py`, by the rule in `worker/rejection_sampler.py`: every emitted
+token is distributed as the target model's, greedy rows exactly the target's argmax), and
+the engine takes the accepted tokens in order, stop conditions included
+(`engine/engine.py`). The scheduler itself computes no model work.
 """

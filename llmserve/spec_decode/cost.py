@@ -12,26 +12,15 @@ request adds (its verification, plus the draft model's step that proposed it).
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.layers.kv_cache import KVCache
+from llmserve.spec_decode.speculator import StepCosts
 
 CALIBRATION_BATCHES = (1, 2, 4, 8)
 CALIBRATION_CONTEXT = 64  # tokens already cached per sequence while timing
-
-
-@dataclass
-class StepCosts:
-    """draft_token_cost per calibrated batch size (the nearest below is used)."""
-
-    by_batch: dict[int, float]
-
-    def draft_token_cost(self, batch: int) -> float:
-        below = [b for b in self.by_batch if b <= batch] or [min(self.by_batch)]
-        return self.by_batch[max(below)]
 
 
 def measure_step_costs(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,

@@ -17,18 +17,19 @@ exact float32 target verifies what its int4 self proposes.
 """
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from llmserve.core.request import Request
 from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.spec_decode.cost import time_step
 from llmserve.spec_decode.proposer import Proposer
+from llmserve.worker.drafts import DraftSeed
 from llmserve.worker.sampler import argmax
 
 if TYPE_CHECKING:
@@ -105,15 +106,16 @@ class DraftModelProposer(Proposer):
     # ---- proposing -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(self, requests: list[Request], num_drafts: list[int]) -> list[list[int]]:
+    def propose(self, seeds: Sequence[DraftSeed]) -> list[list[int]]:
         self._round += 1
-        drafts: list[list[int]] = [[] for _ in requests]
+        drafts: list[list[int]] = [[] for _ in seeds]
         batch = []  # (index, sequence, tokens to feed, drafts wanted)
-        active = {r.request_id for r in requests}
-        for i, (request, k) in enumerate(zip(requests, num_drafts, strict=True)):
-            seq = self.seqs.setdefault(request.request_id, _DraftSequence())
+        active = {s.request_id for s in seeds}
+        for i, seed in enumerate(seeds):
+            k = seed.num_drafts
+            seq = self.seqs.setdefault(seed.request_id, _DraftSequence())
             seq.last_used = self._round
-            tokens = request.all_token_ids
+            tokens = seed.token_ids
             # the last verified token is always fed (again, if the draft fed it as a draft
             # the scheduler then left out): its logits propose the first draft
             keep = min(_common_prefix(seq.tokens, tokens), len(tokens) - 1)
@@ -161,7 +163,7 @@ class DraftModelProposer(Proposer):
             s.tokens.extend(f)
         return tokens
 
-    def time_step(self, batch: int) -> float:
+    def step_seconds(self, batch: int) -> float:
         """Seconds of one draft step at `batch` sequences (start-up calibration, before
         any request holds the draft cache's blocks)."""
         return time_step(self.model, self.kv_cache, self.attention, batch, 1)

@@ -1,26 +1,35 @@
-"""Proposers: where draft tokens come from, behind one small interface."""
+"""Proposers: where draft tokens come from, behind one small interface.
+
+The runner calls a proposer after a step's sampling (`worker/drafts.py`), with a
+`DraftSeed` per request that asks for drafts: its verified tokens, the step's new ones
+included.
+"""
 
 from collections.abc import Sequence
 
-from llmserve.core.request import Request
 from llmserve.spec_decode import ngram
+from llmserve.worker.drafts import DraftSeed
 
 
 class Proposer:
-    """Proposes draft tokens to follow each request's verified tokens.
+    """Proposes draft tokens to follow each request's verified tokens (the runner's
+    `DraftProposer`). `propose` reads the seeds and changes none of them; a proposer that
+    keeps per-request state (a draft model's KV cache) drops it in `remove`."""
 
-    `propose` reads `request.all_token_ids` (prompt and verified output) and does not
-    change the request; a proposer that keeps per-request state (a draft model's KV
-    cache) drops it in `remove`.
-    """
+    needs_hidden = False  # True: the seeds bring the target's hidden rows (heads)
 
-    def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
-        """Up to `num_drafts[i]` drafts for `requests[i]` (fewer, or none, where it has no
+    def propose(self, seeds: Sequence[DraftSeed]) -> list[list[int]]:
+        """Up to `seeds[i].num_drafts` drafts for seed i (fewer, or none, where it has no
         good guess)."""
         raise NotImplementedError
 
     def remove(self, request_id: str) -> None:
-        """Forget a request that finished or was preempted."""
+        """Forget a request that finished."""
+
+    def step_seconds(self, batch: int) -> float:
+        """Seconds one drafting step costs at `batch` sequences (start-up calibration,
+        `cost.py`); a proposer that runs no model costs nothing."""
+        return 0.0
 
 
 class NgramProposer(Proposer):
@@ -31,6 +40,6 @@ class NgramProposer(Proposer):
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, requests: Sequence[Request], num_drafts: Sequence[int]) -> list[list[int]]:
-        return [ngram.propose(r.all_token_ids, k, self.min_n, self.max_n) if k > 0 else []
-                for r, k in zip(requests, num_drafts, strict=True)]
+    def propose(self, seeds: Sequence[DraftSeed]) -> list[list[int]]:
+        return [ngram.propose(s.token_ids, s.num_drafts, self.min_n, self.max_n)
+                if s.num_drafts > 0 else [] for s in seeds]

@@ -1,11 +1,23 @@
-"""The proposer stage: speculative decoding attached at the scheduler's edges (`StepStage`).
+"""The proposer stage: speculative decoding's policy at the scheduler's edges (`StepStage`).
 
-Before a step is scheduled it asks the `Speculator` for drafts for the decoding requests
-and sets them as `Request.spec_token_ids` (the scheduler sends them after each request's
-last token, within the budget, and the runner verifies them in the same forward); after
-the step it counts what was accepted. None when the batch is too large for speculation to
-pay, nor for a request whose grammar is complete.
+It runs no model code; the drafts are made by the runner after each step's sampling:
+
+    after_schedule    each sampling request's number of drafts to propose after the step
+                      (`ScheduledRequest.num_drafts`, the `Speculator`'s policy; none when
+                      the batch is too large for speculation to pay, nor for a request
+                      whose grammar is complete)
+    ... the forward, the sampling, then the runner's proposer: ModelRunnerOutput.draft_token_ids
+    after_update      the verified round counted; the new drafts set as the request's
+                      `spec_token_ids`
+    before_schedule   drafts cut to what the request can still use: its room (max_tokens,
+                      the context) and its grammar (which the output processor has advanced
+                      by the step's tokens since)
+
+and the scheduler sends a request's drafts after its last token, within the budget, for
+the runner to verify in the same forward.
 """
+
+from collections.abc import Mapping
 
 from llmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmserve.core.request import Request
@@ -17,35 +29,56 @@ class ProposerStage(StepStage):
     def __init__(self, speculator: Speculator, max_model_len: int) -> None:
         self.speculator = speculator
         self.max_model_len = max_model_len
+        self._asked: set[str] = set()  # the requests the step in flight proposes for
 
     def before_schedule(self, running: list[Request], finished_ids: set[str]) -> None:
-        for request_id in finished_ids:
-            self.speculator.remove(request_id)
-        if not self.speculator.enabled_for(len(running)):
-            return
-        requests, rooms = [], []
         for request in running:
-            if request.num_tokens - request.num_computed_tokens != 1:
-                continue  # a prompt still prefilling
-            if request.grammar is not None and request.grammar.is_terminated:
+            drafts = request.spec_token_ids
+            if not drafts:
                 continue
-            # emitted tokens (drafts + 1) within max_tokens; draft KV within the context
-            room = min(request.max_tokens - request.num_output_tokens - 1,
-                       self.max_model_len - request.num_tokens)
-            requests.append(request)
-            rooms.append(room)
-        if not requests:
-            return
-        proposed = self.speculator.propose(requests, rooms, len(running))
-        for request, drafts in zip(requests, proposed, strict=True):
+            drafts = drafts[: max(0, self._room(request))]
             grammar = request.grammar
             if drafts and grammar is not None:  # drafts the grammar refuses would be rejected
-                drafts = drafts[: grammar.num_valid(drafts)]
+                drafts = [] if grammar.is_terminated else drafts[: grammar.num_valid(drafts)]
             request.spec_token_ids = drafts
+
+    def after_schedule(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
+        self._asked = set()
+        batch_size = len(out.scheduled)
+        if not self.speculator.enabled_for(batch_size):
+            return
+        for s in out.scheduled:
+            request = requests.get(s.request_id)
+            if not s.sample or request is None or request.pooling_params is not None:
+                continue
+            if request.grammar is not None and request.grammar.is_terminated:
+                continue
+            # the room once this step has emitted one token (if it emits more, the excess
+            # drafts are cut before they are sent)
+            s.num_drafts = self.speculator.num_drafts(request, self._room(request) - 1,
+                                                      batch_size)
+            self._asked.add(s.request_id)
 
     def after_update(self, out: SchedulerOutput, result: ModelRunnerOutput,
                      requests: list[Request | None]) -> None:
-        for s, tokens, request in zip(out.scheduled, result.sampled_token_ids, requests,
-                                      strict=True):
-            if s.spec_token_ids and tokens and request is not None:
+        self.speculator.draft_seconds += result.draft_seconds
+        asked, self._asked = self._asked, set()
+        for i, (s, tokens, request) in enumerate(zip(out.scheduled, result.sampled_token_ids,
+                                                     requests, strict=True)):
+            if request is None or not tokens:
+                continue
+            if s.spec_token_ids:
                 self.speculator.record(request, len(s.spec_token_ids), len(tokens) - 1)
+            if s.request_id not in asked:
+                continue
+            drafts = result.draft_token_ids[i]
+            if not drafts:
+                self.speculator.drafted_nothing(request)
+            elif not request.status.finished:
+                request.spec_token_ids = list(drafts)
+
+    def _room(self, request: Request) -> int:
+        """Drafts the request can use after its tokens so far: the tokens a round emits
+        (its drafts and one more) within max_tokens, the drafts' KV within the context."""
+        return min(request.max_tokens - request.num_output_tokens - 1,
+                   self.max_model_len - request.num_tokens)

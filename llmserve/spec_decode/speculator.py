@@ -1,8 +1,9 @@
-"""The engine's speculation policy: who drafts, how many tokens, and the running counts.
+"""The engine's speculation policy: how many drafts each request asks for, and the counts.
 
-Before each step the engine asks `Speculator.propose` for drafts for its decoding
-requests; the scheduler sends them with the request's last token and the runner verifies
-them in the same forward (`worker/model_runner.py`). The policy:
+Pure policy, no model code: when a step is scheduled, `Speculator.num_drafts` says how
+many drafts each sampling request wants after it (`ScheduledRequest.num_drafts`); the
+runner's proposer makes them once the step has sampled, and the next step verifies them
+(`proposer_stage.py`). The policy:
 
 * off for the whole step once `disable_by_batch_size` requests run: a large batch is
   compute-bound, so every draft token costs about what a decoded token costs, and the
@@ -17,17 +18,26 @@ them in the same forward (`worker/model_runner.py`). The policy:
   (the step turns compute-bound), and k falls to 0 by itself.
 """
 
-import time
 from dataclasses import dataclass, field
 
 from llmserve.config.engine import SpeculativeConfig
 from llmserve.core.request import Request
-from llmserve.spec_decode.cost import StepCosts
-from llmserve.spec_decode.proposer import NgramProposer, Proposer
 
 PRIOR_ACCEPTANCE = 0.7  # a new request's estimate
 EMA_WEIGHT = 0.3  # weight of the latest round in the estimate
 PRIOR_DRIFT = 0.05  # per step without drafts, the estimate moves this far to the prior
+
+
+@dataclass
+class StepCosts:
+    """draft_token_cost per calibrated batch size (the nearest below is used); measured
+    at start-up by `cost.measure_step_costs`."""
+
+    by_batch: dict[int, float]
+
+    def draft_token_cost(self, batch: int) -> float:
+        below = [b for b in self.by_batch if b <= batch] or [min(self.by_batch)]
+        return self.by_batch[max(below)]
 
 
 @dataclass
@@ -51,20 +61,11 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer,
-                 costs: StepCosts | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, costs: StepCosts | None = None) -> None:
         self.config = config
-        self.proposer = proposer
         self.costs = costs or StepCosts({1: 0.0})
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self.draft_seconds = 0.0  # time spent proposing (a draft model's forwards)
-
-    @classmethod
-    def build(cls, config: SpeculativeConfig, draft: "Proposer | None" = None,
-              costs: StepCosts | None = None) -> "Speculator":
-        if config.method == "ngram":
-            draft = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-        return cls(config, draft, costs)
 
     def enabled_for(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -80,25 +81,11 @@ class Speculator:
             return k_max
         return best_num_drafts(_acceptance(request), k_max, self.costs.draft_token_cost(batch_size))
 
-    def propose(self, requests: list[Request], rooms: list[int],
-                batch_size: int = 1) -> list[list[int]]:
-        """Drafts for each of `requests` (decoding, not finished) in a step of
-        `batch_size` requests; `rooms[i]`: the most drafts request i can use (its
-        max_tokens and the context leave room for)."""
-        ks = [self.num_drafts(r, room, batch_size)
-              for r, room in zip(requests, rooms, strict=True)]
-        asked = [(r, k) for r, k in zip(requests, ks, strict=True) if k > 0]
-        drafts: dict[str, list[int]] = {}
-        if asked:
-            start = time.perf_counter()
-            proposed = self.proposer.propose([r for r, _ in asked], [k for _, k in asked])
-            self.draft_seconds += time.perf_counter() - start
-            drafts = {r.request_id: d for (r, _), d in zip(asked, proposed, strict=True)}
-        for r in requests:
-            if not drafts.get(r.request_id):  # no round: drift back towards trying again
-                a = _acceptance(r)
-                r.draft_acceptance = a + PRIOR_DRIFT * (PRIOR_ACCEPTANCE - a)
-        return [drafts.get(r.request_id, []) for r in requests]
+    def drafted_nothing(self, request: Request) -> None:
+        """A round in which `request` drafted nothing (k was 0, or the proposer had no
+        guess): its estimate drifts back towards the prior, so that it tries again later."""
+        a = _acceptance(request)
+        request.draft_acceptance = a + PRIOR_DRIFT * (PRIOR_ACCEPTANCE - a)
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """One verification round's outcome (the estimate lives on the request)."""
@@ -116,10 +103,6 @@ class Speculator:
             num_accepted / (num_accepted + 1)
         a = _acceptance(request)
         request.draft_acceptance = (1 - EMA_WEIGHT) * a + EMA_WEIGHT * observed
-
-    def remove(self, request_id: str) -> None:
-        """Forget a finished request (a draft model's cache of it)."""
-        self.proposer.remove(request_id)
 
 
 def _acceptance(request: Request) -> float:

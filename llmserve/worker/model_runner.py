@@ -16,6 +16,7 @@ of other ranks (an executor drives one runner per rank, `executor/`).
         prompt logprobs of prefill chunks
         pooling requests' chunks pooled; their outputs once their prompt is done
         logits at the sample positions (at each draft too) -> grammar masks -> sample
+        drafts proposed for the next step    (proposer, where the step asks: drafts.py)
         KV saves sent                        (kv_connector.save_kv, disaggregated prefill)
         images the scheduler evicts dropped
 """
@@ -33,6 +34,7 @@ from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.layers.pooler import Pooler
 from llmserve.worker import mrope
+from llmserve.worker.drafts import DraftProposer, DraftSeed
 from llmserve.worker.encoder_cache import IDLE_BUDGET_S, STEP_BUDGET_S, EncoderCache
 from llmserve.worker.input_batch import InputBatch, RequestRow
 from llmserve.worker.logprobs import PositionLogprobs, gather_logprobs
@@ -49,14 +51,16 @@ class ModelRunner:
     meets the sampling rank's). `kv_connector`: an `engine.kv_connector.KVConnector`
     for disaggregated prefill/decode, else None. `pooler`: the pooling runner's
     (`layers/pooler.py`), for pooling requests. `kv_tier`: a `kv_tier.BlockStore`, the
-    prefix cache's second tier, else None."""
+    prefix cache's second tier, else None. `proposer`: speculative decoding's drafts,
+    proposed after sampling where the step asks (`drafts.py`), else None."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCache, device: torch.device | str,
                  max_num_seqs: int = 256, attention: AttentionBackend | None = None,
                  samples: bool = True, kv_connector: Any = None,
                  pooler: Pooler | None = None, lora: Any = None,
-                 kv_tier: Any = None) -> None:
+                 kv_tier: Any = None, proposer: DraftProposer | None = None) -> None:
         self.model = model
+        self.proposer = proposer
         self.kv_tier = kv_tier
         self.lora = lora  # a lora.manager.LoRAManager, when adapters are enabled
         self.pooler = pooler
@@ -91,6 +95,9 @@ class ModelRunner:
     def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         batch = self.input_batch
         batch.update(out)
+        if self.proposer is not None:
+            for request_id in out.finished_request_ids:
+                self.proposer.remove(request_id)
         for load in out.kv_loads:  # prompts a prefill engine computed
             self.kv_connector.load_kv(self.kv_cache, load)
         result = ModelRunnerOutput.empty([s.request_id for s in out.scheduled])
@@ -138,6 +145,8 @@ class ModelRunner:
                          drafts, hidden, result)
         else:
             self._sample(out, to_sample, step, hidden, result)
+        if self.proposer is not None and self.samples:
+            self._propose(out, to_sample, step.last_token, hidden, result)
         self._save_kv(out, result)
         return result
 
@@ -287,6 +296,36 @@ class ModelRunner:
                             device=self.device)
         self._sample_logprobs(to_sample, rows, logits, emitted_rows, flat, result,
                               emitted_owner)
+
+    def _propose(self, out: SchedulerOutput, to_sample: np.ndarray, last_token: np.ndarray,
+                 hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+        """The next step's drafts for the sampled rows that ask for them: each follows
+        its request's verified tokens, this step's (accepted drafts, then the sampled
+        token) included; a proposer reading hidden states gets the verified positions'
+        rows."""
+        asked = [i for i in to_sample.tolist()
+                 if out.scheduled[i].num_drafts > 0 and result.sampled_token_ids[i]]
+        if not asked:
+            return
+        batch = self.input_batch
+        seeds = []
+        for i in asked:
+            s = out.scheduled[i]
+            emitted = result.sampled_token_ids[i]
+            row = batch.rows[batch.requests[s.request_id].row]
+            # the row's outputs hold the accepted drafts already; the sampled token comes
+            # with the next step's tokens
+            seed = DraftSeed(s.request_id, [*row.prompt_token_ids, *row.output_token_ids,
+                                            emitted[-1]], s.num_drafts)
+            if self.proposer.needs_hidden:
+                first = int(last_token[i]) + 1 - s.num_tokens  # the chunk's first row
+                seed.hidden = hidden[first : first + len(s.token_ids) + len(emitted) - 1]
+            seeds.append(seed)
+        start = time.perf_counter()
+        drafts = self.proposer.propose(seeds)
+        result.draft_seconds = time.perf_counter() - start
+        for i, d in zip(asked, drafts, strict=True):
+            result.draft_token_ids[i] = list(d[: out.scheduled[i].num_drafts])
 
     def _sample_logprobs(
         self, to_sample: np.ndarray, rows: np.ndarray, logits: torch.Tensor,

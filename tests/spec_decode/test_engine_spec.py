@@ -295,6 +295,52 @@ def test_default_path_greedy_chat_is_the_non_speculative_one(smollm2_gguf, defau
     accepted.assert_multi_token()
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_drafts_are_made_by_the_runner_after_its_forward_never_in_schedule(
+        speculating, mixed_batch, method, monkeypatch):
+    """`Scheduler.schedule()` runs no model code: every module's forward (the target's,
+    the draft model's) and every proposal run inside the runner's step, each proposal
+    after that step's target forward."""
+    llm = speculating(method)
+    engine = llm.engine
+    where = {"schedule": False, "step_forward": False}
+    events: list[tuple[str, bool]] = []  # (what ran, inside schedule())
+    schedule = engine.scheduler.schedule
+
+    def traced_schedule():
+        where["schedule"], where["step_forward"] = True, False
+        try:
+            return schedule()
+        finally:
+            where["schedule"] = False
+
+    proposer = engine.executor.runner.proposer
+    propose = proposer.propose
+
+    def traced_propose(seeds):
+        events.append(("propose after the target's forward" if where["step_forward"]
+                       else "propose before any forward", where["schedule"]))
+        return propose(seeds)
+
+    target = engine.loaded.model
+
+    def note_forward(module, args):
+        if module is target:
+            where["step_forward"] = True
+        events.append(("forward", where["schedule"]))
+
+    monkeypatch.setattr(engine.scheduler, "schedule", traced_schedule)
+    monkeypatch.setattr(proposer, "propose", traced_propose)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(note_forward)
+    try:
+        check_speculating(llm, drafted_share(mixed_batch))
+    finally:
+        handle.remove()
+    kinds = {kind for kind, _ in events}
+    assert kinds == {"forward", "propose after the target's forward"}, kinds
+    assert not any(in_schedule for _, in_schedule in events)
+
+
 # ---- 2. chunked prefill, preemption, prefix caching ----------------------------------------
 
 # the draft model's runs of these are slow-tier: its greedy equality is checked above, and

@@ -6,24 +6,12 @@ import pytest
 from llmserve.config.engine import EngineConfig, SpeculativeConfig
 from llmserve.core.request import Request
 from llmserve.sampling_params import SamplingParams
-from llmserve.spec_decode.cost import StepCosts
-from llmserve.spec_decode.proposer import Proposer
-from llmserve.spec_decode.speculator import PRIOR_ACCEPTANCE, Speculator, best_num_drafts
-
-
-class CountingProposer(Proposer):
-    """Drafts `k` copies of token 7; remembers what it was asked."""
-
-    def __init__(self) -> None:
-        self.asked: list[int] = []
-        self.removed: list[str] = []
-
-    def propose(self, requests, num_drafts):
-        self.asked += list(num_drafts)
-        return [[7] * k for k in num_drafts]
-
-    def remove(self, request_id):
-        self.removed.append(request_id)
+from llmserve.spec_decode.speculator import (
+    PRIOR_ACCEPTANCE,
+    Speculator,
+    StepCosts,
+    best_num_drafts,
+)
 
 
 def request(rid: str = "r") -> Request:
@@ -48,8 +36,7 @@ def test_step_costs_use_the_nearest_calibrated_batch_below():
 
 def test_k_adapts_to_each_requests_acceptance():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=6)
-    proposer = CountingProposer()
-    spec = Speculator(config, proposer, StepCosts({1: 0.1}))
+    spec = Speculator(config, StepCosts({1: 0.1}))
     good, bad = request("good"), request("bad")
     start = spec.num_drafts(good, 100)
     assert start == best_num_drafts(PRIOR_ACCEPTANCE, 6, 0.1)
@@ -61,21 +48,20 @@ def test_k_adapts_to_each_requests_acceptance():
     assert spec.num_drafts(good, 2) == 2  # never past the request's room
     # a request that stopped drafting drifts back towards the prior until it tries again
     rounds = 0
-    while not spec.propose([bad], [100])[0]:
+    while spec.num_drafts(bad, 100) == 0:
+        spec.drafted_nothing(bad)
         rounds += 1
-    assert 1 <= rounds < 100 and spec.num_drafts(bad, 100) >= 1
+    assert 1 <= rounds < 100
     stats = spec.stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (
         40, 160, 80)
     assert stats.acceptance_rate == 0.5 and stats.mean_accepted_length == 3.0
     assert stats.accepted_per_position[:5] == [20, 20, 20, 20, 0]
-    spec.remove("good")
-    assert proposer.removed == ["good"]
 
 
 def test_costlier_batches_draft_less():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
-    spec = Speculator(config, CountingProposer(), StepCosts({1: 0.05, 8: 2.0}))
+    spec = Speculator(config, StepCosts({1: 0.05, 8: 2.0}))
     r = request()
     assert spec.num_drafts(r, 100, batch_size=1) == 4
     assert spec.num_drafts(r, 100, batch_size=8) == 0
@@ -84,20 +70,20 @@ def test_costlier_batches_draft_less():
 def test_fixed_k_and_the_batch_size_limit():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False,
                                disable_by_batch_size=4)
-    proposer = CountingProposer()
-    spec = Speculator(config, proposer)
-    assert spec.propose([request("a"), request("b")], [100, 1]) == [[7, 7, 7], [7]]
+    spec = Speculator(config)
+    assert [spec.num_drafts(request("a"), 100), spec.num_drafts(request("b"), 1)] == [3, 1]
     assert spec.enabled_for(3) and not spec.enabled_for(4)
-    assert Speculator(SpeculativeConfig(method="ngram", disable_by_batch_size=None),
-                      proposer).enabled_for(10_000)
+    assert Speculator(SpeculativeConfig(method="ngram", disable_by_batch_size=None)
+                      ).enabled_for(10_000)
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"method": "eagle"}, "method must be one of"),
+    ({"method": "lookahead"}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "draft_model"}, "needs 'model'"),
-    ({"method": "ngram", "model": "x.gguf"}, "'model' is for method draft_model"),
+    ({"method": "ngram", "model": "x.gguf"}, "'model' is for methods draft_model and medusa"),
+    ({"method": "medusa"}, "method medusa needs 'model'"),
     ({"method": "ngram", "k": 3}, "unknown key 'k'"),
     ({"num_speculative_tokens": 3}, "needs 'method'"),
     ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),

@@ -47,13 +47,21 @@ def quality_text() -> str:
 
 def full_logits(llm: LLM, token_ids: Sequence[int]) -> torch.Tensor:
     """Logits (n, V), float32 on the CPU, at every position of one sequence, run as a single
-    prefill through the engine's own model runner (its KV cache, dtype and quantization).
+    prefill through the engine's own model runner (its KV cache, dtype and quantization)."""
+    hidden = full_hidden_states(llm, token_ids)
+    with torch.inference_mode():
+        return llm.engine.executor.runner.model.compute_logits(hidden).float().cpu()
 
-    The one place that knows how to get whole-sequence logits out of an engine. The runner
+
+def full_hidden_states(llm: LLM, token_ids: Sequence[int]) -> torch.Tensor:
+    """The model's final hidden states (n, hidden) at every position of one sequence, as
+    its forward returns them (what `compute_logits` takes), run as a single prefill
+    through the engine's own model runner (its KV cache, dtype and quantization).
+
+    The one place that knows how to get whole-sequence states out of an engine. The runner
     computes logits only where it samples, so a forward hook catches the hidden states
-    (T, hidden) the model returns and `compute_logits` turns them into logits. The sequence
-    borrows free KV blocks from the engine's pool (evicting cached prefixes, as a request
-    would) and gives them back.
+    the model returns. The sequence borrows free KV blocks from the engine's pool
+    (evicting cached prefixes, as a request would) and gives them back.
     """
     engine = llm.engine
     runner = engine.executor.runner
@@ -83,8 +91,7 @@ def full_logits(llm: LLM, token_ids: Sequence[int]) -> torch.Tensor:
         hook.remove()
         runner.execute_model(SchedulerOutput(finished_request_ids={request_id}))  # drop its row
         pool.free_blocks(blocks)
-    with torch.inference_mode():
-        return runner.model.compute_logits(captured[0]).float().cpu()
+    return captured[0]
 
 
 def added_bos(tokenizer) -> int | None:

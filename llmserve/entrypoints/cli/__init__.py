@@ -1,5 +1,5 @@
 """The `llmserve` command line: pull, models, generate, run-batch, chat, memory, serve, router,
-bench.
+bench, train-heads.
 
 One module per command, each declaring a `Command` (its flags and its handler); `COMMANDS`
 is the registry, in the order `--help` lists them. Handlers import what they need (torch,
@@ -23,6 +23,7 @@ from llmserve.entrypoints.cli import (
     router,
     run_batch,
     serve,
+    train_heads,
 )
 from llmserve.entrypoints.cli.command import add_commands
 from llmserve.errors import LLMServeError
@@ -30,7 +31,7 @@ from llmserve.errors import LLMServeError
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 COMMANDS = (pull.PULL, pull.MODELS, generate.COMMAND, run_batch.COMMAND, chat.COMMAND,
-            memory.COMMAND, serve.COMMAND, router.COMMAND, bench.COMMAND)
+            memory.COMMAND, serve.COMMAND, router.COMMAND, bench.COMMAND, train_heads.COMMAND)
 
 
 def main(argv: list[str] | None = None) -> int:

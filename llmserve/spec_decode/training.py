@@ -1,0 +1,156 @@
+"""Training Medusa heads by self-distillation on the CPU (`llmserve train-heads`).
+
+The data is the target's own: its answers (greedy, so each next token is the target's
+argmax), its final hidden state at every position of them, and the tokens that follow.
+Head i at position p learns the token i + 2 places on, x[p + i + 2], from the hidden state
+f[p], where x[p + 1] is the target's own output: what it will see when drafting (the token
+just sampled is x[p + 1], head i's draft is the one i + 1 places after it). Medusa-1's
+recipe: the target frozen, each head's residual block starting at zero (the head begins as
+the target's own next-token guess), the heads sharing the target's LM head (so a head is
+one H x H block, a few MB), a cross entropy per head weighted 0.8^i, AdamW.
+
+The acceptance figure is measured on held-out answers the heads never trained on: a round
+of k drafts keeps the leading drafts the target's greedy choice agrees with, so the mean
+tokens per round is 1 + the mean number of leading heads that are right.
+"""
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+from llmserve.spec_decode.medusa import MedusaConfig, MedusaHeads
+
+HEAD_WEIGHT_DECAY = 0.8  # head i's loss weighs 0.8^i (Medusa-1)
+IGNORE = -100
+
+
+@dataclass
+class Answer:
+    """One training sequence: `tokens` (prompt, then the target's answer) and the target's
+    final hidden states at each position (T, H); positions before `first` hold the prompt."""
+
+    tokens: list[int]
+    hidden: torch.Tensor
+    first: int  # the answer's first token
+
+
+@dataclass
+class TrainingResult:
+    heads: MedusaHeads
+    steps: int
+    seconds: float
+    train_positions: int
+    held_out_positions: int
+    losses: list[float] = field(default_factory=list)  # per step
+    # mean tokens per round with all heads drafting, on the held-out answers (1 = none kept)
+    held_out_tokens_per_round: float = 1.0
+    held_out_accuracy: list[float] = field(default_factory=list)  # per head
+
+
+def positions(answers: list[Answer], num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every position whose next token is the target's own: its hidden state (N, H) and
+    the tokens each head should propose there (N, num_heads; IGNORE past the end)."""
+    rows, labels = [], []
+    for a in answers:
+        n = len(a.tokens)
+        start = max(a.first - 1, 0)
+        if n - start < 3:
+            continue
+        ps = torch.arange(start, n - 2)  # head 0 needs x[p + 2]
+        rows.append(a.hidden[ps])
+        tokens = torch.tensor(a.tokens + [IGNORE] * num_heads)
+        labels.append(torch.stack([tokens[ps + i + 2] for i in range(num_heads)], dim=1))
+    if not rows:
+        hidden = answers[0].hidden.shape[1] if answers else 0
+        return torch.zeros(0, hidden), torch.zeros(0, num_heads, dtype=torch.long)
+    return torch.cat(rows).float(), torch.cat(labels)
+
+
+def new_heads(num_heads: int, hidden_size: int, vocab_size: int,
+              lm_head: torch.Tensor) -> MedusaHeads:
+    """Heads on the frozen LM head `lm_head` (V, H), each block zero: the identity."""
+    config = MedusaConfig(num_heads, 1, True, True, None, hidden_size, vocab_size)
+    weight = lm_head.detach().float()
+    heads = MedusaHeads(config, hidden_size, vocab_size, lambda x: F.linear(x, weight), False)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.zero_()
+    return heads
+
+
+def train_medusa(train: list[Answer], held_out: list[Answer], lm_head: torch.Tensor,
+                 num_heads: int = 4, steps: int = 600, batch_size: int = 64,
+                 lr: float = 1e-3, seed: int = 0,
+                 progress: Callable[[int, float], None] | None = None,
+                 checkpoint: Callable[[MedusaHeads, int], None] | None = None,
+                 checkpoint_every: int = 200) -> TrainingResult:
+    """Train `num_heads` Medusa heads on `train`; `progress(step, loss)` after each step,
+    `checkpoint(heads, step)` every `checkpoint_every` steps."""
+    torch.manual_seed(seed)
+    hidden_size, vocab_size = lm_head.shape[1], lm_head.shape[0]
+    heads = new_heads(num_heads, hidden_size, vocab_size, lm_head)
+    rows, labels = positions(train, num_heads)
+    if not len(rows):
+        raise ValueError("no answer is long enough to train on (each needs 3 tokens)")
+    weights = [HEAD_WEIGHT_DECAY ** i for i in range(num_heads)]
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    # cosine decay to a tenth, after a short warm-up
+    warmup = max(1, steps // 20)
+
+    def rate(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    result = TrainingResult(heads, steps, 0.0, len(rows), 0)
+    start = time.perf_counter()
+    generator = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        batch = torch.randint(len(rows), (batch_size,), generator=generator)
+        x, y = rows[batch], labels[batch]
+        loss = torch.zeros(())
+        for i in range(num_heads):
+            keep = y[:, i] != IGNORE
+            if keep.any():
+                logits = heads.logits(i, x[keep])
+                loss = loss + weights[i] * F.cross_entropy(logits, y[keep, i])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        result.losses.append(loss.item())
+        if progress is not None:
+            progress(step, result.losses[-1])
+        if checkpoint is not None and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            checkpoint(heads, step + 1)
+    result.seconds = time.perf_counter() - start
+    rows, labels = positions(held_out, num_heads)
+    if len(rows):
+        result.held_out_positions = len(rows)
+        result.held_out_tokens_per_round, result.held_out_accuracy = evaluate(
+            heads, rows, labels)
+    return result
+
+
+@torch.no_grad()
+def evaluate(heads: MedusaHeads, rows: torch.Tensor, labels: torch.Tensor,
+             chunk: int = 256) -> tuple[float, list[float]]:
+    """(Mean tokens per round with every head drafting, each head's accuracy) at these
+    positions: a round keeps the leading heads that are right, then the target's token."""
+    num_heads = labels.shape[1]
+    right = torch.zeros(len(rows), num_heads, dtype=torch.bool)
+    for lo in range(0, len(rows), chunk):
+        x = rows[lo:lo + chunk]
+        for i in range(num_heads):
+            right[lo:lo + chunk, i] = heads.logits(i, x).argmax(-1) == labels[lo:lo + chunk, i]
+    valid = labels != IGNORE
+    leading = torch.cumprod((right & valid).int(), dim=1).sum(dim=1)  # leading heads right
+    accuracy = [float(right[valid[:, i], i].float().mean()) if valid[:, i].any() else 0.0
+                for i in range(num_heads)]
+    return 1.0 + float(leading.float().mean()), accuracy

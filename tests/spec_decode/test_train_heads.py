@@ -1,0 +1,94 @@
+"""Training Medusa heads by self-distillation: the recipe learns a synthetic language it can
+learn (its held-out acceptance figure measured right), and `llmserve train-heads` writes
+heads, with how they were made, that the engine loads and drafts with losslessly."""
+
+import json
+
+import pytest
+import torch
+
+from llmserve import SamplingParams
+from llmserve.entrypoints.cli import main
+from llmserve.spec_decode.training import Answer, evaluate, positions, train_medusa
+from tests.engines import llm_on
+
+VOCAB, HIDDEN = 24, 32
+
+
+def synthetic_answers(count: int, length: int, seed: int) -> list[Answer]:
+    """A language where each token is the previous one plus 1 (mod V), and the "target's
+    hidden state" at p is a fixed vector of the token it predicts, x[p + 1]."""
+    g = torch.Generator().manual_seed(seed)
+    table = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))
+    answers = []
+    for _ in range(count):
+        start = int(torch.randint(VOCAB, (1,), generator=g))
+        tokens = [(start + i) % VOCAB for i in range(length)]
+        hidden = table[torch.tensor(tokens[1:] + [(tokens[-1] + 1) % VOCAB])]
+        answers.append(Answer(tokens, hidden, 2))
+    return answers
+
+
+def test_positions_pair_each_hidden_state_with_the_tokens_after_the_next():
+    answers = synthetic_answers(1, 8, 1)
+    rows, labels = positions(answers, 3)
+    tokens = answers[0].tokens
+    assert len(rows) == 8 - 1 - 2  # from the prompt's last position to the third last
+    assert torch.equal(rows[0], answers[0].hidden[1])
+    assert labels[0].tolist() == tokens[3:6]
+    assert labels[-1].tolist() == [tokens[7], -100, -100]
+
+
+def test_the_recipe_learns_what_can_be_learnt():
+    table = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))
+    train, held_out = synthetic_answers(40, 20, 1), synthetic_answers(8, 20, 2)
+    before = train_medusa(train, held_out, table, num_heads=3, steps=0)
+    assert before.held_out_tokens_per_round == pytest.approx(1.0, abs=0.2)
+    result = train_medusa(train, held_out, table, num_heads=3, steps=300, batch_size=32,
+                          lr=1e-2)
+    assert result.held_out_tokens_per_round > 3.5  # of the most, 4
+    assert min(result.held_out_accuracy) > 0.9
+    assert result.losses[-1] < result.losses[0] / 5
+    rows, labels = positions(held_out, 3)
+    assert evaluate(result.heads, rows, labels)[0] == result.held_out_tokens_per_round
+
+
+def test_train_heads_command_writes_heads_the_engine_drafts_with(tmp_path, smollm2_gguf,
+                                                                  float32_model, capsys):
+    data = tmp_path / "texts.txt"
+    data.write_text("The river runs past the mill and down to the sea.\n\n"
+                    "One, two, three, four, five, six, seven, eight, nine, ten.\n\n"
+                    "Monday, Tuesday, Wednesday, Thursday, Friday.\n\n"
+                    "A B C D E F G H I J K L M N O P.\n")
+    out = tmp_path / "heads"
+    code = main(["train-heads", "--model", str(smollm2_gguf), "--output", str(out),
+                 "--data", str(data), "--max-tokens", "16", "--steps", "12",
+                 "--batch-size", "16", "--checkpoint-every", "5", "--held-out", "0.25",
+                 "--kv-cache-memory", "64MiB", "--num-heads", "3"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "wrote 3 Medusa heads" in printed and "tokens per round" in printed
+    config = json.loads((out / "config.json").read_text())
+    info = config["llmserve"]
+    assert config["num_heads"] == 3 and config["original_lm_head"] is True
+    assert info["answers"] == 4 and info["held_out_positions"] > 0
+    assert info["steps"] == 12 and "checkpoint_step" not in info
+    assert 1.0 <= info["held_out_tokens_per_round"] <= 4.0
+    assert (out / "model.safetensors").stat().st_size < 4 * 2**20  # blocks only
+    # the engine drafts with them, and the output is the target's own
+    prompts = ["Count to ten: one, two, three,", "The days of the week are"]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    want = llm_on(float32_model, kv_cache_memory="64MiB").generate(prompts, greedy,
+                                                                   use_tqdm=False)
+    llm = llm_on(float32_model, kv_cache_memory="64MiB", speculative_config={
+        "method": "medusa", "model": str(out), "num_speculative_tokens": 3,
+        "adaptive": False, "disable_by_batch_size": None})
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_train_heads_refuses_bad_flags(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train-heads", "--output", str(tmp_path), "--steps", "0"])
+    assert "--steps must be at least 1" in capsys.readouterr().err

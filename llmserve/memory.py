@@ -238,11 +238,13 @@ class KVCachePlan:
 
 def plan_kv_cache(
     cfg: ModelConfig, dtype: torch.dtype, budget_bytes: int, block_size: int,
-    num_kv_heads: int | None = None,
+    num_kv_heads: int | None = None, extra_layers: int = 0,
 ) -> KVCachePlan:
     """How many blocks of `block_size` tokens fit in `budget_bytes`; deterministic.
-    `num_kv_heads`: the heads one tensor-parallel rank holds (default: all)."""
+    `num_kv_heads`: the heads one tensor-parallel rank holds (default: all);
+    `extra_layers`: layers of the same shape after the model's (an EAGLE head's)."""
     per_token = kv_bytes_per_token(cfg, dtype, num_kv_heads)
+    per_token += per_token // cfg.num_hidden_layers * extra_layers
     num_blocks = budget_bytes // (per_token * block_size)
     if num_blocks < 1:
         raise ValueError(

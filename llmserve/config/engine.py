@@ -34,12 +34,13 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft", "medusa", "eagle")
 # running requests from which speculation stops paying, per method (benchmarks/notes.md;
-# Medusa's heads cost little beside the verification, which is prompt lookup's)
-SPEC_CROSSOVER = {"ngram": 2, "draft_model": 8, "self_draft": 8, "medusa": 2}
+# Medusa's heads cost little beside the verification, which is prompt lookup's; an EAGLE
+# head runs a forward per draft, as a draft model does)
+SPEC_CROSSOVER = {"ngram": 2, "draft_model": 8, "self_draft": 8, "medusa": 2, "eagle": 8}
 # methods whose `model` is a draft model (a whole checkpoint) or heads on the target
-SPEC_MODEL_METHODS = ("draft_model", "medusa")
+SPEC_MODEL_METHODS = ("draft_model", "medusa", "eagle")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,9 @@ class SpeculativeConfig:
       `dtype="float32"` output stays token-identical to the reference at close to
       quantized speed;
     * `medusa`: Medusa heads trained for the target (`model`: their folder, Medusa's or
-      vLLM's layout) draft from its last hidden state (`spec_decode/medusa.py`).
+      vLLM's layout) draft from its last hidden state (`spec_decode/medusa.py`);
+    * `eagle`: an EAGLE-1 head trained for the target (`model`: its folder) drafts from
+      the target's hidden states with one decoder layer (`spec_decode/eagle.py`).
 
     `num_speculative_tokens` is the most drafts per step; with `adaptive`, each request's
     k follows its measured acceptance rate and what a draft token costs here. Speculation
@@ -89,12 +92,12 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method draft_model needs 'model' (a model "
                              "with the target's tokenizer)")
-        if self.method == "medusa" and not self.model:
-            raise ValueError("speculative_config: method medusa needs 'model' (the folder "
-                             "of Medusa heads trained for the target)")
+        if self.method in ("medusa", "eagle") and not self.model:
+            raise ValueError(f"speculative_config: method {self.method} needs 'model' (the "
+                             f"folder of {self.method} heads trained for the target)")
         if self.method not in SPEC_MODEL_METHODS and self.model is not None:
             raise ValueError(f"speculative_config: 'model' is for methods "
-                             f"{' and '.join(SPEC_MODEL_METHODS)}, not {self.method}")
+                             f"{', '.join(SPEC_MODEL_METHODS)}, not {self.method}")
         if self.draft_quantization not in QUANTIZATION_CHOICES:
             raise ValueError(f"speculative_config: draft_quantization must be one of "
                              f"{', '.join(QUANTIZATION_CHOICES)}, not "

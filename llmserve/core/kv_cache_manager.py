@@ -45,8 +45,13 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int],
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 tier: Container[bytes] | None = None) -> None:
+                 tier: Container[bytes] | None = None, drop_last_hit_block: bool = False
+                 ) -> None:
         self.block_size = block_size
+        # an EAGLE head's K/V at a block's last position was computed with the token after
+        # the block, which another request sharing the block may not have: its last hit
+        # block is computed again (spec_decode/eagle.py)
+        self.drop_last_hit_block = drop_last_hit_block
         self.tier = tier
         self.num_tier_queries = 0  # full prompt blocks missed in memory, looked up in the tier
         self.num_tier_hits = 0  # of which found there
@@ -94,6 +99,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.drop_last_hit_block and hits:
+            hits.pop()
         return hits, len(hits) * self.block_size
 
     def get_tier_hashes(self, request: Request, num_memory_blocks: int) -> list[bytes]:
@@ -157,12 +164,15 @@ class KVCacheManager:
         return [(b.block_id, b.block_hash) for b in filled if b.block_hash is not None]
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = (),
+        num_lookahead: int = 0,
     ) -> bool:
-        """Make room for `num_new_tokens` after the computed ones; False if blocks run out."""
+        """Make room for `num_new_tokens` after the computed ones, and `num_lookahead`
+        slots after those (an EAGLE head's draft chain writes its K/V there before the
+        drafts are verified); False if blocks run out."""
         blocks = request.blocks
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_needed = -(-(num_computed + num_new_tokens + num_lookahead) // self.block_size)
         num_fresh = num_needed - len(blocks) - len(computed_blocks)
         num_revived = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_fresh > self.pool.num_free_blocks - num_revived:

@@ -78,6 +78,9 @@ class SchedulerConfig:
     # a chunk never ends inside an image: the model's image tokens attend to each other
     # both ways (Gemma 3), so an image's keys must all be there when its queries run
     whole_images: bool = False
+    # free slots kept after each sampling chunk: an EAGLE head writes its draft chain's
+    # K/V there before the drafts are verified (spec_decode/eagle.py)
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -184,8 +187,13 @@ class Scheduler:
             return 0  # nothing to compute until its last step's token comes back
         spec = request.spec_token_ids[: max(0, budget - num_new)] if num_new == num_left else []
         request.spec_token_ids = []
+        end = request.num_computed_tokens + num_new + len(spec)
+        lookahead = self._lookahead(end) if num_new == num_left else 0
         num_returned = 0
-        while not self.kv.allocate_slots(request, num_new + len(spec)):
+        while not self.kv.allocate_slots(request, num_new + len(spec), num_lookahead=lookahead):
+            if lookahead:  # the tokens' slots first; the draft chain's only if they fit
+                lookahead = 0
+                continue
             victim = max(self.running, key=self._priority_key)
             num_returned += self._unschedule(victim, out)
             self._preempt(victim)
@@ -217,12 +225,20 @@ class Scheduler:
                         break
                     continue
             num_new = self._chunk(request, num_hit, min(request.num_tokens - num_hit, budget))
-            if not self.kv.allocate_slots(request, num_new, hits):
+            end = num_hit + num_new
+            lookahead = self._lookahead(end) if end == request.num_tokens else 0
+            if not self.kv.allocate_slots(request, num_new, hits, lookahead) and not (
+                    lookahead and self.kv.allocate_slots(request, num_new, hits)):
                 break  # wait for running requests to free blocks
             self._admit(request, num_hit)
             if num_new:  # (else it runs once its image is encoded)
                 self._emit(request, num_new, out)
                 budget -= num_new
+
+    def _lookahead(self, end: int) -> int:
+        """Slots after a sampling chunk that ends at position `end`, for a draft chain's
+        K/V (`SchedulerConfig.num_lookahead_tokens`), within the context."""
+        return max(0, min(self.config.num_lookahead_tokens, self.config.max_model_len - end))
 
     def _chunk(self, request: Request, start: int, num_new: int) -> int:
         """`num_new` tokens from `start`, stopping short of the first image whose rows

@@ -41,6 +41,7 @@ from llmserve.engine.loading import (
     model_bytes,
     resolve_device,
     resolve_dtype,
+    speculative_kv_layers,
     start_ranks,
 )
 from llmserve.engine.output_processor import OutputProcessor
@@ -102,8 +103,9 @@ class Engine:
         # most), and as many blocks as rank 0
         shard = getattr(self.loaded.model, "plan", None)
         num_kv_heads = len(shard.attention.kv_heads) if shard else model_cfg.num_key_value_heads
+        spec_layers = speculative_kv_layers(config)  # an EAGLE head's, after the target's
         plan = plan_kv_cache(model_cfg, self.kv_cache_dtype, kv_budget(config, self.device),
-                             config.block_size, num_kv_heads)
+                             config.block_size, num_kv_heads, spec_layers)
         logger.info(
             "KV cache: %d blocks = %d tokens (%.2f GiB, %s); weights: %s, %.0f MiB; "
             "%d threads", plan.num_blocks, plan.num_tokens, plan.total_bytes / 2**30,
@@ -113,7 +115,7 @@ class Engine:
         )
         self.kv_plan = plan
         kv_cache = KVCache.allocate(
-            model_cfg.num_hidden_layers, plan.num_blocks, plan.block_size,
+            model_cfg.num_hidden_layers + spec_layers, plan.num_blocks, plan.block_size,
             num_kv_heads, model_cfg.head_dim, self.kv_cache_dtype, self.device,
             zeroed=not self.attention.reads_only_written_slots,
         )
@@ -129,8 +131,8 @@ class Engine:
         self.pooler = build_pooler(config, self.loaded)
         self.lora = LoRAManager(self.loaded.model, config.max_loras, config.max_lora_rank,
                                 config.max_cpu_loras or 16) if config.enable_lora else None
-        proposer = build_proposer(config, self.loaded, self.device, self.dtype,
-                                  plan.num_tokens)
+        proposer = build_proposer(config, self.loaded, self.device, self.dtype, kv_cache,
+                                  self.attention)
         runner = ModelRunner(self.loaded.model, kv_cache, self.device,
                              max_num_seqs=config.max_num_seqs, attention=self.attention,
                              kv_connector=self.kv_connector, pooler=self.pooler,
@@ -143,7 +145,8 @@ class Engine:
         if self.speculator is not None:
             stages.insert(0, ProposerStage(self.speculator, self.max_model_len))
         self.kv_manager = KVCacheManager(plan.num_blocks, plan.block_size,
-                                         config.enable_prefix_caching, self.kv_tier)
+                                         config.enable_prefix_caching, self.kv_tier,
+                                         drop_last_hit_block=spec_layers > 0)
         resume_cost = ResumeCost(
             config.preemption_mode if self.kv_tier is not None else "recompute",
             plan.block_size, self.kv_tier.layout.block_bytes if self.kv_tier else 0)
@@ -156,6 +159,8 @@ class Engine:
                 max_loras=config.max_loras if config.enable_lora else 0,
                 whole_images=model_cfg.vision is not None
                 and model_cfg.vision.images_attend_both_ways,
+                num_lookahead_tokens=config.speculative_config.num_speculative_tokens
+                if spec_layers else 0,
             ),
             self.kv_manager, stages, resume_cost,
         )

@@ -24,7 +24,8 @@ from llmserve.kv_tier import (
     fingerprint_files,
     model_files,
 )
-from llmserve.layers.kv_cache import resolve_kv_cache_dtype
+from llmserve.layers.attention.backend import AttentionBackend
+from llmserve.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from llmserve.layers.pooler import Pooler
 from llmserve.loader.attention_choice import choose_attention
 from llmserve.loader.model_loader import LoadedModel, decide_auto
@@ -32,6 +33,7 @@ from llmserve.memory import parse_size
 from llmserve.multimodal.processors import ImageProcessor
 from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
+from llmserve.spec_decode.eagle import EagleProposer, num_eagle_layers
 from llmserve.spec_decode.medusa import HeadsFormatError, MedusaProposer
 from llmserve.spec_decode.proposer import NgramProposer, Proposer
 from llmserve.spec_decode.speculator import Speculator
@@ -125,23 +127,47 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.
     return executor, quantization
 
 
+def speculative_kv_layers(config: EngineConfig) -> int:
+    """The KV layers speculation adds to the target's cache: an EAGLE head's (its K/V
+    follows the target's blocks); refused where that cache is not one engine's alone."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "eagle":
+        return 0
+    for name, value in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                        ("kv_role", config.kv_role is not None),
+                        ("kv_offload", config.kv_offload_dir is not None
+                         or config.kv_offload_gib is not None)):
+        if value:
+            raise ValueError(f"speculative_config: method eagle keeps its head's K/V in the "
+                             f"engine's own KV cache and does not run with {name}")
+    try:
+        return num_eagle_layers(spec.model)
+    except HeadsFormatError as e:
+        raise ValueError(f"speculative_config: {e}") from None
+
+
 def build_proposer(config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                   dtype: torch.dtype, kv_num_tokens: int) -> Proposer | None:
+                   dtype: torch.dtype, kv_cache: KVCache,
+                   attention: AttentionBackend) -> Proposer | None:
     """Where speculative decoding's drafts come from (None: no speculation): prompt
-    lookup, Medusa heads on the target's hidden states, or a draft model (`self_draft`:
-    the target's checkpoint, quantized) with a KV cache for as many tokens as the
-    target's. The runner calls it after each step."""
+    lookup, Medusa or EAGLE heads on the target's hidden states (an EAGLE head's K/V in
+    `kv_cache`'s layers after the target's), or a draft model (`self_draft`: the
+    target's checkpoint, quantized) with a KV cache for as many tokens as the target's.
+    The runner calls it after each step."""
     spec = config.speculative_config
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if spec.method == "medusa":
-        try:
+    try:
+        if spec.method == "medusa":
             return MedusaProposer.build(spec, loaded, device, dtype)
-        except HeadsFormatError as e:
-            raise ValueError(f"speculative_config: {e}") from None
-    return DraftModelProposer.build(spec, config, loaded, device, kv_num_tokens)
+        if spec.method == "eagle":
+            return EagleProposer.build(spec, loaded, kv_cache, attention, device, dtype)
+    except HeadsFormatError as e:
+        raise ValueError(f"speculative_config: {e}") from None
+    num_tokens = kv_cache.num_blocks * kv_cache.block_size
+    return DraftModelProposer.build(spec, config, loaded, device, num_tokens)
 
 
 def build_speculator(config: EngineConfig, loaded: LoadedModel, proposer: Proposer | None,

@@ -4,6 +4,9 @@
   from earlier in the sequence);
 * `draft_model.py`: a draft model with its own small paged KV cache (also `self_draft`:
   the target's checkpoint on its quantized path, drafting for the exact path);
+* `medusa.py`, `eagle.py`: heads that read the target's own hidden states (Medusa-1's
+  residual heads; EAGLE-1's one-layer decoder, its K/V in the target's blocks), and
+  `training.py`, Medusa heads trained by self-distillation (`llmserve train-heads`);
 * `speculator.py`: the engine's policy (adaptive k per request, off for large batches)
   and running counts; `proposer_stage.py` applies it at the scheduler's edges.
 

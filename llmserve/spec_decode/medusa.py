@@ -118,9 +118,11 @@ class MedusaHeads(nn.Module):
     def logits(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
         """Head i's logits for the target's hidden rows `hidden` (N, H), any float dtype
         (the heads compute in float32; the target's LM head gets its own dtype back)."""
-        x = self.features(i, hidden.float())
+        return self._lm_logits(i, self.features(i, hidden.float()), hidden.dtype)
+
+    def _lm_logits(self, i: int, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not len(self.lm_heads):
-            return self.target_logits(x.to(hidden.dtype)).float()
+            return self.target_logits(x.to(dtype)).float()
         head = self.lm_heads[0 if self.config.original_lm_head else i]
         logits = head(x).float()
         if self.token_map is None:
@@ -129,9 +131,23 @@ class MedusaHeads(nn.Module):
         full[:, self.token_map] = logits
         return full
 
+    @property
+    def shares_lm_head(self) -> bool:
+        return not len(self.lm_heads) or self.config.original_lm_head
+
     def propose(self, i: int, hidden: torch.Tensor) -> list[int]:
         """Head i's greedy token for each row of `hidden` (N, H)."""
         return argmax(self.logits(i, hidden)).tolist()
+
+    def propose_first(self, num: int, hidden: torch.Tensor) -> list[list[int]]:
+        """Heads 0..num-1's greedy tokens for each row of `hidden` (N, H): (num, N). Heads
+        that share an LM head go through it in one call, so a round reads it once."""
+        if not self.shares_lm_head:
+            return [self.propose(i, hidden) for i in range(num)]
+        x = torch.cat([self.features(i, hidden.float()) for i in range(num)])
+        tokens = argmax(self._lm_logits(0, x, hidden.dtype)).tolist()
+        n = hidden.shape[0]
+        return [tokens[i * n:(i + 1) * n] for i in range(num)]
 
 
 def load_medusa_heads(folder: str | Path, target: "LoadedModel",
@@ -313,12 +329,9 @@ class MedusaProposer(Proposer):
         if not seeds:
             return drafts
         hidden = torch.stack([s.hidden[-1] for s in seeds])  # (N, H)
-        for i in range(max(s.num_drafts for s in seeds)):
-            going = [b for b, s in enumerate(seeds) if s.num_drafts > i]
-            rows = hidden if len(going) == len(seeds) else hidden[going]
-            for b, token in zip(going, self.heads.propose(i, rows), strict=True):
-                drafts[b].append(token)
-        return drafts
+        by_head = self.heads.propose_first(max(s.num_drafts for s in seeds), hidden)
+        return [[tokens[b] for tokens in by_head[: s.num_drafts]]
+                for b, s in enumerate(seeds)]
 
     @torch.inference_mode()
     def step_seconds(self, batch: int) -> float:
@@ -327,6 +340,6 @@ class MedusaProposer(Proposer):
         best = float("inf")
         for _ in range(5):
             start = time.perf_counter()
-            self.heads.propose(0, rows)
+            self.heads.propose_first(1, rows)
             best = min(best, time.perf_counter() - start)
         return best

@@ -17,6 +17,7 @@ class Proposer:
     keeps per-request state (a draft model's KV cache) drops it in `remove`."""
 
     needs_hidden = False  # True: the seeds bring the target's hidden rows (heads)
+    feeds_every_chunk = False  # True: every computed chunk comes as a seed (EAGLE)
 
     def propose(self, seeds: Sequence[DraftSeed]) -> list[list[int]]:
         """Up to `seeds[i].num_drafts` drafts for seed i (fewer, or none, where it has no

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -27,12 +28,18 @@ class DraftSeed:
     # for a proposer that reads the target's hidden states (`needs_hidden`): the target's
     # final hidden rows (n, H) of the step's verified positions of this request, the
     # chunk's tokens then its accepted drafts; row j gave the token after position j, so
-    # the last row gave the token this step sampled. Else None.
+    # the last row of a sampling chunk gave the token this step sampled. Else None.
     hidden: torch.Tensor | None = None
+    start_position: int = 0  # the position of hidden[0] (the chunk's first)
+    # for a proposer fed every chunk (`feeds_every_chunk`): the request's KV block ids,
+    # those after its tokens included (SchedulerConfig.num_lookahead_tokens)
+    block_ids: np.ndarray | None = None
 
 
 class DraftProposer(Protocol):
     needs_hidden: bool  # the seeds carry the target's hidden rows
+    # every computed chunk is handed over, those that sample nothing too (num_drafts 0)
+    feeds_every_chunk: bool
 
     def propose(self, seeds: Sequence[DraftSeed]) -> list[list[int]]:
         """Drafts for each seed, in order; reads the seeds and changes none of them."""

@@ -137,17 +137,18 @@ class ModelRunner:
             self._pool(out, np.flatnonzero(pooling), step, hidden, result)
         sample = np.fromiter((s.sample for s in out.scheduled), bool, len(out.scheduled))
         to_sample = np.flatnonzero(sample & ~pooling)
-        if len(to_sample) == 0:
-            return result
-        drafts = [out.scheduled[i].spec_token_ids for i in to_sample]
-        if any(drafts):
-            self._verify(out, to_sample, step.rows[to_sample], step.last_token[to_sample],
-                         drafts, hidden, result)
-        else:
-            self._sample(out, to_sample, step, hidden, result)
+        if len(to_sample):
+            drafts = [out.scheduled[i].spec_token_ids for i in to_sample]
+            if any(drafts):
+                self._verify(out, to_sample, step.rows[to_sample], step.last_token[to_sample],
+                             drafts, hidden, result)
+            else:
+                self._sample(out, to_sample, step, hidden, result)
         if self.proposer is not None and self.samples:
-            self._propose(out, to_sample, step.last_token, hidden, result)
-        self._save_kv(out, result)
+            fed = np.flatnonzero(~pooling) if self.proposer.feeds_every_chunk else to_sample
+            self._propose(out, fed, step.last_token, hidden, result)
+        if len(to_sample):
+            self._save_kv(out, result)
         return result
 
     def _image_embeds(self, out: SchedulerOutput, step: Any
@@ -297,35 +298,50 @@ class ModelRunner:
         self._sample_logprobs(to_sample, rows, logits, emitted_rows, flat, result,
                               emitted_owner)
 
-    def _propose(self, out: SchedulerOutput, to_sample: np.ndarray, last_token: np.ndarray,
+    def _propose(self, out: SchedulerOutput, rows: np.ndarray, last_token: np.ndarray,
                  hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         """The next step's drafts for the sampled rows that ask for them: each follows
         its request's verified tokens, this step's (accepted drafts, then the sampled
-        token) included; a proposer reading hidden states gets the verified positions'
-        rows."""
-        asked = [i for i in to_sample.tolist()
-                 if out.scheduled[i].num_drafts > 0 and result.sampled_token_ids[i]]
-        if not asked:
-            return
+        token) included. A proposer reading hidden states gets the verified positions'
+        rows; one fed every chunk (an EAGLE head, whose K/V follows the target's) gets
+        every row of `rows`, a chunk that samples nothing with no drafts asked."""
+        every = self.proposer.feeds_every_chunk
         batch = self.input_batch
-        seeds = []
-        for i in asked:
+        seeds, asked = [], []
+        for i in rows.tolist():
             s = out.scheduled[i]
             emitted = result.sampled_token_ids[i]
-            row = batch.rows[batch.requests[s.request_id].row]
+            if not emitted and not (every and not s.sample):
+                continue  # a sampling row that got no token (pooling) asks for nothing
+            if not every and s.num_drafts == 0:
+                continue
+            row_index = batch.requests[s.request_id].row
+            row = batch.rows[row_index]
             # the row's outputs hold the accepted drafts already; the sampled token comes
-            # with the next step's tokens
-            seed = DraftSeed(s.request_id, [*row.prompt_token_ids, *row.output_token_ids,
-                                            emitted[-1]], s.num_drafts)
+            # with the next step's tokens (a chunk that samples nothing: the next token
+            # is the prompt's own, known)
+            tokens = [*row.prompt_token_ids, *row.output_token_ids]
+            count = len(s.token_ids)
+            if emitted:
+                tokens.append(emitted[-1])
+                count += len(emitted) - 1
+            seed = DraftSeed(s.request_id, tokens, s.num_drafts if emitted else 0,
+                             start_position=s.start_position)
             if self.proposer.needs_hidden:
                 first = int(last_token[i]) + 1 - s.num_tokens  # the chunk's first row
-                seed.hidden = hidden[first : first + len(s.token_ids) + len(emitted) - 1]
+                seed.hidden = hidden[first : first + count]
+            if every:
+                seed.block_ids = batch.block_table[row_index, : batch.num_blocks[row_index]]
             seeds.append(seed)
+            asked.append(i)
+        if not seeds:
+            return
         start = time.perf_counter()
         drafts = self.proposer.propose(seeds)
         result.draft_seconds = time.perf_counter() - start
-        for i, d in zip(asked, drafts, strict=True):
-            result.draft_token_ids[i] = list(d[: out.scheduled[i].num_drafts])
+        for i, seed, d in zip(asked, seeds, drafts, strict=True):
+            if seed.num_drafts:
+                result.draft_token_ids[i] = list(d[: seed.num_drafts])
 
     def _sample_logprobs(
         self, to_sample: np.ndarray, rows: np.ndarray, logits: torch.Tensor,

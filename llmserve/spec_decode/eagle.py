@@ -1,0 +1,277 @@
+"""EAGLE-1 heads: a one-layer draft decoder that reads the target's own hidden states.
+
+At position p the head takes the embedding of the token after p (x[p + 1]) beside the
+target's final hidden state there (f[p]), fuses them (`fc`: 2H -> H), runs one Llama
+decoder layer (its input norm left out, as EAGLE does) and gives g[p], whose logits under
+the target's own LM head guess x[p + 2]. Drafting goes on from its own features: the
+next position takes (the draft, g[p]).
+
+The head's K/V lives in the target's paged KV cache as extra layers after the target's
+(`kv_layers`), in the same blocks at the same positions, so it follows the target's
+blocks through batching, chunked prefill, preemption, the KV tier and the prefix cache. A
+prefix-cache hit drops its last block (`KVCacheManager`'s `drop_last_hit_block`): the
+head's entry at a block's last position was computed with the token after the block,
+which a request sharing the block may not have. Every step the runner hands the head
+every computed chunk (`feeds_every_chunk`): positions whose next token is known get their
+head K/V written, and the sampling requests that ask for drafts get them, the draft
+chain's K/V going into slots the scheduler set aside after each request's tokens
+(`SchedulerConfig.num_lookahead_tokens`), overwritten once those positions are verified.
+
+A head checkpoint is a folder with `config.json` (a Llama config, `num_hidden_layers`
+decoder layers) and `model.safetensors`: `fc.weight` (`fc.bias` in EAGLE's own
+checkpoints), `layers.{i}.*` in Hugging Face names (no `input_layernorm` in layer 0), with
+or without a `model.` prefix; an `embed_tokens` or `lm_head` in the file is the target's
+copy and is not used. Drafts are greedy, a point mass the rejection rule verifies exactly.
+"""
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from llmserve.config.model import ModelConfig
+from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from llmserve.layers.kv_cache import KVCache
+from llmserve.layers.linear import Linear
+from llmserve.layers.rotary import RotaryEmbedding
+from llmserve.models.llama import LlamaDecoderLayer
+from llmserve.spec_decode.medusa import HeadsFormatError
+from llmserve.spec_decode.proposer import Proposer
+from llmserve.worker.drafts import DraftSeed
+from llmserve.worker.sampler import argmax
+
+if TYPE_CHECKING:
+    from llmserve.config.engine import SpeculativeConfig
+    from llmserve.loader.model_loader import LoadedModel
+
+WEIGHT_FILE = "model.safetensors"
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
+
+
+class EagleHead(nn.Module):
+    """fc + the decoder layers; `forward` over a flat batch of positions (like the
+    target's), its K/V in layers `first_layer`... of the target's cache."""
+
+    def __init__(self, cfg: ModelConfig, fc_bias: bool, first_layer: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.first_layer = first_layer
+        self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, fc_bias)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, None, i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.layers[0].input_layernorm = nn.Identity()
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """(T, H) token embeddings and target (or head) features -> the head's (T, H)."""
+        x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+        rope = self.rotary.at(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(rope, x, kv_cache.layer(self.first_layer + i), meta)
+        return x
+
+
+def read_eagle_config(folder: str | Path) -> tuple[ModelConfig, dict]:
+    folder = Path(folder)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise HeadsFormatError(f"speculative_config.model: no config.json in {folder}")
+    try:
+        raw = json.loads(config_file.read_text())
+        if raw.get("add_para_norm"):
+            raise HeadsFormatError(f"{config_file}: HASS heads (add_para_norm) are not read")
+        return ModelConfig.from_hf_config(raw), raw
+    except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
+        if isinstance(e, HeadsFormatError):
+            raise
+        raise HeadsFormatError(f"{config_file}: {e}") from None
+
+
+def num_eagle_layers(folder: str | Path) -> int:
+    """The KV layers a head folder adds to the target's cache."""
+    return read_eagle_config(folder)[0].num_hidden_layers
+
+
+def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.device,
+                    dtype: torch.dtype) -> EagleHead:
+    """Read a head folder for `target`; refused by name where it does not fit (hidden
+    size, attention shape: its K/V shares the target's cache) or a tensor is missing,
+    extra or misshapen."""
+    folder = Path(folder)
+    cfg, _ = read_eagle_config(folder)
+    t = target.config
+    for name in ("hidden_size", "num_key_value_heads", "head_dim", "vocab_size"):
+        if getattr(cfg, name) != getattr(t, name):
+            raise HeadsFormatError(f"{folder}: {name} {getattr(cfg, name)} does not fit the "
+                                   f"target {target.source.name} ({getattr(t, name)})")
+    file = folder / WEIGHT_FILE
+    if not file.is_file():
+        if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+            raise HeadsFormatError(f"{folder} holds pickled (.bin/.pt) head weights; only "
+                                   f"safetensors are read (save them as {WEIGHT_FILE})")
+        raise HeadsFormatError(f"no {WEIGHT_FILE} in {folder}")
+    try:
+        tensors = {k.removeprefix("model."): v for k, v in load_file(file).items()}
+    except (SafetensorError, OSError) as e:
+        raise HeadsFormatError(f"{file}: {e}") from None
+    head = EagleHead(cfg, "fc.bias" in tensors, t.num_hidden_layers)
+    _load(head, tensors, folder)
+    return head.to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def _load(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    params = dict(head.named_parameters())
+    loaded: set[str] = set()
+    fused: dict[str, list] = {}
+    for name, tensor in tensors.items():
+        if name in _TARGET_COPIES:
+            continue
+        parts = name.split(".")
+        if len(parts) >= 4 and parts[-2] in _FUSED:  # layers.i.self_attn.q_proj.weight
+            into, index = _FUSED[parts[-2]]
+            key = ".".join([*parts[:-2], into, parts[-1]])
+            fused.setdefault(key, [None] * (3 if into == "qkv_proj" else 2))[index] = tensor
+            continue
+        _copy(params, name, tensor, folder, loaded)
+    for name, pieces in fused.items():
+        if any(p is None for p in pieces):
+            raise HeadsFormatError(f"{folder}: {name} lacks one of its projections")
+        _copy(params, name, torch.cat(pieces), folder, loaded)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise HeadsFormatError(f"{folder}: missing head weights, e.g. {missing[0]!r}")
+
+
+def _copy(params: dict, name: str, tensor: torch.Tensor, folder: Path, loaded: set) -> None:
+    if name not in params:
+        raise HeadsFormatError(f"{folder}: unexpected tensor {name!r}")
+    param = params[name]
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise HeadsFormatError(f"{folder}: {name} has shape {tuple(tensor.shape)}, expected "
+                               f"{tuple(param.shape)}")
+    param.copy_(tensor.to(param.dtype))
+    loaded.add(name)
+
+
+class EagleProposer(Proposer):
+    """Drafts from an EAGLE head; fed every computed chunk (`DraftSeed.start_position`,
+    `hidden`, `block_ids`), it keeps its K/V in the target's cache."""
+
+    needs_hidden = True
+    feeds_every_chunk = True
+
+    def __init__(self, head: EagleHead, target: nn.Module, kv_cache: KVCache,
+                 attention: AttentionBackend, device: torch.device) -> None:
+        self.head = head
+        self.target = target
+        self.kv_cache = kv_cache
+        self.attention = attention
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    @classmethod
+    def build(cls, spec: "SpeculativeConfig", target: "LoadedModel", kv_cache: KVCache,
+              attention: AttentionBackend, device: torch.device,
+              dtype: torch.dtype) -> "EagleProposer":
+        head = load_eagle_head(spec.model, target, device, dtype)
+        if kv_cache is not None and len(kv_cache.key) < head.first_layer + len(head.layers):
+            raise ValueError("speculative_config: the KV cache has no layers for the EAGLE "
+                             "head")
+        return cls(head, target.model, kv_cache, attention, device)
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        return self.target.model.embed_tokens(torch.tensor(ids, dtype=torch.long,
+                                                           device=self.device))
+
+    def _run(self, seqs: list[tuple[np.ndarray, int, list[int]]], ids: list[int],
+             features: torch.Tensor) -> torch.Tensor:
+        """The head over sequences b = (block ids, first position, ...) each computing
+        `len(seqs[b][2])` positions from its first; returns (T, H)."""
+        query_lens = [len(s[2]) for s in seqs]
+        context_lens = [s[1] for s in seqs]
+        width = max(len(s[0]) for s in seqs)
+        table = np.zeros((len(seqs), width), dtype=np.int32)
+        for b, s in enumerate(seqs):
+            table[b, : len(s[0])] = s[0]
+        positions = np.concatenate([np.arange(c, c + n) for c, n in
+                                    zip(context_lens, query_lens, strict=True)])
+        meta = AttentionMetadata.from_block_table(
+            table, np.arange(len(seqs)), query_lens, context_lens, positions,
+            self.block_size, self.device, self.attention)
+        return self.head(self._embed(ids), features,
+                         torch.from_numpy(positions).to(self.device), self.kv_cache, meta)
+
+    @torch.inference_mode()
+    def propose(self, seeds: Sequence[DraftSeed]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in seeds]
+        fed = [(b, s) for b, s in enumerate(seeds) if s.hidden is not None and len(s.hidden)]
+        if not fed:
+            return drafts
+        # every verified position p whose next token is known: (x[p + 1], f[p])
+        seqs, ids, rows = [], [], []
+        for _, s in fed:
+            n = len(s.hidden)
+            nxt = s.token_ids[s.start_position + 1 : s.start_position + 1 + n]
+            seqs.append((s.block_ids, s.start_position, nxt))
+            ids += nxt
+            rows.append(s.hidden[: len(nxt)])
+        out = self._run(seqs, ids, torch.cat(rows))
+        ends = np.cumsum([len(q[2]) for q in seqs]) - 1
+        # a draft chain writes K/V after the last verified position P, at P + 1 ...:
+        # never past the request's blocks (the scheduler keeps slots there when it can)
+        room = {b: len(s.block_ids) * self.block_size - (s.start_position + len(s.hidden))
+                for b, s in fed}
+        asked = [(i, b, s) for i, (b, s) in enumerate(fed)
+                 if s.num_drafts > 0 and room[b] + 1 > 0]
+        if not asked:
+            return drafts
+        wanted = {b: min(s.num_drafts, room[b] + 1) for _, b, s in asked}
+        # the first draft from the last verified position, then one position a step
+        features = out[torch.from_numpy(ends[[i for i, _, _ in asked]])]  # (N, H)
+        tokens = argmax(self.target.compute_logits(features)).tolist()
+        for (_, b, _), token in zip(asked, tokens, strict=True):
+            drafts[b].append(token)
+        for step in range(1, max(wanted.values())):
+            going = [(j, b, s) for j, (_, b, s) in enumerate(asked) if wanted[b] > step]
+            last = [s.start_position + len(s.hidden) - 1 + step for _, _, s in going]
+            seqs = [(s.block_ids, p, [drafts[b][-1]]) for (_, b, s), p in
+                    zip(going, last, strict=True)]
+            keep = torch.tensor([j for j, _, _ in going], device=self.device)
+            out = self._run(seqs, [drafts[b][-1] for _, b, _ in going], features[keep])
+            features = features.clone()
+            features[keep] = out
+            tokens = argmax(self.target.compute_logits(out)).tolist()
+            for (_, b, _), token in zip(going, tokens, strict=True):
+                drafts[b].append(token)
+        return drafts
+
+    @torch.inference_mode()
+    def step_seconds(self, batch: int) -> float:
+        """One head step of `batch` sequences at one position each, best of five, in
+        blocks no request holds yet (start-up calibration)."""
+        per_seq = 2
+        if batch * per_seq > self.kv_cache.num_blocks:
+            batch = max(1, self.kv_cache.num_blocks // per_seq)
+        seqs = [(np.arange(b * per_seq, (b + 1) * per_seq, dtype=np.int32), 8, [1])
+                for b in range(batch)]
+        hidden = torch.randn(batch, self.head.config.hidden_size, device=self.device,
+                             dtype=next(self.head.parameters()).dtype)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            out = self._run(seqs, [1] * batch, hidden)
+            self.target.compute_logits(out)
+            best = min(best, time.perf_counter() - start)
+        return best

@@ -1,0 +1,251 @@
+"""EAGLE-1 heads: a tiny random head in the published layout (EAGLE's own, fc with a bias,
+and vLLM's, with a `model.` prefix) loads and its forward over the paged KV cache, whole and
+in chunks, equals a reference built from transformers' Llama layer as EAGLE uses it; a head
+that does not fit the target is refused by name. In the engine, on the real default model:
+greedy output with EAGLE drafts is the target's own on the exact and default paths,
+batched, chunked, prefix-cached and preempted; and the head's K/V, kept in the target's
+blocks, is exact: a random head proposes the same drafts whether the prompt ran whole, in
+chunks, or came from the prefix cache.
+
+A head that is accepted without training: fc passes the target's hidden state through and
+the layer adds nothing (o_proj and down_proj zero), so it proposes the target's own choice
+at the last position again, the token just sampled: a run of repeats is accepted whole.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from llmserve import SamplingParams
+from llmserve.layers.attention.backend import AttentionMetadata
+from llmserve.layers.attention.selector import attention_backend
+from llmserve.layers.kv_cache import KVCache
+from llmserve.spec_decode.eagle import load_eagle_head
+from llmserve.spec_decode.medusa import HeadsFormatError
+from tests.engines import llm_on
+
+K = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+PROMPTS = [
+    "Write the word ok twenty times, separated by spaces: ok ok ok ok",
+    "Count: 1 1 1 1 1 1 1 1 1 1",
+    "The capital of France is",
+    "List three fruits:",
+    # long enough for prefix-cache hits past the block a hit leaves to compute again
+    "The old lighthouse stood on the rocks above the harbour, and every night its keeper "
+    "climbed the narrow stairs to light the lamp. Ships passing in the dark saw the beam "
+    "sweep across the water and knew the coast was near. Repeat after me: yes yes yes yes",
+]
+
+
+def head_config(cfg) -> dict:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+            "num_hidden_layers": 1, "vocab_size": cfg.vocab_size,
+            "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
+            "max_position_embeddings": cfg.max_position_embeddings,
+            "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+def random_tensors(cfg, bias: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+
+    tensors = {"fc.weight": w(h, 2 * h),
+               "layers.0.self_attn.q_proj.weight": w(q, h),
+               "layers.0.self_attn.k_proj.weight": w(kv, h),
+               "layers.0.self_attn.v_proj.weight": w(kv, h),
+               "layers.0.self_attn.o_proj.weight": w(h, q),
+               "layers.0.mlp.gate_proj.weight": w(i, h),
+               "layers.0.mlp.up_proj.weight": w(i, h),
+               "layers.0.mlp.down_proj.weight": w(h, i),
+               "layers.0.post_attention_layernorm.weight": 1 + w(h)}
+    if bias:
+        tensors["fc.bias"] = w(h)
+    return tensors
+
+
+def write_head(folder: Path, cfg, tensors: dict, prefix: str = "") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(head_config(cfg)))
+    save_file({prefix + k: v.contiguous() for k, v in tensors.items()},
+              str(folder / "model.safetensors"))
+    return folder
+
+
+def repeat_head(folder: Path, cfg) -> Path:
+    tensors = random_tensors(cfg, bias=False)
+    h = cfg.hidden_size
+    tensors["fc.weight"] = torch.cat([torch.zeros(h, h), torch.eye(h)], dim=1)
+    tensors["layers.0.self_attn.o_proj.weight"].zero_()
+    tensors["layers.0.mlp.down_proj.weight"].zero_()
+    return write_head(folder, cfg, tensors)
+
+
+def reference_forward(tensors: dict, cfg, embeds: torch.Tensor,
+                      features: torch.Tensor) -> torch.Tensor:
+    """EAGLE-1's head over one whole sequence: fc over [embedding, feature], then
+    transformers' Llama decoder layer without its input norm, causal attention."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    hf = LlamaConfig(**{k: v for k, v in head_config(cfg).items()
+                        if k not in ("architectures", "model_type")})
+    hf._attn_implementation = "eager"
+    layer = LlamaDecoderLayer(hf, 0)
+    layer.input_layernorm = nn.Identity()
+    layer.load_state_dict({k.removeprefix("layers.0."): v for k, v in tensors.items()
+                           if k.startswith("layers.0.")}, strict=False)
+    fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias="fc.bias" in tensors)
+    fc.weight.data = tensors["fc.weight"]
+    if "fc.bias" in tensors:
+        fc.bias.data = tensors["fc.bias"]
+    t = embeds.shape[0]
+    with torch.no_grad():
+        x = fc(torch.cat([embeds, features], dim=-1))[None]
+        positions = torch.arange(t)[None]
+        cos, sin = LlamaRotaryEmbedding(hf)(x, positions)
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = layer(x, attention_mask=mask, position_ids=positions,
+                    position_embeddings=(cos, sin))
+    return (out[0] if isinstance(out, tuple) else out)[0]
+
+
+@pytest.mark.parametrize(("bias", "prefix"), [(True, ""), (False, "model.")])
+def test_head_over_the_paged_cache_equals_the_reference(tmp_path, float32_model, bias, prefix):
+    cfg = float32_model.config
+    tensors = random_tensors(cfg, bias)
+    folder = write_head(tmp_path / "eagle", cfg, tensors, prefix)
+    head = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32)
+    assert head.first_layer == cfg.num_hidden_layers
+    t = 37
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(100, 5000, (t,), generator=g)
+    features = torch.randn(t, cfg.hidden_size, generator=g)
+    embeds = float32_model.model.model.embed_tokens(ids)
+    want = reference_forward(tensors, cfg, embeds, features)
+    attention = attention_backend(torch.device("cpu"))
+    block = 16
+    table = [list(range(3))]
+    for chunks in ([t], [8, 16, 13]):  # whole, and in chunks over the cached K/V
+        cache = KVCache.allocate(cfg.num_hidden_layers + 1, 4, block, cfg.num_key_value_heads,
+                                 cfg.head_dim, torch.float32, torch.device("cpu"),
+                                 zeroed=True)
+        got, start = [], 0
+        with torch.inference_mode():
+            for n in chunks:
+                meta = AttentionMetadata.build([n], [start], table, block,
+                                               torch.device("cpu"), attention)
+                got.append(head(embeds[start:start + n], features[start:start + n],
+                                torch.arange(start, start + n), cache, meta))
+                start += n
+        assert (torch.cat(got) - want).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda c, t: c.update(hidden_size=64), "hidden_size 64 does not fit"),
+    (lambda c, t: t.pop("layers.0.mlp.up_proj.weight"), "lacks one of its projections"),
+    (lambda c, t: t.pop("layers.0.post_attention_layernorm.weight"), "missing head weights"),
+    (lambda c, t: t.update({"layers.1.mlp.down_proj.weight": torch.zeros(1)}),
+     "unexpected tensor"),
+])
+def test_heads_that_do_not_fit_are_refused_by_name(tmp_path, float32_model, change, message):
+    cfg = float32_model.config
+    config, tensors = head_config(cfg), random_tensors(cfg, True)
+    change(config, tensors)
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(HeadsFormatError, match=message):
+        load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32)
+
+
+def spec(folder: Path, **options) -> dict:
+    return {"method": "eagle", "model": str(folder), "num_speculative_tokens": K,
+            "adaptive": False, "disable_by_batch_size": None} | options
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("weights", ["float32_model", "default_model"])
+def test_greedy_output_is_the_target_own_with_eagle_drafts(request, tmp_path, weights):
+    loaded = request.getfixturevalue(weights)
+    folder = repeat_head(tmp_path / "repeat", loaded.config)
+    want = llm_on(loaded, kv_cache_memory="128MiB").generate(PROMPTS, GREEDY, use_tqdm=False)
+    for options in ({}, {"max_num_batched_tokens": 8}):
+        llm = llm_on(loaded, kv_cache_memory="128MiB", speculative_config=spec(folder),
+                     **options)
+        assert_same(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want)
+        stats = llm.engine.speculator.stats
+        assert stats.num_accepted_tokens > 0 and stats.accepted_per_position[-1] > 0
+        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # prefix-cache hits
+        assert_same(again, want)
+        assert any(o.num_cached_tokens for o in again)
+
+
+def test_greedy_equal_with_preemption(tmp_path, float32_model):
+    folder = repeat_head(tmp_path / "repeat", float32_model.config)
+    plain = llm_on(float32_model, kv_cache_memory="128MiB")
+    want = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    plan = plain.engine.kv_plan
+    per_token = plan.total_bytes // plan.num_tokens * 31 // 30  # and the head's layer
+    llm = llm_on(float32_model, kv_cache_memory=str(6 * plan.block_size * per_token),
+                 speculative_config=spec(folder))
+    assert_same(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_head_kv_is_exact_whole_chunked_and_cached(tmp_path, float32_model, monkeypatch):
+    """A random head's drafts depend on every K/V entry it wrote: the same drafts, round
+    by round, for a prompt run whole, in chunks of 8, and from the prefix cache."""
+    folder = write_head(tmp_path / "random", float32_model.config,
+                        random_tensors(float32_model.config, True, seed=5))
+    prompt = ("Once upon a time in a quiet village by the sea there lived an old "
+              "fisherman who told stories to anyone who would listen.")
+
+    def drafts_of(options: dict, runs: int = 1) -> list[list[list[int]]]:
+        llm = llm_on(float32_model, kv_cache_memory="128MiB", speculative_config=spec(folder),
+                     **options)
+        proposer = llm.engine.executor.runner.proposer
+        propose = proposer.propose
+        rounds: list[list[int]] = []
+
+        def recorded(seeds):
+            drafts = propose(seeds)
+            rounds.extend(d for s, d in zip(seeds, drafts, strict=True) if s.num_drafts)
+            return drafts
+
+        monkeypatch.setattr(proposer, "propose", recorded)
+        out = []
+        for _ in range(runs):
+            rounds.clear()
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+            out.append(list(rounds))
+        return out
+
+    whole, cached = drafts_of({}, runs=2)
+    (chunked,) = drafts_of({"max_num_batched_tokens": 8})
+    assert len(whole) > 5 and whole == chunked == cached
+
+
+def test_eagle_refusals(tmp_path, float32_model):
+    folder = repeat_head(tmp_path / "repeat", float32_model.config)
+    with pytest.raises(ValueError, match="does not run with kv_offload"):
+        llm_on(float32_model, speculative_config=spec(folder), kv_offload_gib=1)
+    with pytest.raises(ValueError, match="no config.json"):
+        llm_on(float32_model, speculative_config=spec(tmp_path / "none"))

@@ -24,7 +24,6 @@ or without a `model.` prefix; an `embed_tokens` or `lm_head` in the file is the 
 copy and is not used. Drafts are greedy, a point mass the rejection rule verifies exactly.
 """
 
-import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,7 +41,7 @@ from llmserve.layers.kv_cache import KVCache
 from llmserve.layers.linear import Linear
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models.llama import LlamaDecoderLayer
-from llmserve.spec_decode.medusa import HeadsFormatError
+from llmserve.spec_decode.medusa import HeadsFormatError, copy_head_tensor, read_head_config
 from llmserve.spec_decode.proposer import Proposer
 from llmserve.worker.drafts import DraftSeed
 from llmserve.worker.sampler import argmax
@@ -83,18 +82,12 @@ class EagleHead(nn.Module):
 
 
 def read_eagle_config(folder: str | Path) -> tuple[ModelConfig, dict]:
-    folder = Path(folder)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise HeadsFormatError(f"speculative_config.model: no config.json in {folder}")
+    config_file, raw = read_head_config(Path(folder))
+    if raw.get("add_para_norm"):
+        raise HeadsFormatError(f"{config_file}: HASS heads (add_para_norm) are not read")
     try:
-        raw = json.loads(config_file.read_text())
-        if raw.get("add_para_norm"):
-            raise HeadsFormatError(f"{config_file}: HASS heads (add_para_norm) are not read")
         return ModelConfig.from_hf_config(raw), raw
-    except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
-        if isinstance(e, HeadsFormatError):
-            raise
+    except (KeyError, ValueError) as e:
         raise HeadsFormatError(f"{config_file}: {e}") from None
 
 
@@ -157,11 +150,7 @@ def _load(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> No
 def _copy(params: dict, name: str, tensor: torch.Tensor, folder: Path, loaded: set) -> None:
     if name not in params:
         raise HeadsFormatError(f"{folder}: unexpected tensor {name!r}")
-    param = params[name]
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise HeadsFormatError(f"{folder}: {name} has shape {tuple(tensor.shape)}, expected "
-                               f"{tuple(param.shape)}")
-    param.copy_(tensor.to(param.dtype))
+    copy_head_tensor(params[name], name, tensor, folder)
     loaded.add(name)
 
 

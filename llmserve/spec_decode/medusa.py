@@ -150,18 +150,23 @@ class MedusaHeads(nn.Module):
         return [tokens[i * n:(i + 1) * n] for i in range(num)]
 
 
+def read_head_config(folder: Path) -> tuple[Path, dict]:
+    """A head folder's config.json: (its path, its contents)."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise HeadsFormatError(f"speculative_config.model: no config.json in {folder}")
+    try:
+        return config_file, json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise HeadsFormatError(f"{config_file}: {e}") from None
+
+
 def load_medusa_heads(folder: str | Path, target: "LoadedModel",
                       device: torch.device) -> MedusaHeads:
     """Read a head folder (either layout) for `target`; refused by name when it does not
     fit (hidden size, vocabulary) or a tensor is missing, extra or misshapen."""
     folder = Path(folder)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise HeadsFormatError(f"speculative_config.model: no config.json in {folder}")
-    try:
-        config_json = json.loads(config_file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise HeadsFormatError(f"{config_file}: {e}") from None
+    config_file, config_json = read_head_config(folder)
     config = MedusaConfig.from_json(config_json)
     hidden_size = target.config.hidden_size
     vocab_size = target.config.vocab_size
@@ -230,6 +235,16 @@ def _parameter_name(name: str, config: MedusaConfig) -> str | None:
     return f"lm_heads.{index}.weight"
 
 
+def copy_head_tensor(param: torch.Tensor, name: str, tensor: torch.Tensor,
+                     folder: Path) -> None:
+    """A checkpoint tensor into its parameter, its shape checked."""
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise HeadsFormatError(f"{folder}: {name} has shape {tuple(tensor.shape)}, "
+                               f"expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor.to(param.dtype))
+
+
 @torch.no_grad()
 def _load(heads: MedusaHeads, tensors: dict[str, torch.Tensor], config: MedusaConfig,
           folder: Path) -> None:
@@ -248,11 +263,7 @@ def _load(heads: MedusaHeads, tensors: dict[str, torch.Tensor], config: MedusaCo
             raise HeadsFormatError(f"{folder}: unexpected tensor {name!r} for "
                                    f"{config.num_heads} heads of {config.num_layers} "
                                    "block(s)")
-        param = params[target]
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise HeadsFormatError(f"{folder}: {name} has shape {tuple(tensor.shape)}, "
-                                   f"expected {tuple(param.shape)}")
-        param.copy_(tensor.to(param.dtype))
+        copy_head_tensor(params[target], name, tensor, folder)
         loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:

@@ -312,7 +312,7 @@ class ModelRunner:
             s = out.scheduled[i]
             emitted = result.sampled_token_ids[i]
             if not emitted and not (every and not s.sample):
-                continue  # a sampling row that got no token (pooling) asks for nothing
+                continue  # a sampling row that got no token here asks for nothing
             if not every and s.num_drafts == 0:
                 continue
             row_index = batch.requests[s.request_id].row

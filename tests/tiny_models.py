@@ -226,6 +226,7 @@ def save_tiny_qwen2_5_vl(folder: Path, patch_size: int = 4, window_size: int = 1
                "max_position_embeddings": 1024, "bos_token_id": None, "eos_token_id": 261,
                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                    "mrope_section": [2, 3, 3]}, **text}
+    torch.manual_seed(0)  # the same random weights whatever ran before in this process
     model = transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
         vision_config=vision, text_config=decoder, image_token_id=QWEN_IMAGE_ID,
         video_token_id=QWEN_VIDEO_ID, vision_start_token_id=QWEN_VISION_START_ID,
@@ -254,6 +255,7 @@ def save_tiny_qwen3_vl(folder: Path, patch_size: int = 4, min_pixels: int = 16 *
                "eos_token_id": 261, "rope_parameters": {
                    "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
                    "mrope_interleaved": True}, **text}
+    torch.manual_seed(0)  # the same random weights whatever ran before in this process
     model = transformers.Qwen3VLForConditionalGeneration(transformers.Qwen3VLConfig(
         vision_config=vision, text_config=decoder, image_token_id=QWEN_IMAGE_ID,
         video_token_id=QWEN_VIDEO_ID, vision_start_token_id=QWEN_VISION_START_ID,

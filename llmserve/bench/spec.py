@@ -2,8 +2,9 @@
 
 Two parts, each engine alone on the machine (they run one after another):
 
-* batch 1: each method (none, ngram, self_draft) on each path (the default quantized one
-  and the exact float32 one) decodes an input-grounded workload (quote, edit, summarise a
+* batch 1: each method (none, ngram, self_draft, and medusa or eagle with a head folder
+  `llmserve train-heads` wrote) on each path (the default quantized one and the exact
+  float32 one) decodes an input-grounded workload (quote, edit, summarise a
   passage, document code: the texts ship in `llmserve/bench/data/`) and open-ended chat,
   one request at a time, greedy. Reported: output tok/s, the speedup over no speculation
   on the same path, the acceptance rate, the mean accepted length, and whether the
@@ -72,7 +73,7 @@ WORKLOADS = {"grounded": grounded_prompts, "chat": lambda: list(CHAT_PROMPTS)}
 @dataclass
 class SpecResult:
     path: str  # "default" or "float32"
-    method: str  # "none", "ngram", "self_draft"
+    method: str  # "none", "ngram", "self_draft", "medusa", "eagle"
     workload: str
     concurrency: int
     output_tokens: int
@@ -126,13 +127,15 @@ def _spec_counts(engine: Engine) -> tuple[int, int, int]:
 
 
 def engine_for(base: LLM, method: str, k: int, always_on: bool = False,
-               adaptive: bool = True) -> LLM:
-    """An engine on `base`'s loaded target model, speculating with `method` ("none": off);
-    `always_on`: whatever the batch size."""
+               adaptive: bool = True, heads: str | None = None) -> LLM:
+    """An engine on `base`'s loaded target model, speculating with `method` ("none": off;
+    medusa and eagle from the `heads` folder); `always_on`: whatever the batch size."""
     config = base.engine.config
     spec = None
     if method != "none":
         spec = {"method": method, "num_speculative_tokens": k, "adaptive": adaptive}
+        if heads is not None:
+            spec["model"] = heads
         if always_on:
             spec["disable_by_batch_size"] = None
     return LLM.from_engine(Engine(replace(config, speculative_config=spec),
@@ -142,7 +145,10 @@ def engine_for(base: LLM, method: str, k: int, always_on: bool = False,
 def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_tokens: int,
                    concurrencies: list[int], k: int, kv_cache_memory: str = "1GiB",
                    log: Any = print, crossover_method: str = "ngram",
-                   crossover_path: str = "default") -> dict[str, Any]:
+                   crossover_path: str = "default",
+                   heads: dict[str, str] | None = None) -> dict[str, Any]:
+    """`heads`: the head folder of each of medusa and eagle among `methods`."""
+    heads = heads or {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=False)
     results: list[SpecResult] = []
     paths_seen: dict[str, Any] = {}
@@ -156,7 +162,8 @@ def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_
             # self_draft is for the exact path (on the default one the target is the draft)
             for method in ["none", *[m for m in methods if m != "none" and not (
                     m == "self_draft" and path == "default")]]:
-                llm = base if method == "none" else engine_for(base, method, k)
+                llm = base if method == "none" else engine_for(base, method, k,
+                                                               heads=heads.get(method))
                 llm.generate(prompts[:1], replace(params, max_tokens=8), use_tqdm=False)
                 seconds, outputs, (drafts, accepted, rounds) = run_workload(
                     llm, prompts, params, 1)
@@ -171,12 +178,23 @@ def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_
         results += run_crossover(model, k, max_tokens, concurrencies, kv_cache_memory, log,
                                  crossover_method, crossover_path)
     return {"machine": machine_info(), "paths": paths_seen, "num_speculative_tokens": k,
-            "max_tokens": max_tokens,
+            "max_tokens": max_tokens, "heads": {m: _head_info(f) for m, f in heads.items()},
             "results": [dict(vars(r), tokens_per_s=r.tokens_per_s,
                              acceptance_rate=r.acceptance_rate,
                              mean_accepted_length=r.mean_accepted_length) for r in results],
             "crossover": crossover(results, f"{crossover_method}/fixed"),
             "crossover_adaptive": crossover(results, crossover_method)}
+
+
+def _head_info(folder: str) -> dict[str, Any]:
+    """How a head folder was made (`llmserve train-heads` writes it into config.json)."""
+    import json
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {"folder": folder}
+    return {"folder": folder, **(config.get("llmserve") or {})}
 
 
 def run_crossover(model: str | None, k: int, max_tokens: int, concurrencies: list[int],
@@ -244,7 +262,14 @@ def format_row(r: SpecResult, results: list[SpecResult]) -> str:
 def format_report(data: dict[str, Any]) -> str:
     results = [SpecResult(**{k: v for k, v in r.items() if k in SpecResult.__dataclass_fields__})
                for r in data["results"]]
-    lines = [format_machine(data["machine"]), HEADER]
+    lines = [format_machine(data["machine"])]
+    for method, info in (data.get("heads") or {}).items():
+        made = ", ".join(f"{k} {info[k]}" for k in (
+            "answers", "answer_tokens", "train_positions", "seconds_generating",
+            "seconds_hidden_states", "seconds_training", "held_out_tokens_per_round")
+            if k in info)
+        lines.append(f"{method} head: {info['folder']}" + (f" ({made})" if made else ""))
+    lines.append(HEADER)
     lines += [format_row(r, results) for r in results]
     for key, what in (("crossover", "with a fixed k"), ("crossover_adaptive", "adaptive")):
         c = data.get(key)

@@ -21,7 +21,12 @@ A head checkpoint is a folder with `config.json` (a Llama config, `num_hidden_la
 decoder layers) and `model.safetensors`: `fc.weight` (`fc.bias` in EAGLE's own
 checkpoints), `layers.{i}.*` in Hugging Face names (no `input_layernorm` in layer 0), with
 or without a `model.` prefix; an `embed_tokens` or `lm_head` in the file is the target's
-copy and is not used. Drafts are greedy, a point mass the rejection rule verifies exactly.
+copy and is not used. A head with a draft vocabulary (EAGLE-3's: config
+`draft_vocab_size`, a `d2t` tensor of offsets, draft id i being target id i + d2t[i], and
+its own `lm_head.weight` of `draft_vocab_size` rows; `llmserve train-heads` writes the
+training answers' most frequent tokens) drafts over those tokens only: a small model's LM
+head is a large share of a head step (SmolLM2-135M's: 28 of its 135 M weights).
+Drafts are greedy, a point mass the rejection rule verifies exactly.
 """
 
 import time
@@ -54,17 +59,24 @@ WEIGHT_FILE = "model.safetensors"
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 _TARGET_COPIES = ("embed_tokens.weight", "lm_head.weight")
+_DRAFT_VOCAB = ("d2t", "t2d")  # EAGLE-3's maps (t2d, the inverse, is not needed)
 
 
 class EagleHead(nn.Module):
     """fc + the decoder layers; `forward` over a flat batch of positions (like the
     target's), its K/V in layers `first_layer`... of the target's cache."""
 
-    def __init__(self, cfg: ModelConfig, fc_bias: bool, first_layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, fc_bias: bool, first_layer: int,
+                 draft_vocab_size: int | None = None) -> None:
         super().__init__()
         self.config = cfg
         self.first_layer = first_layer
         self.fc = Linear(2 * cfg.hidden_size, cfg.hidden_size, fc_bias)
+        # a draft vocabulary: its own LM head rows and each row's target id
+        self.lm_head = None if draft_vocab_size is None else Linear(cfg.hidden_size,
+                                                                    draft_vocab_size)
+        self.register_buffer("draft_ids", None if draft_vocab_size is None else
+                             torch.zeros(draft_vocab_size, dtype=torch.long))
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, None, i)
                                     for i in range(cfg.num_hidden_layers))
         self.layers[0].input_layernorm = nn.Identity()
@@ -85,10 +97,36 @@ def read_eagle_config(folder: str | Path) -> tuple[ModelConfig, dict]:
     config_file, raw = read_head_config(Path(folder))
     if raw.get("add_para_norm"):
         raise HeadsFormatError(f"{config_file}: HASS heads (add_para_norm) are not read")
+    draft = raw.get("draft_vocab_size")
+    if draft is not None and (not isinstance(draft, int) or isinstance(draft, bool)
+                              or draft < 1):
+        raise HeadsFormatError(f"{config_file}: draft_vocab_size must be a positive integer, "
+                               f"got {draft!r}")
     try:
         return ModelConfig.from_hf_config(raw), raw
     except (KeyError, ValueError) as e:
         raise HeadsFormatError(f"{config_file}: {e}") from None
+
+
+def eagle_head_config(target: ModelConfig, num_layers: int = 1,
+                      draft_vocab_size: int | None = None) -> dict:
+    """A head's config.json for `target`: a Llama config of its attention shape and
+    rotary positions, `num_layers` decoder layers (what `read_eagle_config` reads)."""
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "hidden_size": target.hidden_size,
+              "intermediate_size": target.intermediate_size,
+              "num_attention_heads": target.num_attention_heads,
+              "num_key_value_heads": target.num_key_value_heads,
+              "head_dim": target.head_dim, "num_hidden_layers": num_layers,
+              "vocab_size": target.vocab_size, "rope_theta": target.rope_theta,
+              "rms_norm_eps": target.rms_norm_eps,
+              "max_position_embeddings": target.max_position_embeddings,
+              "tie_word_embeddings": False, "hidden_act": "silu"}
+    if target.rope_scaling is not None:
+        config["rope_scaling"] = dict(target.rope_scaling)
+    if draft_vocab_size is not None:
+        config["draft_vocab_size"] = draft_vocab_size
+    return config
 
 
 def num_eagle_layers(folder: str | Path) -> int:
@@ -102,7 +140,7 @@ def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.dev
     size, attention shape: its K/V shares the target's cache) or a tensor is missing,
     extra or misshapen."""
     folder = Path(folder)
-    cfg, _ = read_eagle_config(folder)
+    cfg, raw = read_eagle_config(folder)
     t = target.config
     for name in ("hidden_size", "num_key_value_heads", "head_dim", "vocab_size"):
         if getattr(cfg, name) != getattr(t, name):
@@ -118,7 +156,10 @@ def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.dev
         tensors = {k.removeprefix("model."): v for k, v in load_file(file).items()}
     except (SafetensorError, OSError) as e:
         raise HeadsFormatError(f"{file}: {e}") from None
-    head = EagleHead(cfg, "fc.bias" in tensors, t.num_hidden_layers)
+    draft = raw.get("draft_vocab_size")
+    if draft == t.vocab_size and "d2t" not in tensors:
+        draft = None  # the whole vocabulary: the target's own LM head
+    head = EagleHead(cfg, "fc.bias" in tensors, t.num_hidden_layers, draft)
     _load(head, tensors, folder)
     return head.to(device=device, dtype=dtype).eval()
 
@@ -128,8 +169,11 @@ def _load(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> No
     params = dict(head.named_parameters())
     loaded: set[str] = set()
     fused: dict[str, list] = {}
+    if head.lm_head is not None:
+        _draft_vocabulary(head, tensors, folder)
+        loaded.add("lm_head.weight")
     for name, tensor in tensors.items():
-        if name in _TARGET_COPIES:
+        if name in _TARGET_COPIES or name in _DRAFT_VOCAB:
             continue
         parts = name.split(".")
         if len(parts) >= 4 and parts[-2] in _FUSED:  # layers.i.self_attn.q_proj.weight
@@ -145,6 +189,24 @@ def _load(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> No
     missing = sorted(set(params) - loaded)
     if missing:
         raise HeadsFormatError(f"{folder}: missing head weights, e.g. {missing[0]!r}")
+
+
+def _draft_vocabulary(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """The draft vocabulary's LM head rows and target ids (`d2t`: id = row + d2t[row])."""
+    rows, vocab = head.lm_head.weight.shape[0], head.config.vocab_size
+    for name in ("d2t", "lm_head.weight"):
+        if name not in tensors:
+            raise HeadsFormatError(f"{folder}: draft_vocab_size {rows} needs {name!r}")
+    d2t = tensors["d2t"]
+    if tuple(d2t.shape) != (rows,) or d2t.is_floating_point():
+        raise HeadsFormatError(f"{folder}: d2t must be {rows} integers, got "
+                               f"{tuple(d2t.shape)} {d2t.dtype}")
+    ids = torch.arange(rows) + d2t.long()
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab or len(ids.unique()) != rows:
+        raise HeadsFormatError(f"{folder}: d2t maps draft ids outside the vocabulary of "
+                               f"{vocab} or two onto one token")
+    head.draft_ids.copy_(ids)
+    copy_head_tensor(head.lm_head.weight, "lm_head.weight", tensors["lm_head.weight"], folder)
 
 
 def _copy(params: dict, name: str, tensor: torch.Tensor, folder: Path, loaded: set) -> None:
@@ -179,6 +241,12 @@ class EagleProposer(Proposer):
             raise ValueError("speculative_config: the KV cache has no layers for the EAGLE "
                              "head")
         return cls(head, target.model, kv_cache, attention, device)
+
+    def _draft(self, features: torch.Tensor) -> list[int]:
+        """The greedy draft token from each row of head features."""
+        if self.head.lm_head is None:
+            return argmax(self.target.compute_logits(features)).tolist()
+        return self.head.draft_ids[argmax(self.head.lm_head(features))].tolist()
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.target.model.embed_tokens(torch.tensor(ids, dtype=torch.long,
@@ -229,7 +297,7 @@ class EagleProposer(Proposer):
         wanted = {b: min(s.num_drafts, room[b] + 1) for _, b, s in asked}
         # the first draft from the last verified position, then one position a step
         features = out[torch.from_numpy(ends[[i for i, _, _ in asked]])]  # (N, H)
-        tokens = argmax(self.target.compute_logits(features)).tolist()
+        tokens = self._draft(features)
         for (_, b, _), token in zip(asked, tokens, strict=True):
             drafts[b].append(token)
         for step in range(1, max(wanted.values())):
@@ -241,7 +309,7 @@ class EagleProposer(Proposer):
             out = self._run(seqs, [drafts[b][-1] for _, b, _ in going], features[keep])
             features = features.clone()
             features[keep] = out
-            tokens = argmax(self.target.compute_logits(out)).tolist()
+            tokens = self._draft(out)
             for (_, b, _), token in zip(going, tokens, strict=True):
                 drafts[b].append(token)
         return drafts
@@ -260,7 +328,6 @@ class EagleProposer(Proposer):
         best = float("inf")
         for _ in range(5):
             start = time.perf_counter()
-            out = self._run(seqs, [1] * batch, hidden)
-            self.target.compute_logits(out)
+            self._draft(self._run(seqs, [1] * batch, hidden))
             best = min(best, time.perf_counter() - start)
         return best

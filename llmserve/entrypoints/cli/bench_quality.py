@@ -99,20 +99,24 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     from llmserve.bench.machine import format_machine
     from llmserve.bench.spec import HEADER, format_report, run_spec_bench
 
-    unknown = [m for m in args.methods if m not in ("ngram", "self_draft")]
+    heads = {m: folder for m, folder in (("medusa", args.medusa), ("eagle", args.eagle))
+             if folder is not None}
+    methods = [*args.methods, *[m for m in heads if m not in args.methods]]
+    unknown = [m for m in methods if m not in ("ngram", "self_draft", *heads)]
     if unknown:
-        raise ValueError(f"--methods: {unknown[0]!r} is not ngram or self_draft")
+        raise ValueError(f"--methods: {unknown[0]!r} is not ngram or self_draft (medusa and "
+                         "eagle come with --medusa / --eagle FOLDER)")
     unknown = [p for p in args.paths if p not in ("default", "float32")]
     if unknown:
         raise ValueError(f"--paths: {unknown[0]!r} is not default or float32")
     set_threads(args)
     print(format_machine(), flush=True)
     print(HEADER, flush=True)
-    data = run_spec_bench(args.model, args.methods, args.paths, args.max_tokens,
+    data = run_spec_bench(args.model, methods, args.paths, args.max_tokens,
                           [c for c in args.concurrency if c > 0], args.num_speculative_tokens,
                           log=lambda line: print(line, flush=True),
                           crossover_method=args.crossover_method,
-                          crossover_path=args.crossover_path)
+                          crossover_path=args.crossover_path, heads=heads)
     print("\n".join(format_report(data).splitlines()[-2:]))
     if args.output_json:
         write_json(args.output_json, data)
@@ -149,6 +153,11 @@ def _spec_arguments(sp: argparse.ArgumentParser) -> None:
                     help="methods to compare with none (default ngram,self_draft)")
     sp.add_argument("--paths", type=str_list, default=["default", "float32"],
                     help="default (quantized) and/or float32 (exact); default both")
+    sp.add_argument("--medusa", metavar="FOLDER",
+                    help="Medusa heads (`llmserve train-heads`): compare method medusa too")
+    sp.add_argument("--eagle", metavar="FOLDER",
+                    help="an EAGLE head (`llmserve train-heads --method eagle`): compare "
+                         "method eagle too")
     sp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="most drafts per step (default 4)")
     sp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")

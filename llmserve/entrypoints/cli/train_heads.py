@@ -1,14 +1,17 @@
-"""`llmserve train-heads`: train Medusa heads for a model on this machine's CPU, by
-self-distillation, and write them where `speculative_config` reads them.
+"""`llmserve train-heads`: train Medusa heads or an EAGLE head for a model on this
+machine's CPU, by self-distillation, and write them where `speculative_config` reads them.
 
 The target answers prompts greedily (a built-in set, or the paragraphs of `--data` as
 texts to continue), its hidden states at every position of its answers are taken, and
-the heads learn the tokens that follow (`spec_decode/training.py`). The output folder is
-vLLM's Medusa layout sharing the target's LM head, with how it was made (data size,
-times, the held-out tokens per round) in its config.json under "llmserve":
+the heads learn the tokens that follow (`spec_decode/training.py`, `eagle_training.py`).
+The output folder is vLLM's Medusa layout sharing the target's LM head, or an EAGLE-1
+head with a draft vocabulary (EAGLE-3's `d2t`), with how it was made (data size, times,
+the held-out tokens per round) in its config.json under "llmserve":
 
     llmserve train-heads --model smollm2-135m --output heads/
     llmserve serve --speculative-config '{"method": "medusa", "model": "heads/"}'
+    llmserve train-heads --model smollm2-135m --method eagle --output eagle/
+    llmserve serve --speculative-config '{"method": "eagle", "model": "eagle/"}'
 """
 
 import argparse
@@ -22,6 +25,8 @@ from llmserve.entrypoints.cli.command import Command
 from llmserve.errors import LLMServeError
 
 BUILT_IN_PROMPTS = "data/train_prompts.txt"  # in llmserve.spec_decode
+DEFAULTS = {"medusa": {"steps": 600, "batch_size": 64, "lr": 1e-3},
+            "eagle": {"steps": 400, "batch_size": 4, "lr": 3e-4}}
 
 
 def built_in_prompts() -> list[str]:
@@ -48,6 +53,12 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from llmserve.bench.quality import full_hidden_states
     from llmserve.llm import LLM
     from llmserve.sampling_params import SamplingParams
+    from llmserve.spec_decode.eagle_training import (
+        draft_vocabulary,
+        eagle_sequences,
+        save_eagle_head,
+        train_eagle,
+    )
     from llmserve.spec_decode.medusa import save_medusa_heads
     from llmserve.spec_decode.training import Answer, train_medusa
 
@@ -94,24 +105,38 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
     # 3. the heads
     lm_head = _lm_head_weight(llm)
-    bar = tqdm(total=args.steps, desc="training", file=sys.stderr)
+    steps = args.steps or DEFAULTS[args.method]["steps"]
+    batch_size = args.batch_size or DEFAULTS[args.method]["batch_size"]
+    lr = args.lr or DEFAULTS[args.method]["lr"]
+    bar = tqdm(total=steps, desc="training", file=sys.stderr)
 
     def progress(step: int, loss: float) -> None:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}")
 
-    info = {"method": "medusa", "target": llm.engine.loaded.source.name, "data": source,
+    info = {"method": args.method, "target": llm.engine.loaded.source.name, "data": source,
             "answers": len(answers), "answer_tokens": sum(len(a.tokens) - a.first
                                                           for a in answers),
-            "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+            "steps": steps, "batch_size": batch_size, "lr": lr,
             "seed": args.seed, "command": "llmserve " + " ".join(args.argv)}
+    if args.method == "eagle":
+        embed = _embedding(llm, lm_head)
+        vocabulary = draft_vocabulary(train, lm_head, embed, args.draft_vocab)
+        target = llm.engine.loaded.config
+        info["draft_vocab_size"] = len(vocabulary.ids)
 
-    def checkpoint(heads, step: int) -> None:
-        save_medusa_heads(heads, output, info | {"checkpoint_step": step})
+        def checkpoint(head, step: int) -> None:
+            save_eagle_head(head, vocabulary, target, output, info | {"checkpoint_step": step})
 
-    result = train_medusa(train, held_out, lm_head, args.num_heads, args.steps,
-                          args.batch_size, args.lr, args.seed, progress, checkpoint,
-                          args.checkpoint_every)
+        result = train_eagle(eagle_sequences(train, embed), eagle_sequences(held_out, embed),
+                             target, vocabulary, steps, batch_size, lr, args.num_heads,
+                             args.seed, progress, checkpoint, args.checkpoint_every)
+    else:
+        def checkpoint(heads, step: int) -> None:
+            save_medusa_heads(heads, output, info | {"checkpoint_step": step})
+
+        result = train_medusa(train, held_out, lm_head, args.num_heads, steps, batch_size,
+                              lr, args.seed, progress, checkpoint, args.checkpoint_every)
     bar.close()
     info |= {"train_positions": result.train_positions,
              "held_out_positions": result.held_out_positions,
@@ -121,19 +146,43 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
              "final_loss": round(sum(result.losses[-20:]) / len(result.losses[-20:]), 4),
              "held_out_tokens_per_round": round(result.held_out_tokens_per_round, 3),
              "held_out_accuracy": [round(a, 3) for a in result.held_out_accuracy]}
-    save_medusa_heads(result.heads, output, info)
+    if args.method == "eagle":
+        save_eagle_head(result.head, result.vocabulary, llm.engine.loaded.config, output, info)
+        what, accuracy = (f"an EAGLE head ({len(result.vocabulary.ids)} draft tokens)",
+                          "rounds reaching each depth")
+    else:
+        save_medusa_heads(result.heads, output, info)
+        what, accuracy = f"{args.num_heads} Medusa heads", "head accuracy"
     size = sum(f.stat().st_size for f in output.iterdir() if f.is_file())
-    print(f"wrote {args.num_heads} Medusa heads ({size / 2**20:.1f} MiB) to {output}\n"
+    print(f"wrote {what} ({size / 2**20:.1f} MiB) to {output}\n"
           f"data: {len(answers)} answers from {source}, {info['answer_tokens']} answer tokens "
           f"({result.train_positions} training positions, {result.held_out_positions} "
           f"held out)\n"
           f"time: {generating:.0f} s generating, {hidden_seconds:.0f} s hidden states, "
-          f"{result.seconds:.0f} s training ({args.steps} steps)\n"
-          f"held out: {result.held_out_tokens_per_round:.2f} tokens per round with every "
-          f"head drafting; head accuracy "
+          f"{result.seconds:.0f} s training ({steps} steps)\n"
+          f"held out: {result.held_out_tokens_per_round:.2f} tokens per round drafting "
+          f"{args.num_heads}; {accuracy} "
           f"{', '.join(f'{a:.2f}' for a in result.held_out_accuracy)}\n"
-          f"use: --speculative-config '{{\"method\": \"medusa\", \"model\": \"{output}\"}}'")
+          f"use: --speculative-config '{{\"method\": \"{args.method}\", \"model\": "
+          f"\"{output}\"}}'")
     return 0
+
+
+def _embedding(llm, lm_head):
+    """The target's embedding rows of token ids as float32 (a tied model's: its LM head),
+    out of inference mode."""
+    import torch
+
+    model = llm.engine.loaded.model
+    if getattr(model, "lm_head", None) is None:
+        return lambda ids: lm_head[torch.as_tensor(ids, dtype=torch.long)]
+
+    def embed(ids):
+        with torch.inference_mode():
+            rows = model.model.embed_tokens(torch.as_tensor(ids, dtype=torch.long))
+        return rows.float().clone()
+
+    return embed
 
 
 def _lm_head_weight(llm):
@@ -159,21 +208,28 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     add_model_flag(parser)
     parser.add_argument("--output", required=True, metavar="FOLDER",
                         help="where the heads go (config.json, model.safetensors)")
-    parser.add_argument("--method", choices=["medusa"], default="medusa",
+    parser.add_argument("--method", choices=list(DEFAULTS), default="medusa",
                         help="the kind of heads (default medusa)")
     parser.add_argument("--data", metavar="FILE.txt",
                         help="texts for the target to continue, one per paragraph "
                              "(default: its answers to a built-in set of 64 prompts)")
     parser.add_argument("--num-heads", type=int, default=4,
-                        help="heads, the most drafts a round (default 4)")
+                        help="the most drafts a round (Medusa: its heads; EAGLE: the "
+                             "held-out chains' length) (default 4)")
+    parser.add_argument("--draft-vocab", type=int, default=8192,
+                        help="EAGLE: the answers' most frequent tokens it drafts over "
+                             "(default 8192)")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="tokens per answer (default 256)")
     parser.add_argument("--max-prompt-tokens", type=int, default=512,
                         help="with --data: the last this many tokens of a paragraph")
-    parser.add_argument("--steps", type=int, default=600, help="training steps (default 600)")
-    parser.add_argument("--batch-size", type=int, default=64,
-                        help="positions per step (default 64)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--steps", type=int,
+                        help="training steps (default 600 Medusa, 400 EAGLE)")
+    parser.add_argument("--batch-size", type=int,
+                        help="a step's batch: Medusa positions (default 64), EAGLE whole "
+                             "answers (default 4)")
+    parser.add_argument("--lr", type=float,
+                        help="peak learning rate (default 1e-3 Medusa, 3e-4 EAGLE)")
     parser.add_argument("--held-out", type=float, default=0.1,
                         help="share of the answers kept to measure acceptance (default 0.1)")
     parser.add_argument("--checkpoint-every", type=int, default=200,
@@ -186,15 +242,17 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag in ("num_heads", "max_tokens", "max_prompt_tokens", "steps", "batch_size",
-                 "checkpoint_every"):
-        if getattr(args, flag) < 1:
+                 "checkpoint_every", "draft_vocab"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if not 0 <= args.held_out < 1:
         parser.error("--held-out must be in [0, 1)")
-    if args.lr <= 0:
+    if args.lr is not None and args.lr <= 0:
         parser.error("--lr must be positive")
 
 
-COMMAND = Command("train-heads", help="train Medusa heads for a model (speculative decoding)",
+COMMAND = Command("train-heads", help="train Medusa or EAGLE heads for a model (speculative "
+                                      "decoding)",
                   add_arguments=_arguments, run=cmd_train_heads, check=_check,
                   description=__doc__.splitlines()[0])

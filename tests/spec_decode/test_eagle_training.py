@@ -1,0 +1,177 @@
+"""Training an EAGLE-1 head: the trainer's layer is the published head's (transformers'
+Llama layer as EAGLE uses it), the saved head loads with its draft vocabulary and the
+proposer drafts, over the paged cache, exactly the chains the held-out figure counts; the
+recipe learns a synthetic language it can learn; `llmserve train-heads --method eagle`
+writes a head the engine drafts with losslessly."""
+
+import json
+
+import numpy as np
+import torch
+
+from llmserve import SamplingParams
+from llmserve.config.model import ModelConfig
+from llmserve.entrypoints.cli import main
+from llmserve.layers.attention.selector import attention_backend
+from llmserve.layers.kv_cache import KVCache
+from llmserve.spec_decode.eagle import EagleProposer, eagle_head_config, load_eagle_head
+from llmserve.spec_decode.eagle_training import (
+    TrainableEagle,
+    chain_drafts,
+    draft_vocabulary,
+    eagle_sequences,
+    save_eagle_head,
+    train_eagle,
+)
+from llmserve.spec_decode.training import Answer
+from llmserve.worker.drafts import DraftSeed
+from tests.engines import llm_on
+from tests.spec_decode.test_eagle import reference_forward
+
+
+def random_sequence(cfg, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(100, 3000, (n,), generator=g).tolist(),
+            torch.randn(n, cfg.hidden_size, generator=g))
+
+
+def test_the_trainer_layer_is_the_published_head(float32_model):
+    cfg = float32_model.config
+    torch.manual_seed(0)
+    head = TrainableEagle(cfg)
+    tensors = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    assert set(tensors) >= {"fc.weight", "layers.0.self_attn.q_proj.weight",
+                            "layers.0.post_attention_layernorm.weight",
+                            "layers.0.mlp.down_proj.weight"}
+    ids, features = random_sequence(cfg, 29, 1)
+    with torch.inference_mode():
+        embeds = float32_model.model.model.embed_tokens(torch.tensor(ids)).clone()
+    want = reference_forward(tensors, cfg, embeds, features)
+    with torch.no_grad():
+        got = head(embeds[None], features[None])[0]
+    assert (got - want).abs().max() < 2e-5
+
+
+def test_the_proposer_drafts_the_chains_the_held_out_figure_counts(tmp_path, float32_model):
+    """Chains from the trainer's evaluation (every position at once) equal the runtime
+    proposer's, run over the paged KV cache from the saved head, at several positions."""
+    cfg = float32_model.config
+    torch.manual_seed(1)
+    trainer = TrainableEagle(cfg)
+    with torch.no_grad():  # a head whose drafts depend on the token and its context
+        for p in trainer.parameters():
+            p.mul_(8)
+    tokens, hidden = random_sequence(cfg, 40, 2)
+    with torch.inference_mode():  # tied: the LM head is the embedding
+        lm_head = float32_model.model.model.embed_tokens(
+            torch.arange(cfg.vocab_size)).float().clone()
+
+    def embed(ids):
+        return lm_head[torch.as_tensor(ids, dtype=torch.long)]
+
+    answer = Answer(tokens, hidden, 5)
+    # a vocabulary wider than the sequence's tokens, so chains can leave them
+    vocabulary = draft_vocabulary([answer, Answer(list(range(4000, 4400)), hidden, 0)],
+                                  lm_head, embed, 400)
+    seq = eagle_sequences([answer], embed)[0]
+    depth = 4
+    drafts, right = chain_drafts(trainer, vocabulary, seq, depth)
+    assert drafts.shape == (len(tokens) - 2 - seq.first, depth)
+    assert right.shape == drafts.shape
+
+    folder = save_eagle_head(trainer, vocabulary, cfg, tmp_path / "head")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["draft_vocab_size"] == len(vocabulary.ids) == 400
+    head = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32)
+    assert torch.equal(head.draft_ids, vocabulary.ids)
+    block = 16
+    kv_cache = KVCache.allocate(cfg.num_hidden_layers + 1, 8, block, cfg.num_key_value_heads,
+                                cfg.head_dim, torch.float32, torch.device("cpu"), zeroed=True)
+    proposer = EagleProposer(head, float32_model.model, kv_cache,
+                             attention_backend(torch.device("cpu")), torch.device("cpu"))
+    blocks = np.arange(8, dtype=np.int32)
+    for p in (seq.first, 17, 30):
+        seed = DraftSeed("r", tokens[: p + 2], depth, hidden[: p + 1], 0, blocks)
+        got = proposer.propose([seed])[0]
+        assert got == drafts[p - seq.first].tolist(), p
+
+
+VOCAB, HIDDEN = 24, 32
+
+
+def tiny_config() -> ModelConfig:
+    return ModelConfig.from_hf_config({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 8, "num_hidden_layers": 2, "vocab_size": VOCAB, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 256})
+
+
+def test_the_recipe_learns_what_can_be_learnt():
+    """A language where each token is the previous one plus 1 (mod V); the "target's"
+    feature at p is its LM head row of the token it predicts, x[p + 1], scaled."""
+    g = torch.Generator().manual_seed(0)
+    lm_head = torch.randn(VOCAB, HIDDEN, generator=g)
+    table = torch.randn(VOCAB, HIDDEN, generator=g)
+
+    def embed(ids):
+        return table[torch.as_tensor(ids, dtype=torch.long)]
+
+    def answers(count, seed):
+        r = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(count):
+            start = int(torch.randint(VOCAB, (1,), generator=r))
+            tokens = [(start + i) % VOCAB for i in range(20)]
+            hidden = 0.5 * lm_head[torch.tensor(tokens[1:] + [(tokens[-1] + 1) % VOCAB])]
+            out.append(Answer(tokens, hidden, 2))
+        return out
+
+    train, held_out = answers(40, 1), answers(8, 2)
+    vocabulary = draft_vocabulary(train, lm_head, embed, 1000)
+    assert len(vocabulary.ids) == VOCAB
+    cfg = tiny_config()
+    before = train_eagle(eagle_sequences(train, embed), eagle_sequences(held_out, embed), cfg,
+                         vocabulary, steps=0, depth=3)
+    assert before.held_out_tokens_per_round < 1.5
+    result = train_eagle(eagle_sequences(train, embed), eagle_sequences(held_out, embed),
+                         cfg, vocabulary, steps=300, batch_size=8, lr=1e-2, depth=3)
+    assert result.held_out_tokens_per_round > 3.5  # of the most, 4
+    assert result.held_out_accuracy[-1] > 0.8
+    assert result.losses[-1] < result.losses[0] / 3
+    assert result.held_out_positions == 8 * (20 - 2 - 1)
+
+
+def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm2_gguf,
+                                                                float32_model, capsys):
+    data = tmp_path / "texts.txt"
+    data.write_text("The river runs past the mill and down to the sea.\n\n"
+                    "One, two, three, four, five, six, seven, eight, nine, ten.\n\n"
+                    "Monday, Tuesday, Wednesday, Thursday, Friday.\n\n"
+                    "A B C D E F G H I J K L M N O P.\n")
+    out = tmp_path / "eagle"
+    code = main(["train-heads", "--model", str(smollm2_gguf), "--output", str(out),
+                 "--method", "eagle", "--data", str(data), "--max-tokens", "16",
+                 "--steps", "6", "--batch-size", "2", "--checkpoint-every", "4",
+                 "--held-out", "0.25", "--kv-cache-memory", "64MiB", "--num-heads", "3",
+                 "--draft-vocab", "50"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "wrote an EAGLE head (50 draft tokens)" in printed and "tokens per round" in printed
+    config = json.loads((out / "config.json").read_text())
+    info = config["llmserve"]
+    assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 50
+    assert config == eagle_head_config(float32_model.config, 1, 50) | {"llmserve": info}
+    assert info["method"] == "eagle" and info["answers"] == 4 and info["steps"] == 6
+    assert info["held_out_positions"] > 0 and "checkpoint_step" not in info
+    assert 1.0 <= info["held_out_tokens_per_round"] <= 4.0
+    prompts = ["Count to ten: one, two, three,", "The days of the week are"]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    want = llm_on(float32_model, kv_cache_memory="64MiB").generate(prompts, greedy,
+                                                                   use_tqdm=False)
+    llm = llm_on(float32_model, kv_cache_memory="64MiB", speculative_config={
+        "method": "eagle", "model": str(out), "num_speculative_tokens": 3,
+        "adaptive": False, "disable_by_batch_size": None})
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert llm.engine.speculator.stats.num_draft_tokens > 0

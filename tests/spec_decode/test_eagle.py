@@ -24,7 +24,7 @@ from llmserve import SamplingParams
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
-from llmserve.spec_decode.eagle import load_eagle_head
+from llmserve.spec_decode.eagle import eagle_head_config, load_eagle_head
 from llmserve.spec_decode.medusa import HeadsFormatError
 from tests.engines import llm_on
 
@@ -43,14 +43,7 @@ PROMPTS = [
 
 
 def head_config(cfg) -> dict:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-            "num_attention_heads": cfg.num_attention_heads,
-            "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
-            "num_hidden_layers": 1, "vocab_size": cfg.vocab_size,
-            "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
-            "max_position_embeddings": cfg.max_position_embeddings,
-            "tie_word_embeddings": False, "hidden_act": "silu"}
+    return eagle_head_config(cfg)
 
 
 def random_tensors(cfg, bias: bool, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -7,7 +7,9 @@ writes a head the engine drafts with losslessly."""
 import json
 
 import numpy as np
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from llmserve import SamplingParams
 from llmserve.config.model import ModelConfig
@@ -16,6 +18,7 @@ from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.spec_decode.eagle import EagleProposer, eagle_head_config, load_eagle_head
 from llmserve.spec_decode.eagle_training import (
+    DraftVocabulary,
     TrainableEagle,
     chain_drafts,
     draft_vocabulary,
@@ -23,6 +26,7 @@ from llmserve.spec_decode.eagle_training import (
     save_eagle_head,
     train_eagle,
 )
+from llmserve.spec_decode.medusa import HeadsFormatError
 from llmserve.spec_decode.training import Answer
 from llmserve.worker.drafts import DraftSeed
 from tests.engines import llm_on
@@ -94,6 +98,31 @@ def test_the_proposer_drafts_the_chains_the_held_out_figure_counts(tmp_path, flo
         seed = DraftSeed("r", tokens[: p + 2], depth, hidden[: p + 1], 0, blocks)
         got = proposer.propose([seed])[0]
         assert got == drafts[p - seq.first].tolist(), p
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda c, t: t.pop("d2t"), "draft_vocab_size 3 needs 'd2t'"),
+    (lambda c, t: t.update(d2t=torch.tensor([0, 0, 60000])), "outside the vocabulary"),
+    (lambda c, t: t.update(d2t=torch.tensor([1, 0, 0])), "two onto one token"),
+    (lambda c, t: t.update(d2t=torch.zeros(3)), "d2t must be 3 integers"),
+    (lambda c, t: c.update(draft_vocab_size=0), "draft_vocab_size must be a positive"),
+    (lambda c, t: t.update({"lm_head.weight": torch.zeros(4, 576)}), "lm_head.weight has shape"),
+])
+def test_draft_vocabularies_that_do_not_fit_are_refused_by_name(tmp_path, float32_model,
+                                                                change, message):
+    cfg = float32_model.config
+    torch.manual_seed(0)
+    folder = tmp_path / "head"
+    save_eagle_head(TrainableEagle(cfg), DraftVocabulary(
+        torch.tensor([5, 7, 9]), torch.randn(3, cfg.hidden_size),
+        torch.randn(3, cfg.hidden_size)), cfg, folder)
+    config = json.loads((folder / "config.json").read_text())
+    tensors = load_file(folder / "model.safetensors")
+    change(config, tensors)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(HeadsFormatError, match=message):
+        load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32)
 
 
 VOCAB, HIDDEN = 24, 32

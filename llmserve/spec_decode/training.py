@@ -18,8 +18,11 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from llmserve.spec_decode.medusa import MedusaConfig, MedusaHeads
@@ -36,6 +39,62 @@ class Answer:
     tokens: list[int]
     hidden: torch.Tensor
     first: int  # the answer's first token
+    prompt: int = 0  # which prompt it answers (answers to one prompt are held out together)
+    sampled: bool = False  # a sampled answer, not the greedy one (trained on, not measured)
+
+
+def save_answers(answers: list[Answer], path: str | Path, meta: dict[str, str]) -> None:
+    """Answers in one safetensors file (their tokens and hidden states end to end), so
+    that training can run again without generating them (`load_answers`)."""
+    tensors = {
+        "tokens": torch.tensor([t for a in answers for t in a.tokens], dtype=torch.long),
+        "lengths": torch.tensor([len(a.tokens) for a in answers], dtype=torch.long),
+        "firsts": torch.tensor([a.first for a in answers], dtype=torch.long),
+        "prompts": torch.tensor([a.prompt for a in answers], dtype=torch.long),
+        "sampled": torch.tensor([a.sampled for a in answers], dtype=torch.bool),
+        "hidden": torch.cat([a.hidden.float() for a in answers]).contiguous()}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_answers(path: str | Path, hidden_size: int) -> tuple[list[Answer], dict[str, str]]:
+    """What `save_answers` wrote, checked against the target's hidden size."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+    except (OSError, SafetensorError) as e:
+        raise ValueError(f"{path}: {e}") from None
+    names = ("tokens", "lengths", "firsts", "prompts", "sampled", "hidden")
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"{path}: not a train-heads dataset (no {missing[0]!r})")
+    hidden, lengths = tensors["hidden"], tensors["lengths"]
+    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
+        raise ValueError(f"{path}: hidden states of width {tuple(hidden.shape)[1:]}, the "
+                         f"model's are {hidden_size}")
+    if int(lengths.sum()) != len(tensors["tokens"]) or len(hidden) != len(tensors["tokens"]):
+        raise ValueError(f"{path}: its tokens, hidden states and lengths disagree")
+    answers, at = [], 0
+    for n, first, prompt, sampled in zip(lengths.tolist(), tensors["firsts"].tolist(),
+                                         tensors["prompts"].tolist(),
+                                         tensors["sampled"].tolist(), strict=True):
+        answers.append(Answer(tensors["tokens"][at:at + n].tolist(), hidden[at:at + n],
+                              first, prompt, sampled))
+        at += n
+    return answers, meta
+
+
+def split_held_out(answers: list[Answer], share: float) -> tuple[list[Answer], list[Answer]]:
+    """(train, held out): the answers to one in round(1 / share) prompts are kept from
+    training, and their greedy ones measure the acceptance (a greedy round verifies
+    against the target's greedy choice)."""
+    every = max(2, round(1 / share)) if share > 0 else 0
+
+    def held(a: Answer) -> bool:
+        return bool(every) and a.prompt % every == every - 1
+
+    return ([a for a in answers if not held(a)],
+            [a for a in answers if held(a) and not a.sampled])
 
 
 @dataclass

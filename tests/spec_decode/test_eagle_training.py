@@ -178,12 +178,13 @@ def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm
                     "One, two, three, four, five, six, seven, eight, nine, ten.\n\n"
                     "Monday, Tuesday, Wednesday, Thursday, Friday.\n\n"
                     "A B C D E F G H I J K L M N O P.\n")
-    out = tmp_path / "eagle"
-    code = main(["train-heads", "--model", str(smollm2_gguf), "--output", str(out),
-                 "--method", "eagle", "--data", str(data), "--max-tokens", "16",
-                 "--steps", "6", "--batch-size", "2", "--checkpoint-every", "4",
-                 "--held-out", "0.25", "--kv-cache-memory", "64MiB", "--num-heads", "3",
-                 "--draft-vocab", "50"])
+    out, dataset = tmp_path / "eagle", tmp_path / "answers.safetensors"
+    flags = ["train-heads", "--model", str(smollm2_gguf), "--output", str(out),
+             "--method", "eagle", "--steps", "6", "--batch-size", "2",
+             "--checkpoint-every", "4", "--held-out", "0.25", "--kv-cache-memory", "64MiB",
+             "--num-heads", "3", "--draft-vocab", "50"]
+    code = main([*flags, "--data", str(data), "--max-tokens", "16", "--samples", "2",
+                 "--save-dataset", str(dataset)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "wrote an EAGLE head (50 draft tokens)" in printed and "tokens per round" in printed
@@ -191,9 +192,18 @@ def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm
     info = config["llmserve"]
     assert config["num_hidden_layers"] == 1 and config["draft_vocab_size"] == 50
     assert config == eagle_head_config(float32_model.config, 1, 50) | {"llmserve": info}
-    assert info["method"] == "eagle" and info["answers"] == 4 and info["steps"] == 6
+    # 4 prompts, a greedy and a sampled answer each; one prompt's greedy answer measures
+    assert info["method"] == "eagle" and info["answers"] == 8 and info["steps"] == 6
     assert info["held_out_positions"] > 0 and "checkpoint_step" not in info
     assert 1.0 <= info["held_out_tokens_per_round"] <= 4.0
+    # the saved answers train the same head again, without generating
+    weights = load_file(out / "model.safetensors")
+    assert main([*flags, "--dataset", str(dataset)]) == 0
+    again = json.loads((out / "config.json").read_text())["llmserve"]
+    assert again["answers"] == 8 and again["seconds_generating"] == 0
+    assert again["held_out_tokens_per_round"] == info["held_out_tokens_per_round"]
+    for name, tensor in load_file(out / "model.safetensors").items():
+        assert torch.equal(tensor, weights[name]), name
     prompts = ["Count to ten: one, two, three,", "The days of the week are"]
     greedy = SamplingParams(temperature=0, max_tokens=12)
     want = llm_on(float32_model, kv_cache_memory="64MiB").generate(prompts, greedy,

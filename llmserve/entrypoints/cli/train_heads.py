@@ -50,9 +50,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
 
-    from llmserve.bench.quality import full_hidden_states
     from llmserve.llm import LLM
-    from llmserve.sampling_params import SamplingParams
     from llmserve.spec_decode.eagle_training import (
         draft_vocabulary,
         eagle_sequences,
@@ -60,7 +58,12 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         train_eagle,
     )
     from llmserve.spec_decode.medusa import save_medusa_heads
-    from llmserve.spec_decode.training import Answer, train_medusa
+    from llmserve.spec_decode.training import (
+        load_answers,
+        save_answers,
+        split_held_out,
+        train_medusa,
+    )
 
     output = Path(args.output)
     if output.exists() and not output.is_dir():
@@ -68,37 +71,19 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     llm = LLM(args.model, dtype="float32", kv_cache_memory=args.kv_cache_memory,
               num_threads=args.threads)
-    tokenizer = llm.tokenizer
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-
-    # 1. the target's own answers
-    start = time.perf_counter()
-    if args.data is None:
-        source = "built-in prompts"
-        prompts = built_in_prompts()
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
-                           use_tqdm=True)
+    hidden_size = llm.engine.loaded.config.hidden_size
+    if args.dataset is not None:
+        try:
+            answers, meta = load_answers(args.dataset, hidden_size)
+        except ValueError as e:
+            raise LLMServeError(f"--dataset {e}") from None
+        source = f"{args.dataset} ({meta.get('source', 'a saved dataset')})"
+        generating = hidden_seconds = 0.0
     else:
-        source = str(args.data)
-        texts = data_prompts(Path(args.data))
-        prompts = [tokenizer.encode(t)[-args.max_prompt_tokens:] for t in texts]
-        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params,
-                               use_tqdm=True)
-    generating = time.perf_counter() - start
-
-    # 2. its hidden states over them
-    start = time.perf_counter()
-    answers = []
-    for out in tqdm(outputs, desc="hidden states", file=sys.stderr):
-        prompt = list(out.prompt_token_ids)
-        tokens = prompt + list(out.outputs[0].token_ids)
-        hidden = full_hidden_states(llm, tokens).clone().float().cpu()  # out of inference
-        answers.append(Answer(tokens, hidden, len(prompt)))
-    hidden_seconds = time.perf_counter() - start
-    every = max(2, round(1 / args.held_out)) if args.held_out > 0 else 0
-    kept = {i for i in range(len(answers)) if every and i % every == every - 1}
-    held_out = [a for i, a in enumerate(answers) if i in kept]
-    train = [a for i, a in enumerate(answers) if i not in kept]
+        source, answers, generating, hidden_seconds = _answers(llm, args)
+        if args.save_dataset is not None:
+            save_answers(answers, args.save_dataset, {"source": source})
+    train, held_out = split_held_out(answers, args.held_out)
     if not train:
         raise LLMServeError("no answers to train on (give more prompts or a smaller "
                             "--held-out)")
@@ -168,6 +153,48 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def _answers(llm, args: argparse.Namespace):
+    """The target's answers (`--samples` per prompt: the first greedy, the others sampled)
+    with its hidden states: (source, answers, seconds generating, seconds on hidden
+    states)."""
+    from tqdm import tqdm
+
+    from llmserve.bench.quality import full_hidden_states
+    from llmserve.sampling_params import SamplingParams
+    from llmserve.spec_decode.training import Answer
+
+    start = time.perf_counter()
+    runs = [SamplingParams(temperature=0, max_tokens=args.max_tokens)]
+    if args.samples > 1:
+        runs.append(SamplingParams(n=args.samples - 1, temperature=args.temperature,
+                                   max_tokens=args.max_tokens, seed=args.seed))
+    if args.data is None:
+        source = "built-in prompts"
+        prompts = built_in_prompts()
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = [llm.chat(conversations, p, use_tqdm=True) for p in runs]
+    else:
+        source = str(args.data)
+        texts = data_prompts(Path(args.data))
+        ids = [llm.tokenizer.encode(t)[-args.max_prompt_tokens:] for t in texts]
+        outputs = [llm.generate([{"prompt_token_ids": i} for i in ids], p, use_tqdm=True)
+                   for p in runs]
+    if args.samples > 1:
+        source += f", {args.samples} answers each (1 greedy, the rest at temperature "
+        source += f"{args.temperature})"
+    generating = time.perf_counter() - start
+    start = time.perf_counter()
+    answers = []
+    todo = [(i, out.prompt_token_ids, c.token_ids, run > 0)
+            for run, results in enumerate(outputs) for i, out in enumerate(results)
+            for c in out.outputs]
+    for i, prompt, completion, sampled in tqdm(todo, desc="hidden states", file=sys.stderr):
+        tokens = list(prompt) + list(completion)
+        hidden = full_hidden_states(llm, tokens).clone().float().cpu()  # out of inference
+        answers.append(Answer(tokens, hidden, len(prompt), i, sampled))
+    return source, answers, generating, time.perf_counter() - start
+
+
 def _embedding(llm, lm_head):
     """The target's embedding rows of token ids as float32 (a tied model's: its LM head),
     out of inference mode."""
@@ -213,6 +240,15 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", metavar="FILE.txt",
                         help="texts for the target to continue, one per paragraph "
                              "(default: its answers to a built-in set of 64 prompts)")
+    parser.add_argument("--samples", type=int, default=1,
+                        help="answers per prompt: the first greedy, the others sampled at "
+                             "--temperature (default 1)")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="the sampled answers' temperature (default 0.8)")
+    parser.add_argument("--save-dataset", metavar="FILE.safetensors",
+                        help="also write the answers and hidden states here")
+    parser.add_argument("--dataset", metavar="FILE.safetensors",
+                        help="train on answers a --save-dataset run wrote (no generating)")
     parser.add_argument("--num-heads", type=int, default=4,
                         help="the most drafts a round (Medusa: its heads; EAGLE: the "
                              "held-out chains' length) (default 4)")
@@ -242,7 +278,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag in ("num_heads", "max_tokens", "max_prompt_tokens", "steps", "batch_size",
-                 "checkpoint_every", "draft_vocab"):
+                 "checkpoint_every", "draft_vocab", "samples"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
@@ -250,6 +286,10 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--held-out must be in [0, 1)")
     if args.lr is not None and args.lr <= 0:
         parser.error("--lr must be positive")
+    if args.temperature <= 0:
+        parser.error("--temperature must be positive (the first answer is the greedy one)")
+    if args.dataset is not None and args.data is not None:
+        parser.error("--dataset holds answers already: --data goes with generating them")
 
 
 COMMAND = Command("train-heads", help="train Medusa or EAGLE heads for a model (speculative "

@@ -39,6 +39,7 @@ from llmserve.spec_decode.training import Answer
 
 FEATURE_LOSS, TOKEN_LOSS = 1.0, 0.1  # EAGLE-1's weights
 NOISE = 0.2  # uniform noise of this width on the input features (EAGLE-1's)
+STEP_WEIGHT = 0.8  # chain step s's loss weighs 0.8^s (EAGLE-3's)
 
 
 class _Attention(nn.Module):
@@ -164,19 +165,19 @@ class TrainableEagle(nn.Module):
     def chain_step(self, embeds: torch.Tensor, features: torch.Tensor,
                    positions: torch.Tensor, prefix: Keys, chain: list[Keys]
                    ) -> tuple[torch.Tensor, Keys]:
-        """One draft step at every position of a sequence at once: row p (of T) is the
+        """One draft step at every position of B sequences at once: row p (of T) is the
         chain drafted after position p, now at `positions[p]`; it attends to the true
-        prefix's keys 0 .. p (`prefix`, (1, kv, T, d)) and to its own chain's earlier
-        steps (`chain`, each (1, kv, T, d)) and itself. Returns (1, T, H) and its keys."""
+        prefix's keys 0 .. p (`prefix`, (B, kv, T, d)) and to its own chain's earlier
+        steps (`chain`, each (B, kv, T, d)) and itself. Returns (B, T, H) and its keys."""
         x, q, keys = self._project(embeds, features, positions[None])
         scale = self.config.head_dim ** -0.5
         t = q.shape[2]
-        true_scores = q @ self._grouped(prefix.k).transpose(-1, -2) * scale  # (1, h, T, T)
+        true_scores = q @ self._grouped(prefix.k).transpose(-1, -2) * scale  # (B, h, T, T)
         causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
         true_scores = true_scores.masked_fill(~causal, float("-inf"))
         steps = [*chain, keys]
         own = torch.stack([(q * self._grouped(s.k)).sum(-1) * scale for s in steps],
-                          dim=-1)  # (1, h, T, steps)
+                          dim=-1)  # (B, h, T, steps)
         weights = torch.cat([true_scores, own], dim=-1).softmax(dim=-1)
         attended = weights[..., :t] @ self._grouped(prefix.v)
         for i, s in enumerate(steps):
@@ -251,6 +252,7 @@ class EagleResult:
     held_out_tokens_per_round: float = 1.0
     # the share of rounds whose first i + 1 drafts are all right, i = 0 .. depth - 1
     held_out_accuracy: list[float] = field(default_factory=list)
+    train_tokens_per_round: float | None = None  # the same on training answers
 
 
 def _batch(seqs: list[EagleSequence]) -> tuple[torch.Tensor, ...]:
@@ -272,9 +274,12 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
                 batch_size: int = 4, lr: float = 3e-4, depth: int = 4, seed: int = 0,
                 progress: Callable[[int, float], None] | None = None,
                 checkpoint: Callable[[TrainableEagle, int], None] | None = None,
-                checkpoint_every: int = 200) -> EagleResult:
+                checkpoint_every: int = 200, unroll: int = 1,
+                train_measured: list[EagleSequence] | None = None) -> EagleResult:
     """Train a head on `train` (`batch_size` sequences a step); the held-out chains draft
-    up to `depth` tokens."""
+    up to `depth` tokens. `unroll` > 1 also trains the chain's next steps from the
+    head's own features (`chain_losses`); `train_measured`: training sequences whose
+    figure is reported beside the held-out one (how far the head overfits)."""
     if not train:
         raise ValueError("no answer is long enough to train on (each needs 3 tokens)")
     torch.manual_seed(seed)
@@ -300,12 +305,9 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
         picked, order = order[:batch_size], order[batch_size:]
         embeds, features, targets, mask = _batch([train[i] for i in picked])
         noise = (torch.rand(features.shape, generator=generator) - 0.5) * NOISE
-        out = head(embeds, features + noise)[mask]
-        with torch.no_grad():
-            target_p = vocabulary.logits(targets[mask]).softmax(dim=-1)
-        feature_loss = F.smooth_l1_loss(out, targets[mask])
-        token_loss = -(target_p * vocabulary.logits(out).log_softmax(dim=-1)).sum(-1).mean()
-        loss = FEATURE_LOSS * feature_loss + TOKEN_LOSS * token_loss
+        losses = chain_losses(head, vocabulary, embeds, features + noise, targets, mask,
+                              unroll)
+        loss = sum(STEP_WEIGHT ** s * term for s, term in enumerate(losses))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
@@ -317,14 +319,62 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
         if checkpoint is not None and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             checkpoint(head, step + 1)
     result.seconds = time.perf_counter() - start
-    if held_out:
-        right = torch.cat([chain_drafts(head, vocabulary, s, depth)[1] for s in held_out])
-        result.held_out_positions = len(right)
-        if len(right):
-            leading = torch.cumprod(right.int(), dim=1)
-            result.held_out_tokens_per_round = 1.0 + float(leading.sum(1).float().mean())
-            result.held_out_accuracy = leading.float().mean(0).tolist()
+    result.held_out_positions, result.held_out_tokens_per_round, result.held_out_accuracy = \
+        measure(head, vocabulary, held_out, depth)
+    if train_measured:
+        result.train_tokens_per_round = measure(head, vocabulary, train_measured, depth)[1]
     return result
+
+
+def _shifted(x: torch.Tensor, s: int) -> torch.Tensor:
+    """x (B, T, ...) moved s places earlier along T, the end padded with zeros."""
+    return torch.cat([x[:, s:], torch.zeros_like(x[:, :s])], dim=1)
+
+
+def chain_losses(head: TrainableEagle, vocabulary: DraftVocabulary, embeds: torch.Tensor,
+                 features: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+                 unroll: int) -> list[torch.Tensor]:
+    """The loss of each of `unroll` chain steps over a batch (`_batch`), each a mean over
+    its positions: step 0 is EAGLE-1's, teacher-forced; step s > 0 (as HASS and EAGLE-3
+    train) at row p reads the true token x[p + 1 + s] beside the head's own step s - 1
+    output, at position p + s, attending to the true prefix and its chain
+    (`chain_step`), and learns f[p + 1 + s]. Training weighs step s STEP_WEIGHT^s."""
+    out, prefix = head(embeds, features, return_keys=True)
+    losses = [_step_loss(vocabulary, out[mask], targets[mask])]
+    chain: list[Keys] = []
+    t = embeds.shape[1]
+    for s in range(1, unroll):
+        valid = _shifted(mask, s)
+        if not valid.any():
+            break
+        positions = (torch.arange(t) + s).clamp(max=head.cos.shape[0] - 1)
+        out, keys = head.chain_step(_shifted(embeds, s), out, positions, prefix, chain)
+        chain.append(keys)
+        losses.append(_step_loss(vocabulary, out[valid], _shifted(targets, s)[valid]))
+    return losses
+
+
+def _step_loss(vocabulary: DraftVocabulary, out: torch.Tensor,
+               targets: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        target_p = vocabulary.logits(targets).softmax(dim=-1)
+    feature_loss = F.smooth_l1_loss(out, targets)
+    token_loss = -(target_p * vocabulary.logits(out).log_softmax(dim=-1)).sum(-1).mean()
+    return FEATURE_LOSS * feature_loss + TOKEN_LOSS * token_loss
+
+
+def measure(head: TrainableEagle, vocabulary: DraftVocabulary, seqs: list[EagleSequence],
+            depth: int) -> tuple[int, float, list[float]]:
+    """(Positions, mean tokens per round, the share of rounds whose first i + 1 drafts are
+    right) of chains of `depth` drafted after every answer position of `seqs`."""
+    if not seqs:
+        return 0, 1.0, []
+    right = torch.cat([chain_drafts(head, vocabulary, s, depth)[1] for s in seqs])
+    if not len(right):
+        return 0, 1.0, []
+    leading = torch.cumprod(right.int(), dim=1)
+    return (len(right), 1.0 + float(leading.sum(1).float().mean()),
+            leading.float().mean(0).tolist())
 
 
 @torch.no_grad()

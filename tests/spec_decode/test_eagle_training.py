@@ -19,8 +19,11 @@ from llmserve.layers.kv_cache import KVCache
 from llmserve.spec_decode.eagle import EagleProposer, eagle_head_config, load_eagle_head
 from llmserve.spec_decode.eagle_training import (
     DraftVocabulary,
+    EagleSequence,
     TrainableEagle,
+    _batch,
     chain_drafts,
+    chain_losses,
     draft_vocabulary,
     eagle_sequences,
     save_eagle_head,
@@ -136,9 +139,11 @@ def tiny_config() -> ModelConfig:
         "rms_norm_eps": 1e-6, "max_position_embeddings": 256})
 
 
-def test_the_recipe_learns_what_can_be_learnt():
+@pytest.mark.parametrize("unroll", [1, 3])
+def test_the_recipe_learns_what_can_be_learnt(unroll):
     """A language where each token is the previous one plus 1 (mod V); the "target's"
-    feature at p is its LM head row of the token it predicts, x[p + 1], scaled."""
+    feature at p is its LM head row of the token it predicts, x[p + 1], scaled; EAGLE-1's
+    recipe and the one that trains the chain's next steps from the head's own features."""
     g = torch.Generator().manual_seed(0)
     lm_head = torch.randn(VOCAB, HIDDEN, generator=g)
     table = torch.randn(VOCAB, HIDDEN, generator=g)
@@ -164,11 +169,34 @@ def test_the_recipe_learns_what_can_be_learnt():
                          vocabulary, steps=0, depth=3)
     assert before.held_out_tokens_per_round < 1.5
     result = train_eagle(eagle_sequences(train, embed), eagle_sequences(held_out, embed),
-                         cfg, vocabulary, steps=300, batch_size=8, lr=1e-2, depth=3)
+                         cfg, vocabulary, steps=300, batch_size=8, lr=1e-2, depth=3,
+                         unroll=unroll, train_measured=eagle_sequences(train[:8], embed))
     assert result.held_out_tokens_per_round > 3.5  # of the most, 4
     assert result.held_out_accuracy[-1] > 0.8
+    assert result.train_tokens_per_round > 3.5
     assert result.losses[-1] < result.losses[0] / 3
     assert result.held_out_positions == 8 * (20 - 2 - 1)
+
+
+def test_a_batch_of_unequal_sequences_trains_as_each_alone(float32_model):
+    """Each chain step's loss over a padded batch is its sequences' own losses weighted by
+    their positions at that step: padding reaches no real position, at any step."""
+    cfg = float32_model.config
+    torch.manual_seed(3)
+    head = TrainableEagle(cfg)
+    g = torch.Generator().manual_seed(4)
+    lm_head = torch.randn(300, cfg.hidden_size, generator=g)
+    vocabulary = DraftVocabulary(torch.arange(300), lm_head, lm_head)
+    seqs = [EagleSequence(*(torch.randn(n, cfg.hidden_size, generator=g) for _ in range(3)),
+                          list(range(n + 1)), 0) for n in (9, 14)]
+    with torch.no_grad():
+        both = chain_losses(head, vocabulary, *_batch(seqs), unroll=3)
+        alone = [chain_losses(head, vocabulary, *_batch([s]), unroll=3) for s in seqs]
+    assert len(both) == 3
+    for step in range(3):
+        counts = [len(s.embeds) - step for s in seqs]
+        want = sum(c * a[step] for c, a in zip(counts, alone, strict=True)) / sum(counts)
+        assert abs(float(both[step]) - float(want)) < 1e-4, step
 
 
 def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm2_gguf,

@@ -113,9 +113,14 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         def checkpoint(head, step: int) -> None:
             save_eagle_head(head, vocabulary, target, output, info | {"checkpoint_step": step})
 
+        info["unroll"] = args.unroll
+        # as many greedy training answers as held-out ones: the figure beside it
+        measured = [a for a in train if not a.sampled][:max(len(held_out), 1)]
         result = train_eagle(eagle_sequences(train, embed), eagle_sequences(held_out, embed),
                              target, vocabulary, steps, batch_size, lr, args.num_heads,
-                             args.seed, progress, checkpoint, args.checkpoint_every)
+                             args.seed, progress, checkpoint, args.checkpoint_every,
+                             args.unroll, eagle_sequences(measured, embed))
+        info["train_tokens_per_round"] = round(result.train_tokens_per_round or 1.0, 3)
     else:
         def checkpoint(heads, step: int) -> None:
             save_medusa_heads(heads, output, info | {"checkpoint_step": step})
@@ -147,7 +152,9 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
           f"{result.seconds:.0f} s training ({steps} steps)\n"
           f"held out: {result.held_out_tokens_per_round:.2f} tokens per round drafting "
           f"{args.num_heads}; {accuracy} "
-          f"{', '.join(f'{a:.2f}' for a in result.held_out_accuracy)}\n"
+          f"{', '.join(f'{a:.2f}' for a in result.held_out_accuracy)}"
+          + (f" (on training answers: {info['train_tokens_per_round']:.2f} tokens per round)"
+             if "train_tokens_per_round" in info else "") + "\n"
           f"use: --speculative-config '{{\"method\": \"{args.method}\", \"model\": "
           f"\"{output}\"}}'")
     return 0
@@ -252,6 +259,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-heads", type=int, default=4,
                         help="the most drafts a round (Medusa: its heads; EAGLE: the "
                              "held-out chains' length) (default 4)")
+    parser.add_argument("--unroll", type=int, default=3,
+                        help="EAGLE: chain steps trained from the head's own features, the "
+                             "first teacher-forced (default 3; 1 is EAGLE-1's recipe)")
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="EAGLE: the answers' most frequent tokens it drafts over "
                              "(default 8192)")
@@ -278,7 +288,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for flag in ("num_heads", "max_tokens", "max_prompt_tokens", "steps", "batch_size",
-                 "checkpoint_every", "draft_vocab", "samples"):
+                 "checkpoint_every", "draft_vocab", "samples", "unroll"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")

@@ -20,7 +20,6 @@ and the chain so far; a round keeps the leading drafts equal to the target's tok
 """
 
 import json
-import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from torch.nn import functional as F
 from llmserve.config.model import ModelConfig
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.spec_decode.eagle import WEIGHT_FILE, eagle_head_config
-from llmserve.spec_decode.training import Answer
+from llmserve.spec_decode.training import Answer, after_step, warmup_cosine
 
 FEATURE_LOSS, TOKEN_LOSS = 1.0, 0.1  # EAGLE-1's weights
 NOISE = 0.2  # uniform noise of this width on the input features (EAGLE-1's)
@@ -286,15 +285,7 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
     head = TrainableEagle(cfg)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
-    warmup = max(1, steps // 20)
-
-    def rate(step: int) -> float:  # warm-up, then cosine decay to a tenth
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    scheduler = warmup_cosine(optimizer, steps)
     result = EagleResult(head, vocabulary, steps, 0.0, sum(len(s.embeds) for s in train), 0)
     generator = torch.Generator().manual_seed(seed)
     order: list[int] = []
@@ -313,11 +304,8 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         optimizer.step()
         scheduler.step()
-        result.losses.append(loss.item())
-        if progress is not None:
-            progress(step, result.losses[-1])
-        if checkpoint is not None and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-            checkpoint(head, step + 1)
+        after_step(result.losses, loss, step, steps, head, progress, checkpoint,
+                   checkpoint_every)
     result.seconds = time.perf_counter() - start
     result.held_out_positions, result.held_out_tokens_per_round, result.held_out_accuracy = \
         measure(head, vocabulary, held_out, depth)

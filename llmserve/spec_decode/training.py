@@ -141,6 +141,33 @@ def new_heads(num_heads: int, hidden_size: int, vocab_size: int,
     return heads
 
 
+def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int
+                  ) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning rate over `steps`: a warm-up over the first 5 %, then a cosine decay
+    to a tenth of the peak."""
+    warmup = max(1, steps // 20)
+
+    def rate(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+
+
+def after_step(losses: list[float], loss: torch.Tensor, step: int, steps: int, model,
+               progress: Callable[[int, float], None] | None,
+               checkpoint: Callable | None, checkpoint_every: int) -> None:
+    """Record a step's loss, report it, and write a checkpoint every `checkpoint_every`
+    steps (not at the last: the caller writes the result)."""
+    losses.append(loss.item())
+    if progress is not None:
+        progress(step, losses[-1])
+    if checkpoint is not None and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+        checkpoint(model, step + 1)
+
+
 def train_medusa(train: list[Answer], held_out: list[Answer], lm_head: torch.Tensor,
                  num_heads: int = 4, steps: int = 600, batch_size: int = 64,
                  lr: float = 1e-3, seed: int = 0,
@@ -157,16 +184,7 @@ def train_medusa(train: list[Answer], held_out: list[Answer], lm_head: torch.Ten
         raise ValueError("no answer is long enough to train on (each needs 3 tokens)")
     weights = [HEAD_WEIGHT_DECAY ** i for i in range(num_heads)]
     optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
-    # cosine decay to a tenth, after a short warm-up
-    warmup = max(1, steps // 20)
-
-    def rate(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    scheduler = warmup_cosine(optimizer, steps)
     result = TrainingResult(heads, steps, 0.0, len(rows), 0)
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(seed)
@@ -183,11 +201,8 @@ def train_medusa(train: list[Answer], held_out: list[Answer], lm_head: torch.Ten
         loss.backward()
         optimizer.step()
         scheduler.step()
-        result.losses.append(loss.item())
-        if progress is not None:
-            progress(step, result.losses[-1])
-        if checkpoint is not None and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
-            checkpoint(heads, step + 1)
+        after_step(result.losses, loss, step, steps, heads, progress, checkpoint,
+                   checkpoint_every)
     result.seconds = time.perf_counter() - start
     rows, labels = positions(held_out, num_heads)
     if len(rows):

@@ -34,6 +34,7 @@ from llmserve.spec_decode.training import Answer
 from llmserve.worker.drafts import DraftSeed
 from tests.engines import llm_on
 from tests.spec_decode.test_eagle import reference_forward
+from tests.spec_decode.test_train_heads import texts_file
 
 
 def random_sequence(cfg, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
@@ -201,11 +202,7 @@ def test_a_batch_of_unequal_sequences_trains_as_each_alone(float32_model):
 
 def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm2_gguf,
                                                                 float32_model, capsys):
-    data = tmp_path / "texts.txt"
-    data.write_text("The river runs past the mill and down to the sea.\n\n"
-                    "One, two, three, four, five, six, seven, eight, nine, ten.\n\n"
-                    "Monday, Tuesday, Wednesday, Thursday, Friday.\n\n"
-                    "A B C D E F G H I J K L M N O P.\n")
+    data = texts_file(tmp_path)
     out, dataset = tmp_path / "eagle", tmp_path / "answers.safetensors"
     flags = ["train-heads", "--model", str(smollm2_gguf), "--output", str(out),
              "--method", "eagle", "--steps", "6", "--batch-size", "2",

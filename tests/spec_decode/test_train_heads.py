@@ -3,6 +3,7 @@ learn (its held-out acceptance figure measured right), and `llmserve train-heads
 heads, with how they were made, that the engine loads and drafts with losslessly."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,13 +54,19 @@ def test_the_recipe_learns_what_can_be_learnt():
     assert evaluate(result.heads, rows, labels)[0] == result.held_out_tokens_per_round
 
 
-def test_train_heads_command_writes_heads_the_engine_drafts_with(tmp_path, smollm2_gguf,
-                                                                  float32_model, capsys):
-    data = tmp_path / "texts.txt"
+def texts_file(folder: Path) -> Path:
+    """Four short paragraphs for `--data`."""
+    data = folder / "texts.txt"
     data.write_text("The river runs past the mill and down to the sea.\n\n"
                     "One, two, three, four, five, six, seven, eight, nine, ten.\n\n"
                     "Monday, Tuesday, Wednesday, Thursday, Friday.\n\n"
                     "A B C D E F G H I J K L M N O P.\n")
+    return data
+
+
+def test_train_heads_command_writes_heads_the_engine_drafts_with(tmp_path, smollm2_gguf,
+                                                                  float32_model, capsys):
+    data = texts_file(tmp_path)
     out = tmp_path / "heads"
     code = main(["train-heads", "--model", str(smollm2_gguf), "--output", str(out),
                  "--data", str(data), "--max-tokens", "16", "--steps", "12",

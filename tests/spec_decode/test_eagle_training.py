@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmserve import SamplingParams
 from llmserve.config.model import ModelConfig
 from llmserve.entrypoints.cli import main
 from llmserve.layers.attention.selector import attention_backend
@@ -32,9 +31,8 @@ from llmserve.spec_decode.eagle_training import (
 from llmserve.spec_decode.medusa import HeadsFormatError
 from llmserve.spec_decode.training import Answer
 from llmserve.worker.drafts import DraftSeed
-from tests.engines import llm_on
 from tests.spec_decode.test_eagle import reference_forward
-from tests.spec_decode.test_train_heads import texts_file
+from tests.spec_decode.test_train_heads import assert_drafts_losslessly, texts_file
 
 
 def random_sequence(cfg, n: int, seed: int) -> tuple[list[int], torch.Tensor]:
@@ -229,13 +227,4 @@ def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm
     assert again["held_out_tokens_per_round"] == info["held_out_tokens_per_round"]
     for name, tensor in load_file(out / "model.safetensors").items():
         assert torch.equal(tensor, weights[name]), name
-    prompts = ["Count to ten: one, two, three,", "The days of the week are"]
-    greedy = SamplingParams(temperature=0, max_tokens=12)
-    want = llm_on(float32_model, kv_cache_memory="64MiB").generate(prompts, greedy,
-                                                                   use_tqdm=False)
-    llm = llm_on(float32_model, kv_cache_memory="64MiB", speculative_config={
-        "method": "eagle", "model": str(out), "num_speculative_tokens": 3,
-        "adaptive": False, "disable_by_batch_size": None})
-    got = llm.generate(prompts, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    assert llm.engine.speculator.stats.num_draft_tokens > 0
+    assert_drafts_losslessly(float32_model, "eagle", out)

@@ -83,12 +83,18 @@ def test_train_heads_command_writes_heads_the_engine_drafts_with(tmp_path, smoll
     assert 1.0 <= info["held_out_tokens_per_round"] <= 4.0
     assert (out / "model.safetensors").stat().st_size < 4 * 2**20  # blocks only
     # the engine drafts with them, and the output is the target's own
+    assert_drafts_losslessly(float32_model, "medusa", out)
+
+
+def assert_drafts_losslessly(float32_model, method: str, folder: Path) -> None:
+    """The engine drafts with the heads in `folder`, and its greedy output is the
+    target's own."""
     prompts = ["Count to ten: one, two, three,", "The days of the week are"]
     greedy = SamplingParams(temperature=0, max_tokens=12)
     want = llm_on(float32_model, kv_cache_memory="64MiB").generate(prompts, greedy,
                                                                    use_tqdm=False)
     llm = llm_on(float32_model, kv_cache_memory="64MiB", speculative_config={
-        "method": "medusa", "model": str(out), "num_speculative_tokens": 3,
+        "method": method, "model": str(folder), "num_speculative_tokens": 3,
         "adaptive": False, "disable_by_batch_size": None})
     got = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

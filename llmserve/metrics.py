@@ -24,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+SPEEDUP_BUCKETS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 8.0, 17.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 LOG_INTERVAL_S = 10.0
 
@@ -141,6 +142,14 @@ class EngineMetrics:
         self.spec_acceptance_rate = Gauge("llmserve_spec_decode_acceptance_rate",
                                           "Accepted / verified draft tokens since start.",
                                           registry=r)
+        self.spec_request_acceptance_length = histogram(
+            "llmserve_spec_decode_request_mean_acceptance_length",
+            "Per finished request with drafts: tokens a verification round emitted (its "
+            "bonus token included), averaged over its rounds.", SPEEDUP_BUCKETS)
+        self.tokens_per_decode_step = histogram(
+            "llmserve_request_tokens_per_decode_step",
+            "Per finished request: tokens after its first per step that gave it any "
+            "(speculation's speed-up in target steps; 1 without it).", SPEEDUP_BUCKETS)
         self.spec_mean_accepted_length = Gauge(
             "llmserve_spec_decode_mean_accepted_length",
             "Tokens emitted per round with drafts (accepted drafts + 1) since start.",
@@ -213,6 +222,10 @@ class EngineMetrics:
             self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
         if m.time_per_output_token is not None:
             self.tpot.observe(m.time_per_output_token)
+        if m.mean_acceptance_length is not None:
+            self.spec_request_acceptance_length.observe(m.mean_acceptance_length)
+        if m.tokens_per_decode_step is not None:
+            self.tokens_per_decode_step.observe(m.tokens_per_decode_step)
 
     def update_state(self, num_running: int, num_waiting: int, kv_usage: float,
                      num_preemptions: int, prefix_queries: int, prefix_hits: int,

@@ -45,6 +45,10 @@ class RequestMetrics:
     # tokens read back from it after preemptions
     num_tier_cached_tokens: int = 0
     num_swapped_in_tokens: int = 0
+    # speculative decoding: steps that verified drafts for it, and every step that gave it
+    # tokens after its first (without speculation: one token each)
+    num_spec_rounds: int = 0
+    num_decode_steps: int = 0
     sequences: tuple["RequestMetrics", ...] = ()  # a merged request's single sequences
 
     @classmethod
@@ -73,7 +77,7 @@ class RequestMetrics:
             *(sum(getattr(s, name) for s in seqs) for name in (
                 "num_generated_tokens", "num_draft_tokens", "num_accepted_tokens",
                 "num_preemptions", "num_preempted_tokens", "num_tier_cached_tokens",
-                "num_swapped_in_tokens")),
+                "num_swapped_in_tokens", "num_spec_rounds", "num_decode_steps")),
             sequences=seqs,
         )
 
@@ -88,6 +92,25 @@ class RequestMetrics:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted / verified draft tokens (None: no drafts)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens \
+            else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens a verification round emitted, its bonus token included (None: none)."""
+        return 1 + self.num_accepted_tokens / self.num_spec_rounds if self.num_spec_rounds \
+            else None
+
+    @property
+    def tokens_per_decode_step(self) -> float | None:
+        """Tokens after each sequence's first, per step that gave any: speculation's
+        speed-up in target steps (1.0 without it; the drafting's own cost not counted)."""
+        return (self.num_generated_tokens - len(self.sequences or (self,))) \
+            / self.num_decode_steps if self.num_decode_steps else None
 
     @property
     def time_per_output_token(self) -> float | None:

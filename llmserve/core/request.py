@@ -82,6 +82,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0  # drafts verified so far
     num_accepted_tokens: int = 0  # of which accepted
+    num_spec_rounds: int = 0  # steps that verified drafts for it
+    num_decode_steps: int = 0  # steps that gave it tokens after its first
     draft_acceptance: float | None = None  # the speculator's running acceptance estimate
     # disaggregated prefill/decode (engine/kv_connector.py): on a prefill engine, the
     # transfer id its prompt's KV goes out under once its first token is sampled; on a

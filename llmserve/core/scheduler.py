@@ -460,11 +460,13 @@ class Scheduler:
             tokens = result.sampled_token_ids[i]
             if s.spec_token_ids and tokens:
                 num_accepted = len(tokens) - 1
+                request.num_spec_rounds += 1
                 request.num_draft_tokens += len(s.spec_token_ids)
                 request.num_accepted_tokens += num_accepted
                 # the rejected drafts' KV is garbage: compute from the first of them again
                 request.num_computed_tokens -= len(s.spec_token_ids) - num_accepted
             if tokens:
+                request.num_decode_steps += request.num_output_tokens > 0
                 self._append(request, tokens, now)
             if tokens or result.prompt_logprobs[i] is not None:
                 updates.append(RequestUpdate(request, bool(tokens), result.logprobs[i],

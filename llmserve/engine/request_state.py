@@ -90,6 +90,8 @@ class RequestState:
             request.num_output_tokens, request.num_draft_tokens, request.num_accepted_tokens,
             request.num_preemptions, request.num_preempted_tokens,
             request.num_tier_cached_tokens, request.num_swapped_in_tokens,
+            num_spec_rounds=request.num_spec_rounds,
+            num_decode_steps=request.num_decode_steps,
         )
         return RequestOutput(
             request.request_id, self.prompt, request.prompt_token_ids, [completion],

@@ -105,3 +105,23 @@ def test_train_heads_refuses_bad_flags(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train-heads", "--output", str(tmp_path), "--steps", "0"])
     assert "--steps must be at least 1" in capsys.readouterr().err
+
+
+def test_the_target_writes_its_own_prompts(default_model):
+    """--self-prompts: the model, given its chat template up to the user's turn, writes
+    distinct finished prompts; the same seed writes the same ones."""
+    from llmserve.entrypoints.cli.train_heads import self_prompts
+
+    llm = llm_on(default_model, kv_cache_memory="64MiB")
+    prompts = self_prompts(llm, 12, 1.0, seed=3)
+    assert len(prompts) == len(set(prompts)) == 12
+    assert all(len(p) >= 8 and p == p.strip() and "<|im_" not in p for p in prompts)
+    assert self_prompts(llm, 12, 1.0, seed=3) == prompts
+    assert self_prompts(llm, 12, 1.0, seed=4) != prompts
+
+
+def test_self_prompts_go_with_generating_only(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["train-heads", "--output", str(tmp_path), "--self-prompts", "8",
+              "--data", str(texts_file(tmp_path))])
+    assert "--self-prompts adds to the built-in prompts" in capsys.readouterr().err

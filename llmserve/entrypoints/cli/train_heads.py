@@ -46,6 +46,39 @@ def data_prompts(path: Path) -> list[str]:
     return paragraphs
 
 
+def self_prompts(llm, count: int, temperature: float, seed: int) -> list[str]:
+    """`count` distinct prompts the target writes itself (Magpie: its chat template up to
+    the user's turn, sampled until the turn ends); unfinished ones (cut by the length) and
+    repeats are dropped, so a few more are asked than kept."""
+    from llmserve.sampling_params import SamplingParams
+
+    sentinel = "\x07prompt\x07"
+    text = llm.tokenizer.apply_chat_template([{"role": "user", "content": sentinel}],
+                                             add_generation_prompt=False)
+    if sentinel not in text:
+        raise LLMServeError("--self-prompts: the model's chat template does not show the "
+                            "user's message as written")
+    opening = llm.tokenizer.encode(text[:text.index(sentinel)], add_special_tokens=False)
+    prompts: list[str] = []
+    seen: set[str] = set()
+    for attempt in range(4):
+        wanted = max(8, (count - len(prompts)) * 5 // 4)
+        runs = [SamplingParams(n=min(64, wanted - i), top_p=0.95, temperature=temperature,
+                               max_tokens=96, seed=seed + 1000 * attempt + i)
+                for i in range(0, wanted, 64)]
+        outs = llm.generate([{"prompt_token_ids": opening}] * len(runs), runs,
+                            use_tqdm=False)
+        for c in (c for out in outs for c in out.outputs):
+            prompt = c.text.strip()
+            if c.finish_reason == "stop" and len(prompt) >= 8 and prompt not in seen:
+                seen.add(prompt)
+                prompts.append(prompt)
+        if len(prompts) >= count:
+            return prompts[:count]
+    raise LLMServeError(f"--self-prompts: the model wrote {len(prompts)} usable prompts "
+                        f"of {count} in four tries")
+
+
 def cmd_train_heads(args: argparse.Namespace) -> int:
     import torch
     from tqdm import tqdm
@@ -178,6 +211,9 @@ def _answers(llm, args: argparse.Namespace):
     if args.data is None:
         source = "built-in prompts"
         prompts = built_in_prompts()
+        if args.self_prompts:
+            prompts += self_prompts(llm, args.self_prompts, 1.0, args.seed)
+            source += f" and {args.self_prompts} the target wrote"
         conversations = [[{"role": "user", "content": p}] for p in prompts]
         outputs = [llm.chat(conversations, p, use_tqdm=True) for p in runs]
     else:
@@ -247,6 +283,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", metavar="FILE.txt",
                         help="texts for the target to continue, one per paragraph "
                              "(default: its answers to a built-in set of 64 prompts)")
+    parser.add_argument("--self-prompts", type=int, default=0, metavar="N",
+                        help="also answer N prompts the target writes itself from its chat "
+                             "template's user turn (more, and more varied, data)")
     parser.add_argument("--samples", type=int, default=1,
                         help="answers per prompt: the first greedy, the others sampled at "
                              "--temperature (default 1)")
@@ -300,6 +339,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         parser.error("--temperature must be positive (the first answer is the greedy one)")
     if args.dataset is not None and args.data is not None:
         parser.error("--dataset holds answers already: --data goes with generating them")
+    if args.self_prompts < 0:
+        parser.error("--self-prompts must be at least 0")
+    if args.self_prompts and (args.data is not None or args.dataset is not None):
+        parser.error("--self-prompts adds to the built-in prompts: not with --data or "
+                     "--dataset")
 
 
 COMMAND = Command("train-heads", help="train Medusa or EAGLE heads for a model (speculative "

@@ -392,6 +392,10 @@ def metrics_json(metrics: RequestMetrics, prompt_tokens: int, cached_tokens: int
         "num_swapped_in_tokens": metrics.num_swapped_in_tokens,
         "num_draft_tokens": metrics.num_draft_tokens,
         "num_accepted_tokens": metrics.num_accepted_tokens,
+        "num_spec_rounds": metrics.num_spec_rounds,
+        "spec_acceptance_rate": metrics.acceptance_rate,
+        "spec_mean_acceptance_length": metrics.mean_acceptance_length,
+        "tokens_per_decode_step": metrics.tokens_per_decode_step,
     }
     if len(choice_tokens) > 1:
         body["num_generation_tokens_per_choice"] = choice_tokens

@@ -99,8 +99,8 @@ def test_speculative_decoding_metrics_match_the_engines_counts(smollm2_gguf, loa
         passage = ("The first half hour of the day sets a tone that is surprisingly hard to "
                    "change later, and people who wake to an alarm on the far side of the "
                    "room tend to get up.")
-        server.client().chat.completions.create(
-            model=MODEL, max_tokens=48, temperature=0,
+        resp = server.client().chat.completions.create(
+            model=MODEL, max_tokens=48, temperature=0, extra_body={"return_metrics": True},
             messages=[{"role": "user", "content": f"Repeat exactly: {passage}"}])
         stats = server.engine.engine.speculator.stats
         deadline = time.monotonic() + 10  # the engine thread updates after its loop turn
@@ -121,3 +121,16 @@ def test_speculative_decoding_metrics_match_the_engines_counts(smollm2_gguf, loa
     assert value(after, "spec_decode_acceptance_rate") == pytest.approx(stats.acceptance_rate)
     assert value(after, "spec_decode_mean_accepted_length") == pytest.approx(
         stats.mean_accepted_length)
+    # the one request's own figures, in its response and in the per-request histograms
+    mine = resp.model_extra["metrics"]
+    assert (mine["num_draft_tokens"], mine["num_accepted_tokens"], mine["num_spec_rounds"]) \
+        == (stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_drafts)
+    assert mine["spec_acceptance_rate"] == pytest.approx(stats.acceptance_rate)
+    assert mine["spec_mean_acceptance_length"] == pytest.approx(stats.mean_accepted_length)
+    assert 1 < mine["tokens_per_decode_step"] <= mine["spec_mean_acceptance_length"]
+    assert value(after, "spec_decode_request_mean_acceptance_length",
+                 "spec_decode_request_mean_acceptance_length_sum") == pytest.approx(
+        stats.mean_accepted_length)
+    assert value(after, "request_tokens_per_decode_step",
+                 "request_tokens_per_decode_step_sum") == pytest.approx(
+        mine["tokens_per_decode_step"])

@@ -28,6 +28,10 @@ def check_timeline(metrics: dict, usage) -> None:
     assert metrics["num_generation_tokens"] == usage.completion_tokens
     assert metrics["num_preemptions"] == 0 and metrics["num_preempted_tokens"] == 0
     assert metrics["num_draft_tokens"] == 0 and metrics["num_accepted_tokens"] == 0
+    assert metrics["num_spec_rounds"] == 0
+    assert metrics["spec_acceptance_rate"] is None
+    assert metrics["spec_mean_acceptance_length"] is None
+    assert metrics["tokens_per_decode_step"] == 1.0  # one token a step without drafts
 
 
 def test_completion_metrics(client):

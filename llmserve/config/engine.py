@@ -34,13 +34,14 @@ DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16":
           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16", "auto": "auto"}
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft", "medusa", "eagle")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self_draft", "medusa", "eagle", "eagle3")
 # running requests from which speculation stops paying, per method (benchmarks/notes.md;
 # Medusa's heads cost little beside the verification, which is prompt lookup's; an EAGLE
 # head runs a forward per draft, as a draft model does)
-SPEC_CROSSOVER = {"ngram": 2, "draft_model": 8, "self_draft": 8, "medusa": 2, "eagle": 8}
+SPEC_CROSSOVER = {"ngram": 2, "draft_model": 8, "self_draft": 8, "medusa": 2, "eagle": 8,
+                  "eagle3": 8}
 # methods whose `model` is a draft model (a whole checkpoint) or heads on the target
-SPEC_MODEL_METHODS = ("draft_model", "medusa", "eagle")
+SPEC_MODEL_METHODS = ("draft_model", "medusa", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class SpeculativeConfig:
     * `medusa`: Medusa heads trained for the target (`model`: their folder, Medusa's or
       vLLM's layout) draft from its last hidden state (`spec_decode/medusa.py`);
     * `eagle`: an EAGLE-1 head trained for the target (`model`: its folder) drafts from
-      the target's hidden states with one decoder layer (`spec_decode/eagle.py`).
+      the target's hidden states with one decoder layer (`spec_decode/eagle.py`);
+    * `eagle3`: an EAGLE-3 head (`model`: its folder, the published layout) drafts from
+      the target's hidden states entering three of its layers, with its own vocabulary.
 
     `num_speculative_tokens` is the most drafts per step; with `adaptive`, each request's
     k follows its measured acceptance rate and what a draft token costs here. Speculation
@@ -92,7 +95,7 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method draft_model needs 'model' (a model "
                              "with the target's tokenizer)")
-        if self.method in ("medusa", "eagle") and not self.model:
+        if self.method in ("medusa", "eagle", "eagle3") and not self.model:
             raise ValueError(f"speculative_config: method {self.method} needs 'model' (the "
                              f"folder of {self.method} heads trained for the target)")
         if self.method not in SPEC_MODEL_METHODS and self.model is not None:

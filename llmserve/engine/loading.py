@@ -131,15 +131,15 @@ def speculative_kv_layers(config: EngineConfig) -> int:
     """The KV layers speculation adds to the target's cache: an EAGLE head's (its K/V
     follows the target's blocks); refused where that cache is not one engine's alone."""
     spec = config.speculative_config
-    if spec is None or spec.method != "eagle":
+    if spec is None or spec.method not in ("eagle", "eagle3"):
         return 0
     for name, value in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
                         ("kv_role", config.kv_role is not None),
                         ("kv_offload", config.kv_offload_dir is not None
                          or config.kv_offload_gib is not None)):
         if value:
-            raise ValueError(f"speculative_config: method eagle keeps its head's K/V in the "
-                             f"engine's own KV cache and does not run with {name}")
+            raise ValueError(f"speculative_config: method {spec.method} keeps its head's K/V "
+                             f"in the engine's own KV cache and does not run with {name}")
     try:
         return num_eagle_layers(spec.model)
     except HeadsFormatError as e:
@@ -162,7 +162,7 @@ def build_proposer(config: EngineConfig, loaded: LoadedModel, device: torch.devi
     try:
         if spec.method == "medusa":
             return MedusaProposer.build(spec, loaded, device, dtype)
-        if spec.method == "eagle":
+        if spec.method in ("eagle", "eagle3"):
             return EagleProposer.build(spec, loaded, kv_cache, attention, device, dtype)
     except HeadsFormatError as e:
         raise ValueError(f"speculative_config: {e}") from None

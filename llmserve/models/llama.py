@@ -148,6 +148,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab)
         self.native_layers: NativeLlamaLayers | None = None  # see enable_native_layers
         self.compiled_layers = None  # set by models/compile.py: one graph for every layer
+        # EAGLE-3 (`spec_decode/eagle.py`): the residual stream entering these layers is
+        # kept after each forward, side by side, in `aux_hidden` (T, len(aux_layers) x H)
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_hidden: torch.Tensor | None = None
 
     def enable_native_layers(self) -> None:
         """Run the decoder stack as one native call when the weights allow it (int8, int4,
@@ -183,10 +187,15 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary.at(positions, x.dtype)
         if self.compiled_layers is not None:
             rope.look_up()  # the tables go into the compiled layer as inputs
+        taps = []
         for i, layer in enumerate(self.model.layers):
+            if i in self.aux_layers:
+                taps.append(x)
             x = layer(rope, x, kv_cache.layer(i), meta)
             if i < len(deepstack):
                 x = x.index_add(0, embeds[0], deepstack[i].to(x.dtype))
+        if self.aux_layers:
+            self.aux_hidden = torch.cat(taps, dim=-1)
         return self.model.norm(x)
 
     def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
@@ -199,10 +208,17 @@ class LlamaForCausalLM(nn.Module):
             return None
         lora = getattr(self, "lora_context", None)  # LoRA adapters in this step
         step = lora.step if lora is not None else None
+        if step is not None and self.aux_layers:
+            return None  # the stack runs in pieces for the taps; LoRA's layers run whole
         args = native.lora_args(step) if step is not None else None
         if step is not None and args is None:
             return None
-        return native.forward(x, positions, kv_cache, meta, step, args)
+        if not self.aux_layers:
+            return native.forward(x, positions, kv_cache, meta, step, args)
+        taps: list[torch.Tensor] = []
+        out = native.forward(x, positions, kv_cache, meta, taps=(self.aux_layers, taps))
+        self.aux_hidden = torch.cat(taps, dim=-1)
+        return out
 
     def _embed(self, input_ids: torch.Tensor,
                embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

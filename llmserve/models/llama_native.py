@@ -13,6 +13,7 @@ once per step (attention metadata).
 """
 
 import ctypes
+import itertools
 import weakref
 
 import torch
@@ -240,10 +241,13 @@ class NativeLlamaLayers:
         return step.native_args[key]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata, lora_step=None, lora_args=None) -> torch.Tensor:
+                meta: AttentionMetadata, lora_step=None, lora_args=None,
+                taps: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
+                ) -> torch.Tensor:
         """x (T, hidden) fp32 embeddings -> hidden states after the last layer and the final
         norm (the norm's own kernel, called here: its module added ~0.05 ms of Python to
-        a decode step)."""
+        a decode step). `taps` (layer ids, a list): the stack runs in pieces and the list
+        gets a copy of the residual stream entering each of those layers (no LoRA)."""
         rotary = self.model.model.rotary
         t, s = x.shape[0], self.shape
         x = x.contiguous()
@@ -267,9 +271,16 @@ class NativeLlamaLayers:
             lora_scratch = torch.empty(t * (widest + 2 * top + outputs))
             lora = _LoraStep(ptr(lora_step.slot_of_row), len(lora_step.groups),
                              _address(lora_layers), ptr(lora_scratch))
-        self.lib.llama_layers(
-            ptr(x), t, _address(self.shape), _address(layers), len(layers), _address(step),
-            ptr(scratch), ptr(qscratch), None if lora is None else _address(lora))
+        tapped = sorted(set(taps[0])) if taps else []
+        bounds = [0, *(i for i in tapped if i > 0), len(layers)]
+        for start, end in itertools.pairwise(bounds):
+            if start in tapped:
+                taps[1].append(x.clone())
+            self.lib.llama_layers(
+                ptr(x), t, _address(self.shape),
+                _address(layers) + start * ctypes.sizeof(_LlamaLayer), end - start,
+                _address(step), ptr(scratch), ptr(qscratch),
+                None if lora is None else _address(lora))
         norm = self.model.model.norm
         out = torch.empty_like(x)
         self.lib.rms_norm(ptr(x), t, s.hidden, ptr(norm.weight), norm.eps, ptr(out))

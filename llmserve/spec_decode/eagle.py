@@ -44,8 +44,10 @@ from llmserve.config.model import ModelConfig
 from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 from llmserve.layers.kv_cache import KVCache
 from llmserve.layers.linear import Linear
+from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding
-from llmserve.models.llama import LlamaDecoderLayer
+from llmserve.models.llama import LlamaAttention, LlamaDecoderLayer
+from llmserve.models.mlp import LlamaMLP
 from llmserve.spec_decode.medusa import HeadsFormatError, copy_head_tensor, read_head_config
 from llmserve.spec_decode.proposer import Proposer
 from llmserve.worker.drafts import DraftSeed
@@ -84,13 +86,68 @@ class EagleHead(nn.Module):
                                       cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """(T, H) token embeddings and target (or head) features -> the head's (T, H)."""
+                kv_cache: KVCache, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, H) token embeddings and target (or head) features -> the head's (T, H)
+        rows for the LM head and the next step's features (EAGLE-1: the same rows)."""
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
         rope = self.rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(rope, x, kv_cache.layer(self.first_layer + i), meta)
-        return x
+        return x, x
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's decoder layer: attention over [input_layernorm(embedding),
+    hidden_norm(feature)] (2H wide), the feature its residual; then the Llama MLP."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg)
+        a = self.self_attn
+        a.qkv_proj = Linear(2 * cfg.hidden_size, a.q_size + 2 * a.kv_size, cfg.attention_bias)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, rope, embeds: torch.Tensor, features: torch.Tensor, cache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+        h = features + self.self_attn(rope, x, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3's head: `fc` fuses the target's hidden states entering `aux_layers` (A x H
+    -> H), one `Eagle3Layer`, the final `norm` before its own LM head (`draft_vocab_size`
+    rows, `draft_ids` their target ids); the pre-norm sum is the next step's feature."""
+
+    def __init__(self, cfg: ModelConfig, first_layer: int, draft_vocab_size: int,
+                 aux_layers: tuple[int, ...], fc_bias: bool) -> None:
+        super().__init__()
+        self.config = cfg
+        self.first_layer = first_layer
+        self.aux_layers = aux_layers
+        self.fc = Linear(len(aux_layers) * cfg.hidden_size, cfg.hidden_size, fc_bias)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, draft_vocab_size)
+        self.register_buffer("draft_ids", torch.arange(draft_vocab_size))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, H) embeddings and features ((T, A x H) from the target, fused by `fc`, or
+        (T, H) from the head's step before) -> (normed rows, pre-norm features)."""
+        features = features.to(embeds.dtype)
+        if features.shape[-1] != self.config.hidden_size:
+            features = self.fc(features)
+        rope = self.rotary.at(positions, embeds.dtype)
+        h = self.layers[0](rope, embeds, features, kv_cache.layer(self.first_layer), meta)
+        return self.norm(h), h
 
 
 def read_eagle_config(folder: str | Path) -> tuple[ModelConfig, dict]:
@@ -135,10 +192,10 @@ def num_eagle_layers(folder: str | Path) -> int:
 
 
 def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.device,
-                    dtype: torch.dtype) -> EagleHead:
-    """Read a head folder for `target`; refused by name where it does not fit (hidden
-    size, attention shape: its K/V shares the target's cache) or a tensor is missing,
-    extra or misshapen."""
+                    dtype: torch.dtype, eagle3: bool = False) -> "EagleHead | Eagle3Head":
+    """Read a head folder for `target` (EAGLE-1's layout, or with `eagle3` EAGLE-3's);
+    refused by name where it does not fit (hidden size, attention shape: its K/V shares
+    the target's cache) or a tensor is missing, extra or misshapen."""
     folder = Path(folder)
     cfg, raw = read_eagle_config(folder)
     t = target.config
@@ -156,12 +213,44 @@ def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.dev
         tensors = {k.removeprefix("model."): v for k, v in load_file(file).items()}
     except (SafetensorError, OSError) as e:
         raise HeadsFormatError(f"{file}: {e}") from None
-    draft = raw.get("draft_vocab_size")
-    if draft == t.vocab_size and "d2t" not in tensors:
-        draft = None  # the whole vocabulary: the target's own LM head
-    head = EagleHead(cfg, "fc.bias" in tensors, t.num_hidden_layers, draft)
+    if eagle3:
+        tensors = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k:
+                   v for k, v in tensors.items()}
+        head = Eagle3Head(cfg, t.num_hidden_layers, raw.get("draft_vocab_size", t.vocab_size),
+                          eagle3_aux_layers(raw, target, folder), "fc.bias" in tensors)
+        if cfg.num_hidden_layers != 1:
+            raise HeadsFormatError(f"{folder}: an EAGLE-3 head has one decoder layer, this "
+                                   f"config gives {cfg.num_hidden_layers}")
+    else:
+        draft = raw.get("draft_vocab_size")
+        if draft == t.vocab_size and "d2t" not in tensors:
+            draft = None  # the whole vocabulary: the target's own LM head
+        head = EagleHead(cfg, "fc.bias" in tensors, t.num_hidden_layers, draft)
     _load(head, tensors, folder)
     return head.to(device=device, dtype=dtype).eval()
+
+
+def eagle3_aux_layers(raw: dict, target: "LoadedModel", folder: Path) -> tuple[int, ...]:
+    """The target layers whose incoming hidden states an EAGLE-3 head fuses, as vLLM reads
+    them: `eagle_aux_hidden_state_layer_ids` (top level or in `eagle_config`), else
+    (2, L // 2, L - 3) of the target's L layers."""
+    layers = target.config.num_hidden_layers
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    if ids is None and isinstance(raw.get("eagle_config"), dict):
+        ids = raw["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    if raw.get("target_hidden_size") not in (None, target.config.hidden_size):
+        raise HeadsFormatError(f"{folder}: target_hidden_size {raw['target_hidden_size']} "
+                               f"does not fit the target {target.source.name} "
+                               f"({target.config.hidden_size})")
+    given = ids is not None
+    ids = ids if given else [2, layers // 2, layers - 3]
+    if (not isinstance(ids, list) or not ids
+            or any(not isinstance(i, int) or isinstance(i, bool) for i in ids)
+            or len(set(ids)) != len(ids) or not all(0 <= i < layers for i in ids)):
+        what = "eagle_aux_hidden_state_layer_ids" if given else "the default layers"
+        raise HeadsFormatError(f"{folder}: {what} {ids!r} must be distinct layers of the "
+                               f"target's {layers}")
+    return tuple(sorted(ids))
 
 
 @torch.no_grad()
@@ -170,7 +259,13 @@ def _load(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> No
     loaded: set[str] = set()
     fused: dict[str, list] = {}
     if head.lm_head is not None:
-        _draft_vocabulary(head, tensors, folder)
+        if "d2t" in tensors or head.lm_head.weight.shape[0] != head.config.vocab_size:
+            _draft_vocabulary(head, tensors, folder)
+        elif "lm_head.weight" not in tensors:
+            raise HeadsFormatError(f"{folder}: missing head weights, e.g. 'lm_head.weight'")
+        else:  # its own LM head over the whole vocabulary
+            copy_head_tensor(head.lm_head.weight, "lm_head.weight", tensors["lm_head.weight"],
+                             folder)
         loaded.add("lm_head.weight")
     for name, tensor in tensors.items():
         if name in _TARGET_COPIES or name in _DRAFT_VOCAB:
@@ -236,11 +331,21 @@ class EagleProposer(Proposer):
     def build(cls, spec: "SpeculativeConfig", target: "LoadedModel", kv_cache: KVCache,
               attention: AttentionBackend, device: torch.device,
               dtype: torch.dtype) -> "EagleProposer":
-        head = load_eagle_head(spec.model, target, device, dtype)
+        eagle3 = spec.method == "eagle3"
+        head = load_eagle_head(spec.model, target, device, dtype, eagle3)
         if kv_cache is not None and len(kv_cache.key) < head.first_layer + len(head.layers):
             raise ValueError("speculative_config: the KV cache has no layers for the EAGLE "
                              "head")
-        return cls(head, target.model, kv_cache, attention, device)
+        proposer = cls(head, target.model, kv_cache, attention, device)
+        if eagle3:
+            if not hasattr(target.model, "aux_layers"):
+                raise HeadsFormatError(
+                    f"method eagle3 reads hidden states from inside the target, which "
+                    f"{target.source.name} ({target.config.architecture}) does not give "
+                    "(models of the Llama family do)")
+            target.model.aux_layers = head.aux_layers
+            proposer.reads_aux_hidden = True
+        return proposer
 
     def _draft(self, features: torch.Tensor) -> list[int]:
         """The greedy draft token from each row of head features."""
@@ -253,9 +358,10 @@ class EagleProposer(Proposer):
                                                            device=self.device))
 
     def _run(self, seqs: list[tuple[np.ndarray, int, list[int]]], ids: list[int],
-             features: torch.Tensor) -> torch.Tensor:
+             features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over sequences b = (block ids, first position, ...) each computing
-        `len(seqs[b][2])` positions from its first; returns (T, H)."""
+        `len(seqs[b][2])` positions from its first; returns (T, H) rows for the LM head
+        and (T, H) features for the next step."""
         query_lens = [len(s[2]) for s in seqs]
         context_lens = [s[1] for s in seqs]
         width = max(len(s[0]) for s in seqs)
@@ -284,7 +390,7 @@ class EagleProposer(Proposer):
             seqs.append((s.block_ids, s.start_position, nxt))
             ids += nxt
             rows.append(s.hidden[: len(nxt)])
-        out = self._run(seqs, ids, torch.cat(rows))
+        out, following = self._run(seqs, ids, torch.cat(rows))
         ends = np.cumsum([len(q[2]) for q in seqs]) - 1
         # a draft chain writes K/V after the last verified position P, at P + 1 ...:
         # never past the request's blocks (the scheduler keeps slots there when it can)
@@ -296,8 +402,9 @@ class EagleProposer(Proposer):
             return drafts
         wanted = {b: min(s.num_drafts, room[b] + 1) for _, b, s in asked}
         # the first draft from the last verified position, then one position a step
-        features = out[torch.from_numpy(ends[[i for i, _, _ in asked]])]  # (N, H)
-        tokens = self._draft(features)
+        index = torch.from_numpy(ends[[i for i, _, _ in asked]])
+        features = following[index]  # (N, H)
+        tokens = self._draft(out[index])
         for (_, b, _), token in zip(asked, tokens, strict=True):
             drafts[b].append(token)
         for step in range(1, max(wanted.values())):
@@ -306,9 +413,10 @@ class EagleProposer(Proposer):
             seqs = [(s.block_ids, p, [drafts[b][-1]]) for (_, b, s), p in
                     zip(going, last, strict=True)]
             keep = torch.tensor([j for j, _, _ in going], device=self.device)
-            out = self._run(seqs, [drafts[b][-1] for _, b, _ in going], features[keep])
+            out, following = self._run(seqs, [drafts[b][-1] for _, b, _ in going],
+                                       features[keep])
             features = features.clone()
-            features[keep] = out
+            features[keep] = following
             tokens = self._draft(out)
             for (_, b, _), token in zip(going, tokens, strict=True):
                 drafts[b].append(token)
@@ -328,6 +436,6 @@ class EagleProposer(Proposer):
         best = float("inf")
         for _ in range(5):
             start = time.perf_counter()
-            self._draft(self._run(seqs, [1] * batch, hidden))
+            self._draft(self._run(seqs, [1] * batch, hidden)[0])
             best = min(best, time.perf_counter() - start)
         return best

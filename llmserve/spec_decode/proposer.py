@@ -18,6 +18,9 @@ class Proposer:
 
     needs_hidden = False  # True: the seeds bring the target's hidden rows (heads)
     feeds_every_chunk = False  # True: every computed chunk comes as a seed (EAGLE)
+    # True: the hidden rows are the target's `aux_hidden` (EAGLE-3: the residual stream
+    # entering its `aux_layers`, side by side), not its final ones
+    reads_aux_hidden = False
 
     def propose(self, seeds: Sequence[DraftSeed]) -> list[list[int]]:
         """Up to `seeds[i].num_drafts` drafts for seed i (fewer, or none, where it has no

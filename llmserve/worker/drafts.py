@@ -26,7 +26,8 @@ class DraftSeed:
     token_ids: list[int]
     num_drafts: int  # at most this many drafts (fewer, or none, where there is no guess)
     # for a proposer that reads the target's hidden states (`needs_hidden`): the target's
-    # final hidden rows (n, H) of the step's verified positions of this request, the
+    # final hidden rows (n, H) of the step's verified positions of this request (with
+    # `reads_aux_hidden`, the model's `aux_hidden` rows, (n, A x H)), the
     # chunk's tokens then its accepted drafts; row j gave the token after position j, so
     # the last row of a sampling chunk gave the token this step sampled. Else None.
     hidden: torch.Tensor | None = None
@@ -38,6 +39,7 @@ class DraftSeed:
 
 class DraftProposer(Protocol):
     needs_hidden: bool  # the seeds carry the target's hidden rows
+    reads_aux_hidden: bool  # those rows are the model's `aux_hidden` (EAGLE-3's taps)
     # every computed chunk is handed over, those that sample nothing too (num_drafts 0)
     feeds_every_chunk: bool
 

@@ -146,7 +146,9 @@ class ModelRunner:
                 self._sample(out, to_sample, step, hidden, result)
         if self.proposer is not None and self.samples:
             fed = np.flatnonzero(~pooling) if self.proposer.feeds_every_chunk else to_sample
-            self._propose(out, fed, step.last_token, hidden, result)
+            self._propose(out, fed, step.last_token,
+                          self.model.aux_hidden if self.proposer.reads_aux_hidden else hidden,
+                          result)
         if len(to_sample):
             self._save_kv(out, result)
         return result

@@ -140,7 +140,7 @@ def test_head_over_the_paged_cache_equals_the_reference(tmp_path, float32_model,
                 meta = AttentionMetadata.build([n], [start], table, block,
                                                torch.device("cpu"), attention)
                 got.append(head(embeds[start:start + n], features[start:start + n],
-                                torch.arange(start, start + n), cache, meta))
+                                torch.arange(start, start + n), cache, meta)[0])
                 start += n
         assert (torch.cat(got) - want).abs().max() < 2e-5
 

@@ -1,6 +1,7 @@
-"""Prompt-lookup speculation side by side: llmserve and llama.cpp's llama-server, one run.
+"""Speculation side by side: llmserve and llama.cpp's llama-server, one run.
 
     python benchmarks/spec_vs_llamacpp.py [--gguf FILE] [--out DIR] [--repeats 2]
+        [--eagle FOLDER] [--medusa FOLDER] [--float32]
 
 Each server alone on the machine (2 threads; llama.cpp with 4 parallel slots and continuous
 batching), with and without n-gram speculation, answers the `llmserve bench spec`
@@ -10,7 +11,8 @@ four open questions) one request at a time, greedy, 128 tokens at most, through
 configurations are alternated `--repeats` times (the machine drifts by 10-20 % over
 minutes); the machine's load is sampled during each. Prints the medians, each server's
 speedup over itself without speculation, and whether its speculative replies equal its own
-plain ones.
+plain ones. `--eagle` / `--medusa` add llmserve with heads `llmserve train-heads` wrote;
+`--float32` adds llmserve's exact path (`--dtype float32`), plain and with each method.
 """
 
 import argparse
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import httpx
 from monitor import LoadMonitor, warning
-from run_all import DEFAULT_GGUF, DEFAULT_LLAMA_SERVER, MODEL_ID, THREADS, free_port, server
+from run_all import ANCHORS, DEFAULT_GGUF, MODEL_ID, THREADS, free_port, server
 
 MAX_TOKENS = 128
 # llmserve is never imported here, so this process's environment, which llama-server
@@ -45,7 +47,8 @@ def workloads_and_machine() -> tuple[dict[str, list[str]], str]:
     return out["workloads"], out["machine"]
 
 
-def configs(gguf: Path, llama_server: Path) -> dict[str, tuple[list[str], dict | None]]:
+def configs(gguf: Path, llama_server: Path, heads: dict[str, Path | None],
+            float32: bool) -> dict[str, tuple[list[str], dict | None]]:
     llmserve = str(Path(sys.executable).with_name("llmserve"))
     ours = [llmserve, "serve", "--model", str(gguf), "--served-model-name", MODEL_ID,
             "--threads", str(THREADS)]
@@ -54,9 +57,19 @@ def configs(gguf: Path, llama_server: Path) -> dict[str, tuple[list[str], dict |
             "--no-webui"]
     env = {"LD_LIBRARY_PATH": str(llama_server.parent)}
     spec = json.dumps({"method": "ngram", "num_speculative_tokens": 4})
-    return {
-        "llmserve": (ours, None),
-        "llmserve ngram": ([*ours, "--speculative-config", spec], None),
+    ours_spec = {"ngram": spec} | {
+        method: json.dumps({"method": method, "model": str(folder),
+                            "num_speculative_tokens": 4})
+        for method, folder in heads.items() if folder is not None}
+    mine = {"llmserve": (ours, None)} | {
+        f"llmserve {m}": ([*ours, "--speculative-config", s], None)
+        for m, s in ours_spec.items()}
+    if float32:
+        exact = [*ours, "--dtype", "float32"]
+        mine |= {"llmserve float32": (exact, None)} | {
+            f"llmserve float32 {m}": ([*exact, "--speculative-config", s], None)
+            for m, s in ours_spec.items()}
+    return mine | {
         "llama.cpp": (peer, env),
         "llama.cpp ngram-simple (defaults: n 12, m 48)": ([*peer, "--spec-type", "ngram-simple"],
                                                           env),
@@ -88,9 +101,12 @@ def run_workload(port: int, prompts: list[str]) -> tuple[int, float, list[str]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
-    parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER)
+    parser.add_argument("--llama-server", type=Path, default=ANCHORS / "bin" / "llama-server")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/spec"))
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--eagle", type=Path, help="an EAGLE head's folder")
+    parser.add_argument("--medusa", type=Path, help="Medusa heads' folder")
+    parser.add_argument("--float32", action="store_true", help="llmserve's exact path too")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     workloads, machine = workloads_and_machine()
@@ -99,7 +115,9 @@ def main() -> int:
     replies: dict[tuple[str, str], list[str]] = {}
     loads: dict[str, list] = {}
     for repeat in range(args.repeats):
-        for name, (cmd, env) in configs(args.gguf, args.llama_server).items():
+        for name, (cmd, env) in configs(args.gguf, args.llama_server,
+                                        {"eagle": args.eagle, "medusa": args.medusa},
+                                        args.float32).items():
             port = free_port()
             log = args.out / "server.log"
             with LoadMonitor() as monitor, server([*cmd, "--port", str(port)], port, log,
@@ -121,7 +139,8 @@ def main() -> int:
           "replies equal to its plain ones |")
     print("|---|---|---|---|---|")
     for (name, workload), values in rates.items():
-        plain = "llmserve" if name.startswith("llmserve") else "llama.cpp"
+        plain = ("llama.cpp" if name.startswith("llama.cpp") else
+                 "llmserve float32" if name.startswith("llmserve float32") else "llmserve")
         median = statistics.median(values)
         speedup = median / statistics.median(rates[(plain, workload)])
         same = replies[(name, workload)] == replies[(plain, workload)]
@@ -130,11 +149,12 @@ def main() -> int:
         print(f"| {name} | {workload} | {median:.1f} | {speedup:.2f}x | "
               f"{'yes' if same else 'no'} |")
     for workload in workloads:
-        ours = statistics.median(rates[("llmserve ngram", workload)])
         best_peer = max(statistics.median(v) for (n, w), v in rates.items()
                         if w == workload and n.startswith("llama.cpp"))
-        print(f"{workload}: llmserve ngram / best llama.cpp configuration: "
-              f"{ours / best_peer:.2f}x")
+        for (name, w), values in rates.items():
+            if w == workload and name.startswith("llmserve "):
+                print(f"{workload}: {name} / best llama.cpp configuration: "
+                      f"{statistics.median(values) / best_peer:.2f}x")
     (args.out / "vs_llamacpp.json").write_text(json.dumps(
         {"machine": machine, "rows": rows, "load_other_cores": loads,
          "max_tokens": MAX_TOKENS}, indent=2) + "\n")

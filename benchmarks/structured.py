@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from monitor import LoadMonitor, warning
-from run_all import DEFAULT_GGUF, DEFAULT_LLAMA_SERVER, MODEL_ID, THREADS, free_port, server
+from run_all import ANCHORS, DEFAULT_GGUF, MODEL_ID, THREADS, free_port, server
 
 VARIANTS = ("free", "json_schema")
 LOAD = ["--endpoint", "chat", "--concurrency", "1,16", "--num-prompts", "16",
@@ -31,7 +31,7 @@ LOAD = ["--endpoint", "chat", "--concurrency", "1,16", "--num-prompts", "16",
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
-    parser.add_argument("--llama-server", type=Path, default=DEFAULT_LLAMA_SERVER)
+    parser.add_argument("--llama-server", type=Path, default=ANCHORS / "bin" / "llama-server")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/structured"))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

@@ -1,4 +1,5 @@
-"""EAGLE-1 heads: a one-layer draft decoder that reads the target's own hidden states.
+"""EAGLE-1 and EAGLE-3 heads: a one-layer draft decoder that reads the target's own
+hidden states.
 
 At position p the head takes the embedding of the token after p (x[p + 1]) beside the
 target's final hidden state there (f[p]), fuses them (`fc`: 2H -> H), runs one Llama
@@ -27,6 +28,15 @@ its own `lm_head.weight` of `draft_vocab_size` rows; `llmserve train-heads` writ
 training answers' most frequent tokens) drafts over those tokens only: a small model's LM
 head is a large share of a head step (SmolLM2-135M's: 28 of its 135 M weights).
 Drafts are greedy, a point mass the rejection rule verifies exactly.
+
+EAGLE-3 (method `eagle3`, `Eagle3Head`) reads, instead of the target's final hidden state,
+the residual stream entering three of its layers (`eagle_aux_hidden_state_layer_ids`, as
+vLLM reads it, default (2, L // 2, L - 3); the target keeps them in `aux_hidden`, its
+native stack run in pieces), fused by `fc` (3H -> H). Its layer's attention reads
+[input_layernorm(embedding), hidden_norm(feature)] (2H wide) with the feature as the
+residual; its own `norm` and `lm_head` (a draft vocabulary, `d2t`) give the draft, and the
+pre-norm sum is the next chain step's feature. The published layout: `midlayer.*` (vLLM's
+`layers.0.*` too), `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`.
 """
 
 import time
@@ -343,9 +353,13 @@ class EagleProposer(Proposer):
                     f"method eagle3 reads hidden states from inside the target, which "
                     f"{target.source.name} ({target.config.architecture}) does not give "
                     "(models of the Llama family do)")
-            target.model.aux_layers = head.aux_layers
             proposer.reads_aux_hidden = True
         return proposer
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The target layers whose incoming hidden states the head reads (EAGLE-3)."""
+        return getattr(self.head, "aux_layers", ())
 
     def _draft(self, features: torch.Tensor) -> list[int]:
         """The greedy draft token from each row of head features."""

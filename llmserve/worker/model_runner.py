@@ -61,6 +61,10 @@ class ModelRunner:
                  kv_tier: Any = None, proposer: DraftProposer | None = None) -> None:
         self.model = model
         self.proposer = proposer
+        # the layers whose incoming hidden states the model keeps (EAGLE-3's taps), set
+        # before each forward: engines may share one loaded model
+        self.aux_layers: tuple[int, ...] = getattr(proposer, "aux_layers", ()) \
+            if proposer is not None and proposer.reads_aux_hidden else ()
         self.kv_tier = kv_tier
         self.lora = lora  # a lora.manager.LoRAManager, when adapters are enabled
         self.pooler = pooler
@@ -114,6 +118,8 @@ class ModelRunner:
         if self.lora is not None:
             self._begin_lora(out)
         embeds = self._image_embeds(out, step) if self.encoder_cache is not None else None
+        if self.aux_layers or getattr(self.model, "aux_layers", None):
+            self.model.aux_layers = self.aux_layers
         try:
             if embeds is None:
                 hidden = self.model(step.input_ids, step.positions, self.kv_cache,

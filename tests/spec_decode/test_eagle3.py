@@ -238,20 +238,21 @@ def test_greedy_output_with_eagle3_equals_the_targets(tmp_path, float32_model, d
     plain = llm_on(loaded, kv_cache_memory="128MiB")
     want = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)]
     folder = ok_head(tmp_path / "ok", loaded, plain.tokenizer)
-    try:
-        for options in ({}, {"max_num_batched_tokens": 8}):
-            llm = llm_on(loaded, kv_cache_memory="128MiB", speculative_config=spec(folder),
-                         **options)
-            got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            assert [o.outputs[0].token_ids for o in got] == want
-            stats = llm.engine.speculator.stats
-            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-            again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # prefix-cache hits
-            assert [o.outputs[0].token_ids for o in again] == want
-            assert any(o.num_cached_tokens for o in again)
-        assert loaded.model.aux_layers == (2, 15, 27)  # the default taps of 30 layers
-    finally:
-        loaded.model.aux_layers, loaded.model.aux_hidden = (), None  # a shared model
+    for options in ({}, {"max_num_batched_tokens": 8}):
+        llm = llm_on(loaded, kv_cache_memory="128MiB", speculative_config=spec(folder),
+                     **options)
+        assert llm.engine.executor.runner.aux_layers == (2, 15, 27)  # default, 30 layers
+        got = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        stats = llm.engine.speculator.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        again = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # prefix-cache hits
+        assert [o.outputs[0].token_ids for o in again] == want
+        assert any(o.num_cached_tokens for o in again)
+    # the engine without a head, on the same loaded model, taps nothing
+    assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY, use_tqdm=False)] \
+        == want
+    assert loaded.model.aux_layers == ()
 
 
 def test_drafts_are_the_same_whole_chunked_and_cached(tmp_path, float32_model, monkeypatch):
@@ -284,9 +285,6 @@ def test_drafts_are_the_same_whole_chunked_and_cached(tmp_path, float32_model, m
             out.append(list(rounds))
         return out
 
-    try:
-        whole, cached = drafts_of({}, runs=2)
-        (chunked,) = drafts_of({"max_num_batched_tokens": 8})
-    finally:
-        float32_model.model.aux_layers, float32_model.model.aux_hidden = (), None
+    whole, cached = drafts_of({}, runs=2)
+    (chunked,) = drafts_of({"max_num_batched_tokens": 8})
     assert len(whole) > 3 and whole == chunked == cached

@@ -99,13 +99,14 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     from llmserve.bench.machine import format_machine
     from llmserve.bench.spec import HEADER, format_report, run_spec_bench
 
-    heads = {m: folder for m, folder in (("medusa", args.medusa), ("eagle", args.eagle))
+    heads = {m: folder for m, folder in (("medusa", args.medusa), ("eagle", args.eagle),
+                                         ("eagle3", args.eagle3))
              if folder is not None}
     methods = [*args.methods, *[m for m in heads if m not in args.methods]]
     unknown = [m for m in methods if m not in ("ngram", "self_draft", *heads)]
     if unknown:
-        raise ValueError(f"--methods: {unknown[0]!r} is not ngram or self_draft (medusa and "
-                         "eagle come with --medusa / --eagle FOLDER)")
+        raise ValueError(f"--methods: {unknown[0]!r} is not ngram or self_draft (medusa, "
+                         "eagle and eagle3 come with --medusa / --eagle / --eagle3 FOLDER)")
     unknown = [p for p in args.paths if p not in ("default", "float32")]
     if unknown:
         raise ValueError(f"--paths: {unknown[0]!r} is not default or float32")
@@ -158,6 +159,8 @@ def _spec_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--eagle", metavar="FOLDER",
                     help="an EAGLE head (`llmserve train-heads --method eagle`): compare "
                          "method eagle too")
+    sp.add_argument("--eagle3", metavar="FOLDER",
+                    help="an EAGLE-3 head (the published layout): compare method eagle3 too")
     sp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="most drafts per step (default 4)")
     sp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")

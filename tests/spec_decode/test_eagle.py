@@ -242,3 +242,22 @@ def test_eagle_refusals(tmp_path, float32_model):
         llm_on(float32_model, speculative_config=spec(folder), kv_offload_gib=1)
     with pytest.raises(ValueError, match="no config.json"):
         llm_on(float32_model, speculative_config=spec(tmp_path / "none"))
+
+
+def test_greedy_equal_under_a_grammar(tmp_path, default_model):
+    """A JSON-schema request beside free ones: drafts are cut by the grammar before they
+    are verified, and every output is the target's own."""
+    from llmserve.sampling_params import StructuredOutputsParams
+
+    folder = repeat_head(tmp_path / "repeat", default_model.config)
+    schema = {"type": "object", "properties": {"words": {
+        "type": "array", "items": {"type": "string", "enum": ["ok"]}, "maxItems": 6}},
+        "required": ["words"], "additionalProperties": False}
+    params = [GREEDY] * len(PROMPTS) + [SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))]
+    prompts = [*PROMPTS, "Give a JSON list of six words, each the word ok:"]
+    want = llm_on(default_model, kv_cache_memory="128MiB").generate(prompts, params,
+                                                                     use_tqdm=False)
+    llm = llm_on(default_model, kv_cache_memory="128MiB", speculative_config=spec(folder))
+    assert_same(llm.generate(prompts, params, use_tqdm=False), want)
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0

@@ -288,3 +288,21 @@ def test_drafts_are_the_same_whole_chunked_and_cached(tmp_path, float32_model, m
     whole, cached = drafts_of({}, runs=2)
     (chunked,) = drafts_of({"max_num_batched_tokens": 8})
     assert len(whole) > 3 and whole == chunked == cached
+
+
+def test_greedy_equal_under_a_grammar(tmp_path, default_model):
+    from llmserve.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"words": {
+        "type": "array", "items": {"type": "string", "enum": ["ok"]}, "maxItems": 6}},
+        "required": ["words"], "additionalProperties": False}
+    params = [GREEDY] * len(PROMPTS) + [SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))]
+    prompts = [*PROMPTS, "Give a JSON list of six words, each the word ok:"]
+    plain = llm_on(default_model, kv_cache_memory="128MiB")
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    folder = ok_head(tmp_path / "ok", default_model, plain.tokenizer)
+    llm = llm_on(default_model, kv_cache_memory="128MiB", speculative_config=spec(folder))
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert llm.engine.speculator.stats.num_accepted_tokens > 0

@@ -76,6 +76,8 @@ def configs(gguf: Path, llama_server: Path, heads: dict[str, Path | None],
         "llama.cpp ngram-simple (n 2, m 4)": ([*peer, "--spec-type", "ngram-simple",
                                                "--spec-ngram-simple-size-n", "2",
                                                "--spec-ngram-simple-size-m", "4"], env),
+        "llama.cpp ngram-mod (defaults)": ([*peer, "--spec-type", "ngram-mod"], env),
+        "llama.cpp ngram-map-k (defaults)": ([*peer, "--spec-type", "ngram-map-k"], env),
     }
 
 

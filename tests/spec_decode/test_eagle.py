@@ -261,3 +261,20 @@ def test_greedy_equal_under_a_grammar(tmp_path, default_model):
     llm = llm_on(default_model, kv_cache_memory="128MiB", speculative_config=spec(folder))
     assert_same(llm.generate(prompts, params, use_tqdm=False), want)
     assert llm.engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_the_head_runs_int8_beside_a_quantized_target(tmp_path, float32_model, default_model):
+    """The default path's head reads a quarter of its float32 bytes (drafts are only
+    proposals); the exact path's stays float32, equal to the training's evaluation."""
+    from llmserve.kernels import native
+    from llmserve.quantization.int8 import Int8LinearMethod
+
+    folder = write_head(tmp_path / "eagle", float32_model.config,
+                        random_tensors(float32_model.config, bias=False))
+    exact = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32)
+    assert not isinstance(exact.fc.method, Int8LinearMethod)
+    if native() is None or default_model.quantization is None:
+        pytest.skip("no native kernels here: the default path is float too")
+    fast = load_eagle_head(folder, default_model, torch.device("cpu"), torch.float32)
+    linears = [m for m in fast.modules() if hasattr(m, "method")]
+    assert len(linears) == 5 and all(isinstance(m.method, Int8LinearMethod) for m in linears)

@@ -1,15 +1,15 @@
-"""Sampling through EAGLE and Medusa heads is lossless: on the real default model, in the
-engine, the token a verification round emits is distributed as the target's own next
-token (temperature 0.8), chi-square over the rounds.
+"""Sampling through EAGLE, EAGLE-3 and Medusa heads is lossless: on the real default
+model, in the engine, the token a verification round emits is distributed as the target's
+own next token (temperature 0.8), chi-square over the rounds.
 
 Each head drafts a point mass it always proposes (a draft vocabulary of one token: EAGLE's
-`d2t`, Medusa's `token_map` in vLLM's layout), the target's second most likely token after
-the prompt and its most likely first answer token, so a round accepts it some of the time
-and otherwise draws from the residual: both paths of the rejection rule run, with the
-drafts made by the proposer after the forward, scheduled the next step and verified in a
-batch. A request's first token is the prefill's (no drafts yet), so the round's tokens are
-checked per first token, each group against the target's distribution after it, and its
-second token after an accepted draft likewise.
+and EAGLE-3's `d2t`, Medusa's `token_map` in vLLM's layout), the target's second most
+likely token after the prompt and its most likely first answer token, so a round accepts
+it some of the time and otherwise draws from the residual: both paths of the rejection
+rule run, with the drafts made by the proposer after the forward, scheduled the next step
+and verified in a batch. A request's first token is the prefill's (no drafts yet), so the
+round's tokens are checked per first token, each group against the target's distribution
+after it, and its second token after an accepted draft likewise.
 """
 
 import json
@@ -39,6 +39,12 @@ def point_mass_eagle(folder, cfg, token: int):
         json.dumps(eagle_head_config(cfg, draft_vocab_size=1)))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def point_mass_eagle3(folder, cfg, token: int):
+    from tests.spec_decode.test_eagle3 import eagle3_config, random_eagle3, write_eagle3
+
+    return write_eagle3(folder, eagle3_config(cfg, 1), random_eagle3(cfg, torch.tensor([token])))
 
 
 def point_mass_medusa(folder, cfg, token: int):
@@ -78,7 +84,7 @@ def plain(default_model):
 
 
 @pytest.mark.parametrize("requests", [300, pytest.param(3000, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("method", ["eagle", "medusa"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa"])
 def test_sampled_tokens_through_the_heads_follow_the_target(tmp_path, default_model, plain,
                                                             method, requests):
     torch.manual_seed(requests)  # the unseeded requests draw from the global generator
@@ -87,7 +93,8 @@ def test_sampled_tokens_through_the_heads_follow_the_target(tmp_path, default_mo
         tokenize=True)
     likeliest = int(target_probs(plain, prompt).argmax())
     draft = int(target_probs(plain, prompt + [likeliest]).topk(2).indices[1])
-    make = point_mass_eagle if method == "eagle" else point_mass_medusa
+    make = {"eagle": point_mass_eagle, "eagle3": point_mass_eagle3,
+            "medusa": point_mass_medusa}[method]
     folder = make(tmp_path / method, default_model.config, draft)
     llm = llm_on(default_model, kv_cache_memory="256MiB", speculative_config={
         "method": method, "model": str(folder), "num_speculative_tokens": K,

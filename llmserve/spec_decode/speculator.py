@@ -16,6 +16,13 @@ runner's proposer makes them once the step has sampled, and the next step verifi
   E(k) / (1 + c k). A request whose rate falls too low stops drafting; its estimate
   drifts back towards the prior so that it tries again later. As the batch grows c grows
   (the step turns compute-bound), and k falls to 0 by itself.
+* the prior is the engine's: what this method's drafts have met here lately (accepted
+  tokens over accepted tokens and rejections, the evidence fading by EVIDENCE_DECAY a
+  round, PRIOR_ACCEPTANCE counting as PRIOR_WEIGHT tokens of it). A new request starts
+  from it, so a proposer that is rarely right on the workload (a head trained on other
+  text) stops costing new requests their verification and draft steps; once nothing has
+  been drafted for a while the evidence has faded back towards PRIOR_ACCEPTANCE and
+  requests try again.
 """
 
 from dataclasses import dataclass, field
@@ -23,8 +30,10 @@ from dataclasses import dataclass, field
 from llmserve.config.engine import SpeculativeConfig
 from llmserve.core.request import Request
 
-PRIOR_ACCEPTANCE = 0.7  # a new request's estimate
-EMA_WEIGHT = 0.3  # weight of the latest round in the estimate
+PRIOR_ACCEPTANCE = 0.7  # the engine's estimate before any evidence
+PRIOR_WEIGHT = 8.0  # ... counting as this many draft tokens of evidence
+EVIDENCE_DECAY = 0.995  # per request round, the engine's old evidence fades by this
+EMA_WEIGHT = 0.3  # weight of the latest round in a request's estimate
 PRIOR_DRIFT = 0.05  # per step without drafts, the estimate moves this far to the prior
 
 
@@ -66,6 +75,14 @@ class Speculator:
         self.costs = costs or StepCosts({1: 0.0})
         self.stats = SpecDecodeStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self.draft_seconds = 0.0  # time spent proposing (a draft model's forwards)
+        # the engine's evidence: accepted draft tokens, and those plus rejections
+        self._accepted = 0.0
+        self._trials = 0.0
+
+    @property
+    def prior(self) -> float:
+        """A new request's acceptance estimate: the method's recent rate here."""
+        return (self._accepted + PRIOR_WEIGHT * PRIOR_ACCEPTANCE) / (self._trials + PRIOR_WEIGHT)
 
     def enabled_for(self, num_running: int) -> bool:
         limit = self.config.disable_by_batch_size
@@ -79,13 +96,16 @@ class Speculator:
             return 0
         if not self.config.adaptive:
             return k_max
-        return best_num_drafts(_acceptance(request), k_max, self.costs.draft_token_cost(batch_size))
+        return best_num_drafts(self._acceptance(request), k_max,
+                               self.costs.draft_token_cost(batch_size))
 
     def drafted_nothing(self, request: Request) -> None:
         """A round in which `request` drafted nothing (k was 0, or the proposer had no
         guess): its estimate drifts back towards the prior, so that it tries again later."""
-        a = _acceptance(request)
-        request.draft_acceptance = a + PRIOR_DRIFT * (PRIOR_ACCEPTANCE - a)
+        a = self._acceptance(request)
+        request.draft_acceptance = a + PRIOR_DRIFT * (self.prior - a)
+        self._accepted *= EVIDENCE_DECAY
+        self._trials *= EVIDENCE_DECAY
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """One verification round's outcome (the estimate lives on the request)."""
@@ -101,13 +121,15 @@ class Speculator:
         # for the rate (a^n (1 - a) is the chance of n acceptances then a rejection)
         observed = num_accepted / num_drafts if num_accepted == num_drafts else \
             num_accepted / (num_accepted + 1)
-        a = _acceptance(request)
+        a = self._acceptance(request)
         request.draft_acceptance = (1 - EMA_WEIGHT) * a + EMA_WEIGHT * observed
+        trials = num_accepted + (num_accepted < num_drafts)
+        self._accepted = EVIDENCE_DECAY * self._accepted + num_accepted
+        self._trials = EVIDENCE_DECAY * self._trials + trials
 
-
-def _acceptance(request: Request) -> float:
-    a = request.draft_acceptance
-    return PRIOR_ACCEPTANCE if a is None else a
+    def _acceptance(self, request: Request) -> float:
+        a = request.draft_acceptance
+        return self.prior if a is None else a
 
 
 def best_num_drafts(acceptance: float, k_max: int, cost: float) -> int:

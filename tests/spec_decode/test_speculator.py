@@ -107,3 +107,26 @@ def test_speculative_config_from_a_dict():
     config = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert config.speculative_config == SpeculativeConfig(method="ngram",
                                                           num_speculative_tokens=3)
+
+
+def test_new_requests_start_from_what_the_methods_drafts_met_here():
+    """A proposer rarely right on this workload stops costing new requests drafts; with
+    nothing drafted for a while its evidence fades and requests try again."""
+    config = SpeculativeConfig(method="eagle", model="heads", num_speculative_tokens=4)
+    spec = Speculator(config, StepCosts({1: 0.25}))
+    assert spec.prior == PRIOR_ACCEPTANCE and spec.num_drafts(request("first"), 100) > 0
+    for i in range(30):  # a first draft right one round in ten
+        spec.record(request(f"old{i}"), 4, 1 if i % 10 == 0 else 0)
+    assert spec.prior < 0.25
+    new = request("new")
+    assert spec.num_drafts(new, 100) == 0  # 1.2 tokens for 1.25 steps at best
+    rounds = 0
+    while spec.num_drafts(new, 100) == 0:
+        spec.drafted_nothing(new)
+        rounds += 1
+    assert 20 <= rounds < 2000
+    # a method that is often right keeps drafting from the start
+    good = Speculator(config, StepCosts({1: 0.2}))
+    for i in range(30):
+        good.record(request(f"g{i}"), 4, 3)
+    assert good.prior > 0.7 and good.num_drafts(request("next"), 100) >= 3

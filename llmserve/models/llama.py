@@ -208,15 +208,16 @@ class LlamaForCausalLM(nn.Module):
             return None
         lora = getattr(self, "lora_context", None)  # LoRA adapters in this step
         step = lora.step if lora is not None else None
-        if step is not None and self.aux_layers:
+        aux = getattr(self, "aux_layers", ())  # (Gemma 3 borrows this method, taps none)
+        if step is not None and aux:
             return None  # the stack runs in pieces for the taps; LoRA's layers run whole
         args = native.lora_args(step) if step is not None else None
         if step is not None and args is None:
             return None
-        if not self.aux_layers:
+        if not aux:
             return native.forward(x, positions, kv_cache, meta, step, args)
         taps: list[torch.Tensor] = []
-        out = native.forward(x, positions, kv_cache, meta, taps=(self.aux_layers, taps))
+        out = native.forward(x, positions, kv_cache, meta, taps=(aux, taps))
         self.aux_hidden = torch.cat(taps, dim=-1)
         return out
 

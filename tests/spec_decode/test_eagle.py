@@ -208,11 +208,20 @@ def test_head_kv_is_exact_whole_chunked_and_cached(tmp_path, float32_model, monk
     by round, for a prompt run whole, in chunks of 8, and from the prefix cache."""
     folder = write_head(tmp_path / "random", float32_model.config,
                         random_tensors(float32_model.config, True, seed=5))
+    whole, chunked, cached = drafts_whole_chunked_and_cached(float32_model, spec(folder),
+                                                            monkeypatch)
+    assert len(whole) > 5 and whole == chunked == cached
+
+
+def drafts_whole_chunked_and_cached(loaded, speculative_config: dict, monkeypatch
+                                   ) -> tuple[list[list[int]], ...]:
+    """The drafts of each round of one greedy request, run whole, then again (from the
+    prefix cache), then in an engine computing 8 tokens a step."""
     prompt = ("Once upon a time in a quiet village by the sea there lived an old "
               "fisherman who told stories to anyone who would listen.")
 
     def drafts_of(options: dict, runs: int = 1) -> list[list[list[int]]]:
-        llm = llm_on(float32_model, kv_cache_memory="128MiB", speculative_config=spec(folder),
+        llm = llm_on(loaded, kv_cache_memory="128MiB", speculative_config=speculative_config,
                      **options)
         proposer = llm.engine.executor.runner.proposer
         propose = proposer.propose
@@ -233,7 +242,7 @@ def test_head_kv_is_exact_whole_chunked_and_cached(tmp_path, float32_model, monk
 
     whole, cached = drafts_of({}, runs=2)
     (chunked,) = drafts_of({"max_num_batched_tokens": 8})
-    assert len(whole) > 5 and whole == chunked == cached
+    return whole, chunked, cached
 
 
 def test_eagle_refusals(tmp_path, float32_model):
@@ -247,15 +256,8 @@ def test_eagle_refusals(tmp_path, float32_model):
 def test_greedy_equal_under_a_grammar(tmp_path, default_model):
     """A JSON-schema request beside free ones: drafts are cut by the grammar before they
     are verified, and every output is the target's own."""
-    from llmserve.sampling_params import StructuredOutputsParams
-
     folder = repeat_head(tmp_path / "repeat", default_model.config)
-    schema = {"type": "object", "properties": {"words": {
-        "type": "array", "items": {"type": "string", "enum": ["ok"]}, "maxItems": 6}},
-        "required": ["words"], "additionalProperties": False}
-    params = [GREEDY] * len(PROMPTS) + [SamplingParams(
-        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))]
-    prompts = [*PROMPTS, "Give a JSON list of six words, each the word ok:"]
+    prompts, params = with_a_grammar(PROMPTS)
     want = llm_on(default_model, kv_cache_memory="128MiB").generate(prompts, params,
                                                                      use_tqdm=False)
     llm = llm_on(default_model, kv_cache_memory="128MiB", speculative_config=spec(folder))
@@ -278,3 +280,15 @@ def test_the_head_runs_int8_beside_a_quantized_target(tmp_path, float32_model, d
     fast = load_eagle_head(folder, default_model, torch.device("cpu"), torch.float32)
     linears = [m for m in fast.modules() if hasattr(m, "method")]
     assert len(linears) == 5 and all(isinstance(m.method, Int8LinearMethod) for m in linears)
+
+
+def with_a_grammar(prompts: list[str]) -> tuple[list[str], list[SamplingParams]]:
+    """`prompts` greedy, and one more under a JSON schema of "ok" words."""
+    from llmserve.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "properties": {"words": {
+        "type": "array", "items": {"type": "string", "enum": ["ok"]}, "maxItems": 6}},
+        "required": ["words"], "additionalProperties": False}
+    params = [GREEDY] * len(prompts) + [SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))]
+    return [*prompts, "Give a JSON list of six words, each the word ok:"], params

@@ -24,6 +24,7 @@ from llmserve.layers.kv_cache import KVCache
 from llmserve.spec_decode.eagle import eagle_head_config, load_eagle_head
 from llmserve.spec_decode.medusa import HeadsFormatError
 from tests.engines import llm_on
+from tests.spec_decode.test_eagle import drafts_whole_chunked_and_cached, with_a_grammar
 
 K = 3
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -262,43 +263,13 @@ def test_drafts_are_the_same_whole_chunked_and_cached(tmp_path, float32_model, m
     draft_ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(2))[:500]
     folder = write_eagle3(tmp_path / "random", eagle3_config(cfg, 500),
                           random_eagle3(cfg, draft_ids, seed=5))
-    prompt = ("Once upon a time in a quiet village by the sea there lived an old "
-              "fisherman who told stories to anyone who would listen.")
-
-    def drafts_of(options: dict, runs: int = 1) -> list[list[list[int]]]:
-        llm = llm_on(float32_model, kv_cache_memory="128MiB", speculative_config=spec(folder),
-                     **options)
-        proposer = llm.engine.executor.runner.proposer
-        propose = proposer.propose
-        rounds: list[list[int]] = []
-
-        def recorded(seeds):
-            drafts = propose(seeds)
-            rounds.extend(d for s, d in zip(seeds, drafts, strict=True) if s.num_drafts)
-            return drafts
-
-        monkeypatch.setattr(proposer, "propose", recorded)
-        out = []
-        for _ in range(runs):
-            rounds.clear()
-            llm.generate([prompt], GREEDY, use_tqdm=False)
-            out.append(list(rounds))
-        return out
-
-    whole, cached = drafts_of({}, runs=2)
-    (chunked,) = drafts_of({"max_num_batched_tokens": 8})
+    whole, chunked, cached = drafts_whole_chunked_and_cached(float32_model, spec(folder),
+                                                            monkeypatch)
     assert len(whole) > 3 and whole == chunked == cached
 
 
 def test_greedy_equal_under_a_grammar(tmp_path, default_model):
-    from llmserve.sampling_params import StructuredOutputsParams
-
-    schema = {"type": "object", "properties": {"words": {
-        "type": "array", "items": {"type": "string", "enum": ["ok"]}, "maxItems": 6}},
-        "required": ["words"], "additionalProperties": False}
-    params = [GREEDY] * len(PROMPTS) + [SamplingParams(
-        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))]
-    prompts = [*PROMPTS, "Give a JSON list of six words, each the word ok:"]
+    prompts, params = with_a_grammar(PROMPTS)
     plain = llm_on(default_model, kv_cache_memory="128MiB")
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     folder = ok_head(tmp_path / "ok", default_model, plain.tokenizer)

@@ -21,9 +21,13 @@ How a model is split (`ShardPlan`):
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from llmserve.distributed.pipeline import PipelineStage
 
 # intermediate channels are split in multiples of this (one int4 group along K of down_proj)
 MLP_SPLIT_UNIT = 32
@@ -195,10 +199,14 @@ class ShardPlan:
     vocab: range  # embedding / LM head rows
     vocab_sizes: tuple[int, ...]  # every rank's vocabulary share, for the all-gather
     experts: range = range(0)  # a mixture's experts, whole (expert parallelism)
+    # pipeline parallelism: this rank's stage and its layers (`distributed/pipeline.py`);
+    # None: every layer
+    stage: "PipelineStage | None" = None
 
     @classmethod
     def build(cls, tp: TensorParallel, num_heads: int, num_kv_heads: int,
-              intermediate_size: int, vocab_size: int, num_experts: int = 0) -> "ShardPlan":
+              intermediate_size: int, vocab_size: int, num_experts: int = 0,
+              stage: "PipelineStage | None" = None) -> "ShardPlan":
         if tp.size > num_heads:
             raise ValueError(f"tensor_parallel_size {tp.size} exceeds the model's "
                              f"{num_heads} attention heads")
@@ -209,11 +217,14 @@ class ShardPlan:
         experts = split_evenly(num_experts, tp.size)[tp.rank] if num_experts else range(0)
         return cls(tp, attention_shard(num_heads, num_kv_heads, tp.rank, tp.size),
                    split_evenly(intermediate_size, tp.size, MLP_SPLIT_UNIT)[tp.rank],
-                   vocab[tp.rank], tuple(len(r) for r in vocab), experts)
+                   vocab[tp.rank], tuple(len(r) for r in vocab), experts,
+                   stage if stage is not None and stage.size > 1 else None)
 
     def weight_slices(self, name: str, head_dim: int) -> tuple[slice | None, slice | None]:
         """(rows, columns) of checkpoint tensor `name` (Hugging Face Llama names) that this
         rank holds; None: all of that dimension."""
+        if self.stage is not None and not self.stage.holds(name):
+            return slice(0, 0), None  # another stage's: nothing of it is read
         q = self.attention.q_heads
         kv = self.attention.kv_heads
         if ".mlp.experts." in name:  # whole experts, this rank's only (nothing of others)

@@ -5,13 +5,14 @@ import datetime
 import os
 import pickle
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from llmserve.distributed.parallel import TensorParallel
+from llmserve.distributed.pipeline import PipelineStage
 
 # collectives wait this long for a peer; an idle server's workers wait for the next step
 # far longer than any step, and a dead peer is seen by its closed connection, not by this
@@ -29,6 +30,7 @@ class WorkerSpec:
     quantization: str | None
     num_threads: int | None
     seed: int
+    pipeline_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -44,20 +46,37 @@ class CacheSpec:
 
 @dataclass
 class Ranks:
-    """One rank's groups: `tp` for the model's collectives, `control` (gloo) for messages."""
+    """One rank's groups: `tp` for the model's collectives (its stage's), `control` (gloo,
+    every rank) for messages and the pipeline's activations, `stage` its pipeline stage
+    (size 1: no pipeline)."""
 
     tp: TensorParallel
     control: Any  # a c10d ProcessGroup
+    stage: PipelineStage = field(default_factory=PipelineStage)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp.size * self.stage.size
 
 
-def connect(rank: int, size: int, host: str, port: int, device: torch.device) -> Ranks:
-    """Meet the other ranks at host:port (rank 0 hosts the store)."""
+def connect(rank: int, size: int, host: str, port: int, device: torch.device,
+            pipeline_size: int = 1) -> Ranks:
+    """Meet the other ranks at host:port (rank 0 hosts the store): `size` ranks in
+    `pipeline_size` stages of size // pipeline_size (rank = stage x that + rank in it)."""
     store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
     control = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    tp_size = size // pipeline_size
+    index, tp_rank = divmod(rank, tp_size)
     group = control
-    if device.type == "cuda":
-        group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, size)
-    return Ranks(TensorParallel(rank, size, group, exchange=device.type != "cuda"), control)
+    if pipeline_size > 1 and tp_size > 1:  # the stage's own group
+        group = dist.ProcessGroupGloo(dist.PrefixStore(f"stage{index}", store), tp_rank,
+                                      tp_size, COLLECTIVE_TIMEOUT)
+    if device.type == "cuda" and tp_size > 1:
+        group = dist.ProcessGroupNCCL(dist.PrefixStore(f"nccl{index}", store), tp_rank,
+                                      tp_size)
+    stage = PipelineStage(index, pipeline_size, range(0), control, tp_rank, tp_size)
+    return Ranks(TensorParallel(tp_rank, tp_size, group, exchange=device.type != "cuda"),
+                 control, stage)
 
 
 def broadcast_object(control: Any, obj: Any = None) -> Any:

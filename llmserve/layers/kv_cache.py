@@ -23,6 +23,8 @@ class KVCache:
     value: list[torch.Tensor]
     key_scales: list[torch.Tensor] | None = None
     value_scales: list[torch.Tensor] | None = None
+    # the model layer of entry 0 (a pipeline stage holds layers first_layer, ...)
+    first_layer: int = 0
 
     @property
     def block_size(self) -> int:
@@ -37,6 +39,8 @@ class KVCache:
         return self.key[0].dtype
 
     def layer(self, i: int) -> "LayerKV":
+        """Model layer `i`'s K and V."""
+        i -= self.first_layer
         scales = (None, None) if self.key_scales is None else (
             self.key_scales[i], self.value_scales[i])
         return LayerKV(self.key[i], self.value[i], *scales)
@@ -90,9 +94,12 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         zeroed: bool = True,
+        first_layer: int = 0,
     ) -> "KVCache":
         """`zeroed=False` leaves memory untouched until written (no start-up cost, and the
-        process's RSS grows with use): only for backends that never read unwritten slots."""
+        process's RSS grows with use): only for backends that never read unwritten slots.
+        `first_layer`: the model layer of the first of the `num_layers` (a pipeline
+        stage's)."""
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         new = torch.zeros if zeroed else torch.empty
 
@@ -102,7 +109,7 @@ class KVCache:
         scales = (None, None)
         if dtype == torch.int8:
             scales = (zeros(shape[:3], torch.float32), zeros(shape[:3], torch.float32))
-        return cls(zeros(shape, dtype), zeros(shape, dtype), *scales)
+        return cls(zeros(shape, dtype), zeros(shape, dtype), *scales, first_layer)
 
 
 @dataclass

@@ -25,6 +25,7 @@ from llmserve.loader.weights import (
     WeightSlices,
     check_weight_shapes,
     drop_tied_head,
+    not_held,
     require_path,
 )
 from llmserve.quantization.kquant import KQUANT_TYPES, LEGACY_TYPES, SUPER, RawBlocks
@@ -154,6 +155,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
             continue
         canonical = hf_name(name, arch)
         rows, cols = slices(config, canonical) if slices is not None else (None, None)
+        if not_held(rows):
+            continue  # another pipeline stage's
         raw = _raw_blocks(tensor, rows, cols)
         if raw is not None and arch in ROTARY_PERMUTED_ARCHITECTURES and _is_qk(name):
             raw = raw.take_rows(_unpermute_qk(name, torch.arange(raw.rows), config).numpy())
@@ -173,6 +176,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
         if canonical in blocks_only:
             continue
         rows, cols = slices(config, canonical) if slices is not None else (None, None)
+        if not_held(rows):
+            continue
         weight = tensor_to_torch(tensor, rows, cols)
         if arch in ROTARY_PERMUTED_ARCHITECTURES:
             weight = _unpermute_qk(name, weight, config)

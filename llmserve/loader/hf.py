@@ -16,6 +16,7 @@ from llmserve.loader.weights import (
     WeightSlices,
     check_weight_shapes,
     drop_tied_head,
+    not_held,
     require_path,
 )
 from llmserve.models.vision_language import vision_language_name
@@ -83,7 +84,8 @@ def load_hf_folder(path: str | Path, dtype: torch.dtype = torch.float32,
         except ValueError as e:
             raise ModelFormatError(f"{folder}: {e}") from None
         tensors = {name: _sliced(t, config, name, slices).to(dtype)
-                   for name, t in tensors.items()}
+                   for name, t in tensors.items()
+                   if slices is None or not not_held(slices(config, name)[0])}
     drop_tied_head(config, tensors)
     return LoadedWeights(config=config, tensors=tensors, metadata=hf_config,
                          quantization=None if scheme is None else scheme.stored,
@@ -209,7 +211,8 @@ def _read_safetensors(file: Path, dtype: torch.dtype | None, config: ModelConfig
             return {
                 canonical_name(name): _cast(_read_tensor(f, name, config, slices), dtype)
                 for name in f.keys()
-                if not name.endswith(IGNORED_SUFFIXES)
+                if not name.endswith(IGNORED_SUFFIXES) and not (
+                    slices is not None and not_held(slices(config, canonical_name(name))[0]))
             }
     except (SafetensorError, OSError) as e:
         raise ModelFormatError(f"cannot read {file}: {e}") from None

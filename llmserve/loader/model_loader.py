@@ -11,6 +11,7 @@ from torch import nn
 
 from llmserve.config.model import ModelConfig
 from llmserve.distributed.parallel import ShardPlan, TensorParallel
+from llmserve.distributed.pipeline import PipelineStage
 from llmserve.errors import ModelFormatError, UnsupportedModelError
 from llmserve.kernels import native
 from llmserve.layers.linear import Linear
@@ -119,6 +120,7 @@ def load_model(
     enforce_eager: bool = False,
     tp: TensorParallel | None = None,
     mmproj: str | None = None,
+    stage: PipelineStage | None = None,
 ) -> LoadedModel:
     """Resolve `spec`, read weights and tokenizer, and return the model in eval mode.
 
@@ -128,7 +130,9 @@ def load_model(
     otherwise.
     Float weights get a compiled step unless `enforce_eager` (`models/compile.py`).
     With `tp` (a rank of a tensor-parallel group of size > 1) the model is that rank's
-    share, and only that share of each weight is read from the file.
+    share, and only that share of each weight is read from the file; with `stage` (a
+    pipeline stage, `distributed/pipeline.py`) only its layers (and on stage 0 the
+    embedding and the LM head) are built and read.
     A quantized model on the CPU is kept on disk once loaded and mapped from there by the
     next start of the same request (`weight_cache.py`).
     `mmproj`: a projector file (`loader/mmproj.py`) that makes a GGUF decoder a
@@ -136,14 +140,18 @@ def load_model(
     """
     start = time.perf_counter()
     source = resolve_model(spec)
-    sharded = tp is not None and tp.size > 1
+    staged = stage is not None and stage.size > 1
+    sharded = tp is not None and tp.size > 1 or staged
     entry = None
     if mmproj is not None and (source.kind != "gguf" or sharded):
         raise UnsupportedModelError("--mmproj goes with a GGUF model at "
-                                    "tensor_parallel_size 1 (a Hugging Face folder names its "
-                                    "vision tower in its config)")
+                                    "tensor_parallel_size and pipeline_parallel_size 1 (a "
+                                    "Hugging Face folder names its vision tower in its "
+                                    "config)")
     if quantization is not None and device_is_cpu(device) and mmproj is None:
-        rank = (tp.rank, tp.size) if sharded else (0, 1)
+        rank = (tp.rank, tp.size) if tp is not None and tp.size > 1 else (0, 1)
+        if staged:
+            rank += (stage.index, stage.size)
         entry = weight_cache.entry_for(source, quantization, dtype, device, rank)
     kept = weight_cache.load(entry) if entry is not None else None
     if kept is not None:
@@ -153,7 +161,7 @@ def load_model(
         loaded = LoadedModel(kept["model"], kept["tokenizer"], kept["config"], source,
                              kept["quantization"], kept["classifier"], kept["has_lm_head"])
     else:
-        loaded, choice = _load_files(source, dtype, device, quantization, tp, mmproj)
+        loaded, choice = _load_files(source, dtype, device, quantization, tp, mmproj, stage)
         if entry is not None and loaded.quantization is not None and (
                 choice is None or choice.source != "busy"):  # a busy choice is not kept
             decision_file = None if choice is None else choice.decision_file
@@ -172,7 +180,7 @@ def load_model(
     if hasattr(model, "enable_native_layers"):
         model.enable_native_layers()
     model.eval()
-    # under tensor parallelism the step stays eager: its all-reduces are not traced
+    # split over ranks the step stays eager: its all-reduces and sends are not traced
     compile_model(model, device, quantization, enforce_eager or sharded)
     logger.info("loaded %s (%s, %s weights) in %.1fs", source.name, source.kind,
                 quantization or str(dtype).removeprefix("torch."), time.perf_counter() - start)
@@ -181,11 +189,12 @@ def load_model(
 
 def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.device,
                 quantization: str | None, tp: TensorParallel | None,
-                mmproj: str | None = None) -> tuple[LoadedModel, KernelChoice | None]:
+                mmproj: str | None = None, stage: PipelineStage | None = None
+                ) -> tuple[LoadedModel, KernelChoice | None]:
     """The model read from its files, its linears in their format (not yet enabled for the
     native stack nor compiled), and the kernel decision "auto" followed (None: none)."""
-    sharded = tp is not None and tp.size > 1
-    slices = _rank_slices(tp) if sharded else None
+    tp, stage = _split(tp, stage)
+    slices = _rank_slices(tp, stage) if tp.size > 1 or stage is not None else None
     from_blocks: frozenset[str] = frozenset()
     choice = None
     projector = None if mmproj is None else read_mmproj(mmproj, dtype)
@@ -198,7 +207,7 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
         if projector is not None:
             _check_projector_family(config, projector, mmproj, source.path.name)
             config = replace(config, vision=projector.vision)
-        model = _new_model(config, tp, device, dtype)
+        model = _new_model(config, tp, device, dtype, stage)
 
         def on_blocks(blocks: dict) -> set[str]:
             nonlocal from_blocks
@@ -217,7 +226,7 @@ def _load_files(source: ModelSource, dtype: torch.dtype, device: str | torch.dev
     else:
         weights = load_hf_folder(source.path, dtype, slices)
         tokenizer = Tokenizer.from_hf_folder(source.path)
-        model = _new_model(weights.config, tp, device, dtype)
+        model = _new_model(weights.config, tp, device, dtype, stage)
     model.load_weights(weights.tensors, from_blocks)
     weights.tensors.clear()  # the model holds the only copy now: lower peak memory
     if quantization == "auto":
@@ -255,10 +264,17 @@ def _check_projector_family(config: ModelConfig, projector: Projector, mmproj: A
                                f"(qwen3vl.n_deepstack_layers)")
 
 
-def _new_model(config: ModelConfig, tp: TensorParallel | None, device, dtype) -> nn.Module:
-    """The model for `config` (a rank's share under `tp`), its weights not yet loaded
-    (allocated, untouched: a weight the file's blocks replace never takes memory)."""
-    plan = shard_plan(config, tp) if tp is not None and tp.size > 1 else None
+def _split(tp: TensorParallel | None, stage: PipelineStage | None
+           ) -> tuple[TensorParallel, PipelineStage | None]:
+    """A rank's tensor-parallel group (size 1: none) and pipeline stage (None: none)."""
+    return tp or TensorParallel(), stage if stage is not None and stage.size > 1 else None
+
+
+def _new_model(config: ModelConfig, tp: TensorParallel, device, dtype,
+               stage: PipelineStage | None = None) -> nn.Module:
+    """The model for `config` (a rank's share under `tp` and `stage`), its weights not yet
+    loaded (allocated, untouched: a weight the file's blocks replace never takes memory)."""
+    plan = shard_plan(config, tp, stage) if tp.size > 1 or stage is not None else None
     with torch.device(device):
         model = model_class(config)(config, plan)
     return model.to(dtype=dtype)
@@ -306,6 +322,8 @@ def _linear_block_keys(model: nn.Module, blocks: dict) -> dict[str, list[str]]:
             out[name] = keys
     head = next((k for k in ("lm_head.weight", "model.embed_tokens.weight") if k in blocks),
                 None)
+    if not getattr(model, "holds_head", True):
+        return out  # a later pipeline stage: no embedding, no head
     if getattr(model, "lm_head", None) is None and head is not None:
         out["lm_head"] = [head]
     elif "model.embed_tokens.weight" in blocks:  # an untied embedding: its own table
@@ -317,18 +335,25 @@ def device_is_cpu(device: str | torch.device) -> bool:
     return torch.device(device).type == "cpu"
 
 
-def shard_plan(config: ModelConfig, tp: TensorParallel) -> ShardPlan:
-    """What rank `tp.rank` of a tensor-parallel group holds of a model with `config`."""
-    if config.architecture == "phi3" or config.qk_norm_across_heads:
+def shard_plan(config: ModelConfig, tp: TensorParallel,
+               stage: PipelineStage | None = None) -> ShardPlan:
+    """What rank `tp.rank` of a tensor-parallel group (of pipeline stage `stage`) holds of
+    a model with `config`."""
+    if config.vision is not None and stage is not None:
+        raise UnsupportedModelError("vision-language models run with "
+                                    "pipeline_parallel_size 1")
+    if stage is not None:
+        stage.assign(config)
+    if tp.size > 1 and (config.architecture == "phi3" or config.qk_norm_across_heads):
         # Phi-3's fused projections are read whole; OLMoE normalises q and k over all heads
         raise UnsupportedModelError(f"{config.architecture} checkpoints run with "
                                     f"tensor_parallel_size 1")
     return ShardPlan.build(tp, config.num_attention_heads, config.num_key_value_heads,
                            config.intermediate_size, config.vocab_size,
-                           config.moe.num_experts if config.moe else 0)
+                           config.moe.num_experts if config.moe else 0, stage)
 
 
-def _rank_slices(tp: TensorParallel) -> WeightSlices:
+def _rank_slices(tp: TensorParallel, stage: PipelineStage | None) -> WeightSlices:
     def slices(config: ModelConfig, name: str) -> tuple[slice | None, slice | None]:
-        return shard_plan(config, tp).weight_slices(name, config.head_dim)
+        return shard_plan(config, tp, stage).weight_slices(name, config.head_dim)
     return slices

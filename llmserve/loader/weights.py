@@ -22,6 +22,12 @@ from llmserve.models.vision_language import UNUSED_PREFIXES
 WeightSlices = Callable[[ModelConfig, str], tuple[slice | None, slice | None]]
 
 
+def not_held(rows: slice | None) -> bool:
+    """Rows `slice(0, 0)`: the rank holds nothing of the tensor (another rank's expert,
+    another pipeline stage's layer): it is not read at all."""
+    return rows is not None and rows.start == 0 and rows.stop == 0
+
+
 @dataclass
 class LoadedWeights:
     """A model's config and its dense weights, keyed by canonical (HF Llama) names.

@@ -14,6 +14,8 @@ What differs from Llama (`llama.py`, whose attention and MLP it shares):
 * optional soft-capping of attention scores and of the final logits.
 """
 
+import time
+
 import torch
 from torch import nn
 
@@ -25,7 +27,7 @@ from llmserve.layers.kv_cache import KVCache, LayerKV
 from llmserve.layers.linear import Linear
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding, RotaryPositions
-from llmserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from llmserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, MissingLayer
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -48,16 +50,18 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None,
+                 held: range | None = None, embeds: bool = True) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.rotary_local = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_local_theta or cfg.rope_theta)
         vocab = len(plan.vocab) if plan else cfg.vocab_size
-        self.embed_tokens = Embedding(vocab, cfg.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, plan, i)
-                                    for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = Embedding(vocab, cfg.hidden_size) if embeds else None
+        held = range(cfg.num_hidden_layers) if held is None else held
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, plan, i) if i in held
+                                    else MissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -69,9 +73,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         nn.Module.__init__(self)
         self.config = cfg
         self.plan = plan if plan is not None and plan.tp.size > 1 else None
-        self.model = Gemma3Model(cfg, self.plan)
+        self.stage = plan.stage if plan is not None else None  # pipeline parallelism
+        self.model = Gemma3Model(cfg, self.plan, self.held_layers, self.holds_head)
         vocab = len(self.plan.vocab) if self.plan else cfg.vocab_size
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab)
+        self.lm_head = None if cfg.tie_word_embeddings or not self.holds_head else \
+            Linear(cfg.hidden_size, vocab)
         self.native_layers = None  # see LlamaForCausalLM.enable_native_layers
         self.compiled_layers = None  # set by models/compile.py: one graph for every layer
         self.embed_scale = cfg.hidden_size**0.5
@@ -89,22 +95,26 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         `embeds` (Gemma 3's image tokens): (index (K,), rows (K, hidden)), rows that replace
         the scaled embeddings of tokens `index` of the T (unscaled, as transformers places
         them)."""
-        x = self._embed(input_ids)
-        # as Hugging Face: the scale rounded to the embedding's dtype first
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        if embeds is not None:
-            index, rows = embeds
-            x = x.index_copy(0, index, rows.to(x.dtype))
+        start = time.perf_counter()
+        x = self._stage_input(input_ids)
+        if self.holds_head:
+            # as Hugging Face: the scale rounded to the embedding's dtype first
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+            if embeds is not None:
+                index, rows = embeds
+                x = x.index_copy(0, index, rows.to(x.dtype))
         if (native := self._native_stack(x, positions, kv_cache, meta)) is not None:
-            return native
+            return self._stage_output(native, start)
         ropes = {False: self.model.rotary.at(positions, x.dtype),
                  True: self.model.rotary_local.at(positions, x.dtype)}
         if self.compiled_layers is not None:
             for rope in ropes.values():
                 rope.look_up()  # the tables go into the compiled layer as inputs
-        for i, layer in enumerate(self.model.layers):
+        for i in self.held_layers:
+            layer = self.model.layers[i]
             x = layer(ropes[layer.is_local], x, kv_cache.layer(i), meta)
-        return self.model.norm(x)
+        return self._stage_output(x if self.stage and not self.stage.is_last
+                                  else self.model.norm(x), start)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -6,6 +6,8 @@ together), their positions and explicit attention metadata; everything outside a
 (projections, MLP, norms) runs once over all T tokens.
 """
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -118,16 +120,22 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MissingLayer(nn.Module):
+    """The place of a layer another pipeline stage holds: no parameters, never run."""
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan | None = None,
+                 held: range | None = None, embeds: bool = True) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
             cfg.mrope_section, cfg.mrope_interleaved)
         vocab = len(plan.vocab) if plan else cfg.vocab_size
-        self.embed_tokens = Embedding(vocab, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, plan, i)
-                                    for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = Embedding(vocab, cfg.hidden_size) if embeds else None
+        held = range(cfg.num_hidden_layers) if held is None else held
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, plan, i) if i in held
+                                    else MissingLayer() for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -143,9 +151,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.plan = plan if plan is not None and plan.tp.size > 1 else None
-        self.model = LlamaModel(cfg, self.plan)
+        self.stage = plan.stage if plan is not None else None  # pipeline parallelism
+        self.model = LlamaModel(cfg, self.plan, self.held_layers, self.holds_head)
         vocab = len(self.plan.vocab) if self.plan else cfg.vocab_size
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab)
+        self.lm_head = None if cfg.tie_word_embeddings or not self.holds_head else \
+            Linear(cfg.hidden_size, vocab)
         self.native_layers: NativeLlamaLayers | None = None  # see enable_native_layers
         self.compiled_layers = None  # set by models/compile.py: one graph for every layer
         # EAGLE-3 (`spec_decode/eagle.py`): the residual stream entering these layers is
@@ -159,6 +169,18 @@ class LlamaForCausalLM(nn.Module):
         less Python. Not under tensor parallelism: the stack has no all-reduce inside."""
         if self.plan is None:
             self.native_layers = NativeLlamaLayers.build(self)
+
+    @property
+    def held_layers(self) -> range:
+        """The decoder layers this rank holds (a pipeline stage's; else all)."""
+        stage = getattr(self, "stage", None)
+        return range(self.config.num_hidden_layers) if stage is None else stage.layers
+
+    @property
+    def holds_head(self) -> bool:
+        """Whether this rank holds the embedding and the LM head (pipeline stage 0)."""
+        stage = getattr(self, "stage", None)
+        return stage is None or stage.is_first
 
     def forward(
         self,
@@ -180,23 +202,54 @@ class LlamaForCausalLM(nn.Module):
             index, rows = embeds
             first, *deepstack = rows.split(self.config.hidden_size, dim=1)
             embeds = (index, first)
-        x = self._embed(input_ids, embeds)
+        start = time.perf_counter()
+        x = self._stage_input(input_ids, embeds)
         if not deepstack and (
                 native := self._native_stack(x, positions, kv_cache, meta)) is not None:
-            return native
+            return self._stage_output(native, start)
         rope = self.model.rotary.at(positions, x.dtype)
         if self.compiled_layers is not None:
             rope.look_up()  # the tables go into the compiled layer as inputs
         taps = []
-        for i, layer in enumerate(self.model.layers):
+        for i in self.held_layers:
             if i in self.aux_layers:
                 taps.append(x)
-            x = layer(rope, x, kv_cache.layer(i), meta)
+            x = self.model.layers[i](rope, x, kv_cache.layer(i), meta)
             if i < len(deepstack):
                 x = x.index_add(0, embeds[0], deepstack[i].to(x.dtype))
         if self.aux_layers:
             self.aux_hidden = torch.cat(taps, dim=-1)
-        return self.model.norm(x)
+        return self._stage_output(x if self.stage and not self.stage.is_last
+                                  else self.model.norm(x), start)
+
+    def _stage_input(self, input_ids: torch.Tensor,
+                     embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The embeddings (pipeline stage 0, or no pipeline) or the residual stream the
+        previous stage sent."""
+        if self.holds_head:
+            return self._embed(input_ids, embeds)
+        norm = self.model.norm.weight
+        return self.stage.receive(input_ids.shape[0], self.config.hidden_size, norm.dtype,
+                                  norm.device)
+
+    def _stage_output(self, x: torch.Tensor, start: float) -> torch.Tensor | None:
+        """Without a pipeline: `x`. A pipeline stage sends `x` on (the last stage its final
+        hidden states, to stage 0) and returns it on the last stage, None elsewhere:
+        stage 0 receives the final hidden states once the last stage is done
+        (`receive_final`)."""
+        stage = self.stage
+        if stage is None:
+            return x
+        stage.send_on(x)
+        stage.busy_seconds += time.perf_counter() - start
+        return x if stage.is_last else None
+
+    def receive_final(self, num_tokens: int) -> torch.Tensor:
+        """Pipeline stage 0: the last stage's final hidden states of the step in flight
+        longest (num_tokens, hidden_size)."""
+        norm = self.model.norm.weight
+        return self.stage.receive_final(num_tokens, self.config.hidden_size, norm.dtype,
+                                        norm.device)
 
     def _native_stack(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                       meta: AttentionMetadata) -> torch.Tensor | None:
@@ -214,10 +267,11 @@ class LlamaForCausalLM(nn.Module):
         args = native.lora_args(step) if step is not None else None
         if step is not None and args is None:
             return None
+        norm = self.stage is None or self.stage.is_last
         if not aux:
-            return native.forward(x, positions, kv_cache, meta, step, args)
+            return native.forward(x, positions, kv_cache, meta, step, args, norm=norm)
         taps: list[torch.Tensor] = []
-        out = native.forward(x, positions, kv_cache, meta, taps=(aux, taps))
+        out = native.forward(x, positions, kv_cache, meta, taps=(aux, taps), norm=norm)
         self.aux_hidden = torch.cat(taps, dim=-1)
         return out
 
@@ -275,7 +329,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _held_name(self, name: str) -> str | None:
         """Expert `e` of a mixture is this rank's expert `e - held.start` (all of them
-        without tensor parallelism); None: another rank holds it."""
+        without tensor parallelism); None: another rank holds it (its expert, or another
+        pipeline stage's layer, embedding or head)."""
+        if self.stage is not None and not self.stage.holds(name):
+            return None
         if ".mlp.experts." not in name:
             return name
         head, rest = name.split(".mlp.experts.", 1)

@@ -150,16 +150,22 @@ class NativeLlamaLayers:
                                  _ACTIVATIONS[cfg.hidden_act])
         self.weights = []  # per layer: qkv, o, gate_up, down (a mixture's: empty)
         self.mixtures = []  # per layer: its NativeMoe, or None
-        for layer in model.model.layers:
+        self.layer_ids = list(model.held_layers)  # (a pipeline stage's; else all)
+        for layer in self.held(model):
             mixture = layer.mlp.native_layer() if _is_mixture(layer) else None
             weights = [packed_weight(m) for m in _linears(layer)]
             self.weights.append(weights + [NativeWeight(), NativeWeight()] * (mixture is not None))
             self.mixtures.append(mixture)
-        self.k_pad = max(max(m.method.weight.k_pad for layer in model.model.layers
+        self.k_pad = max(max(m.method.weight.k_pad for layer in self.held(model)
                              for m in _linears(layer)),
                          max((m.widest for m in self.mixtures if m is not None), default=0))
         self._cache_ref: weakref.ref | None = None
         self._layers = None
+
+    @staticmethod
+    def held(model: nn.Module) -> list[nn.Module]:
+        """The decoder layers `model` holds (a pipeline stage's), in order."""
+        return [model.model.layers[i] for i in model.held_layers]
 
     @classmethod
     def build(cls, model: nn.Module) -> "NativeLlamaLayers | None":
@@ -171,7 +177,7 @@ class NativeLlamaLayers:
             return None
         if next(model.parameters()).device.type != "cpu":
             return None
-        for layer in model.model.layers:
+        for layer in cls.held(model):
             if any(packed_weight(m) is None for m in _linears(layer)):
                 return None
             if _is_mixture(layer) and layer.mlp.native_layer() is None:
@@ -183,10 +189,10 @@ class NativeLlamaLayers:
         # one's addresses, but never a live object's identity; its tensors are never
         # replaced)
         if self._cache_ref is None or self._cache_ref() is not kv_cache:
-            layers = self.model.model.layers
+            layers = self.held(self.model)
             array = (_LlamaLayer * len(layers))()
-            for i, (layer, (qkv, o, gate_up, down)) in enumerate(
-                    zip(layers, self.weights, strict=True)):
+            for n, (i, layer, (qkv, o, gate_up, down)) in enumerate(
+                    zip(self.layer_ids, layers, self.weights, strict=True)):
                 cache = kv_cache.layer(i)
                 attn = layer.self_attn
                 q_norm, k_norm = (None, None) if attn.q_norm is None else (
@@ -201,8 +207,8 @@ class NativeLlamaLayers:
                           else None)  # Gemma's local layers: their own base
                 tables = (None, None) if rotary is None else (ptr(rotary.cos_cache),
                                                               ptr(rotary.sin_cache))
-                mixture = self.mixtures[i]
-                array[i] = _LlamaLayer(
+                mixture = self.mixtures[n]
+                array[n] = _LlamaLayer(
                     ptr(layer.input_layernorm.weight), ptr(mlp_norm),
                     qkv, o, gate_up, down, q_norm, k_norm, ptr(cache.key), ptr(cache.value),
                     ptr(cache.key_scales), ptr(cache.value_scales), self.model.config.window(i),
@@ -228,7 +234,7 @@ class NativeLlamaLayers:
             return step.native_args[key]
         layers = (_LoraLayer * len(self.weights))()
         keep, top = [], 0
-        for i in range(len(self.weights)):
+        for n, i in enumerate(self.layer_ids):
             for j, path in enumerate(_LINEAR_PATHS):
                 args = step.native(f"model.layers.{i}.{path}")
                 if args is None:
@@ -236,18 +242,19 @@ class NativeLlamaLayers:
                 slots, _, rank = args
                 keep.append(args)
                 top = max(top, rank)
-                layers[i].linears[j] = ctypes.addressof(slots)
+                layers[n].linears[j] = ctypes.addressof(slots)
         step.native_args[key] = (layers, top, keep)
         return step.native_args[key]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata, lora_step=None, lora_args=None,
-                taps: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
-                ) -> torch.Tensor:
+                taps: tuple[tuple[int, ...], list[torch.Tensor]] | None = None,
+                norm: bool = True) -> torch.Tensor:
         """x (T, hidden) fp32 embeddings -> hidden states after the last layer and the final
         norm (the norm's own kernel, called here: its module added ~0.05 ms of Python to
         a decode step). `taps` (layer ids, a list): the stack runs in pieces and the list
-        gets a copy of the residual stream entering each of those layers (no LoRA)."""
+        gets a copy of the residual stream entering each of those layers (no LoRA).
+        `norm=False` (a pipeline stage before the last): the residual stream, unnormed."""
         rotary = self.model.model.rotary
         t, s = x.shape[0], self.shape
         x = x.contiguous()
@@ -281,7 +288,9 @@ class NativeLlamaLayers:
                 _address(layers) + start * ctypes.sizeof(_LlamaLayer), end - start,
                 _address(step), ptr(scratch), ptr(qscratch),
                 None if lora is None else _address(lora))
-        norm = self.model.model.norm
+        if not norm:
+            return x
+        final = self.model.model.norm
         out = torch.empty_like(x)
-        self.lib.rms_norm(ptr(x), t, s.hidden, ptr(norm.weight), norm.eps, ptr(out))
+        self.lib.rms_norm(ptr(x), t, s.hidden, ptr(final.weight), final.eps, ptr(out))
         return out

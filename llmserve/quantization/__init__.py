@@ -74,7 +74,8 @@ def quantize_model(model: nn.Module, name: str | None,
     embed = (raw_parts or {}).get("embed_tokens")
     if embed and can_pack(embed) and getattr(model, "lm_head", None) is not None:
         model.model.embed_tokens = kquant_embedding(embed)  # untied: its own table
-    if getattr(model, "lm_head", False) is None:
+    if getattr(model, "lm_head", False) is None and getattr(model, "holds_head", True):
+        # (tied; a later pipeline stage holds neither)
         parts = (raw_parts or {}).get("lm_head")
         if parts and can_pack(parts):
             model.lm_head = kquant_head(parts)

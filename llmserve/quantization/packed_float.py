@@ -107,7 +107,8 @@ def pack_float_model(model: nn.Module) -> None:
         if isinstance(module, Linear) and type(module.method) is LinearMethod:
             module.method = PackedFloatLinearMethod()
             module.method.process_weights_after_loading(module)
-    if getattr(model, "lm_head", False) is None:
+    if getattr(model, "lm_head", False) is None and getattr(model, "holds_head", True):
+        # (tied; a later pipeline stage holds neither)
         table = PackedFloatWeight(model.model.embed_tokens.weight.data)
         model.lm_head = PackedHead(table, lambda hidden, w: float_linear(hidden.float(), w))
         model.model.embed_tokens = model.lm_head.as_embedding()

@@ -22,6 +22,7 @@ of other ranks (an executor drives one runner per rank, `executor/`).
 """
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,18 @@ from llmserve.worker.sampler import argmax, sample, target_probs
 
 # prompt positions whose logits are materialised at once for prompt logprobs: (256, V) fp32
 PROMPT_LOGPROBS_SLICE = 256
+
+
+@dataclass
+class StepInFlight:
+    """A step `ModelRunner.begin` ran up to its forward pass, for `finish`: its output so
+    far, its inputs (None: it computes nothing) and final hidden states (None on a
+    pipeline's stage 0, whose last stage sends them)."""
+
+    out: SchedulerOutput
+    result: ModelRunnerOutput
+    step: Any = None
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -85,18 +98,34 @@ class ModelRunner:
         self.mrope = getattr(config, "mrope_section", None) is not None
         self.images_attend_both_ways = vision is not None and vision.images_attend_both_ways
 
-    @torch.inference_mode()
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step: sample for every request whose chunk ends its tokens (within its
         grammar's mask, `out.grammar`, for structured output), and gather the logprobs
         and prompt logprobs asked for."""
+        return self.finish(self.begin(out))
+
+    @torch.inference_mode()
+    def begin(self, out: SchedulerOutput) -> "StepInFlight":
+        """The step up to its forward pass (on a pipeline's stage 0: through this stage's
+        layers, the rest of the pipeline still to come); `finish` does the rest. Steps
+        begun are finished in order, and a step begun while others are in flight
+        schedules none of their requests (the engine's pipeline, `engine.py`)."""
         try:
-            return self._execute(out)
-        finally:
+            return self._begin(out)
+        except BaseException:
             if out.drop_images:
                 self.encoder_cache.drop(out.drop_images)
+            raise
 
-    def _execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    @torch.inference_mode()
+    def finish(self, flight: "StepInFlight") -> ModelRunnerOutput:
+        try:
+            return self._finish(flight)
+        finally:
+            if flight.out.drop_images:
+                self.encoder_cache.drop(flight.out.drop_images)
+
+    def _begin(self, out: SchedulerOutput) -> "StepInFlight":
         batch = self.input_batch
         batch.update(out)
         if self.proposer is not None:
@@ -111,7 +140,7 @@ class ModelRunner:
             result.encoded_images = self.encoder_cache.advance(
                 out.encode_images, STEP_BUDGET_S if out.scheduled else IDLE_BUDGET_S)
         if not out.scheduled:
-            return result
+            return StepInFlight(out, result)
         step = batch.prepare(out.scheduled, self.attention)
         if self.mrope:
             step.positions = self._mrope_positions(out, step)
@@ -133,6 +162,34 @@ class ModelRunner:
         if out.tier_saves:  # their KV is written now; the next step may reuse the blocks
             self.kv_tier.save(self.kv_cache, [b for b, _ in out.tier_saves],
                               [h for _, h in out.tier_saves])
+        return StepInFlight(out, result, step, hidden)
+
+    def _finish(self, flight: "StepInFlight") -> ModelRunnerOutput:
+        out, result, step, hidden = flight.out, flight.result, flight.step, flight.hidden
+        if step is None:
+            return result
+        stage = getattr(self.model, "stage", None)
+        if stage is not None:
+            if not stage.is_first:
+                return result  # a later pipeline stage: no head, nothing to sample
+            # stage 0: the last stage's final hidden states; steps begun since may have
+            # moved rows (a finished request's place taken by the last row)
+            hidden = self.model.receive_final(len(step.input_ids))
+            start = time.perf_counter()
+            try:
+                return self._finish_step(out, result, step, hidden, rows_moved=True)
+            finally:
+                stage.busy_seconds += time.perf_counter() - start
+        return self._finish_step(out, result, step, hidden)
+
+    def _finish_step(self, out: SchedulerOutput, result: ModelRunnerOutput, step: Any,
+                     hidden: torch.Tensor, rows_moved: bool = False) -> ModelRunnerOutput:
+        """From the final hidden states on: prompt logprobs, pooling, logits, sampling or
+        verification, drafts, KV saves."""
+        batch = self.input_batch
+        if rows_moved:
+            step.rows = np.fromiter((batch.requests[s.request_id].row for s in out.scheduled),
+                                    np.int64, len(out.scheduled))
         for i in np.flatnonzero(batch.prompt_logprobs[step.rows]).tolist():
             s, end = out.scheduled[i], int(step.last_token[i])
             start = end + 1 - s.num_tokens  # the chunk's first token

@@ -1,0 +1,168 @@
+"""Pipeline parallelism: the decoder's layers in contiguous ranges, one per stage.
+
+A stage is a tensor-parallel group (size T) holding layers [start, stop) of the model and
+their KV cache; world = T x P ranks, rank = stage x T + (rank in its stage). Stage 0 also
+holds the embedding and the LM head (a tied checkpoint keeps one table, and the sampling
+rank, rank 0, computes the logits), the last stage the final norm. A step goes
+
+    stage 0: embed, its layers -> send the residual stream (T, H) to stage 1
+    stage s: receive, its layers -> send to stage s + 1
+    last:    receive, its layers, norm -> send the final hidden states to stage 0
+    stage 0: receive them -> logits, sampling (rank 0), drafts
+
+each rank sending to the rank of the next stage with its own rank in the group (after a
+stage's all-reduces every rank of it holds the whole residual stream). Sends do not wait
+for their receiver: stage s is free for the next micro-batch as soon as it has sent, so
+with P batches in flight (`engine.py`) every stage is busy at once. Activations go over
+the world's gloo group (on CUDA through host memory).
+
+How the layers are split (`stage_layers`): by what a decode step reads, each layer's
+weights (a mixture's active experts) and, on stage 0, the LM head; contiguous ranges
+minimising the largest stage, every stage at least one layer.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from llmserve.config.model import ModelConfig
+
+ACTIVATION_TAG = 4  # the residual stream, stage to stage
+FINAL_TAG = 5  # the last stage's final hidden states, to stage 0
+
+
+@dataclass
+class PipelineStage:
+    """One rank's place in the pipeline (`size == 1`: no pipeline)."""
+
+    index: int = 0
+    size: int = 1
+    layers: range = range(0)  # the decoder layers this stage holds
+    group: Any = None  # the world's gloo group: activations are sent on it
+    tp_rank: int = 0
+    tp_size: int = 1
+    # seconds this rank spent computing its stage and waiting for activations, since the
+    # last `reset_timing` (`llmserve bench tp`)
+    busy_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    _pending: list = field(default_factory=list)  # sends not yet known complete
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.size - 1
+
+    def assign(self, config: ModelConfig) -> "PipelineStage":
+        """Take this stage's layers of a model with `config` (`stage_layers`), once."""
+        if not self.layers:
+            self.layers = stage_layers(config, self.size)[self.index]
+        return self
+
+    def holds(self, name: str) -> bool:
+        """Whether this stage holds checkpoint tensor `name` at all: its layers; stage 0
+        the embedding and the LM head; every stage the final norm."""
+        if name.startswith("model.layers."):
+            return int(name.split(".", 3)[2]) in self.layers
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return self.is_first
+        return True
+
+    def _rank_of(self, stage: int) -> int:
+        return stage * self.tp_size + self.tp_rank
+
+    def receive(self, rows: int, width: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+        """The previous stage's residual stream (rows, width)."""
+        return self._receive(self._rank_of(self.index - 1), ACTIVATION_TAG, rows, width,
+                             dtype, device)
+
+    def receive_final(self, rows: int, width: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+        """Stage 0: the last stage's final hidden states (rows, width)."""
+        return self._receive(self._rank_of(self.size - 1), FINAL_TAG, rows, width, dtype,
+                             device)
+
+    def send_on(self, x: torch.Tensor) -> None:
+        """To the next stage (the last stage: its final hidden states to stage 0)."""
+        if self.is_last:
+            self._send(x, self._rank_of(0), FINAL_TAG)
+        else:
+            self._send(x, self._rank_of(self.index + 1), ACTIVATION_TAG)
+
+    def _receive(self, peer: int, tag: int, rows: int, width: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        start = time.perf_counter()
+        buffer = torch.empty(rows, width, dtype=dtype)
+        self.group.recv([buffer], peer, tag).wait()
+        self.wait_seconds += time.perf_counter() - start
+        return buffer.to(device)
+
+    def _send(self, x: torch.Tensor, peer: int, tag: int) -> None:
+        # the receiver may still be on an earlier micro-batch: the send completes in the
+        # background, its buffer kept until then
+        self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+        buffer = x.detach().to("cpu").contiguous()
+        self._pending.append((self.group.send([buffer], peer, tag), buffer))
+
+    def flush(self) -> None:
+        """Wait until every send has reached its receiver."""
+        for work, _ in self._pending:
+            work.wait()
+        self._pending = []
+
+    def reset_timing(self) -> None:
+        self.busy_seconds = self.wait_seconds = 0.0
+
+
+def layer_costs(cfg: ModelConfig) -> tuple[list[int], int]:
+    """(each decoder layer's, the LM head's) parameters a decode step reads: attention,
+    norms and the MLP (a mixture's router, shared expert and top_k experts)."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    attn = h * d * (cfg.num_attention_heads * 2 + cfg.num_key_value_heads * 2) + 4 * h
+    costs = []
+    for layer in range(cfg.num_hidden_layers):
+        if not cfg.is_moe_layer(layer):
+            costs.append(attn + 3 * h * i)
+            continue
+        moe = cfg.moe
+        shared = 3 * h * moe.shared_intermediate_size if moe.shared_intermediate_size else 0
+        costs.append(attn + moe.num_experts * h + moe.top_k * 3 * h * moe.intermediate_size
+                     + shared)
+    return costs, cfg.vocab_size * h
+
+
+def stage_layers(cfg: ModelConfig, size: int) -> list[range]:
+    """Contiguous layer ranges, one per stage, minimising the most a stage reads a step
+    (stage 0 counts the LM head); every stage at least one layer."""
+    costs, head = layer_costs(cfg)
+    n = len(costs)
+    if not 1 <= size <= n:
+        raise ValueError(f"pipeline_parallel_size {size} must be between 1 and the model's "
+                         f"{n} layers")
+    prefix = [0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[s][j]: the least possible largest stage for layers [0, j) over stages [0, s]
+    best = [[inf] * (n + 1) for _ in range(size)]
+    cut = [[0] * (n + 1) for _ in range(size)]
+    for j in range(1, n + 1):
+        best[0][j] = head + prefix[j]
+    for s in range(1, size):
+        for j in range(s + 1, n + 1):
+            for k in range(s, j):  # stage s takes [k, j)
+                value = max(best[s - 1][k], prefix[j] - prefix[k])
+                if value < best[s][j]:
+                    best[s][j], cut[s][j] = value, k
+    bounds, j = [n], n
+    for s in range(size - 1, 0, -1):
+        j = cut[s][j]
+        bounds.append(j)
+    bounds.append(0)
+    bounds.reverse()
+    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]

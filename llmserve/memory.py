@@ -238,13 +238,14 @@ class KVCachePlan:
 
 def plan_kv_cache(
     cfg: ModelConfig, dtype: torch.dtype, budget_bytes: int, block_size: int,
-    num_kv_heads: int | None = None, extra_layers: int = 0,
+    num_kv_heads: int | None = None, extra_layers: int = 0, num_layers: int | None = None,
 ) -> KVCachePlan:
     """How many blocks of `block_size` tokens fit in `budget_bytes`; deterministic.
     `num_kv_heads`: the heads one tensor-parallel rank holds (default: all);
-    `extra_layers`: layers of the same shape after the model's (an EAGLE head's)."""
-    per_token = kv_bytes_per_token(cfg, dtype, num_kv_heads)
-    per_token += per_token // cfg.num_hidden_layers * extra_layers
+    `extra_layers`: layers of the same shape after the model's (an EAGLE head's);
+    `num_layers`: the model's layers one rank holds (a pipeline stage's; default all)."""
+    per_layer = kv_bytes_per_token(cfg, dtype, num_kv_heads) // cfg.num_hidden_layers
+    per_token = per_layer * ((num_layers or cfg.num_hidden_layers) + extra_layers)
     num_blocks = budget_bytes // (per_token * block_size)
     if num_blocks < 1:
         raise ValueError(

@@ -179,6 +179,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | None = None
     # ranks the model is split over (distributed/): heads, MLP channels and vocabulary
     tensor_parallel_size: int = 1
+    # stages the layers are split over (distributed/pipeline.py), each a tensor-parallel
+    # group: tensor_parallel_size x pipeline_parallel_size ranks in all
+    pipeline_parallel_size: int = 1
     # mp: rank 0 spawns the other ranks on this machine; external_launcher: torchrun
     # started every rank (several machines)
     distributed_executor_backend: str = "mp"
@@ -220,7 +223,9 @@ class EngineConfig:
             for name, value in (("speculative_config", self.speculative_config),
                                 ("kv_role", self.kv_role),
                                 ("tensor_parallel_size > 1",
-                                 self.tensor_parallel_size > 1 or None)):
+                                 self.tensor_parallel_size > 1 or None),
+                                ("pipeline_parallel_size > 1",
+                                 self.pipeline_parallel_size > 1 or None)):
                 if value is not None:
                     raise ValueError(f"the pooling runner does not support {name}")
         if self.enable_lora:
@@ -228,9 +233,10 @@ class EngineConfig:
                                 ("max_lora_rank", self.max_lora_rank)):
                 if not isinstance(value, int) or value < 1:
                     raise ValueError(f"{name} must be a positive integer, got {value!r}")
-            if self.tensor_parallel_size > 1 or self.runner == "pooling":
+            if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or \
+                    self.runner == "pooling":
                 raise ValueError("enable_lora runs the generate runner at "
-                                 "tensor_parallel_size 1")
+                                 "tensor_parallel_size and pipeline_parallel_size 1")
         if (self.kv_role is None) != (self.kv_transfer_address is None):
             raise ValueError("kv_role (--role) and kv_transfer_address (--kv-transfer-address) "
                              "go together")
@@ -239,10 +245,13 @@ class EngineConfig:
         if self.kv_role is not None and self.tensor_parallel_size > 1:
             raise ValueError("kv_role (disaggregated prefill/decode) with "
                              "tensor_parallel_size > 1 is not supported")
+        if self.kv_role is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("kv_role (disaggregated prefill/decode) with "
+                             "pipeline_parallel_size > 1 is not supported")
         self._check_kv_tier()
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got "
-                             f"{self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError("distributed_executor_backend must be one of "
                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, not "
@@ -302,9 +311,9 @@ class EngineConfig:
         if not self.enable_prefix_caching:
             raise ValueError("the KV tier (kv_offload_dir / kv_offload_gib) is the prefix "
                              "cache's second tier: it needs prefix caching on")
-        if self.tensor_parallel_size > 1:
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError("the KV tier (kv_offload_dir / kv_offload_gib) runs at "
-                             "tensor_parallel_size 1")
+                             "tensor_parallel_size and pipeline_parallel_size 1")
 
     @property
     def weight_quantization(self) -> str | None:

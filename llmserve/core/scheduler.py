@@ -116,6 +116,10 @@ class Scheduler:
         # static policy: the unfinished members of the batch being run (empty: none runs)
         self.batch: set[Request] = set()
         self.images = ImageEncodes()  # the images' rows the runner holds or encodes
+        # pipeline parallelism: steps in flight per request (`begun` ... `finished`), and
+        # requests ended meanwhile whose rows the runner drops once their steps finish
+        self._in_flight: dict[str, int] = {}
+        self._ended_in_flight: set[str] = set()
 
     # ---- admission and removal -------------------------------------------------------
 
@@ -194,7 +198,11 @@ class Scheduler:
             if lookahead:  # the tokens' slots first; the draft chain's only if they fit
                 lookahead = 0
                 continue
-            victim = max(self.running, key=self._priority_key)
+            # (never a request another step in flight computes for: its row and blocks
+            # are that step's until it finishes)
+            victim = max((r for r in self.running
+                          if r is request or r.request_id not in self._in_flight),
+                         key=self._priority_key)
             num_returned += self._unschedule(victim, out)
             self._preempt(victim)
             out.num_preempted += 1
@@ -428,6 +436,27 @@ class Scheduler:
         self.num_prefill_computed_tokens += self._step_prefill_tokens
         self._scheduled_at = time.perf_counter()
 
+    # ---- steps in flight (pipeline parallelism) ----------------------------------------
+
+    def begun(self, out: SchedulerOutput) -> None:
+        """`out` is in flight: its requests are not preempted until it finishes (decodes
+        are not scheduled again anyway: their next token is not known)."""
+        for s in out.scheduled:
+            self._in_flight[s.request_id] = self._in_flight.get(s.request_id, 0) + 1
+
+    def finished(self, out: SchedulerOutput) -> None:
+        """`out` finished (before `update(out, ...)`): requests that ended while it was in
+        flight (an abort) now leave the runner's rows with the next step. A freed
+        request's blocks may have gone to a later step meanwhile: each stage runs the
+        steps in order, so the later step's K/V is written after this one's."""
+        for s in out.scheduled:
+            left = self._in_flight.pop(s.request_id) - 1
+            if left:
+                self._in_flight[s.request_id] = left
+            elif s.request_id in self._ended_in_flight:
+                self._ended_in_flight.discard(s.request_id)
+                self._finished_ids.add(s.request_id)
+
     # ---- after the forward pass --------------------------------------------------------
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestUpdate]:
@@ -521,7 +550,10 @@ class Scheduler:
         request.timings.finished = time.time()
         self.kv.free(request)
         request.num_blocks_sent = None
-        self._finished_ids.add(request.request_id)
+        if request.request_id in self._in_flight:
+            self._ended_in_flight.add(request.request_id)
+        else:
+            self._finished_ids.add(request.request_id)
 
     def _priority_key(self, request: Request) -> tuple:
         if self.config.policy == "priority":

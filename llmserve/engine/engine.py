@@ -14,6 +14,7 @@ and n > 1 are parents above the engine's requests (`BeamSearch`, `ParallelGroup`
 tensor parallelism is the executor's business.
 """
 
+import collections
 import itertools
 import logging
 
@@ -25,6 +26,7 @@ from llmserve.core.preemption import ResumeCost
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerConfig
 from llmserve.distributed.kv_transfer import TransferredKV, TransferStats
+from llmserve.distributed.pipeline import stage_layers
 from llmserve.engine.beam_search import BeamSearch
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.input_processor import InputProcessor, NewRequest, RequestRejected
@@ -85,7 +87,7 @@ class Engine:
             config.model, self.dtype, self.device, quantization,
             # adapters change which ops a step runs: no compiled step under them
             config.enforce_eager or config.enable_lora, tp=ranks.tp if ranks else None,
-            mmproj=config.mmproj,
+            mmproj=config.mmproj, stage=ranks.stage if ranks else None,
         )
         self.tokenizer = self.loaded.tokenizer
         model_cfg = self.loaded.config
@@ -104,8 +106,13 @@ class Engine:
         shard = getattr(self.loaded.model, "plan", None)
         num_kv_heads = len(shard.attention.kv_heads) if shard else model_cfg.num_key_value_heads
         spec_layers = speculative_kv_layers(config)  # an EAGLE head's, after the target's
+        # a pipeline stage holds its layers' KV: every stage as many blocks as the one with
+        # the most layers can hold
+        layers = self.loaded.model.held_layers if ranks else range(model_cfg.num_hidden_layers)
         plan = plan_kv_cache(model_cfg, self.kv_cache_dtype, kv_budget(config, self.device),
-                             config.block_size, num_kv_heads, spec_layers)
+                             config.block_size, num_kv_heads, spec_layers,
+                             max(map(len, stage_layers(model_cfg,
+                                                       config.pipeline_parallel_size))))
         logger.info(
             "KV cache: %d blocks = %d tokens (%.2f GiB, %s); weights: %s, %.0f MiB; "
             "%d threads", plan.num_blocks, plan.num_tokens, plan.total_bytes / 2**30,
@@ -115,9 +122,9 @@ class Engine:
         )
         self.kv_plan = plan
         kv_cache = KVCache.allocate(
-            model_cfg.num_hidden_layers + spec_layers, plan.num_blocks, plan.block_size,
+            len(layers) + spec_layers, plan.num_blocks, plan.block_size,
             num_kv_heads, model_cfg.head_dim, self.kv_cache_dtype, self.device,
-            zeroed=not self.attention.reads_only_written_slots,
+            zeroed=not self.attention.reads_only_written_slots, first_layer=layers.start,
         )
         if ranks is not None:
             ranks.allocate_caches(CacheSpec(
@@ -169,6 +176,8 @@ class Engine:
             self.structured, config.kv_role, image_prompts(self.loaded))
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self._ids = itertools.count()
+        # steps begun and not yet finished (a pipeline keeps one per stage in flight)
+        self._in_flight: collections.deque = collections.deque()
         weight_cache.write_queued()  # the timings are done: keep the loaded weights now
 
     # ---- requests ----------------------------------------------------------------------
@@ -325,9 +334,30 @@ class Engine:
     def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One scheduling + forward step; the outputs (per `output_kind`) of every request
         that got tokens, one per caller's request id."""
+        if self.executor.pipeline_depth > 1:
+            return self._pipelined_step()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.executor.execute_model(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output)
+        return self.output_processor.process(updates)
+
+    def _pipelined_step(self) -> list[RequestOutput | PoolingRequestOutput]:
+        """Pipeline parallelism: begin steps until one per stage is in flight (each
+        schedules requests none of the others holds: a decode waits for its token), then
+        finish the oldest. Under load every stage is busy with its own step; with
+        nothing to schedule the loop stops early, and a lone request runs step by step."""
+        while len(self._in_flight) < self.executor.pipeline_depth:
+            out = self.scheduler.schedule()
+            self._in_flight.append((out, self.executor.begin(out)))
+            self.scheduler.begun(out)
+            if not out.scheduled:
+                break
+        out, begun = self._in_flight.popleft()
+        try:
+            runner_output = self.executor.finish(begun)
+        finally:
+            self.scheduler.finished(out)
+        updates = self.scheduler.update(out, runner_output)
         return self.output_processor.process(updates)
 
     # ---- state -------------------------------------------------------------------------

@@ -107,23 +107,26 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.
     load; they load their shares while this rank loads its own. Returns them and the
     weights' format every rank loads ("auto" decided once, here, before they start:
     `decide_auto`); without tensor parallelism (None, the configured format)."""
-    size = config.tensor_parallel_size
+    pipeline = config.pipeline_parallel_size
+    size = config.tensor_parallel_size * pipeline
     quantization = config.weight_quantization
     if size == 1:
         return None, quantization
     if loaded is not None:
-        raise ValueError("tensor_parallel_size > 1 loads its own shards; it cannot take "
-                         "an already loaded model")
+        raise ValueError("tensor_parallel_size or pipeline_parallel_size > 1 loads its own "
+                         "shards; it cannot take an already loaded model")
     # ranks share the machine's cores unless told otherwise
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // size)
     if config.num_threads is None:
         set_num_threads(threads)
     if quantization == "auto":
         quantization = decide_auto(config.model, device)
-    executor = make_executor(config.distributed_executor_backend, size, device, threads)
+    executor = make_executor(config.distributed_executor_backend, size, device, threads,
+                             pipeline)
     executor.start_workers(WorkerSpec(config.model, dtype, str(device), quantization, threads,
                                       config.seed))
-    logger.info("tensor parallel: %d ranks, %d threads each", size, threads)
+    logger.info("%d ranks (tensor parallel %d x pipeline parallel %d), %d threads each",
+                size, config.tensor_parallel_size, pipeline, threads)
     return executor, quantization
 
 
@@ -134,6 +137,7 @@ def speculative_kv_layers(config: EngineConfig) -> int:
     if spec is None or spec.method not in ("eagle", "eagle3"):
         return 0
     for name, value in (("tensor_parallel_size > 1", config.tensor_parallel_size > 1),
+                        ("pipeline_parallel_size > 1", config.pipeline_parallel_size > 1),
                         ("kv_role", config.kv_role is not None),
                         ("kv_offload", config.kv_offload_dir is not None
                          or config.kv_offload_gib is not None)):

@@ -32,9 +32,11 @@ import torch
 from llmserve.config.engine import DISTRIBUTED_EXECUTOR_BACKENDS
 from llmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmserve.distributed.parallel import TensorParallel
+from llmserve.distributed.pipeline import PipelineStage
 from llmserve.executor.abstract import Executor
 from llmserve.executor.ranks import (
     CALIBRATE,
+    FINISH,
     ROWS,
     STEP,
     STOP,
@@ -45,10 +47,11 @@ from llmserve.executor.ranks import (
     broadcast_object,
     connect,
     free_port,
+    send_object,
     torchrun_env,
 )
 from llmserve.executor.worker import run_worker
-from llmserve.worker.model_runner import ModelRunner
+from llmserve.worker.model_runner import ModelRunner, StepInFlight
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class TensorParallelExecutor(Executor):
         self._stopped = False
         # (request, drafts sent, drafts accepted) verified since the workers last heard
         self._accepted_drafts: list[tuple[str, int, list[int]]] = []
+        self._pending: list = []  # messages to a pipeline's busy stages, still going out
         atexit.register(self.shutdown)  # the workers stop with this process
 
     def bind_runner(self, runner: ModelRunner) -> "TensorParallelExecutor":
@@ -79,13 +83,33 @@ class TensorParallelExecutor(Executor):
     def allocate_caches(self, spec: CacheSpec) -> None:
         self._send(spec)
 
+    @property
+    def stage(self) -> PipelineStage:
+        return self.ranks.stage
+
+    @property
+    def pipeline_depth(self) -> int:
+        return self.ranks.stage.size
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish(self.begin(out))
+
+    def begin(self, out: SchedulerOutput) -> StepInFlight:
         """Send the step, with the drafts rank 0 accepted since the last one (the workers'
-        persistent batches learn them before the step), then run it here; the ranks meet
-        in its collectives."""
+        persistent batches learn them before the step), then run it here up to its
+        forward (the ranks meet in its collectives; a pipeline's later stages go on
+        with it while rank 0 begins the next)."""
         self._send((STEP, (self._accepted_drafts, out.for_workers())))
         self._accepted_drafts = []
-        result = self.runner.execute_model(out)
+        return self.runner.begin(out)
+
+    def finish(self, flight: StepInFlight) -> ModelRunnerOutput:
+        """The step's output: on a pipeline, once its last stage sent the final hidden
+        states (stage 0's other ranks join the logits' all-gather)."""
+        if self.stage.size > 1 and self.tp.size > 1:
+            self._send((FINISH, None), range(1, self.tp.size))
+        result = self.runner.finish(flight)
+        out = flight.out
         for s, tokens in zip(out.scheduled, result.sampled_token_ids, strict=True):
             if s.spec_token_ids and tokens:
                 self._accepted_drafts.append((s.request_id, len(s.spec_token_ids), tokens[:-1]))
@@ -99,13 +123,21 @@ class TensorParallelExecutor(Executor):
     def rows_held(self) -> list[int]:
         """Requests each worker's persistent batch holds (rank 1 first)."""
         self._send((ROWS, None))
-        return all_gather_ints(self.ranks.control, 0)[1:]
+        return all_gather_ints(self.ranks.control, len(self.runner.input_batch.row_of))[1:]
 
-    def _send(self, message: Any) -> None:
+    def _send(self, message: Any, workers: range | None = None) -> None:
+        """To every worker (or `workers`); a pipeline's stages may be busy with earlier
+        steps, so the sends complete in the background (their buffers kept until then)."""
         if self.failure is not None:
             raise RuntimeError(f"tensor-parallel group is down: {self.failure}")
+        control = self.ranks.control
         try:
-            broadcast_object(self.ranks.control, message)
+            if self.stage.size == 1:
+                broadcast_object(control, message)
+                return
+            self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+            self._pending += send_object(control, message,
+                                         workers or range(1, control.size()))
         except Exception as exc:
             self.step_failed(exc)
             raise RuntimeError(f"tensor-parallel group is down: {self.failure}") from None
@@ -130,6 +162,7 @@ class TensorParallelExecutor(Executor):
         if self.failure is None:
             try:
                 broadcast_object(self.ranks.control, (STOP, None))
+                self.stage.flush()
             except Exception:  # noqa: BLE001 - the workers are gone already
                 pass
 
@@ -137,24 +170,27 @@ class TensorParallelExecutor(Executor):
 class MultiprocExecutor(TensorParallelExecutor):
     """Workers spawned on this machine; see the module docstring."""
 
-    def __init__(self, size: int, device: torch.device, num_threads: int | None) -> None:
+    def __init__(self, size: int, device: torch.device, num_threads: int | None,
+                 pipeline_size: int = 1) -> None:
         host, port = "127.0.0.1", free_port()
         context = multiprocessing.get_context("spawn")
         self.processes = [
             context.Process(target=run_worker, name=f"llmserve-tp{rank}", daemon=True,
-                            args=(rank, size, host, port, str(device), num_threads))
+                            args=(rank, size, host, port, str(device), num_threads,
+                                  pipeline_size))
             for rank in range(1, size)
         ]
         for process in self.processes:
             process.start()
         logger.info("tensor parallel: %d worker processes started (pids %s)", size - 1,
                     ", ".join(str(p.pid) for p in self.processes))
-        super().__init__(self._meet_workers(size, host, port, device))
+        super().__init__(self._meet_workers(size, host, port, device, pipeline_size))
         self._watch = threading.Thread(target=self._watch_workers, daemon=True,
                                        name="llmserve-tp-watch")
         self._watch.start()
 
-    def _meet_workers(self, size: int, host: str, port: int, device: torch.device) -> Ranks:
+    def _meet_workers(self, size: int, host: str, port: int, device: torch.device,
+                      pipeline_size: int) -> Ranks:
         """`connect`, failing at once (not after the connect timeout) if a worker dies
         before it joins."""
         met: list[Ranks] = []
@@ -162,7 +198,7 @@ class MultiprocExecutor(TensorParallelExecutor):
 
         def meet() -> None:
             try:
-                met.append(connect(0, size, host, port, device))
+                met.append(connect(0, size, host, port, device, pipeline_size))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 errors.append(exc)
 
@@ -218,22 +254,23 @@ class MultiprocExecutor(TensorParallelExecutor):
 class ExternalExecutor(TensorParallelExecutor):
     """Rank 0 of ranks started by torchrun (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
 
-    def __init__(self, size: int, device: torch.device) -> None:
+    def __init__(self, size: int, device: torch.device, pipeline_size: int = 1) -> None:
         rank, world, host, port = torchrun_env()
         if rank != 0:
             raise RuntimeError("only RANK 0 runs the engine; the CLI runs the other ranks as "
                                "workers")
         if world != size:
-            raise ValueError(f"tensor_parallel_size is {size} but torchrun started {world} "
-                             "processes (WORLD_SIZE)")
-        super().__init__(connect(0, size, host, port + 1, device))
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size is {size} but "
+                             f"torchrun started {world} processes (WORLD_SIZE)")
+        super().__init__(connect(0, size, host, port + 1, device, pipeline_size))
 
 
 def make_executor(backend: str, size: int, device: torch.device,
-                  num_threads: int | None) -> TensorParallelExecutor:
+                  num_threads: int | None, pipeline_size: int = 1) -> TensorParallelExecutor:
+    """`size` ranks in all (tensor x pipeline parallel)."""
     if backend == "mp":
-        return MultiprocExecutor(size, device, num_threads)
+        return MultiprocExecutor(size, device, num_threads, pipeline_size)
     if backend == "external_launcher":
-        return ExternalExecutor(size, device)
+        return ExternalExecutor(size, device, pipeline_size)
     raise ValueError(f"distributed_executor_backend must be one of "
                      f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, not {backend!r}")

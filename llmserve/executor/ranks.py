@@ -30,7 +30,6 @@ class WorkerSpec:
     quantization: str | None
     num_threads: int | None
     seed: int
-    pipeline_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -83,21 +82,33 @@ def broadcast_object(control: Any, obj: Any = None) -> Any:
     """Rank 0's `obj` on every rank (pickled; sent to each worker point to point, its size
     then its bytes: on gloo a send and receive take a tenth of a broadcast's time)."""
     if control.rank() != 0:
-        size = torch.zeros(1, dtype=torch.int64)
-        control.recv([size], 0, CONTROL_TAG).wait()
-        buffer = torch.empty(int(size), dtype=torch.uint8)
-        control.recv([buffer], 0, CONTROL_TAG).wait()
-        return pickle.loads(buffer.numpy().tobytes())
+        return receive_object(control)
+    for work, _ in send_object(control, obj, range(1, control.size())):
+        work.wait()
+    return obj
+
+
+def receive_object(control: Any) -> Any:
+    """A worker: rank 0's next message."""
+    size = torch.zeros(1, dtype=torch.int64)
+    control.recv([size], 0, CONTROL_TAG).wait()
+    buffer = torch.empty(int(size), dtype=torch.uint8)
+    control.recv([buffer], 0, CONTROL_TAG).wait()
+    return pickle.loads(buffer.numpy().tobytes())
+
+
+def send_object(control: Any, obj: Any, workers) -> list[tuple[Any, tuple]]:
+    """Rank 0: send `obj` to `workers` without waiting for them (a pipeline stage may be
+    busy with an earlier step); (work, its buffers) pairs, the buffers kept until the
+    work completes."""
     data = pickle.dumps(obj)
     size = torch.tensor([len(data)], dtype=torch.int64)
     buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     works = []
-    for worker in range(1, control.size()):
-        works.append(control.send([size], worker, CONTROL_TAG))
-        works.append(control.send([buffer], worker, CONTROL_TAG))
-    for work in works:
-        work.wait()
-    return obj
+    for worker in workers:
+        works.append((control.send([size], worker, CONTROL_TAG), (size, buffer)))
+        works.append((control.send([buffer], worker, CONTROL_TAG), (size, buffer)))
+    return works
 
 
 def all_gather_ints(control: Any, value: int) -> list[int]:
@@ -108,8 +119,9 @@ def all_gather_ints(control: Any, value: int) -> list[int]:
 
 CONTROL_TAG = 1  # rank 0's messages (the model's exchanges use parallel.EXCHANGE_TAG)
 
-# messages rank 0 broadcasts to the workers
-STEP, ROWS, CALIBRATE, STOP = "step", "rows", "calibrate", "stop"
+# messages rank 0 broadcasts to the workers (FINISH: to stage 0's other ranks, whose
+# logits all-gather a step ends with, once the pipeline's last stage is done)
+STEP, FINISH, ROWS, CALIBRATE, STOP = "step", "finish", "rows", "calibrate", "stop"
 
 
 def torchrun_env() -> tuple[int, int, str, int]:

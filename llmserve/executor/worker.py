@@ -1,10 +1,14 @@
-"""A tensor-parallel worker: rank r > 0 of an engine (see `executor.py`).
+"""A worker: rank r > 0 of an engine split over ranks (see `executor.py`).
 
-It loads its share of the weights, allocates its share of the KV cache, and runs every step
-rank 0 broadcasts, through the same `ModelRunner` as rank 0 (its persistent batch, the
-paged attention over its KV heads, the logits' all-gather), without sampling.
+It loads its share of the weights (its heads and channels of its pipeline stage's layers),
+allocates its share of the KV cache, and runs every step rank 0 broadcasts, through the
+same `ModelRunner` as rank 0 (its persistent batch, the paged attention over its KV heads,
+the logits' all-gather), without sampling. On a pipeline a step begins when it arrives
+(this stage's layers, the activations sent on); stage 0's ranks finish it (the logits)
+when rank 0 says FINISH, steps begun in between.
 """
 
+import collections
 import logging
 import os
 import threading
@@ -14,6 +18,7 @@ import torch
 
 from llmserve.executor.ranks import (
     CALIBRATE,
+    FINISH,
     ROWS,
     STEP,
     STOP,
@@ -23,6 +28,7 @@ from llmserve.executor.ranks import (
     all_gather_ints,
     broadcast_object,
     connect,
+    receive_object,
     torchrun_env,
 )
 
@@ -30,18 +36,18 @@ logger = logging.getLogger(__name__)
 
 
 def run_worker(rank: int, size: int, host: str, port: int, device: str,
-               num_threads: int | None) -> None:
+               num_threads: int | None, pipeline_size: int = 1) -> None:
     """Entry point of a spawned worker (`MultiprocExecutor`): it exits with its parent."""
     _exit_with_parent(os.getppid())
     if num_threads is not None:
         _set_threads(num_threads)
-    serve_steps(connect(rank, size, host, port, torch.device(device)))
+    serve_steps(connect(rank, size, host, port, torch.device(device), pipeline_size))
 
 
-def run_external_worker(device: str = "cpu") -> None:
+def run_external_worker(device: str = "cpu", pipeline_size: int = 1) -> None:
     """Entry point of a worker started by torchrun (RANK > 0)."""
     rank, size, host, port = torchrun_env()
-    serve_steps(connect(rank, size, host, port + 1, torch.device(device)))
+    serve_steps(connect(rank, size, host, port + 1, torch.device(device), pipeline_size))
 
 
 def serve_steps(ranks: Ranks) -> None:
@@ -62,36 +68,50 @@ def serve_steps(ranks: Ranks) -> None:
         device = torch.device("cuda", ranks.tp.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     loaded = load_model(spec.model, spec.dtype, device, spec.quantization,
-                        enforce_eager=True, tp=ranks.tp)
+                        enforce_eager=True, tp=ranks.tp, stage=ranks.stage)
     cache: CacheSpec = broadcast_object(ranks.control)
     model = loaded.model
     cfg = loaded.config
+    plan = getattr(model, "plan", None)
     attention = attention_backend(device, cache.attention_backend)
+    layers = model.held_layers
     kv_cache = KVCache.allocate(
-        cfg.num_hidden_layers, cache.num_blocks, cache.block_size,
-        len(model.plan.attention.kv_heads), cfg.head_dim, cache.dtype, device,
-        zeroed=not attention.reads_only_written_slots)
+        len(layers), cache.num_blocks, cache.block_size,
+        len(plan.attention.kv_heads) if plan else cfg.num_key_value_heads, cfg.head_dim,
+        cache.dtype, device, zeroed=not attention.reads_only_written_slots,
+        first_layer=layers.start)
     runner = ModelRunner(model, kv_cache, device, max_num_seqs=cache.max_num_seqs,
                          attention=attention, samples=False)
-    logger.info("tensor-parallel rank %d of %d ready", ranks.tp.rank, ranks.tp.size)
+    stage = ranks.stage
+    logger.info("rank %d of %d ready (tensor-parallel rank %d of %d, pipeline stage %d of "
+                "%d: layers %d-%d)", ranks.control.rank(), ranks.world_size, ranks.tp.rank,
+                ranks.tp.size, stage.index, stage.size, layers.start, layers.stop - 1)
     weight_cache.write_queued()
+    begun = collections.deque()  # stage 0 of a pipeline: steps begun, not yet finished
     while True:
         try:
-            kind, payload = broadcast_object(ranks.control)
+            kind, payload = receive_object(ranks.control)
         except RuntimeError as exc:  # rank 0 is gone without saying stop
-            logger.error("tensor-parallel rank %d: rank 0 went away (%s); exiting",
-                         ranks.tp.rank, str(exc).splitlines()[0][:200])
+            logger.error("rank %d: rank 0 went away (%s); exiting", ranks.control.rank(),
+                         str(exc).splitlines()[0][:200])
             raise SystemExit(1) from None
         if kind == STEP:
             accepted_drafts, out = payload
             for request_id, num_drafts, accepted in accepted_drafts:
                 runner.input_batch.accept_drafts(request_id, num_drafts, accepted)
-            runner.execute_model(out)
+            flight = runner.begin(out)
+            if stage.size > 1 and stage.is_first:
+                begun.append(flight)
+            else:
+                runner.finish(flight)
+        elif kind == FINISH:
+            runner.finish(begun.popleft())
         elif kind == CALIBRATE:
             measure_step_costs(model, kv_cache, attention, payload)
         elif kind == ROWS:
             all_gather_ints(ranks.control, len(runner.input_batch.row_of))
         elif kind == STOP:
+            stage.flush()
             return
 
 

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         if _is_torchrun_worker(args):  # ranks > 0 of an engine torchrun started
             from llmserve.executor.worker import run_external_worker
 
-            run_external_worker(args.device or "cpu")
+            run_external_worker(args.device or "cpu",
+                                getattr(args, "pipeline_parallel_size", None) or 1)
             return 0
         return args.run(args) or 0
     except (LLMServeError, ValueError) as e:

@@ -29,7 +29,8 @@ ENGINE_FLAGS = ("mmproj", "dtype", "device", "quantization", "kv_cache_dtype", "
                 "kv_cache_memory", "max_num_seqs",
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
                 "scheduling_policy", "enforce_eager", "attention_backend",
-                "speculative_config", "tensor_parallel_size", "distributed_executor_backend",
+                "speculative_config", "tensor_parallel_size", "pipeline_parallel_size",
+                "distributed_executor_backend",
                 "runner", "convert", "pooler_config", "enable_lora", "max_loras",
                 "max_lora_rank", "max_cpu_loras", "kv_offload_dir", "kv_offload_gib",
                 "preemption_mode")
@@ -126,6 +127,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tensor-parallel-size", "-tp", type=int,
                        help="split the model over N processes (heads, MLP channels, "
                             "vocabulary; default 1)")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                       help="split the model's layers into N stages, each a process (or "
+                            "-tp processes), activations sent stage to stage; under load "
+                            "every stage is busy with its own batch (default 1)")
     group.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                        help="mp (default): this process starts the other ranks on this "
                             "machine; external_launcher: torchrun started every rank "

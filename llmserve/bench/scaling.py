@@ -1,12 +1,17 @@
-"""`llmserve bench scaling`: tensor parallelism and disaggregated prefill/decode on this
-machine (a small one: the ranks and the roles share its cores, so the figures are costs,
-not speed-ups; `docs/scaling.md` says what they imply on a multi-GPU node).
+"""`llmserve bench scaling`: tensor and pipeline parallelism and disaggregated
+prefill/decode on this machine (a small one: the ranks and the roles share its cores, so
+the figures are costs, not speed-ups; `docs/scaling.md` says what they imply on a
+multi-GPU node or over several hosts).
 
-* Tensor parallelism: offline generation (greedy, fixed output length) at each
-  `tensor_parallel_size` and batch size: output tok/s, the ratio to TP=1, and the share of
-  rank 0's generation time spent inside the model's collectives (the all-reduces after
-  o_proj and down_proj, the embedding's all-reduce, the logits' all-gather; waiting for a
-  slower rank counts as collective time, as it would on any machine).
+* Tensor x pipeline parallelism: offline generation (greedy, fixed output length) at each
+  layout (`tensor_parallel_size` x `pipeline_parallel_size`) and batch size: output tok/s,
+  the ratio to one process, the share of rank 0's generation time spent inside the
+  model's collectives (the all-reduces after o_proj and down_proj, the embedding's
+  all-reduce, the logits' all-gather; waiting for a slower rank counts as collective
+  time, as it would on any machine), and each pipeline stage's busy share: the time its
+  first rank computed (its layers; stage 0 also the embedding, logits and sampling) over
+  the generation's time. A stage idle while the others work is the pipeline's bubble:
+  with one batch in flight per stage under load every share nears 1.
 * Disaggregation: a prefill engine and a decode engine in this process, connected as the
   servers are (gloo): per prompt length, the KV bytes transferred, the time on the wire
   and the rate, against the time the prefill took (what the decode engine saved); the
@@ -27,8 +32,8 @@ from llmserve.executor.ranks import free_port
 from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
 
-TP_HEADER = (f"{'TP':>3} {'batch':>5} {'in':>5} {'out':>4} {'seconds':>8} {'tok/s':>8} "
-             f"{'vs TP=1':>8} {'collectives':>11}")
+TP_HEADER = (f"{'TP':>3} {'PP':>3} {'batch':>5} {'in':>5} {'out':>4} {'seconds':>8} "
+             f"{'tok/s':>8} {'vs 1':>6} {'collectives':>11}  stage busy")
 PD_HEADER = (f"{'prompt':>6} {'blocks':>6} {'KV MB':>8} {'wire ms':>8} {'MB/s':>8} "
              f"{'prefill ms':>10} {'decode prefill':>14}")
 
@@ -42,6 +47,8 @@ class TPResult:
     seconds: float
     tokens_per_s: float
     collective_seconds: float  # rank 0, inside all-reduce / all-gather
+    pipeline_parallel_size: int = 1
+    stage_busy_seconds: tuple[float, ...] = ()  # each stage's first rank, computing
 
     @property
     def collective_share(self) -> float:
@@ -68,27 +75,34 @@ def synthetic_prompts(vocab: int, count: int, length: int, seed: int) -> list[di
             for _ in range(count)]
 
 
-def run_tp(model: str | None, dtype: str, sizes: list[int], batches: list[int],
+def run_tp(model: str | None, dtype: str, layouts: list[tuple[int, int]], batches: list[int],
            input_len: int, output_len: int, log: Any = print) -> list[TPResult]:
+    """Each (tensor, pipeline) parallel layout at each batch size."""
     results: list[TPResult] = []
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    for size in sizes:
-        llm = LLM(model, dtype=dtype, tensor_parallel_size=size, kv_cache_memory="512MiB")
+    for size, stages in layouts:
+        llm = LLM(model, dtype=dtype, tensor_parallel_size=size,
+                  pipeline_parallel_size=stages, kv_cache_memory="512MiB")
         try:
             vocab = llm.engine.loaded.config.vocab_size
             plan = getattr(llm.engine.loaded.model, "plan", None)
+            executor = llm.engine.executor
             for batch in batches:
                 prompts = synthetic_prompts(vocab, batch, input_len, seed=batch)
                 llm.generate(prompts, SamplingParams(max_tokens=4), use_tqdm=False)  # warm
                 if plan is not None:
                     plan.tp.reset_timing()
+                if stages > 1:
+                    executor.stage_seconds(reset=True)
                 prompts = synthetic_prompts(vocab, batch, input_len, seed=1000 + batch)
                 start = time.perf_counter()
                 llm.generate(prompts, params, use_tqdm=False)
                 seconds = time.perf_counter() - start
                 comm = plan.tp.comm_seconds if plan is not None else 0.0
+                busy = tuple(busy for busy, _ in executor.stage_seconds()[::size]) \
+                    if stages > 1 else ()
                 result = TPResult(size, batch, input_len, output_len, seconds,
-                                  batch * output_len / seconds, comm)
+                                  batch * output_len / seconds, comm, stages, busy)
                 results.append(result)
                 log(format_tp_row(result, results))
         finally:
@@ -97,12 +111,14 @@ def run_tp(model: str | None, dtype: str, sizes: list[int], batches: list[int],
 
 
 def format_tp_row(r: TPResult, results: list[TPResult]) -> str:
-    base = next((b for b in results if b.tensor_parallel_size == 1 and b.batch == r.batch),
-                None)
+    base = next((b for b in results if b.tensor_parallel_size == 1 and b.batch == r.batch
+                 and b.pipeline_parallel_size == 1), None)
     ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
     share = f"{100 * r.collective_share:.0f} %" if r.tensor_parallel_size > 1 else "-"
-    return (f"{r.tensor_parallel_size:>3} {r.batch:>5} {r.input_len:>5} {r.output_len:>4} "
-            f"{r.seconds:>8.2f} {r.tokens_per_s:>8.1f} {ratio:>8} {share:>11}")
+    busy = " / ".join(f"{100 * b / r.seconds:.0f} %" for b in r.stage_busy_seconds) or "-"
+    return (f"{r.tensor_parallel_size:>3} {r.pipeline_parallel_size:>3} {r.batch:>5} "
+            f"{r.input_len:>5} {r.output_len:>4} {r.seconds:>8.2f} {r.tokens_per_s:>8.1f} "
+            f"{ratio:>6} {share:>11}  {busy}")
 
 
 def run_disaggregated(model: str | None, dtype: str, prompt_lens: list[int],
@@ -150,11 +166,11 @@ def format_pd_row(r: TransferResult) -> str:
             f"{1000 * r.prefill_seconds:>10.1f} {r.decode_computed_prompt_tokens:>14}")
 
 
-def run_scaling_bench(model: str | None, dtype: str, sizes: list[int], batches: list[int],
-                      input_len: int, output_len: int, prompt_lens: list[int],
-                      log: Any = print) -> dict[str, Any]:
+def run_scaling_bench(model: str | None, dtype: str, layouts: list[tuple[int, int]],
+                      batches: list[int], input_len: int, output_len: int,
+                      prompt_lens: list[int], log: Any = print) -> dict[str, Any]:
     log(TP_HEADER)
-    tp = run_tp(model, dtype, sizes, batches, input_len, output_len, log)
+    tp = run_tp(model, dtype, layouts, batches, input_len, output_len, log)
     pd: list[TransferResult] = []
     if prompt_lens:
         log("")
@@ -162,6 +178,9 @@ def run_scaling_bench(model: str | None, dtype: str, sizes: list[int], batches: 
         pd = run_disaggregated(model, dtype, prompt_lens, log)
     return {"machine": machine_info(), "dtype": dtype,
             "tensor_parallel": [{**asdict(r), "tokens_per_s": r.tokens_per_s,
-                                 "collective_share": r.collective_share} for r in tp],
+                                 "collective_share": r.collective_share,
+                                 "stage_busy_share": [b / r.seconds
+                                                      for b in r.stage_busy_seconds]}
+                                for r in tp],
             "disaggregated": [{**asdict(r), "megabytes_per_s": r.megabytes_per_s}
                               for r in pd]}

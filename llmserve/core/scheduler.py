@@ -198,11 +198,12 @@ class Scheduler:
             if lookahead:  # the tokens' slots first; the draft chain's only if they fit
                 lookahead = 0
                 continue
-            # (never a request another step in flight computes for: its row and blocks
-            # are that step's until it finishes)
-            victim = max((r for r in self.running
-                          if r is request or r.request_id not in self._in_flight),
-                         key=self._priority_key)
+            # never a request a step in flight computes for (its row and blocks are that
+            # step's until it finishes): this one too, when an earlier chunk of it is
+            candidates = [r for r in self.running if r.request_id not in self._in_flight]
+            if not candidates:
+                return -num_returned  # it waits for a step in flight to finish
+            victim = max(candidates, key=self._priority_key)
             num_returned += self._unschedule(victim, out)
             self._preempt(victim)
             out.num_preempted += 1

@@ -40,9 +40,11 @@ from llmserve.executor.ranks import (
     ROWS,
     STEP,
     STOP,
+    TIMING,
     CacheSpec,
     Ranks,
     WorkerSpec,
+    all_gather_floats,
     all_gather_ints,
     broadcast_object,
     connect,
@@ -124,6 +126,16 @@ class TensorParallelExecutor(Executor):
         """Requests each worker's persistent batch holds (rank 1 first)."""
         self._send((ROWS, None))
         return all_gather_ints(self.ranks.control, len(self.runner.input_batch.row_of))[1:]
+
+    def stage_seconds(self, reset: bool = False) -> list[tuple[float, float]]:
+        """Each rank's (busy, waiting for activations) seconds in its pipeline stage since
+        the last reset (rank order); `reset` starts them again."""
+        self._send((TIMING, reset))
+        stage = self.stage
+        times = all_gather_floats(self.ranks.control, [stage.busy_seconds, stage.wait_seconds])
+        if reset:
+            stage.reset_timing()
+        return [(busy, wait) for busy, wait in times]
 
     def _send(self, message: Any, workers: range | None = None) -> None:
         """To every worker (or `workers`); a pipeline's stages may be busy with earlier

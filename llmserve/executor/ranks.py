@@ -117,11 +117,19 @@ def all_gather_ints(control: Any, value: int) -> list[int]:
     return [int(p) for p in parts]
 
 
+def all_gather_floats(control: Any, values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (as many on each), rank order."""
+    parts = [torch.zeros(len(values), dtype=torch.float64) for _ in range(control.size())]
+    control.allgather([parts], [torch.tensor(values, dtype=torch.float64)]).wait()
+    return [p.tolist() for p in parts]
+
+
 CONTROL_TAG = 1  # rank 0's messages (the model's exchanges use parallel.EXCHANGE_TAG)
 
 # messages rank 0 broadcasts to the workers (FINISH: to stage 0's other ranks, whose
 # logits all-gather a step ends with, once the pipeline's last stage is done)
-STEP, FINISH, ROWS, CALIBRATE, STOP = "step", "finish", "rows", "calibrate", "stop"
+STEP, FINISH, ROWS, TIMING, CALIBRATE, STOP = ("step", "finish", "rows", "timing",
+                                               "calibrate", "stop")
 
 
 def torchrun_env() -> tuple[int, int, str, int]:

@@ -22,9 +22,11 @@ from llmserve.executor.ranks import (
     ROWS,
     STEP,
     STOP,
+    TIMING,
     CacheSpec,
     Ranks,
     WorkerSpec,
+    all_gather_floats,
     all_gather_ints,
     broadcast_object,
     connect,
@@ -110,6 +112,10 @@ def serve_steps(ranks: Ranks) -> None:
             measure_step_costs(model, kv_cache, attention, payload)
         elif kind == ROWS:
             all_gather_ints(ranks.control, len(runner.input_batch.row_of))
+        elif kind == TIMING:
+            all_gather_floats(ranks.control, [stage.busy_seconds, stage.wait_seconds])
+            if payload:
+                stage.reset_timing()
         elif kind == STOP:
             stage.flush()
             return

@@ -29,7 +29,9 @@ class ProposerStage(StepStage):
     def __init__(self, speculator: Speculator, max_model_len: int) -> None:
         self.speculator = speculator
         self.max_model_len = max_model_len
-        self._asked: set[str] = set()  # the requests the step in flight proposes for
+        # the requests each step in flight proposes for (by the step's SchedulerOutput: a
+        # pipeline keeps several in flight)
+        self._asked: dict[int, set[str]] = {}
 
     def before_schedule(self, running: list[Request], finished_ids: set[str]) -> None:
         for request in running:
@@ -43,7 +45,7 @@ class ProposerStage(StepStage):
             request.spec_token_ids = drafts
 
     def after_schedule(self, out: SchedulerOutput, requests: Mapping[str, Request]) -> None:
-        self._asked = set()
+        asked = self._asked[id(out)] = set()
         batch_size = len(out.scheduled)
         if not self.speculator.enabled_for(batch_size):
             return
@@ -57,12 +59,12 @@ class ProposerStage(StepStage):
             # drafts are cut before they are sent)
             s.num_drafts = self.speculator.num_drafts(request, self._room(request) - 1,
                                                       batch_size)
-            self._asked.add(s.request_id)
+            asked.add(s.request_id)
 
     def after_update(self, out: SchedulerOutput, result: ModelRunnerOutput,
                      requests: list[Request | None]) -> None:
         self.speculator.draft_seconds += result.draft_seconds
-        asked, self._asked = self._asked, set()
+        asked = self._asked.pop(id(out), set())
         for i, (s, tokens, request) in enumerate(zip(out.scheduled, result.sampled_token_ids,
                                                      requests, strict=True)):
             if request is None or not tokens:

@@ -31,45 +31,57 @@ from tests.tiny_models import save_tiny
 # ranks' partial sums instead, as an all-reduce does, moved them by up to 1.3e-4.)
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
+def _logits(model, ids: list[int]) -> torch.Tensor | None:
     """Logits at every position of one prefill through the paged path, on this rank's
-    share (the KV cache holds its KV heads)."""
+    share (the KV cache holds its KV heads, of its pipeline stage's layers); None on a
+    pipeline's later stages."""
     cfg = model.config
     plan = getattr(model, "plan", None)
     num_kv_heads = len(plan.attention.kv_heads) if plan else cfg.num_key_value_heads
     num_blocks = -(-len(ids) // 16)
-    kv = KVCache.allocate(cfg.num_hidden_layers, num_blocks, 16, num_kv_heads, cfg.head_dim,
-                          torch.float32)
+    layers = model.held_layers
+    kv = KVCache.allocate(len(layers), num_blocks, 16, num_kv_heads, cfg.head_dim,
+                          torch.float32, first_layer=layers.start)
     meta = AttentionMetadata.build([len(ids)], [0], [list(range(num_blocks))], 16,
                                    backend=attention_backend(torch.device("cpu")))
     with torch.inference_mode():
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), kv, meta))
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), kv, meta)
+        stage = model.stage
+        if stage is not None:
+            if not stage.is_first:
+                stage.flush()
+                return None
+            hidden = model.receive_final(len(ids))
+        return model.compute_logits(hidden)
 
 
 def _rank(rank: int, size: int, port: int, spec: str, ids: list[int],
-          quantizations: list[str | None]) -> None:
+          quantizations: list[str | None], pipeline_size: int) -> None:
     torch.set_num_threads(1)
-    ranks = connect(rank, size, "127.0.0.1", port, torch.device("cpu"))
+    ranks = connect(rank, size, "127.0.0.1", port, torch.device("cpu"), pipeline_size)
     for quantization in quantizations:
-        _logits(load_model(spec, torch.float32, quantization=quantization, tp=ranks.tp).model,
-                ids)
+        _logits(load_model(spec, torch.float32, quantization=quantization, tp=ranks.tp,
+                           stage=ranks.stage).model, ids)
 
 
 def tp_logits(spec: str, size: int, ids: list[int],
-              quantizations: list[str | None] = (None,)) -> list[torch.Tensor]:
-    """Rank 0's logits (all of the vocabulary) with `size` ranks, for the checkpoint loaded
-    with each of `quantizations` in turn (one start of the ranks for all of them)."""
+              quantizations: list[str | None] = (None,),
+              pipeline_size: int = 1) -> list[torch.Tensor]:
+    """Rank 0's logits (all of the vocabulary) with `size` ranks (in `pipeline_size`
+    stages), for the checkpoint loaded with each of `quantizations` in turn (one start of
+    the ranks for all of them)."""
     port = free_port()
     context = multiprocessing.get_context("spawn")
     workers = [context.Process(target=_rank, daemon=True,
-                               args=(r, size, port, spec, ids, list(quantizations)))
+                               args=(r, size, port, spec, ids, list(quantizations),
+                                     pipeline_size))
                for r in range(1, size)]
     for w in workers:
         w.start()
     try:
-        ranks = connect(0, size, "127.0.0.1", port, torch.device("cpu"))
+        ranks = connect(0, size, "127.0.0.1", port, torch.device("cpu"), pipeline_size)
         logits = [_logits(load_model(spec, torch.float32, quantization=quantization,
-                                     tp=ranks.tp).model, ids)
+                                     tp=ranks.tp, stage=ranks.stage).model, ids)
                   for quantization in quantizations]
     finally:
         for w in workers:
@@ -151,10 +163,14 @@ def test_real_model_greedy_equals_tp1(smollm2_gguf, smollm2_llm, size):
     assert all(not p.is_alive() for p in llm.engine.executor.processes)
 
 
-def _tiny_folder(folder, kind: str) -> "transformers.PreTrainedModel":
+def tiny_folder(folder, kind: str, num_layers: int | None = None
+                ) -> "transformers.PreTrainedModel":
     """4 query heads on 1 KV head (fewer KV heads than ranks), random weights including
-    norms and biases, and a byte-level tokenizer so that an engine can load it."""
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    norms and biases, and a byte-level tokenizer so that an engine can load it; 2 layers
+    (a mixture 3) unless `num_layers`."""
+    shape = {} if num_layers is None else {"num_hidden_layers": num_layers}
+    num_layers = num_layers or 2
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
                   num_attention_heads=4, num_key_value_heads=1, vocab_size=256,
                   max_position_embeddings=512)
     if kind == "llama3":
@@ -163,14 +179,15 @@ def _tiny_folder(folder, kind: str) -> "transformers.PreTrainedModel":
             rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = transformers.LlamaForCausalLM(config)
-    elif kind == "gemma3":  # a local layer (window 16) and a global one
+    elif kind == "gemma3":  # local layers (window 16) and global ones in turn
         model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
             **common, head_dim=32, sliding_window=16,
-            layer_types=["sliding_attention", "full_attention"]))
+            layer_types=[("sliding_attention", "full_attention")[i % 2]
+                         for i in range(num_layers)]))
     elif kind.endswith("moe") or kind == "mixtral":  # experts split between the ranks
         from tests.models.test_moe_reference import tiny_moe
 
-        model = tiny_moe(kind, num_key_value_heads=1)
+        model = tiny_moe(kind, num_key_value_heads=1, **shape)
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     return save_tiny(model, folder)
@@ -186,7 +203,7 @@ def _tiny_folder(folder, kind: str) -> "transformers.PreTrainedModel":
                                         pytest.param("mixtral", marks=pytest.mark.slow)])
 def tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    return folder, _tiny_folder(folder, request.param)
+    return folder, tiny_folder(folder, request.param)
 
 
 @pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow)])

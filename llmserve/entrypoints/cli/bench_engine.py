@@ -99,10 +99,13 @@ def cmd_bench_scaling(args: argparse.Namespace) -> int:
     from llmserve.bench.machine import format_machine
     from llmserve.bench.scaling import run_scaling_bench
 
-    if any(size < 1 for size in args.tensor_parallel_sizes):
-        raise ValueError("--tensor-parallel-sizes must be at least 1")
+    if any(size < 1 for size in args.tensor_parallel_sizes + args.pipeline_parallel_sizes):
+        raise ValueError("--tensor-parallel-sizes and --pipeline-parallel-sizes must be at "
+                         "least 1")
     print(format_machine(), flush=True)
-    data = run_scaling_bench(args.model, args.dtype, args.tensor_parallel_sizes, args.batch,
+    layouts = [(tp, pp) for pp in args.pipeline_parallel_sizes
+               for tp in args.tensor_parallel_sizes]
+    data = run_scaling_bench(args.model, args.dtype, layouts, args.batch,
                              args.input_len, args.output_len,
                              [n for n in args.prompt_lens if n > 0],
                              log=lambda line: print(line, flush=True))
@@ -159,6 +162,9 @@ def _scaling_arguments(sc: argparse.ArgumentParser) -> None:
     sc.add_argument("--dtype", default="auto", help="auto (default) or float32")
     sc.add_argument("--tensor-parallel-sizes", type=int_list, default=(1, 2),
                     help="sizes to compare (default 1,2)")
+    sc.add_argument("--pipeline-parallel-sizes", type=int_list, default=(1,),
+                    help="pipeline stages to compare, each with every tensor-parallel size "
+                         "(default 1)")
     sc.add_argument("--batch", type=int_list, default=(1, 8),
                     help="concurrent prompts (default 1,8)")
     sc.add_argument("--input-len", type=int, default=128, help="prompt tokens (default 128)")

@@ -153,11 +153,13 @@ def load_model(
         if staged:
             rank += (stage.index, stage.size)
         entry = weight_cache.entry_for(source, quantization, dtype, device, rank)
-    kept = weight_cache.load(entry) if entry is not None else None
+    kept = weight_cache.load(entry, (tp, stage)) if entry is not None else None
     if kept is not None:
         if kept["decision_file"] is not None:  # what "auto" chose, said as a start says it
             choice = cached_choice(Path(kept["decision_file"]))
             logger.info("%s", choice.describe() if choice else "auto: the cached decision")
+        if staged:
+            stage.assign(kept["config"])
         loaded = LoadedModel(kept["model"], kept["tokenizer"], kept["config"], source,
                              kept["quantization"], kept["classifier"], kept["has_lm_head"])
     else:

@@ -122,9 +122,11 @@ def _file_digest(path: Path) -> str | None:
         return None
 
 
-def load(entry: Entry) -> dict[str, Any] | None:
+def load(entry: Entry, live: tuple = ()) -> dict[str, Any] | None:
     """The loaded parts kept for `entry` (what `store` was given), or None: none kept, the
-    decision it followed changed, or the entry unreadable (then removed)."""
+    decision it followed changed, or the entry unreadable (then removed). `live`: this
+    rank's `TensorParallel` and `PipelineStage` (their process groups are not kept: the
+    parts get these in their place)."""
     if not enabled():
         return None
     key = entry.key
@@ -147,7 +149,7 @@ def load(entry: Entry) -> dict[str, Any] | None:
         # the graph was pickled by this package: read only from this user's own folder
         # (`_unsafe`), trusted as the kernel library it loads from beside it is (SECURITY.md)
         parts = _GraphUnpickler(io.BytesIO(stored["graph"].numpy().tobytes()),
-                                stored["tensors"]).load()
+                                stored["tensors"], live).load()
     except Exception as exc:  # noqa: BLE001 - a damaged entry: load from the files
         logger.warning("cannot read the kept weights %s (%s): loading from the model's "
                        "files", data_path, exc)
@@ -175,15 +177,28 @@ def _unsafe(path: Path) -> str | None:
     return None
 
 
+def _rank_kinds() -> tuple[type, ...]:
+    """The objects of a rank's place among others (with live process groups): kept as
+    their kind's name, replaced by the loading rank's own."""
+    from llmserve.distributed.parallel import TensorParallel
+    from llmserve.distributed.pipeline import PipelineStage
+
+    return TensorParallel, PipelineStage
+
+
 class _GraphPickler(pickle.Pickler):
-    """Pickles an object graph with each tensor in it replaced by its index in `tensors`."""
+    """Pickles an object graph with each tensor in it replaced by its index in `tensors`,
+    and a rank's `TensorParallel` and `PipelineStage` by their kind's name."""
 
     def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.tensors = tensors
         self._index: dict[int, int] = {}
+        self._ranks = _rank_kinds()
 
-    def persistent_id(self, obj: Any) -> int | None:
+    def persistent_id(self, obj: Any) -> int | str | None:
+        if isinstance(obj, self._ranks) and obj.size > 1:  # (size 1: no group, kept)
+            return type(obj).__name__
         if not isinstance(obj, torch.Tensor):
             return None
         if (index := self._index.get(id(obj))) is None:
@@ -193,11 +208,17 @@ class _GraphPickler(pickle.Pickler):
 
 
 class _GraphUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor], live: tuple = ()
+                 ) -> None:
         super().__init__(file)
         self.tensors = tensors
+        self.live = {type(obj).__name__: obj for obj in live if obj is not None}
 
-    def persistent_load(self, pid: Any) -> torch.Tensor:
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, str):
+            if pid not in self.live:
+                raise ValueError(f"the kept weights need this rank's {pid}")
+            return self.live[pid]
         return self.tensors[pid]
 
 

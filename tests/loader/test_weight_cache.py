@@ -42,8 +42,8 @@ def loads(monkeypatch):
     seen: list[str] = []
     real = weight_cache.load
 
-    def spy(entry):
-        parts = real(entry)
+    def spy(entry, live=()):
+        parts = real(entry, live)
         seen.append("miss" if parts is None else "hit")
         return parts
 
@@ -240,6 +240,22 @@ def test_an_engine_keeps_what_it_loaded(smollm2_gguf, cache, loads):
     assert weight_cache.flush(120) and len(_entries(cache)) == 1
     LLM(str(smollm2_gguf), quantization="int8", kv_cache_memory="32MiB")
     assert loads == ["miss", "hit"]
+
+
+def test_a_pipeline_stage_keeps_its_share(smollm2_gguf, cache, loads):
+    """A stage's layers are kept without its process group: the next start of the same
+    stage maps them and gets its own live stage in its place; another stage does not."""
+    from llmserve.distributed.pipeline import PipelineStage
+
+    first = load(str(smollm2_gguf), quantization="int8",
+                 stage=PipelineStage(1, 2, group="the first start's group"))
+    again = PipelineStage(1, 2, group="the second start's group")
+    kept = load(str(smollm2_gguf), quantization="int8", stage=again)
+    assert loads == ["miss", "hit"]
+    assert kept.model.stage is again and again.layers == first.model.stage.layers
+    assert kept.model.model.embed_tokens is None and kept.model.lm_head is None
+    load(str(smollm2_gguf), quantization="int8", stage=PipelineStage(0, 2))
+    assert loads[-1] == "miss"
 
 
 def test_a_killed_writer_leaves_nothing_behind(smollm2_gguf, cache, loads):

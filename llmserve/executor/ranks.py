@@ -5,6 +5,7 @@ import datetime
 import os
 import pickle
 import socket
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ from llmserve.distributed.pipeline import PipelineStage
 # far longer than any step, and a dead peer is seen by its closed connection, not by this
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
 CONNECT_TIMEOUT = datetime.timedelta(seconds=300)  # ranks loading models before they meet
+REACH_TIMEOUT = datetime.timedelta(seconds=10)  # one rank connecting to another
 
 
 @dataclass(frozen=True)
@@ -61,21 +63,86 @@ class Ranks:
 def connect(rank: int, size: int, host: str, port: int, device: torch.device,
             pipeline_size: int = 1) -> Ranks:
     """Meet the other ranks at host:port (rank 0 hosts the store): `size` ranks in
-    `pipeline_size` stages of size // pipeline_size (rank = stage x that + rank in it)."""
-    store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
-    control = dist.ProcessGroupGloo(store, rank, size, COLLECTIVE_TIMEOUT)
+    `pipeline_size` stages of size // pipeline_size (rank = stage x that + rank in it).
+
+    Each rank talks from the address of its interface that routes to `host` (not the one
+    its hostname resolves to, often the loopback), and first checks that it reaches every
+    other rank there: a rank that cannot says which and exits, instead of waiting in the
+    process group's connection for ever."""
+    address = route_address(host)
+    try:
+        store = dist.TCPStore(host, port, size, rank == 0, timeout=CONNECT_TIMEOUT)
+    except Exception as exc:  # noqa: BLE001 - any failure to meet is said the same way
+        raise RuntimeError(f"rank {rank} ({address}) cannot reach the engine's store at "
+                           f"{host}:{port}: {str(exc).splitlines()[0][:200]}") from None
+    check_reachable(store, rank, size, address)
+    control = _gloo(store, rank, size, address)
     tp_size = size // pipeline_size
     index, tp_rank = divmod(rank, tp_size)
     group = control
     if pipeline_size > 1 and tp_size > 1:  # the stage's own group
-        group = dist.ProcessGroupGloo(dist.PrefixStore(f"stage{index}", store), tp_rank,
-                                      tp_size, COLLECTIVE_TIMEOUT)
+        group = _gloo(dist.PrefixStore(f"stage{index}", store), tp_rank, tp_size, address)
     if device.type == "cuda" and tp_size > 1:
         group = dist.ProcessGroupNCCL(dist.PrefixStore(f"nccl{index}", store), tp_rank,
                                       tp_size)
     stage = PipelineStage(index, pipeline_size, range(0), control, tp_rank, tp_size)
     return Ranks(TensorParallel(tp_rank, tp_size, group, exchange=device.type != "cuda"),
                  control, stage)
+
+
+def route_address(host: str) -> str:
+    """This machine's address on the interface that routes to `host` (IPv4; no packet is
+    sent)."""
+    target = socket.getaddrinfo(host, 1, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((target, 1))
+        return probe.getsockname()[0]
+
+
+def _gloo(store: Any, rank: int, size: int, address: str) -> Any:
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    options._timeout = COLLECTIVE_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def check_reachable(store: Any, rank: int, size: int, address: str) -> None:
+    """Every rank listens on `address` and connects to every other's (each publishing its
+    own in the store); raises naming the first rank it cannot reach within
+    REACH_TIMEOUT. Returns once every rank has checked (no listener closes early)."""
+    with socket.create_server((address, 0)) as listener:
+        listener.settimeout(0.2)
+        store.set(f"reach/{rank}", f"{address}:{listener.getsockname()[1]}")
+        stop = threading.Event()
+        acceptor = threading.Thread(target=_accept_until, args=(listener, stop), daemon=True)
+        acceptor.start()
+        try:
+            for peer in range(size):
+                if peer == rank:
+                    continue
+                peer_host, peer_port = store.get(f"reach/{peer}").decode().rsplit(":", 1)
+                try:
+                    socket.create_connection((peer_host, int(peer_port)),
+                                             REACH_TIMEOUT.total_seconds()).close()
+                except OSError as exc:
+                    raise RuntimeError(
+                        f"rank {rank} ({address}) cannot reach rank {peer} at {peer_host}:"
+                        f"{peer_port} ({exc}); every rank talks from its interface that "
+                        "routes to the master address, and the ranks must reach each "
+                        "other there") from None
+            store.set(f"reached/{rank}", "1")
+            store.wait([f"reached/{peer}" for peer in range(size)])
+        finally:
+            stop.set()
+            acceptor.join()
+
+
+def _accept_until(listener: socket.socket, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            listener.accept()[0].close()
+        except (TimeoutError, OSError):
+            continue
 
 
 def broadcast_object(control: Any, obj: Any = None) -> Any:

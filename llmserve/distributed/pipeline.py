@@ -14,7 +14,8 @@ each rank sending to the rank of the next stage with its own rank in the group (
 stage's all-reduces every rank of it holds the whole residual stream). Sends do not wait
 for their receiver: stage s is free for the next micro-batch as soon as it has sent, so
 with P batches in flight (`engine.py`) every stage is busy at once. Activations go over
-the world's gloo group (on CUDA through host memory).
+the ranks' channels (`channels.py`: TCP, half a round trip a message; on CUDA through
+host memory).
 
 How the layers are split (`stage_layers`): by what a decode step reads, each layer's
 weights (a mixture's active experts) and, on stage 0, the LM head; contiguous ranges
@@ -22,7 +23,7 @@ minimising the largest stage, every stage at least one layer.
 """
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,14 +41,13 @@ class PipelineStage:
     index: int = 0
     size: int = 1
     layers: range = range(0)  # the decoder layers this stage holds
-    group: Any = None  # the world's gloo group: activations are sent on it
+    channels: Any = None  # the ranks' `Channels`: activations are sent on them
     tp_rank: int = 0
     tp_size: int = 1
     # seconds this rank spent computing its stage and waiting for activations, since the
     # last `reset_timing` (`llmserve bench tp`)
     busy_seconds: float = 0.0
     wait_seconds: float = 0.0
-    _pending: list = field(default_factory=list)  # sends not yet known complete
 
     @property
     def is_first(self) -> bool:
@@ -98,22 +98,20 @@ class PipelineStage:
                  device: torch.device) -> torch.Tensor:
         start = time.perf_counter()
         buffer = torch.empty(rows, width, dtype=dtype)
-        self.group.recv([buffer], peer, tag).wait()
+        self.channels.receive(peer, tag, memoryview(buffer.view(torch.uint8).numpy()).cast("B"))
         self.wait_seconds += time.perf_counter() - start
         return buffer.to(device)
 
     def _send(self, x: torch.Tensor, peer: int, tag: int) -> None:
-        # the receiver may still be on an earlier micro-batch: the send completes in the
-        # background, its buffer kept until then
-        self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
+        # the receiver may still be on an earlier micro-batch: the send is queued (the
+        # tensor kept until written)
         buffer = x.detach().to("cpu").contiguous()
-        self._pending.append((self.group.send([buffer], peer, tag), buffer))
+        self.channels.send(peer, tag, buffer.view(torch.uint8).numpy().reshape(-1))
 
     def flush(self) -> None:
-        """Wait until every send has reached its receiver."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending = []
+        """Wait until every send is written."""
+        if self.channels is not None:
+            self.channels.flush()
 
     def reset_timing(self) -> None:
         self.busy_seconds = self.wait_seconds = 0.0
@@ -166,3 +164,45 @@ def stage_layers(cfg: ModelConfig, size: int) -> list[range]:
     bounds.append(0)
     bounds.reverse()
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one decode step of one stream costs on a layout over hosts (`plan_step`)."""
+
+    stages: list[range]
+    stage_weight_bytes: list[int]
+    link_bytes_per_token: int  # one hop's activation bytes, a token in flight
+    link_hops: int  # link crossings a step waits for, one after another
+    compute_s: float
+    link_s: float
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.link_s
+
+
+def plan_step(cfg: ModelConfig, weight_bytes: int, pipeline_size: int, tensor_size: int,
+              read_bytes_per_s: float, link_bytes_per_s: float, link_latency_s: float,
+              tensor_across_hosts: bool = False) -> StepPlan:
+    """A decode step of one stream on `tensor_size` x `pipeline_size` ranks, one stage per
+    host: every stage reads its share of `weight_bytes` (split as `stage_layers` splits
+    the work) at `read_bytes_per_s` (a decode step is bound by memory), one stage after
+    another; the step crosses a link at each stage boundary and once back to stage 0, each
+    crossing the one-way latency plus the hidden state's bytes at the link's rate. With
+    `tensor_across_hosts` the tensor-parallel exchanges cross it too: two a layer and two
+    more (the embedding's sum, the logits' gather), each sending a rank's share."""
+    stages = stage_layers(cfg, pipeline_size)
+    costs, head = layer_costs(cfg)
+    total = sum(costs) + head
+    shares = [sum(costs[i] for i in r) + head * (s == 0) for s, r in enumerate(stages)]
+    stage_bytes = [round(weight_bytes * share / total) for share in shares]
+    hidden_bytes = cfg.hidden_size * 4  # float32 activations
+    hops = pipeline_size if pipeline_size > 1 else 0
+    link_s = hops * (link_latency_s + hidden_bytes / link_bytes_per_s)
+    if tensor_across_hosts and tensor_size > 1:
+        exchanges = 2 * cfg.num_hidden_layers + 2
+        link_s += exchanges * (link_latency_s
+                               + (tensor_size - 1) * hidden_bytes / link_bytes_per_s)
+    compute_s = sum(b / tensor_size for b in stage_bytes) / read_bytes_per_s
+    return StepPlan(stages, stage_bytes, hidden_bytes, hops, compute_s, link_s)

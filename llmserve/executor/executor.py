@@ -49,7 +49,6 @@ from llmserve.executor.ranks import (
     broadcast_object,
     connect,
     free_port,
-    send_object,
     torchrun_env,
 )
 from llmserve.executor.worker import run_worker
@@ -68,7 +67,6 @@ class TensorParallelExecutor(Executor):
         self._stopped = False
         # (request, drafts sent, drafts accepted) verified since the workers last heard
         self._accepted_drafts: list[tuple[str, int, list[int]]] = []
-        self._pending: list = []  # messages to a pipeline's busy stages, still going out
         atexit.register(self.shutdown)  # the workers stop with this process
 
     def bind_runner(self, runner: ModelRunner) -> "TensorParallelExecutor":
@@ -138,18 +136,13 @@ class TensorParallelExecutor(Executor):
         return [(busy, wait) for busy, wait in times]
 
     def _send(self, message: Any, workers: range | None = None) -> None:
-        """To every worker (or `workers`); a pipeline's stages may be busy with earlier
-        steps, so the sends complete in the background (their buffers kept until then)."""
+        """To every worker (or `workers`), queued: a pipeline's stages may be busy with
+        earlier steps, and each reads it when it gets there."""
         if self.failure is not None:
             raise RuntimeError(f"tensor-parallel group is down: {self.failure}")
-        control = self.ranks.control
         try:
-            if self.stage.size == 1:
-                broadcast_object(control, message)
-                return
-            self._pending = [(w, b) for w, b in self._pending if not w.is_completed()]
-            self._pending += send_object(control, message,
-                                         workers or range(1, control.size()))
+            broadcast_object(self.ranks.channels, workers or range(1, self.ranks.world_size),
+                             message)
         except Exception as exc:
             self.step_failed(exc)
             raise RuntimeError(f"tensor-parallel group is down: {self.failure}") from None
@@ -173,10 +166,11 @@ class TensorParallelExecutor(Executor):
         self._stopped = True
         if self.failure is None:
             try:
-                broadcast_object(self.ranks.control, (STOP, None))
-                self.stage.flush()
+                self._send((STOP, None))
+                self.ranks.channels.flush()
             except Exception:  # noqa: BLE001 - the workers are gone already
                 pass
+        self.ranks.channels.close()
 
 
 class MultiprocExecutor(TensorParallelExecutor):

@@ -1,6 +1,7 @@
 """How the ranks of a tensor-parallel engine meet and talk: the process groups, the
 messages rank 0 sends its workers, and what the workers are told to build."""
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from llmserve.distributed.channels import Channels
 from llmserve.distributed.parallel import TensorParallel
 from llmserve.distributed.pipeline import PipelineStage
 
@@ -54,6 +56,7 @@ class Ranks:
     tp: TensorParallel
     control: Any  # a c10d ProcessGroup
     stage: PipelineStage = field(default_factory=PipelineStage)
+    channels: Channels | None = None  # rank 0's messages, the pipeline's activations
 
     @property
     def world_size(self) -> int:
@@ -75,7 +78,7 @@ def connect(rank: int, size: int, host: str, port: int, device: torch.device,
     except Exception as exc:  # noqa: BLE001 - any failure to meet is said the same way
         raise RuntimeError(f"rank {rank} ({address}) cannot reach the engine's store at "
                            f"{host}:{port}: {str(exc).splitlines()[0][:200]}") from None
-    check_reachable(store, rank, size, address)
+    channels = Channels(rank, check_reachable(store, rank, size, address), store)
     control = _gloo(store, rank, size, address)
     tp_size = size // pipeline_size
     index, tp_rank = divmod(rank, tp_size)
@@ -85,9 +88,9 @@ def connect(rank: int, size: int, host: str, port: int, device: torch.device,
     if device.type == "cuda" and tp_size > 1:
         group = dist.ProcessGroupNCCL(dist.PrefixStore(f"nccl{index}", store), tp_rank,
                                       tp_size)
-    stage = PipelineStage(index, pipeline_size, range(0), control, tp_rank, tp_size)
+    stage = PipelineStage(index, pipeline_size, range(0), channels, tp_rank, tp_size)
     return Ranks(TensorParallel(tp_rank, tp_size, group, exchange=device.type != "cuda"),
-                 control, stage)
+                 control, stage, channels)
 
 
 def route_address(host: str) -> str:
@@ -106,11 +109,14 @@ def _gloo(store: Any, rank: int, size: int, address: str) -> Any:
     return dist.ProcessGroupGloo(store, rank, size, options)
 
 
-def check_reachable(store: Any, rank: int, size: int, address: str) -> None:
+def check_reachable(store: Any, rank: int, size: int, address: str) -> socket.socket:
     """Every rank listens on `address` and connects to every other's (each publishing its
     own in the store); raises naming the first rank it cannot reach within
-    REACH_TIMEOUT. Returns once every rank has checked (no listener closes early)."""
-    with socket.create_server((address, 0)) as listener:
+    REACH_TIMEOUT. Returns once every rank has checked (no listener closes early), with
+    the listener: the rank's channels (`distributed/channels.py`) go on with it."""
+    listener = socket.create_server((address, 0))
+    with contextlib.ExitStack() as on_error:
+        on_error.callback(listener.close)
         listener.settimeout(0.2)
         store.set(f"reach/{rank}", f"{address}:{listener.getsockname()[1]}")
         stop = threading.Event()
@@ -135,6 +141,8 @@ def check_reachable(store: Any, rank: int, size: int, address: str) -> None:
         finally:
             stop.set()
             acceptor.join()
+        on_error.pop_all()
+    return listener
 
 
 def _accept_until(listener: socket.socket, stop: threading.Event) -> None:
@@ -145,37 +153,17 @@ def _accept_until(listener: socket.socket, stop: threading.Event) -> None:
             continue
 
 
-def broadcast_object(control: Any, obj: Any = None) -> Any:
-    """Rank 0's `obj` on every rank (pickled; sent to each worker point to point, its size
-    then its bytes: on gloo a send and receive take a tenth of a broadcast's time)."""
-    if control.rank() != 0:
-        return receive_object(control)
-    for work, _ in send_object(control, obj, range(1, control.size())):
-        work.wait()
-    return obj
-
-
-def receive_object(control: Any) -> Any:
-    """A worker: rank 0's next message."""
-    size = torch.zeros(1, dtype=torch.int64)
-    control.recv([size], 0, CONTROL_TAG).wait()
-    buffer = torch.empty(int(size), dtype=torch.uint8)
-    control.recv([buffer], 0, CONTROL_TAG).wait()
-    return pickle.loads(buffer.numpy().tobytes())
-
-
-def send_object(control: Any, obj: Any, workers) -> list[tuple[Any, tuple]]:
-    """Rank 0: send `obj` to `workers` without waiting for them (a pipeline stage may be
-    busy with an earlier step); (work, its buffers) pairs, the buffers kept until the
-    work completes."""
+def broadcast_object(channels: Channels, workers: range, obj: Any) -> None:
+    """Rank 0: `obj` to every worker (pickled; queued, each worker reads it when it gets
+    to it)."""
     data = pickle.dumps(obj)
-    size = torch.tensor([len(data)], dtype=torch.int64)
-    buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    works = []
     for worker in workers:
-        works.append((control.send([size], worker, CONTROL_TAG), (size, buffer)))
-        works.append((control.send([buffer], worker, CONTROL_TAG), (size, buffer)))
-    return works
+        channels.send(worker, CONTROL_TAG, data)
+
+
+def receive_object(channels: Channels) -> Any:
+    """A worker: rank 0's next message."""
+    return pickle.loads(channels.receive(0, CONTROL_TAG))
 
 
 def all_gather_ints(control: Any, value: int) -> list[int]:

@@ -28,7 +28,6 @@ from llmserve.executor.ranks import (
     WorkerSpec,
     all_gather_floats,
     all_gather_ints,
-    broadcast_object,
     connect,
     receive_object,
     torchrun_env,
@@ -61,7 +60,7 @@ def serve_steps(ranks: Ranks) -> None:
     from llmserve.spec_decode.cost import measure_step_costs
     from llmserve.worker.model_runner import ModelRunner
 
-    spec: WorkerSpec = broadcast_object(ranks.control)
+    spec: WorkerSpec = receive_object(ranks.channels)
     if spec.num_threads is not None:
         _set_threads(spec.num_threads)
     torch.manual_seed(spec.seed)
@@ -71,7 +70,7 @@ def serve_steps(ranks: Ranks) -> None:
         torch.cuda.set_device(device)
     loaded = load_model(spec.model, spec.dtype, device, spec.quantization,
                         enforce_eager=True, tp=ranks.tp, stage=ranks.stage)
-    cache: CacheSpec = broadcast_object(ranks.control)
+    cache: CacheSpec = receive_object(ranks.channels)
     model = loaded.model
     cfg = loaded.config
     plan = getattr(model, "plan", None)
@@ -92,7 +91,7 @@ def serve_steps(ranks: Ranks) -> None:
     begun = collections.deque()  # stage 0 of a pipeline: steps begun, not yet finished
     while True:
         try:
-            kind, payload = receive_object(ranks.control)
+            kind, payload = receive_object(ranks.channels)
         except RuntimeError as exc:  # rank 0 is gone without saying stop
             logger.error("rank %d: rank 0 went away (%s); exiting", ranks.control.rank(),
                          str(exc).splitlines()[0][:200])
@@ -118,6 +117,7 @@ def serve_steps(ranks: Ranks) -> None:
                 stage.reset_timing()
         elif kind == STOP:
             stage.flush()
+            ranks.channels.close()
             return
 
 

@@ -103,3 +103,120 @@ def torchrun_argv(nnodes: int, node_rank: int, nproc: int, master: str, port: in
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
             "--nproc-per-node", str(nproc), "--node-rank", str(node_rank),
             "--master-addr", master, "--master-port", str(port)]
+
+
+# ---- a link with delay and loss (the kernel here has no netem) ------------------------
+
+TUNSETIFF = 0x400454CA
+IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
+
+
+def _open_tun(name: str) -> int:
+    import fcntl
+    import struct
+
+    fd = os.open("/dev/net/tun", os.O_RDWR)
+    fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TUN | IFF_NO_PI))
+    return fd
+
+
+@dataclass
+class Link:
+    """Two hosts joined point to point through this process: each packet waits `delay_s`
+    (one way) and is dropped with probability `loss`, as netem would on both ends."""
+
+    delay_s: float
+    loss: float = 0.0
+    seed: int = 0
+    forwarded: int = 0
+    dropped: int = 0
+
+
+@contextlib.contextmanager
+def delay_link(count: int = 2, delay_s: float = 0.05, loss: float = 0.0):
+    """Two namespace hosts whose only link runs through this process (TUN devices moved
+    into each): yields (hosts, link); the hosts' addresses reach each other over it."""
+    import heapq
+    import random
+    import threading
+    import time
+
+    if count != 2:
+        raise ValueError("a delay link joins two hosts")
+    if os.geteuid() != 0 or shutil.which("ip") is None or not Path("/dev/net/tun").exists():
+        pytest.skip("a delay link needs root, iproute2 and /dev/net/tun")
+    tag = uuid.uuid4().hex[:6]
+    subnet = 10 + int(tag[:2], 16) % 200
+    link = Link(delay_s, loss)
+    hosts, fds = [], []
+    try:
+        for i in range(2):
+            name, dev = f"lsd{tag}{i}", f"lst{tag}{i}"
+            fds.append(_open_tun(dev))
+            _ip("netns", "add", name)
+            host = Host(name, f"10.{subnet}.1.{i + 1}", dev)
+            hosts.append(host)
+            _ip("link", "set", dev, "netns", name)
+            peer = f"10.{subnet}.1.{2 - i}"
+            for args in (("addr", "add", host.address, "peer", peer, "dev", dev),
+                         ("link", "set", dev, "up"), ("link", "set", "lo", "up")):
+                _ip("-n", name, *args)
+    except (subprocess.CalledProcessError, OSError) as exc:
+        _remove(hosts, "")
+        for fd in fds:
+            os.close(fd)
+        pytest.skip(f"cannot make a delay link here: {exc}")
+    queue: list[tuple[float, int, int, bytes]] = []
+    ready = threading.Condition()
+    stop = threading.Event()
+    rng = random.Random(link.seed)
+    counter = [0]
+
+    def reader(src: int, dst: int) -> None:
+        while not stop.is_set():
+            try:
+                packet = os.read(fds[src], 65536)
+            except OSError:
+                return
+            with ready:
+                if rng.random() < link.loss:
+                    link.dropped += 1
+                    continue
+                counter[0] += 1
+                heapq.heappush(queue, (time.monotonic() + link.delay_s, counter[0], dst,
+                                       packet))
+                ready.notify()
+
+    def writer() -> None:
+        while not stop.is_set():
+            with ready:
+                while not queue and not stop.is_set():
+                    ready.wait(0.1)
+                if stop.is_set():
+                    return
+                due, _, dst, packet = queue[0]
+                wait = due - time.monotonic()
+                if wait > 0:
+                    ready.wait(wait)
+                    continue
+                heapq.heappop(queue)
+            try:
+                os.write(fds[dst], packet)
+                link.forwarded += 1
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=reader, args=(0, 1), daemon=True),
+               threading.Thread(target=reader, args=(1, 0), daemon=True),
+               threading.Thread(target=writer, daemon=True)]
+    for thread in threads:
+        thread.start()
+    try:
+        yield hosts, link
+    finally:
+        stop.set()
+        with ready:
+            ready.notify_all()
+        _remove(hosts, "")
+        for fd in fds:
+            os.close(fd)

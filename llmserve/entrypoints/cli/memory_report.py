@@ -45,10 +45,17 @@ def memory_report(
     device: str = "auto",
     quantization: str | None = None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    link: tuple[float, float] | None = None,
+    read_bandwidth: float | None = None,
+    tensor_across_hosts: bool = False,
 ) -> str:
     """The lines `llmserve memory` prints; with `tensor_parallel_size` > 1, also what each
     rank holds (its share of heads, channels and vocabulary) and how many tokens the
-    per-rank KV budget then holds."""
+    per-rank KV budget then holds; with `pipeline_parallel_size` > 1 each stage's layers,
+    weights and KV; with `link` (bytes/s, one-way latency in seconds: a link between
+    hosts, one pipeline stage on each) the bytes each link carries and a decode step's
+    expected time, its weights read at `read_bandwidth` (bytes/s; None: measured now)."""
     if batch < 1 or (seq_len is not None and seq_len < 1):
         raise ValueError("--batch and --seq-len must be at least 1")
     if dtype not in DTYPES:
@@ -121,6 +128,11 @@ def memory_report(
     if tensor_parallel_size > 1:
         lines += _rank_lines(cfg, tensor_parallel_size, weight_dtype, method, kv_torch_dtype,
                              budget, block_size)
+    if pipeline_parallel_size > 1 or link is not None:
+        total_bytes = (wbytes_q if method else wbytes)
+        lines += _pipeline_lines(cfg, total_bytes, tensor_parallel_size,
+                                 pipeline_parallel_size, per_token, link, read_bandwidth,
+                                 tensor_across_hosts)
     if seq_len > cfg.max_position_embeddings:
         lines.append(f"warning       --seq-len {seq_len} exceeds the model's context of "
                      f"{cfg.max_position_embeddings} tokens")
@@ -141,6 +153,43 @@ def _rank_lines(cfg: ModelConfig, size: int, weight_dtype: torch.dtype, method: 
             f"vocab {share.vocab_size}: weights {format_bytes(wbytes)}, KV "
             f"{kv_bytes_per_token(share, kv_dtype):,} bytes/token, budget holds "
             f"{plan.num_tokens:,} tokens")
+    return lines
+
+
+def _pipeline_lines(cfg: ModelConfig, weight_total: int, tp: int, pp: int, kv_per_token: int,
+                    link: tuple[float, float] | None, read_bandwidth: float | None,
+                    tensor_across_hosts: bool) -> list[str]:
+    """Each stage's share, and with a link what it carries and a decode step's plan."""
+    from llmserve.distributed.pipeline import plan_step
+
+    if read_bandwidth is None and link is not None:
+        from llmserve.bench.kernels import measure_read_bandwidth
+
+        read_bandwidth = measure_read_bandwidth()
+    rate, latency = link if link is not None else (1.0, 0.0)
+    plan = plan_step(cfg, weight_total, pp, tp, read_bandwidth or 1.0, rate, latency,
+                     tensor_across_hosts)
+    per_layer_kv = kv_per_token // cfg.num_hidden_layers
+    lines = []
+    for s, (layers, wbytes) in enumerate(zip(plan.stages, plan.stage_weight_bytes,
+                                             strict=True)):
+        extra = " + the embedding and LM head" if s == 0 else ""
+        lines.append(f"stage {s}/{pp:<3}  layers {layers.start}-{layers.stop - 1}{extra}: "
+                     f"weights {format_bytes(wbytes)} (over {tp} rank(s)), KV "
+                     f"{per_layer_kv * len(layers):,} bytes/token")
+    if link is None:
+        return lines
+    lines += [
+        f"link          {rate * 8 / 1e9:g} Gbit/s, {latency * 1e3:g} ms one way: a decode step "
+        f"crosses it {plan.link_hops} time(s) (stage to stage, then back to stage 0), "
+        f"{plan.link_bytes_per_token:,} bytes a token in flight each"
+        + (f"; tensor parallelism across hosts adds {2 * cfg.num_hidden_layers + 2} "
+           "exchanges a step" if tensor_across_hosts and tp > 1 else ""),
+        f"step plan     one stream: weights read {1e3 * plan.compute_s:.1f} ms (at "
+        f"{read_bandwidth / 1e9:.1f} GB/s) + links {1e3 * plan.link_s:.1f} ms = "
+        f"{1e3 * plan.step_s:.1f} ms a token ({1 / plan.step_s:.1f} tok/s); under load "
+        f"every stage works on its own batch",
+    ]
     return lines
 
 

@@ -14,6 +14,8 @@ Faults and overload:
   an error event on a stream); the others go on;
 * the engine thread itself dying fails every request, makes `is_running` false (`/health`
   503) and calls `on_fatal` (the server then exits non-zero, for a supervisor to restart);
+  so does a rank on another host going away (torchrun's ranks: `exits_on_failure`), once
+  the requests in flight have their 503;
 * `max_num_waiting` caps queued requests (`QueueFull`: 429); `request_timeout` ends a
   request that outlives it (`RequestTimeout`), freeing its KV blocks;
 * a stream whose reader falls behind keeps a bounded number of outputs (`request_stream.py`):
@@ -380,6 +382,10 @@ class AsyncEngine:
             logger.error("engine unavailable (%s); failing the requests in flight",
                          engine.failure)
             self._fail_all(EngineUnavailable(f"the engine is unavailable: {engine.failure}"))
+            if engine.executor.exits_on_failure:  # ranks on other hosts: the server exits
+                self.fatal = RuntimeError(engine.failure)
+                if self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
             return
         failed = engine.callers_of(engine.step_request_ids) & self._streams.keys()
         logger.exception("model step failed; failing its %d request(s)", len(failed),

@@ -24,6 +24,9 @@ class Executor(ABC):
     # steps the engine keeps in flight at once (`begin` ... `finish`, in order): a
     # pipeline's stages, each busy with its own step
     pipeline_depth: int = 1
+    # once `failure` is set the server exits (non-zero) after answering what was in
+    # flight: ranks on other hosts, which an orchestrator restarts together
+    exits_on_failure: bool = False
 
     @abstractmethod
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -258,7 +258,11 @@ class MultiprocExecutor(TensorParallelExecutor):
 
 
 class ExternalExecutor(TensorParallelExecutor):
-    """Rank 0 of ranks started by torchrun (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    """Rank 0 of ranks started by torchrun (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE),
+    on this machine or others: a rank that goes away fails the step in flight (503) and
+    the server exits, for torchrun or an orchestrator to start the ranks again."""
+
+    exits_on_failure = True
 
     def __init__(self, size: int, device: torch.device, pipeline_size: int = 1) -> None:
         rank, world, host, port = torchrun_env()

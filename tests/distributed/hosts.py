@@ -43,10 +43,16 @@ class Host:
                               capture_output=True, text=True)
 
     def kill(self) -> None:
-        """Every process started here, at once (a host that dies)."""
+        """Every process in this host at once (a host that dies): the ones started here
+        and their children, whatever their process group."""
         for process in self.processes:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
+        pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True,
+                              text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
         for process in self.processes:
             process.wait()
 
@@ -65,6 +71,7 @@ def namespace_hosts(count: int):
     hosts: list[Host] = []
     try:
         _ip("link", "add", bridge, "type", "bridge")
+        _ip("addr", "add", f"10.{subnet}.0.254/24", "dev", bridge)  # the test reaches them
         _ip("link", "set", bridge, "up")
         for i in range(count):
             name, outer = f"lsh{tag}{i}", f"lsv{tag}{i}"

@@ -102,20 +102,114 @@ def test_generate_across_two_hosts_equals_one_process(smollm2_gguf, single_token
     each host one stage of two ranks)."""
     (tmp_path / "in.jsonl").write_text(
         "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    nproc = tp * pp // 2
     with namespace_hosts(2) as hosts:
-        master, port = hosts[0].address, 29000 + free_port() % 900
-        procs = []
-        for node, host in enumerate(hosts):
-            argv = torchrun_argv(2, node, nproc, master, port) + llmserve_argv() + [
-                "generate", "--model", str(smollm2_gguf), "--input", str(tmp_path / "in.jsonl"),
-                "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
-                "--temperature", "0", "--max-tokens", "16", "--tensor-parallel-size", str(tp),
-                "--pipeline-parallel-size", str(pp),
-                "--distributed-executor-backend", "external_launcher"]
-            procs.append(host.popen(argv, tmp_path / f"node{node}.log"))
-        codes = [p.wait(600) for p in procs]
-    logs = [(tmp_path / f"node{n}.log").read_text()[-2000:] for n in range(2)]
-    assert codes == [0, 0], logs
+        _torchrun_on(hosts, tmp_path, [
+            "generate", "--model", str(smollm2_gguf), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
+            "--temperature", "0", "--max-tokens", "16", "--tensor-parallel-size", str(tp),
+            "--pipeline-parallel-size", str(pp),
+            "--distributed-executor-backend", "external_launcher"], nproc=tp * pp // 2)
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
     assert [json.loads(line)["token_ids"] for line in lines] == single_tokens
+
+
+def _torchrun_on(hosts, tmp_path, command: list[str], nproc: int = 1,
+                 timeout: float = 600) -> list[str]:
+    """`llmserve <command>` under torchrun on each host (node 0 the master); the hosts'
+    logs, after every node exited 0."""
+    master, port = hosts[0].address, 29000 + free_port() % 900
+    procs = [host.popen(torchrun_argv(len(hosts), node, nproc, master, port)
+                        + llmserve_argv() + command, tmp_path / f"node{node}.log")
+             for node, host in enumerate(hosts)]
+    codes = [p.wait(timeout) for p in procs]
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in range(len(hosts))]
+    assert codes == [0] * len(hosts), [log[-2000:] for log in logs]
+    return logs
+
+
+@pytest.mark.slow
+def test_step_time_over_a_slow_link_matches_the_plan(smollm2_gguf, tmp_path):
+    """PP=2 across two hosts 50 ms apart (each way): `llmserve bench latency`'s decode step
+    against `llmserve memory`'s plan for that link: within 25 %. (The floor is one round
+    trip a step: the activations out, the final hidden states back.)"""
+    import re
+    import subprocess
+
+    from tests.distributed.hosts import delay_link
+
+    with delay_link(2, delay_s=0.05) as (hosts, link):
+        _torchrun_on(hosts, tmp_path, [
+            "bench", "latency", "--model", str(smollm2_gguf), "--batch", "1",
+            "--input-len", "16", "--output-len", "16", "--repeat", "1",
+            "--output-json", str(tmp_path / "latency.json"), "--pipeline-parallel-size", "2",
+            "--distributed-executor-backend", "external_launcher"])
+    tpot = json.loads((tmp_path / "latency.json").read_text())["runs"][0]["tpot_s"]
+    plan = subprocess.run(llmserve_argv() + [
+        "memory", "--model", str(smollm2_gguf), "-pp", "2", "--link-gbit", "1",
+        "--link-latency-ms", "50"], capture_output=True, text=True, check=True).stdout
+    planned = float(re.search(r"= ([0-9.]+) ms a token", plan).group(1)) / 1e3
+    assert link.forwarded > 0
+    assert abs(tpot - planned) <= 0.25 * planned, (tpot, planned, plan)
+
+
+@pytest.mark.slow
+def test_a_lossy_link_slows_and_never_corrupts(smollm2_gguf, single_tokens, tmp_path):
+    """5 % of the packets each way dropped (TCP sends them again): PP=2 across the two
+    hosts still equals one process's tokens."""
+    from tests.distributed.hosts import delay_link
+
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    with delay_link(2, delay_s=0.002, loss=0.05) as (hosts, link):
+        _torchrun_on(hosts, tmp_path, [
+            "generate", "--model", str(smollm2_gguf), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
+            "--temperature", "0", "--max-tokens", "16", "--pipeline-parallel-size", "2",
+            "--distributed-executor-backend", "external_launcher"])
+    assert link.dropped > 0
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(line)["token_ids"] for line in lines] == single_tokens
+
+
+@pytest.mark.slow
+def test_a_host_that_dies_gets_503_and_the_server_exits(smollm2_gguf, tmp_path):
+    """`llmserve serve` with PP=2 across two hosts: it answers; the second host's processes
+    are killed; the next request gets a 503 naming the lost rank (no hang), and the
+    server exits non-zero for its launcher to start the ranks again."""
+    import time
+
+    import httpx
+
+    with namespace_hosts(2) as hosts:
+        master, port = hosts[0].address, 29000 + free_port() % 900
+        http_port = 18000 + free_port() % 1000
+        command = ["serve", "--model", str(smollm2_gguf), "--host", "0.0.0.0", "--port",
+                   str(http_port), "--pipeline-parallel-size", "2",
+                   "--distributed-executor-backend", "external_launcher"]
+        procs = [host.popen(torchrun_argv(2, node, 1, master, port) + llmserve_argv()
+                            + command, tmp_path / f"node{node}.log")
+                 for node, host in enumerate(hosts)]
+        url = f"http://{master}:{http_port}"
+        body = {"model": "x", "prompt": "The sea is", "max_tokens": 8, "temperature": 0}
+        with httpx.Client(base_url=url, timeout=60) as client:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline and procs[0].poll() is None, \
+                    (tmp_path / "node0.log").read_text()[-2000:]
+                time.sleep(1)
+            body["model"] = client.get("/v1/models").json()["data"][0]["id"]
+            served = client.post("/v1/completions", json=body)
+            assert served.status_code == 200, served.text
+            hosts[1].kill()
+            started = time.monotonic()
+            lost = client.post("/v1/completions", json=body)
+            assert lost.status_code == 503, lost.text
+            assert "went away" in lost.text or "unavailable" in lost.text
+            assert time.monotonic() - started < 60
+        code = procs[0].wait(120)
+    assert code != 0

@@ -17,9 +17,11 @@ with P batches in flight (`engine.py`) every stage is busy at once. Activations 
 the ranks' channels (`channels.py`: TCP, half a round trip a message; on CUDA through
 host memory).
 
-How the layers are split (`stage_layers`): by what a decode step reads, each layer's
-weights (a mixture's active experts) and, on stage 0, the LM head; contiguous ranges
-minimising the largest stage, every stage at least one layer.
+How the layers are split (`stage_layers`): by each layer's and the LM head's time a step
+in the kernels the model runs, measured on this CPU at the serving batch (rank 0 times
+them once, cached; `loader.kernel_choice.stage_costs`), else by their parameters;
+contiguous ranges minimising the largest stage (stage 0 with the head), every stage at
+least one layer.
 """
 
 import time
@@ -58,7 +60,8 @@ class PipelineStage:
         return self.index == self.size - 1
 
     def assign(self, config: ModelConfig) -> "PipelineStage":
-        """Take this stage's layers of a model with `config` (`stage_layers`), once."""
+        """Take this stage's layers of a model with `config` (`stage_layers` by parameters),
+        unless given already (rank 0 splits by measured costs and tells every rank)."""
         if not self.layers:
             self.layers = stage_layers(config, self.size)[self.index]
         return self
@@ -134,10 +137,13 @@ def layer_costs(cfg: ModelConfig) -> tuple[list[int], int]:
     return costs, cfg.vocab_size * h
 
 
-def stage_layers(cfg: ModelConfig, size: int) -> list[range]:
-    """Contiguous layer ranges, one per stage, minimising the most a stage reads a step
-    (stage 0 counts the LM head); every stage at least one layer."""
-    costs, head = layer_costs(cfg)
+def stage_layers(cfg: ModelConfig, size: int,
+                 costs: tuple[list[float], float] | None = None) -> list[range]:
+    """Contiguous layer ranges, one per stage, minimising the largest stage's cost (stage 0
+    counts the LM head): `costs` (each layer's, the head's: measured,
+    `loader.kernel_choice.stage_costs`), else what a decode step reads (`layer_costs`);
+    every stage at least one layer."""
+    costs, head = costs or layer_costs(cfg)
     n = len(costs)
     if not 1 <= size <= n:
         raise ValueError(f"pipeline_parallel_size {size} must be between 1 and the model's "

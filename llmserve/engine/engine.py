@@ -26,7 +26,6 @@ from llmserve.core.preemption import ResumeCost
 from llmserve.core.request import Request, RequestStatus
 from llmserve.core.scheduler import Scheduler, SchedulerConfig
 from llmserve.distributed.kv_transfer import TransferredKV, TransferStats
-from llmserve.distributed.pipeline import stage_layers
 from llmserve.engine.beam_search import BeamSearch
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.input_processor import InputProcessor, NewRequest, RequestRejected
@@ -109,10 +108,10 @@ class Engine:
         # a pipeline stage holds its layers' KV: every stage as many blocks as the one with
         # the most layers can hold
         layers = self.loaded.model.held_layers if ranks else range(model_cfg.num_hidden_layers)
+        split = ranks.stage_split if ranks else ()
         plan = plan_kv_cache(model_cfg, self.kv_cache_dtype, kv_budget(config, self.device),
                              config.block_size, num_kv_heads, spec_layers,
-                             max(map(len, stage_layers(model_cfg,
-                                                       config.pipeline_parallel_size))))
+                             max(map(len, split), default=None))
         logger.info(
             "KV cache: %d blocks = %d tokens (%.2f GiB, %s); weights: %s, %.0f MiB; "
             "%d threads", plan.num_blocks, plan.num_tokens, plan.total_bytes / 2**30,

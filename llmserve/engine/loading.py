@@ -9,6 +9,7 @@ import torch
 
 from llmserve.config.engine import DEFAULT_KV_OFFLOAD_GIB, DTYPES, EngineConfig
 from llmserve.cpu_info import memory_bytes
+from llmserve.distributed.pipeline import stage_layers
 from llmserve.engine.image_prompts import ImagePrompts
 from llmserve.errors import LLMServeError, UnsupportedModelError
 from llmserve.executor.abstract import Executor
@@ -28,7 +29,9 @@ from llmserve.layers.attention.backend import AttentionBackend
 from llmserve.layers.kv_cache import KVCache, resolve_kv_cache_dtype
 from llmserve.layers.pooler import Pooler
 from llmserve.loader.attention_choice import choose_attention
-from llmserve.loader.model_loader import LoadedModel, decide_auto
+from llmserve.loader.catalog import resolve_model
+from llmserve.loader.kernel_choice import stage_costs
+from llmserve.loader.model_loader import LoadedModel, decide_auto, read_model_config
 from llmserve.memory import parse_size
 from llmserve.multimodal.processors import ImageProcessor
 from llmserve.spec_decode.cost import measure_step_costs
@@ -123,11 +126,31 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.
         quantization = decide_auto(config.model, device)
     executor = make_executor(config.distributed_executor_backend, size, device, threads,
                              pipeline)
+    split = pipeline_split(config.model, pipeline, quantization) if pipeline > 1 else ()
+    if split:
+        executor.stage.layers = split[0]
+    executor.stage_split = split
     executor.start_workers(WorkerSpec(config.model, dtype, str(device), quantization, threads,
-                                      config.seed))
+                                      config.seed, split))
     logger.info("%d ranks (tensor parallel %d x pipeline parallel %d), %d threads each",
                 size, config.tensor_parallel_size, pipeline, threads)
     return executor, quantization
+
+
+def pipeline_split(model: str | None, size: int, quantization: str | None
+                   ) -> tuple[range, ...]:
+    """Each stage's layers: by the layers' and the LM head's measured time a step in the
+    kernels the model runs (`kernel_choice.stage_costs`), else by their parameters."""
+    cfg = read_model_config(resolve_model(model))
+    costs = stage_costs(cfg, None if quantization == "auto" else quantization)
+    split = stage_layers(cfg, size, None if costs is None else costs[:2])
+    how = "split by their parameters" if costs is None else (
+        f"split by their time a step, {costs[2]}: a layer "
+        f"{sum(costs[0]) / len(costs[0]):.2f} ms, the LM head {costs[1]:.2f} ms at the "
+        "serving batch")
+    logger.info("pipeline: layers %s (%s)",
+                ", ".join(f"{r.start}-{r.stop - 1}" for r in split), how)
+    return tuple(split)
 
 
 def speculative_kv_layers(config: EngineConfig) -> int:

@@ -67,6 +67,7 @@ class TensorParallelExecutor(Executor):
         self._stopped = False
         # (request, drafts sent, drafts accepted) verified since the workers last heard
         self._accepted_drafts: list[tuple[str, int, list[int]]] = []
+        self.stage_split: tuple[range, ...] = ()  # a pipeline's layers per stage
         atexit.register(self.shutdown)  # the workers stop with this process
 
     def bind_runner(self, runner: ModelRunner) -> "TensorParallelExecutor":

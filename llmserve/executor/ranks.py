@@ -34,6 +34,8 @@ class WorkerSpec:
     quantization: str | None
     num_threads: int | None
     seed: int
+    # a pipeline's layers per stage, as rank 0 split them (empty: no pipeline)
+    stage_layers: tuple[range, ...] = ()
 
 
 @dataclass(frozen=True)

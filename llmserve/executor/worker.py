@@ -68,6 +68,8 @@ def serve_steps(ranks: Ranks) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", ranks.tp.rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    if spec.stage_layers:
+        ranks.stage.layers = spec.stage_layers[ranks.stage.index]
     loaded = load_model(spec.model, spec.dtype, device, spec.quantization,
                         enforce_eager=True, tp=ranks.tp, stage=ranks.stage)
     cache: CacheSpec = receive_object(ranks.channels)

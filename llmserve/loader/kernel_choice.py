@@ -367,3 +367,39 @@ def _time_stream_prefetch(lib, linears) -> Timing:
                   fastest_call=True)
              for row, nontemporal in (("cached", 0), ("non-temporal", 1))]
     return time_rounds(units, "cached", _PREFETCH_PASSES_S)
+
+
+def stage_costs(config: ModelConfig, quantization: str | None, block_type: str = "Q4_K"
+                ) -> tuple[list[float], float, str] | None:
+    """Each decoder layer's and the LM head's milliseconds a step at the serving batch
+    (BATCHES[-1]) in `quantization`'s kernels, timed on this CPU (cached as the kernel
+    choice is; a busy machine's timing is not kept), and where they came from: a pipeline
+    splits the layers by them (`distributed/pipeline.py`). The layers' share is timed on
+    every linear shape a step runs and spread over the layers by their parameters (a
+    mixture's sparse layers read their top_k experts). None without the native kernels."""
+    from llmserve.distributed.pipeline import layer_costs
+    from llmserve.kernels import native
+
+    if native() is None:
+        return None
+    shapes = linear_shapes(config)
+    kind = quantization if quantization in (None, "int8", "int4", "int4-a8", "kquant") \
+        else None
+    path = decision_cache.cache_path("stage-costs", [str(kind), json.dumps(shapes),
+                                                     str(BATCHES), block_type])
+    cached = decision_cache.read(path)
+    if cached is not None:
+        layers_ms, head_ms, source = cached["layers_ms"], cached["head_ms"], "cached"
+    else:
+        serving = BATCHES[-1]
+        layers = time_candidates((kind,), shapes[:-1], block_type)
+        head = time_candidates((kind,), shapes[-1:], block_type)
+        layers_ms = layers.best()[_name(kind)][serving]
+        head_ms = head.best()[_name(kind)][serving]
+        busy = layers.busy_reason() or head.busy_reason()
+        source = f"busy: {busy}" if busy else "measured"
+        if busy is None:
+            decision_cache.write(path, {"layers_ms": layers_ms, "head_ms": head_ms})
+    params, _ = layer_costs(config)
+    total = sum(params)
+    return [layers_ms * p / total for p in params], head_ms, source

@@ -1,5 +1,6 @@
 """Build a ready model and its tokenizer from a model spec (catalog name, .gguf, HF folder)."""
 
+import json
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -359,3 +360,22 @@ def _rank_slices(tp: TensorParallel, stage: PipelineStage | None) -> WeightSlice
     def slices(config: ModelConfig, name: str) -> tuple[slice | None, slice | None]:
         return shard_plan(config, tp, stage).weight_slices(name, config.head_dim)
     return slices
+
+
+def read_model_config(source: ModelSource) -> ModelConfig:
+    """The model's shape from its config.json or GGUF metadata; no weights are read.
+
+    For GGUF this is the loader's own config builder, so `memory` and the engine's start
+    see exactly the config the loader will.
+    """
+    if source.kind == "hf":
+        path = source.path / "config.json"
+        try:
+            return ModelConfig.from_hf_config(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            raise ModelFormatError(f"cannot read {path}: {e}") from None
+        except KeyError as e:
+            raise ModelFormatError(f"{path} lacks the field {e}") from None
+    from llmserve.loader.gguf import read_gguf_config
+
+    return read_gguf_config(source.path)

@@ -70,8 +70,8 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 def cmd_bench_kernels(args: argparse.Namespace) -> int:
     from llmserve.bench.kernels import decided_while_busy, format_kernels, run_kernels
-    from llmserve.entrypoints.cli.memory_report import read_model_config
     from llmserve.loader.catalog import resolve_model
+    from llmserve.loader.model_loader import read_model_config
 
     if min(args.batch) < 1:
         raise ValueError("--batch takes positive integers, e.g. 1,32")

@@ -5,7 +5,6 @@ the same functions the engine sizes its cache with, so the numbers printed are t
 the engine will use.
 """
 
-import json
 
 import torch
 
@@ -13,10 +12,10 @@ from llmserve.config.engine import DTYPES
 from llmserve.config.model import ModelConfig
 from llmserve.engine.engine import free_memory_bytes, resolve_device, resolve_dtype
 from llmserve.entrypoints.cli.output import format_bytes
-from llmserve.errors import ModelFormatError
 from llmserve.layers.attention.selector import reads_only_written_slots
 from llmserve.layers.kv_cache import resolve_kv_cache_dtype
 from llmserve.loader.catalog import ModelSource, resolve_model
+from llmserve.loader.model_loader import read_model_config
 from llmserve.memory import (
     DTYPE_BYTES,
     kquant_weight_bytes,
@@ -221,25 +220,6 @@ def _weight_method(source: ModelSource, dtype: str, quantization: str | None,
 
     return auto_quantization(gguf_stored_quantization(source.path), device,
                              read_model_config(source))
-
-
-def read_model_config(source: ModelSource) -> ModelConfig:
-    """The model's shape from its config.json or GGUF metadata; no weights are read.
-
-    For GGUF this reuses the loader's own config builder (private to `llmserve.loader.gguf`
-    for now), so `memory` sees exactly the config the engine will.
-    """
-    if source.kind == "hf":
-        path = source.path / "config.json"
-        try:
-            return ModelConfig.from_hf_config(json.loads(path.read_text()))
-        except (OSError, ValueError) as e:
-            raise ModelFormatError(f"cannot read {path}: {e}") from None
-        except KeyError as e:
-            raise ModelFormatError(f"{path} lacks the field {e}") from None
-    from llmserve.loader.gguf import read_gguf_config
-
-    return read_gguf_config(source.path)
 
 
 def _kv_dtype(name: str | None, weight_dtype: torch.dtype) -> torch.dtype:

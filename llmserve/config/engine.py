@@ -133,7 +133,7 @@ class SpeculativeConfig:
 
 
 # how the ranks of a tensor-parallel engine are started (executor/executor.py)
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "external_launcher", "ray")
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,8 @@ class EngineConfig:
     # group: tensor_parallel_size x pipeline_parallel_size ranks in all
     pipeline_parallel_size: int = 1
     # mp: rank 0 spawns the other ranks on this machine; external_launcher: torchrun
-    # started every rank (several machines)
+    # started every rank (several machines); ray: the other ranks are actors on a Ray
+    # cluster, placed by a placement group (executor/ray_executor.py)
     distributed_executor_backend: str = "mp"
     # disaggregated prefill/decode (distributed/kv_transfer.py): "prefill" sends finished
     # prompts' KV to its decode peer, "decode" continues requests from received KV; both

@@ -13,7 +13,8 @@ from llmserve.distributed.pipeline import stage_layers
 from llmserve.engine.image_prompts import ImagePrompts
 from llmserve.errors import LLMServeError, UnsupportedModelError
 from llmserve.executor.abstract import Executor
-from llmserve.executor.executor import TensorParallelExecutor, make_executor
+from llmserve.executor.backends import make_executor
+from llmserve.executor.executor import TensorParallelExecutor
 from llmserve.executor.ranks import WorkerSpec
 from llmserve.kernels import level_of, native, set_num_threads
 from llmserve.kv_tier import (

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from llmserve.config.engine import DISTRIBUTED_EXECUTOR_BACKENDS
 from llmserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from llmserve.distributed.parallel import TensorParallel
 from llmserve.distributed.pipeline import PipelineStage
@@ -274,14 +273,3 @@ class ExternalExecutor(TensorParallelExecutor):
             raise ValueError(f"tensor_parallel_size x pipeline_parallel_size is {size} but "
                              f"torchrun started {world} processes (WORLD_SIZE)")
         super().__init__(connect(0, size, host, port + 1, device, pipeline_size))
-
-
-def make_executor(backend: str, size: int, device: torch.device,
-                  num_threads: int | None, pipeline_size: int = 1) -> TensorParallelExecutor:
-    """`size` ranks in all (tensor x pipeline parallel)."""
-    if backend == "mp":
-        return MultiprocExecutor(size, device, num_threads, pipeline_size)
-    if backend == "external_launcher":
-        return ExternalExecutor(size, device, pipeline_size)
-    raise ValueError(f"distributed_executor_backend must be one of "
-                     f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, not {backend!r}")

@@ -45,6 +45,15 @@ def run_worker(rank: int, size: int, host: str, port: int, device: str,
     serve_steps(connect(rank, size, host, port, torch.device(device), pipeline_size))
 
 
+def run_ray_worker(rank: int, size: int, host: str, port: int, device: str,
+                   num_threads: int | None, pipeline_size: int) -> None:
+    """A rank as a Ray actor's method (`ray_executor.py`): returns once rank 0 says stop;
+    raises (ending the call with the error) if rank 0 goes away."""
+    if num_threads is not None:
+        _set_threads(num_threads)
+    serve_steps(connect(rank, size, host, port, torch.device(device), pipeline_size))
+
+
 def run_external_worker(device: str = "cpu", pipeline_size: int = 1) -> None:
     """Entry point of a worker started by torchrun (RANK > 0)."""
     rank, size, host, port = torchrun_env()

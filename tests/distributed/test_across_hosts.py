@@ -8,6 +8,7 @@ bridge, each rank started in its own as torchrun would on separate machines.
   TP=2 x PP=2 across two hosts equal one process's tokens (slow tier).
 """
 
+import contextlib
 import datetime
 import json
 import textwrap
@@ -213,3 +214,73 @@ def test_a_host_that_dies_gets_503_and_the_server_exits(smollm2_gguf, tmp_path):
             assert time.monotonic() - started < 60
         code = procs[0].wait(120)
     assert code != 0
+
+
+@contextlib.contextmanager
+def ray_cluster(hosts, tmp_path):
+    """`ray start` on each host (one CPU each, the first the head); stopped on exit."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    ray = Path(sys.executable).with_name("ray")
+    if not ray.exists() or shutil.which("ip") is None:
+        pytest.skip("Ray is not installed")
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    head = hosts[0].address
+    env = {"RAY_AUTH_MODE": "disabled"}
+    started = []
+    try:
+        for i, host in enumerate(hosts):
+            where = ["--head", "--port=6379", "--include-dashboard=false"] if i == 0 else \
+                [f"--address={head}:6379"]
+            result = host.popen([str(ray), "start", *where, f"--node-ip-address={host.address}",
+                                 *common], tmp_path / f"ray{i}.log", **env)
+            assert result.wait(120) == 0, (tmp_path / f"ray{i}.log").read_text()[-2000:]
+            started.append(host)
+        yield f"{head}:6379", env
+    finally:
+        for host in reversed(started):
+            host.run([str(ray), "stop", "--force"], check=False)
+
+
+@pytest.mark.slow
+def test_ray_places_tp2_across_two_hosts_and_serves(smollm2_gguf, single_tokens, tmp_path):
+    """A Ray cluster of two namespace hosts (one CPU each): `llmserve serve -tp 2
+    --distributed-executor-backend ray` on the head places rank 1 on the other host; its
+    greedy completions equal one process's; SIGTERM shuts it down cleanly (exit 0, the
+    rank's actor gone)."""
+    import signal
+    import time
+
+    import httpx
+
+    with namespace_hosts(2) as hosts, ray_cluster(hosts, tmp_path) as (address, env):
+        http_port = 18000 + free_port() % 1000
+        server = hosts[0].popen(llmserve_argv() + [
+            "serve", "--model", str(smollm2_gguf), "--host", "0.0.0.0", "--port",
+            str(http_port), "--dtype", "float32", "--tensor-parallel-size", "2",
+            "--distributed-executor-backend", "ray", "-v"], tmp_path / "serve.log",
+            RAY_ADDRESS=address, **env)
+        url = f"http://{hosts[0].address}:{http_port}"
+        with httpx.Client(base_url=url, timeout=120) as client:
+            deadline = time.monotonic() + 300
+            while True:
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline and server.poll() is None, \
+                    (tmp_path / "serve.log").read_text()[-3000:]
+                time.sleep(1)
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            got = [client.post("/v1/completions", json={
+                "model": model, "prompt": p, "max_tokens": 16, "temperature": 0,
+                "return_token_ids": True}).json() for p in PROMPTS]
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(120)
+        log = (tmp_path / "serve.log").read_text()
+    assert code == 0, log[-3000:]
+    assert f"rank 1: {hosts[1].address}" in log  # placed on the other host
+    assert [c["choices"][0]["token_ids"] for c in got] == single_tokens

@@ -172,6 +172,23 @@ def test_a_lossy_link_slows_and_never_corrupts(smollm2_gguf, single_tokens, tmp_
     assert [json.loads(line)["token_ids"] for line in lines] == single_tokens
 
 
+def wait_healthy(client, server, log, timeout: float = 300) -> None:
+    """Until the server behind `client` answers /health 200 (its process alive)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and server.poll() is None, log.read_text()[-3000:]
+        time.sleep(1)
+
+
 @pytest.mark.slow
 def test_a_host_that_dies_gets_503_and_the_server_exits(smollm2_gguf, tmp_path):
     """`llmserve serve` with PP=2 across two hosts: it answers; the second host's processes
@@ -193,16 +210,7 @@ def test_a_host_that_dies_gets_503_and_the_server_exits(smollm2_gguf, tmp_path):
         url = f"http://{master}:{http_port}"
         body = {"model": "x", "prompt": "The sea is", "max_tokens": 8, "temperature": 0}
         with httpx.Client(base_url=url, timeout=60) as client:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline and procs[0].poll() is None, \
-                    (tmp_path / "node0.log").read_text()[-2000:]
-                time.sleep(1)
+            wait_healthy(client, procs[0], tmp_path / "node0.log")
             body["model"] = client.get("/v1/models").json()["data"][0]["id"]
             served = client.post("/v1/completions", json=body)
             assert served.status_code == 200, served.text
@@ -251,7 +259,6 @@ def test_ray_places_tp2_across_two_hosts_and_serves(smollm2_gguf, single_tokens,
     greedy completions equal one process's; SIGTERM shuts it down cleanly (exit 0, the
     rank's actor gone)."""
     import signal
-    import time
 
     import httpx
 
@@ -264,16 +271,7 @@ def test_ray_places_tp2_across_two_hosts_and_serves(smollm2_gguf, single_tokens,
             RAY_ADDRESS=address, **env)
         url = f"http://{hosts[0].address}:{http_port}"
         with httpx.Client(base_url=url, timeout=120) as client:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if client.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline and server.poll() is None, \
-                    (tmp_path / "serve.log").read_text()[-3000:]
-                time.sleep(1)
+            wait_healthy(client, server, tmp_path / "serve.log")
             model = client.get("/v1/models").json()["data"][0]["id"]
             got = [client.post("/v1/completions", json={
                 "model": model, "prompt": p, "max_tokens": 16, "temperature": 0,

@@ -15,10 +15,15 @@ import torch
 from llmserve import LLM, SamplingParams
 from llmserve.config.engine import EngineConfig
 from llmserve.distributed.pipeline import layer_costs, stage_layers
-from llmserve.loader.model_loader import load_model
-from tests.distributed.test_tensor_parallel import _logits, tiny_folder, tp_logits
+from tests.distributed.test_tensor_parallel import (
+    _logits,
+    prompt_lookup_is_lossless,
+    split_equals_reference,
+    tiny_folder,
+    tp_logits,
+)
 from tests.models.test_compile import NUM_TOKENS, _greedy
-from tests.models.test_llama_reference import PROMPTS, reference_greedy
+from tests.models.test_llama_reference import PROMPTS
 from tests.spec_decode.test_eagle import with_a_grammar
 
 
@@ -140,21 +145,7 @@ def test_tp2_pp2_engine_and_speculation(smollm2_gguf, smollm2_llm):
         assert _greedy(llm, prompts) == expected
     finally:
         llm.engine.shutdown()
-    prompt = ("Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown "
-              "fox jumps over the lazy dog. The quick brown")
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = smollm2_llm.generate([prompt] * 3, params, use_tqdm=False)
-    llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="64MiB",
-              pipeline_parallel_size=2,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                  "disable_by_batch_size": None})
-    try:
-        got = llm.generate([prompt] * 3, params, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in got] == \
-            [o.outputs[0].token_ids for o in plain]
-        assert llm.engine.speculator.stats.num_accepted_tokens > 0
-    finally:
-        llm.engine.shutdown()
+    prompt_lookup_is_lossless(smollm2_gguf, smollm2_llm, 3, pipeline_parallel_size=2)
 
 
 @pytest.fixture(scope="module", params=["llama3", "gemma3", "qwen3_moe"])
@@ -169,22 +160,7 @@ def test_tiny_folders(tiny4, tp, pp):
     """Four-layer Llama-3, Gemma 3 (local and global layers in turn) and Qwen3-MoE folders:
     logits equal one process's and the reference's within its tolerance, greedy tokens
     the reference's."""
-    folder, reference = tiny4
-    ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours, = tp_logits(str(folder), tp * pp, ids, pipeline_size=pp)
-    single = _logits(load_model(str(folder), torch.float32).model, ids)
-    with torch.inference_mode():
-        ref = reference(torch.tensor([ids])).logits[0]
-    assert torch.equal(ours, single)
-    assert (ours - ref).abs().max().item() <= 1e-3
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB",
-              tensor_parallel_size=tp, pipeline_parallel_size=pp)
-    try:
-        prompts = [ids[:20], ids[20:50], ids[50:]]
-        assert _greedy(llm, prompts) == [reference_greedy(reference, p, NUM_TOKENS)
-                                         for p in prompts]
-    finally:
-        llm.engine.shutdown()
+    split_equals_reference(*tiny4, tensor_parallel_size=tp, pipeline_parallel_size=pp)
 
 
 @pytest.mark.parametrize("options, named", [

@@ -208,15 +208,24 @@ def tiny(request, tmp_path_factory):
 
 @pytest.mark.parametrize("size", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_tiny_folders_with_replicated_kv_heads(tiny, size):
-    folder, reference = tiny
+    split_equals_reference(*tiny, tensor_parallel_size=size)
+
+
+def split_equals_reference(folder, reference, tensor_parallel_size: int = 1,
+                           pipeline_parallel_size: int = 1) -> None:
+    """A tiny folder split over ranks: logits one process's bits and the reference's
+    within the reference tests' tolerance; the engine's greedy tokens the reference's."""
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(1)).tolist()
-    ours, = tp_logits(str(folder), size, ids)
+    ours, = tp_logits(str(folder), tensor_parallel_size * pipeline_parallel_size, ids,
+                      pipeline_size=pipeline_parallel_size)
     single = _logits(load_model(str(folder), torch.float32).model, ids)
     with torch.inference_mode():
         ref = reference(torch.tensor([ids])).logits[0]
     assert torch.equal(ours, single)
     assert (ours - ref).abs().max().item() <= 1e-3  # the reference tests' tolerance
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=size)
+    llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB",
+              tensor_parallel_size=tensor_parallel_size,
+              pipeline_parallel_size=pipeline_parallel_size)
     try:
         prompts = [ids[:20], ids[20:50], ids[50:]]
         assert _greedy(llm, prompts) == [reference_greedy(reference, p, NUM_TOKENS)
@@ -229,16 +238,21 @@ def test_tiny_folders_with_replicated_kv_heads(tiny, size):
 def test_speculative_decoding_under_tp_is_lossless(smollm2_gguf, smollm2_llm):
     """Prompt lookup with TP=2: the workers join the start-up cost calibration and learn the
     accepted drafts; greedy tokens equal TP=1's without speculation."""
+    prompt_lookup_is_lossless(smollm2_gguf, smollm2_llm, 2, tensor_parallel_size=2)
+
+
+def prompt_lookup_is_lossless(smollm2_gguf, smollm2_llm, copies: int, **split) -> None:
+    """`copies` of a repetitive prompt with prompt lookup on an engine split as `split`
+    says: drafts accepted, greedy tokens one process's without speculation."""
     prompt = ("Repeat after me: the quick brown fox jumps over the lazy dog. The quick brown "
               "fox jumps over the lazy dog. The quick brown")
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = smollm2_llm.generate([prompt] * 2, params, use_tqdm=False)
+    expected = smollm2_llm.generate([prompt] * copies, params, use_tqdm=False)
     llm = LLM(str(smollm2_gguf), dtype="float32", kv_cache_memory="64MiB",
-              tensor_parallel_size=2,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                  "disable_by_batch_size": None})
+                                  "disable_by_batch_size": None}, **split)
     try:
-        got = llm.generate([prompt] * 2, params, use_tqdm=False)
+        got = llm.generate([prompt] * copies, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == \
             [o.outputs[0].token_ids for o in expected]
         assert llm.engine.speculator.stats.num_accepted_tokens > 0

@@ -11,7 +11,9 @@ multi-GPU node or over several hosts).
   time, as it would on any machine), and each pipeline stage's busy share: the time its
   first rank computed (its layers; stage 0 also the embedding, logits and sampling) over
   the generation's time. A stage idle while the others work is the pipeline's bubble:
-  with one batch in flight per stage under load every share nears 1.
+  with one batch in flight per stage under load every share nears 1. Rank 0 also runs the
+  engine (scheduling, detokenizing): its process's CPU time over the generation's time is
+  shown beside (its threads' sum: above 100 % where it computes on several).
 * Disaggregation: a prefill engine and a decode engine in this process, connected as the
   servers are (gloo): per prompt length, the KV bytes transferred, the time on the wire
   and the rate, against the time the prefill took (what the decode engine saved); the
@@ -33,7 +35,7 @@ from llmserve.llm import LLM
 from llmserve.sampling_params import SamplingParams
 
 TP_HEADER = (f"{'TP':>3} {'PP':>3} {'batch':>5} {'in':>5} {'out':>4} {'seconds':>8} "
-             f"{'tok/s':>8} {'vs 1':>6} {'collectives':>11}  stage busy")
+             f"{'tok/s':>8} {'vs 1':>6} {'collectives':>11} {'rank 0 CPU':>10}  stage busy")
 PD_HEADER = (f"{'prompt':>6} {'blocks':>6} {'KV MB':>8} {'wire ms':>8} {'MB/s':>8} "
              f"{'prefill ms':>10} {'decode prefill':>14}")
 
@@ -49,6 +51,7 @@ class TPResult:
     collective_seconds: float  # rank 0, inside all-reduce / all-gather
     pipeline_parallel_size: int = 1
     stage_busy_seconds: tuple[float, ...] = ()  # each stage's first rank, computing
+    rank0_cpu_seconds: float = 0.0  # rank 0's process, all its threads
 
     @property
     def collective_share(self) -> float:
@@ -95,14 +98,14 @@ def run_tp(model: str | None, dtype: str, layouts: list[tuple[int, int]], batche
                 if stages > 1:
                     executor.stage_seconds(reset=True)
                 prompts = synthetic_prompts(vocab, batch, input_len, seed=1000 + batch)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 llm.generate(prompts, params, use_tqdm=False)
-                seconds = time.perf_counter() - start
+                seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
                 comm = plan.tp.comm_seconds if plan is not None else 0.0
                 busy = tuple(busy for busy, _ in executor.stage_seconds()[::size]) \
                     if stages > 1 else ()
                 result = TPResult(size, batch, input_len, output_len, seconds,
-                                  batch * output_len / seconds, comm, stages, busy)
+                                  batch * output_len / seconds, comm, stages, busy, cpu)
                 results.append(result)
                 log(format_tp_row(result, results))
         finally:
@@ -116,9 +119,10 @@ def format_tp_row(r: TPResult, results: list[TPResult]) -> str:
     ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
     share = f"{100 * r.collective_share:.0f} %" if r.tensor_parallel_size > 1 else "-"
     busy = " / ".join(f"{100 * b / r.seconds:.0f} %" for b in r.stage_busy_seconds) or "-"
+    cpu = f"{100 * r.rank0_cpu_seconds / r.seconds:.0f} %"
     return (f"{r.tensor_parallel_size:>3} {r.pipeline_parallel_size:>3} {r.batch:>5} "
             f"{r.input_len:>5} {r.output_len:>4} {r.seconds:>8.2f} {r.tokens_per_s:>8.1f} "
-            f"{ratio:>6} {share:>11}  {busy}")
+            f"{ratio:>6} {share:>11} {cpu:>10}  {busy}")
 
 
 def run_disaggregated(model: str | None, dtype: str, prompt_lens: list[int],

@@ -38,6 +38,17 @@ class Host:
         self.processes.append(process)
         return process
 
+    def commands(self) -> list[str]:
+        """The command lines of the processes in this host (its network namespace)."""
+        pids = subprocess.run(["ip", "netns", "pids", self.name], capture_output=True,
+                              text=True).stdout.split()
+        lines = []
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                lines.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                             .decode(errors="replace"))
+        return lines
+
     def run(self, argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(["ip", "netns", "exec", self.name, *argv], check=check,
                               capture_output=True, text=True)

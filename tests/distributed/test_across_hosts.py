@@ -282,3 +282,47 @@ def test_ray_places_tp2_across_two_hosts_and_serves(smollm2_gguf, single_tokens,
     assert code == 0, log[-3000:]
     assert f"rank 1: {hosts[1].address}" in log  # placed on the other host
     assert [c["choices"][0]["token_ids"] for c in got] == single_tokens
+
+
+@pytest.mark.slow
+def test_ray_serve_replicas_on_two_hosts(smollm2_gguf, single_tokens, tmp_path):
+    """`llmserve serve --data-parallel-size 2 --data-parallel-backend ray` on a Ray cluster
+    of two namespace hosts (one CPU each): a replica on each host, the greedy completions
+    one process's through Ray Serve's proxy (streamed too); SIGTERM deletes the
+    application (each replica's server stopped) and exits 0."""
+    import signal
+
+    import httpx
+
+    with namespace_hosts(2) as hosts, ray_cluster(hosts, tmp_path) as (address, env):
+        http_port = 18000 + free_port() % 1000
+        server = hosts[0].popen(llmserve_argv() + [
+            "serve", "--model", str(smollm2_gguf), "--host", "0.0.0.0", "--port",
+            str(http_port), "--dtype", "float32", "--data-parallel-size", "2",
+            "--data-parallel-backend", "ray"], tmp_path / "serve.log",
+            RAY_ADDRESS=address, **env)
+        url = f"http://{hosts[0].address}:{http_port}"
+        with httpx.Client(base_url=url, timeout=120) as client:
+            wait_healthy(client, server, tmp_path / "serve.log", timeout=400)
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            got = [client.post("/v1/completions", json={
+                "model": model, "prompt": p, "max_tokens": 16, "temperature": 0,
+                "return_token_ids": True}).json() for p in PROMPTS]
+            with client.stream("POST", "/v1/completions", json={
+                    "model": model, "prompt": PROMPTS[0], "max_tokens": 16,
+                    "temperature": 0, "stream": True}) as streamed:
+                events = [line for line in streamed.iter_lines() if line.startswith("data:")]
+        def replica_servers(host) -> list[str]:  # started by a replica: on port 0
+            return [c for c in host.commands() if "llmserve.entrypoints.cli" in c
+                    and "--port 0" in c]
+
+        servers = [replica_servers(host) for host in hosts]
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(180)
+        log = (tmp_path / "serve.log").read_text()
+        left = [replica_servers(host) for host in hosts]
+    assert code == 0, log[-3000:]
+    assert [c["choices"][0]["token_ids"] for c in got] == single_tokens
+    assert len(events) > 2 and events[-1] == "data: [DONE]"
+    assert [len(s) for s in servers] == [1, 1]  # a replica's server on each host
+    assert left == [[], []]

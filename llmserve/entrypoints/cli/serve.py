@@ -19,6 +19,7 @@ from llmserve.entrypoints.cli.args import (
 )
 from llmserve.entrypoints.cli.command import Command
 from llmserve.entrypoints.openai.reasoning import CHOICES
+from llmserve.router.ray_serve import DEFAULT_TARGET_ONGOING_REQUESTS
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -26,6 +27,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from llmserve.router.models_app import run_models_server
 
         return run_models_server(args, args.argv)
+    if args.data_parallel_backend == "ray":
+        from llmserve.entrypoints.openai.server import served_model_id
+        from llmserve.loader.catalog import DEFAULT_MODEL
+        from llmserve.router.ray_serve import run_ray_serve
+
+        return run_ray_serve(args, args.argv, args.served_model_name
+                             or served_model_id(args.model or DEFAULT_MODEL))
     if args.data_parallel_size > 1:
         from llmserve.router.launcher import run_data_parallel
 
@@ -77,6 +85,17 @@ def _arguments(serve: argparse.ArgumentParser) -> None:
     dp.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                     help="N engine processes behind one endpoint, requests routed by prompt "
                          "prefix and load; --threads is then per replica (default: cores / N)")
+    dp.add_argument("--data-parallel-backend", choices=("local", "ray"), default="local",
+                    help="local (default): the replicas are processes on this machine behind "
+                         "llmserve's router; ray: a Ray Serve application on the Ray cluster "
+                         "(RAY_ADDRESS), one deployment, replicas placed on its nodes")
+    dp.add_argument("--max-data-parallel-size", type=int, metavar="M",
+                    help="ray: autoscale between --data-parallel-size and M replicas on "
+                         "requests in flight per replica")
+    dp.add_argument("--target-ongoing-requests", type=int, metavar="K",
+                    default=DEFAULT_TARGET_ONGOING_REQUESTS,
+                    help="ray: the requests in flight per replica autoscaling aims at "
+                         f"(default {DEFAULT_TARGET_ONGOING_REQUESTS})")
     add_route_prefix_flag(dp)
     many = serve.add_argument_group("many models behind one endpoint (see the README)")
     many.add_argument("--models-dir", metavar="DIR",
@@ -115,6 +134,20 @@ def _check_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--role and --kv-transfer-address go together")
     if args.kv_role is not None and args.data_parallel_size > 1:
         parser.error("--role does not combine with --data-parallel-size")
+    if args.data_parallel_backend != "ray" and (
+            args.max_data_parallel_size is not None
+            or args.target_ongoing_requests != DEFAULT_TARGET_ONGOING_REQUESTS):
+        parser.error("--max-data-parallel-size and --target-ongoing-requests go with "
+                     "--data-parallel-backend ray")
+    if args.max_data_parallel_size is not None and \
+            args.max_data_parallel_size < args.data_parallel_size:
+        parser.error("--max-data-parallel-size must be at least --data-parallel-size")
+    if args.target_ongoing_requests < 1:
+        parser.error("--target-ongoing-requests must be at least 1")
+    if args.data_parallel_backend == "ray" and (args.kv_role is not None
+                                                or args.models_dir is not None):
+        parser.error("--data-parallel-backend ray serves one model (no --role, no "
+                     "--models-dir)")
     if args.models_dir is not None:
         _check_models_dir_args(parser, args)
     if args.grammar_timeout <= 0:

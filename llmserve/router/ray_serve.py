@@ -1,0 +1,139 @@
+"""`llmserve serve --data-parallel-size N --data-parallel-backend ray`: the replicas as a
+Ray Serve application, the path from one machine to many.
+
+One deployment per model (named after it), `N` replicas placed by Ray on the cluster's
+nodes (`--threads` CPUs each, 1 by default), each replica a whole `llmserve serve` (the
+user's flags, one engine) started by the replica's actor on its node and answering there
+on the loopback; the actor forwards each request to it and streams the answer back. Ray
+Serve's HTTP proxy serves the user's --host/--port and routes to the replicas by their
+queue (fewest requests in flight of two); with `--max-data-parallel-size M` the
+deployment autoscales between N and M replicas on requests in flight per replica
+(`--target-ongoing-requests`, 8 by default). A replica whose server exits fails Ray
+Serve's health check and is replaced. SIGTERM or SIGINT deletes the application (each
+replica's server stopped) and shuts Serve down.
+
+The cluster is the one `ray start` made (RAY_ADDRESS, else this node's); without one Ray
+starts a local one. Our prefix-affinity router (`router/app.py`) is not Ray Serve's
+request router here: Serve routes by load.
+"""
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import httpx
+
+from llmserve.router.launcher import (
+    ReplicaProcess,
+    replica_command,
+    stop_replicas,
+    wait_until_serving,
+)
+
+logger = logging.getLogger(__name__)
+
+# request headers that describe one hop, not the request
+HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive",
+                         "transfer-encoding", "te", "upgrade", "proxy-connection"})
+DEFAULT_TARGET_ONGOING_REQUESTS = 8
+
+
+class LLMServeReplica:
+    """A Ray Serve replica: one `llmserve serve` on this node, requests forwarded to it."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.child = ReplicaProcess(0, command, name="ray replica")
+        self.child.start_relay()
+        wait_until_serving([self.child])
+        self.client = httpx.AsyncClient(base_url=self.child.url, timeout=None)
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.background import BackgroundTask
+        from starlette.responses import StreamingResponse
+
+        upstream = self.client.build_request(
+            request.method, request.url.path, params=request.query_params,
+            headers=[(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS],
+            content=await request.body())
+        response = await self.client.send(upstream, stream=True)
+        headers = {k: v for k, v in response.headers.items()
+                   if k.lower() not in HOP_HEADERS and k.lower() != "content-encoding"}
+        return StreamingResponse(response.aiter_raw(), status_code=response.status_code,
+                                 headers=headers, background=BackgroundTask(response.aclose))
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a replica whose server exited is replaced."""
+        if self.child.process.poll() is not None:
+            raise RuntimeError(f"its llmserve server exited with code "
+                               f"{self.child.process.returncode}")
+
+    def __del__(self) -> None:
+        stop_replicas([self.child])
+
+
+def run_ray_serve(args: Any, argv: list[str], model_name: str) -> int:
+    """Serve `model_name` as a Ray Serve application (see the module docstring); returns 0
+    after SIGTERM or SIGINT."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise RuntimeError("--data-parallel-backend ray needs Ray Serve: pip install "
+                           "'llmserve[ray]'") from None
+    if not ray.is_initialized():
+        address = os.environ.get("RAY_ADDRESS", "auto")
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except ConnectionError:
+            logger.info("no Ray cluster at %s: starting one on this machine", address)
+            ray.init(log_to_driver=False)
+    threads = args.num_threads or 1
+    command = replica_command(_without_ray_flags(argv), threads)
+    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": threads},
+                               "health_check_period_s": 2, "health_check_timeout_s": 30}
+    top = args.max_data_parallel_size
+    if top is not None and top > args.data_parallel_size:
+        options["autoscaling_config"] = {
+            "min_replicas": args.data_parallel_size, "max_replicas": top,
+            "initial_replicas": args.data_parallel_size,
+            "target_ongoing_requests": args.target_ongoing_requests}
+    else:
+        options["num_replicas"] = args.data_parallel_size
+    deployment = serve.deployment(LLMServeReplica, name=_app_name(model_name), **options)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    serve.start(http_options={"host": args.host, "port": args.port})
+    try:
+        serve.run(deployment.bind(command), name=_app_name(model_name), route_prefix="/")
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        print(f"llmserve: serving '{model_name}' at http://{host}:{args.port}/v1 (Ray Serve, "
+              f"{args.data_parallel_size} replica(s))", flush=True)
+        stop.wait()
+    finally:
+        serve.delete(_app_name(model_name))
+        serve.shutdown()
+    return 0
+
+
+def _app_name(model_name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in model_name) or "llmserve"
+
+
+def _without_ray_flags(argv: list[str]) -> list[str]:
+    """The user's flags a replica's server is started with: not the Ray Serve ones."""
+    drop = {"--data-parallel-backend": 1, "--max-data-parallel-size": 1,
+            "--target-ongoing-requests": 1}
+    out, skip = [], 0
+    for arg in argv:
+        if skip:
+            skip -= 1
+            continue
+        name = arg.split("=", 1)[0]
+        if name in drop:
+            skip = 0 if "=" in arg else drop[name]
+            continue
+        out.append(arg)
+    return out

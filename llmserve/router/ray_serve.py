@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive",
                          "transfer-encoding", "te", "upgrade", "proxy-connection"})
 DEFAULT_TARGET_ONGOING_REQUESTS = 8
+UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 10.0, 60.0
 
 
 class LLMServeReplica:
@@ -98,7 +99,10 @@ def run_ray_serve(args: Any, argv: list[str], model_name: str) -> int:
         options["autoscaling_config"] = {
             "min_replicas": args.data_parallel_size, "max_replicas": top,
             "initial_replicas": args.data_parallel_size,
-            "target_ongoing_requests": args.target_ongoing_requests}
+            "target_ongoing_requests": args.target_ongoing_requests,
+            # a replica takes seconds to load: add one after 10 s of a longer queue (Ray's
+            # default waits 30), drop one after a minute below the target (not ten)
+            "upscale_delay_s": UPSCALE_DELAY_S, "downscale_delay_s": DOWNSCALE_DELAY_S}
     else:
         options["num_replicas"] = args.data_parallel_size
     deployment = serve.deployment(LLMServeReplica, name=_app_name(model_name), **options)

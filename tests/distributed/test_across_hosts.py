@@ -326,3 +326,48 @@ def test_ray_serve_replicas_on_two_hosts(smollm2_gguf, single_tokens, tmp_path):
     assert len(events) > 2 and events[-1] == "data: [DONE]"
     assert [len(s) for s in servers] == [1, 1]  # a replica's server on each host
     assert left == [[], []]
+
+
+@pytest.mark.slow
+def test_ray_serve_autoscales_on_requests_in_flight(smollm2_gguf, tmp_path):
+    """One replica to start, up to two (`--max-data-parallel-size 2
+    --target-ongoing-requests 2`): twelve long requests at once bring the second replica
+    up on the other host while they run; every request is answered."""
+    import concurrent.futures
+    import signal
+    import time
+
+    import httpx
+
+    with namespace_hosts(2) as hosts, ray_cluster(hosts, tmp_path) as (address, env):
+        http_port = 18000 + free_port() % 1000
+        server = hosts[0].popen(llmserve_argv() + [
+            "serve", "--model", str(smollm2_gguf), "--host", "0.0.0.0", "--port",
+            str(http_port), "--data-parallel-size", "1", "--data-parallel-backend", "ray",
+            "--max-data-parallel-size", "2", "--target-ongoing-requests", "2"],
+            tmp_path / "serve.log", RAY_ADDRESS=address, **env)
+        url = f"http://{hosts[0].address}:{http_port}"
+
+        def replicas() -> int:
+            return sum(1 for host in hosts for c in host.commands()
+                       if "llmserve.entrypoints.cli" in c and "--port 0" in c)
+
+        with httpx.Client(base_url=url, timeout=600) as client:
+            wait_healthy(client, server, tmp_path / "serve.log", timeout=400)
+            assert replicas() == 1
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 400,
+                    "ignore_eos": True}
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                answers = [pool.submit(client.post, "/v1/completions", json=body)
+                           for _ in range(12)]
+                deadline, scaled = time.monotonic() + 240, False
+                while not scaled and time.monotonic() < deadline and \
+                        not all(a.done() for a in answers):
+                    scaled = replicas() == 2
+                    time.sleep(1)
+                codes = [a.result().status_code for a in answers]
+        server.send_signal(signal.SIGTERM)
+        code = server.wait(180)
+    assert scaled, (tmp_path / "serve.log").read_text()[-3000:]
+    assert codes == [200] * 12 and code == 0

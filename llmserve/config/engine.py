@@ -312,9 +312,10 @@ class EngineConfig:
         if not self.enable_prefix_caching:
             raise ValueError("the KV tier (kv_offload_dir / kv_offload_gib) is the prefix "
                              "cache's second tier: it needs prefix caching on")
-        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
-            raise ValueError("the KV tier (kv_offload_dir / kv_offload_gib) runs at "
-                             "tensor_parallel_size and pipeline_parallel_size 1")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) > 1:
+                raise ValueError(f"the KV tier (kv_offload_dir / kv_offload_gib) runs at "
+                                 f"{name} 1")
 
     @property
     def weight_quantization(self) -> str | None:

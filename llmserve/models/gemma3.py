@@ -95,7 +95,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         `embeds` (Gemma 3's image tokens): (index (K,), rows (K, hidden)), rows that replace
         the scaled embeddings of tokens `index` of the T (unscaled, as transformers places
         them)."""
-        start = time.perf_counter()
+        start = time.perf_counter() if self.stage is not None else 0.0  # (not traced)
         x = self._stage_input(input_ids)
         if self.holds_head:
             # as Hugging Face: the scale rounded to the embedding's dtype first

@@ -371,3 +371,40 @@ def test_ray_serve_autoscales_on_requests_in_flight(smollm2_gguf, tmp_path):
         code = server.wait(180)
     assert scaled, (tmp_path / "serve.log").read_text()[-3000:]
     assert codes == [200] * 12 and code == 0
+
+
+@pytest.fixture(scope="module", params=["llama3", "gemma3", "qwen3_moe"])
+def tiny_family(request, tmp_path_factory):
+    from tests.distributed.test_tensor_parallel import tiny_folder
+
+    folder = tmp_path_factory.mktemp(f"hosts-{request.param}")
+    return folder, tiny_folder(folder, request.param, num_layers=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+def test_families_across_two_hosts_equal_the_reference(tiny_family, tmp_path, tp, pp):
+    """Four-layer Llama-3, Gemma 3 and Qwen3-MoE folders, PP=2 and TP=2 x PP=2 across two
+    hosts under torchrun: greedy tokens the reference's (transformers on the same
+    weights)."""
+    import torch
+
+    from tests.models.test_compile import NUM_TOKENS
+    from tests.models.test_llama_reference import reference_greedy
+
+    folder, reference = tiny_family
+    ids = torch.randint(0, 256, (60,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = [ids[:20], ids[20:60]]
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    with namespace_hosts(2) as hosts:
+        _torchrun_on(hosts, tmp_path, [
+            "generate", "--model", str(folder), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
+            "--temperature", "0", "--max-tokens", str(NUM_TOKENS), "--ignore-eos",
+            "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp),
+            "--kv-cache-memory", "16MiB",
+            "--distributed-executor-backend", "external_launcher"], nproc=tp * pp // 2)
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(line)["token_ids"] for line in lines] == \
+        [reference_greedy(reference, p, NUM_TOKENS) for p in prompts]

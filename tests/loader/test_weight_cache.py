@@ -248,8 +248,8 @@ def test_a_pipeline_stage_keeps_its_share(smollm2_gguf, cache, loads):
     from llmserve.distributed.pipeline import PipelineStage
 
     first = load(str(smollm2_gguf), quantization="int8",
-                 stage=PipelineStage(1, 2, group="the first start's group"))
-    again = PipelineStage(1, 2, group="the second start's group")
+                 stage=PipelineStage(1, 2, channels="the first start's channels"))
+    again = PipelineStage(1, 2, channels="the second start's channels")
     kept = load(str(smollm2_gguf), quantization="int8", stage=again)
     assert loads == ["miss", "hit"]
     assert kept.model.stage is again and again.layers == first.model.stage.layers

@@ -114,6 +114,22 @@ def test_generate_across_two_hosts_equals_one_process(smollm2_gguf, single_token
     assert [json.loads(line)["token_ids"] for line in lines] == single_tokens
 
 
+@pytest.mark.slow
+def test_pp3_across_three_hosts_equals_one_process(smollm2_gguf, single_tokens, tmp_path):
+    """Three hosts on the bridge, a stage on each (two links crossed a step, and the final
+    hidden states back from the third to the first)."""
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    with namespace_hosts(3) as hosts:
+        _torchrun_on(hosts, tmp_path, [
+            "generate", "--model", str(smollm2_gguf), "--input", str(tmp_path / "in.jsonl"),
+            "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
+            "--temperature", "0", "--max-tokens", "16", "--pipeline-parallel-size", "3",
+            "--distributed-executor-backend", "external_launcher"])
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert [json.loads(line)["token_ids"] for line in lines] == single_tokens
+
+
 def _torchrun_on(hosts, tmp_path, command: list[str], nproc: int = 1,
                  timeout: float = 600) -> list[str]:
     """`llmserve <command>` under torchrun on each host (node 0 the master); the hosts'

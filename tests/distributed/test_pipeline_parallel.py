@@ -199,3 +199,29 @@ def test_bench_scaling_reports_each_stage_busy(tmp_path):
     assert all(0 < busy <= two.seconds for busy in two.stage_busy_seconds)
     assert one.rank0_cpu_seconds > 0 and two.rank0_cpu_seconds > 0
     assert lines[1] == format_tp_row(two, results) and lines[1].count("%") == 3
+
+
+def test_the_plan_of_a_step_over_hosts(float32_model, smollm2_gguf):
+    """`plan_step`: the stages' weights read one after another, the link crossed once per
+    stage (out, on, and back to stage 0); tensor parallelism across hosts adds its 2 x
+    layers + 2 exchanges. `llmserve memory -pp 2` prints each stage and the plan."""
+    from llmserve.distributed.pipeline import plan_step
+    from llmserve.entrypoints.cli.memory_report import memory_report
+
+    cfg = float32_model.config
+    hidden = cfg.hidden_size * 4
+    plan = plan_step(cfg, 100_000_000, 2, 1, 10e9, 125e6, 0.05)
+    assert plan.link_hops == 2 and sum(plan.stage_weight_bytes) == pytest.approx(1e8, abs=2)
+    assert plan.compute_s == pytest.approx(0.01, rel=1e-6)
+    assert plan.link_s == pytest.approx(2 * (0.05 + hidden / 125e6))
+    across = plan_step(cfg, 100_000_000, 2, 2, 10e9, 125e6, 0.05, tensor_across_hosts=True)
+    exchanges = 2 * cfg.num_hidden_layers + 2
+    assert across.link_s == pytest.approx(plan.link_s + exchanges * (0.05 + hidden / 125e6))
+    assert across.compute_s == pytest.approx(plan.compute_s / 2)
+    lines = memory_report(str(smollm2_gguf), 1, 512, "float32", None, "64MiB", 16,
+                          pipeline_parallel_size=2, link=(125e6, 0.05),
+                          read_bandwidth=10e9).splitlines()
+    stages = [line for line in lines if line.startswith("stage ")]
+    assert len(stages) == 2 and "the embedding and LM head" in stages[0]
+    step = next(line for line in lines if line.startswith("step plan"))
+    assert "100.0 ms" in step  # two crossings of 50 ms (and 2,304 bytes at 1 Gbit/s)

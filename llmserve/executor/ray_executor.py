@@ -28,6 +28,21 @@ from llmserve.executor.worker import run_ray_worker
 logger = logging.getLogger(__name__)
 
 
+def join_ray_cluster() -> None:
+    """Connect this process to the Ray cluster `ray start` made (RAY_ADDRESS, else this
+    node's); without one, start a local one. Ray must be installed."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS", "auto")
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except ConnectionError:
+        logger.info("no Ray cluster at %s: starting one on this machine", address)
+        ray.init(log_to_driver=False)
+
+
 class RayExecutor(TensorParallelExecutor):
     """Rank 0 of ranks placed on a Ray cluster; see the module docstring."""
 
@@ -42,13 +57,7 @@ class RayExecutor(TensorParallelExecutor):
         except ImportError:
             raise RuntimeError("distributed_executor_backend ray needs Ray: pip install "
                                "'llmserve[ray]'") from None
-        if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS", "auto")
-            try:
-                ray.init(address=address, log_to_driver=False)
-            except ConnectionError:
-                logger.info("no Ray cluster at %s: starting one on this machine", address)
-                ray.init(log_to_driver=False)
+        join_ray_cluster()
         self._ray = ray
         node = ray.util.get_node_ip_address()
         cpus = float(num_threads or 1)

@@ -18,13 +18,13 @@ request router here: Serve routes by load.
 """
 
 import logging
-import os
 import signal
 import threading
 from typing import Any
 
 import httpx
 
+from llmserve.executor.ray_executor import join_ray_cluster
 from llmserve.router.launcher import (
     ReplicaProcess,
     replica_command,
@@ -78,18 +78,11 @@ def run_ray_serve(args: Any, argv: list[str], model_name: str) -> int:
     """Serve `model_name` as a Ray Serve application (see the module docstring); returns 0
     after SIGTERM or SIGINT."""
     try:
-        import ray
         from ray import serve
     except ImportError:
         raise RuntimeError("--data-parallel-backend ray needs Ray Serve: pip install "
                            "'llmserve[ray]'") from None
-    if not ray.is_initialized():
-        address = os.environ.get("RAY_ADDRESS", "auto")
-        try:
-            ray.init(address=address, log_to_driver=False)
-        except ConnectionError:
-            logger.info("no Ray cluster at %s: starting one on this machine", address)
-            ray.init(log_to_driver=False)
+    join_ray_cluster()
     threads = args.num_threads or 1
     command = replica_command(_without_ray_flags(argv), threads)
     options: dict[str, Any] = {"ray_actor_options": {"num_cpus": threads},

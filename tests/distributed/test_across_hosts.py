@@ -101,33 +101,33 @@ def test_generate_across_two_hosts_equals_one_process(smollm2_gguf, single_token
     """torchrun on each host, as docs/scaling.md gives it (`--nnodes 2 --node-rank N
     --master-addr`); tensor parallelism within a host where both fit there (TP=2 x PP=2:
     each host one stage of two ranks)."""
-    (tmp_path / "in.jsonl").write_text(
-        "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     with namespace_hosts(2) as hosts:
-        _torchrun_on(hosts, tmp_path, [
-            "generate", "--model", str(smollm2_gguf), "--input", str(tmp_path / "in.jsonl"),
-            "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
-            "--temperature", "0", "--max-tokens", "16", "--tensor-parallel-size", str(tp),
-            "--pipeline-parallel-size", str(pp),
-            "--distributed-executor-backend", "external_launcher"], nproc=tp * pp // 2)
-    lines = (tmp_path / "out.jsonl").read_text().splitlines()
-    assert [json.loads(line)["token_ids"] for line in lines] == single_tokens
+        got = generate_across(hosts, tmp_path, smollm2_gguf, tp, pp)
+    assert got == single_tokens
 
 
 @pytest.mark.slow
 def test_pp3_across_three_hosts_equals_one_process(smollm2_gguf, single_tokens, tmp_path):
     """Three hosts on the bridge, a stage on each (two links crossed a step, and the final
     hidden states back from the third to the first)."""
+    with namespace_hosts(3) as hosts:
+        got = generate_across(hosts, tmp_path, smollm2_gguf, 1, 3)
+    assert got == single_tokens
+
+
+def generate_across(hosts, tmp_path, model, tp: int, pp: int) -> list[list[int]]:
+    """`llmserve generate` of PROMPTS (greedy, 16 tokens, float32) under torchrun on
+    `hosts`, TP x PP ranks spread evenly over them; each prompt's token ids."""
     (tmp_path / "in.jsonl").write_text(
         "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    with namespace_hosts(3) as hosts:
-        _torchrun_on(hosts, tmp_path, [
-            "generate", "--model", str(smollm2_gguf), "--input", str(tmp_path / "in.jsonl"),
-            "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
-            "--temperature", "0", "--max-tokens", "16", "--pipeline-parallel-size", "3",
-            "--distributed-executor-backend", "external_launcher"])
+    _torchrun_on(hosts, tmp_path, [
+        "generate", "--model", str(model), "--input", str(tmp_path / "in.jsonl"),
+        "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
+        "--temperature", "0", "--max-tokens", "16", "--tensor-parallel-size", str(tp),
+        "--pipeline-parallel-size", str(pp),
+        "--distributed-executor-backend", "external_launcher"], nproc=tp * pp // len(hosts))
     lines = (tmp_path / "out.jsonl").read_text().splitlines()
-    assert [json.loads(line)["token_ids"] for line in lines] == single_tokens
+    return [json.loads(line)["token_ids"] for line in lines]
 
 
 def _torchrun_on(hosts, tmp_path, command: list[str], nproc: int = 1,
@@ -175,17 +175,10 @@ def test_a_lossy_link_slows_and_never_corrupts(smollm2_gguf, single_tokens, tmp_
     hosts still equals one process's tokens."""
     from tests.distributed.hosts import delay_link
 
-    (tmp_path / "in.jsonl").write_text(
-        "".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     with delay_link(2, delay_s=0.002, loss=0.05) as (hosts, link):
-        _torchrun_on(hosts, tmp_path, [
-            "generate", "--model", str(smollm2_gguf), "--input", str(tmp_path / "in.jsonl"),
-            "--output", str(tmp_path / "out.jsonl"), "--dtype", "float32",
-            "--temperature", "0", "--max-tokens", "16", "--pipeline-parallel-size", "2",
-            "--distributed-executor-backend", "external_launcher"])
+        got = generate_across(hosts, tmp_path, smollm2_gguf, 1, 2)
     assert link.dropped > 0
-    lines = (tmp_path / "out.jsonl").read_text().splitlines()
-    assert [json.loads(line)["token_ids"] for line in lines] == single_tokens
+    assert got == single_tokens
 
 
 def wait_healthy(client, server, log, timeout: float = 300) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 
 import httpx
 
-from llmserve.executor.ray_executor import join_ray_cluster
 from llmserve.router.launcher import (
     ReplicaProcess,
     replica_command,
@@ -82,6 +81,8 @@ def run_ray_serve(args: Any, argv: list[str], model_name: str) -> int:
     except ImportError:
         raise RuntimeError("--data-parallel-backend ray needs Ray Serve: pip install "
                            "'llmserve[ray]'") from None
+    from llmserve.executor.ray_executor import join_ray_cluster
+
     join_ray_cluster()
     threads = args.num_threads or 1
     command = replica_command(_without_ray_flags(argv), threads)

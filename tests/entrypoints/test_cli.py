@@ -211,3 +211,14 @@ def test_usage_error_exits_2(tmp_path, capsys):
     proc = run_cli_here(capsys, "generate", "--input", str(tmp_path / "in.jsonl"))
     assert proc.returncode == 2
     assert "--input needs --output" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_parser_imports_no_torch_nor_ray():
+    """Every subcommand's flags are built at each start: the modules they come from stay
+    light (`llmserve --help` answers in well under a second; a command imports torch, or
+    Ray, when it runs)."""
+    code = ("import sys; from llmserve.entrypoints.cli import build_parser; build_parser(); "
+            "print(sorted(m for m in ('torch', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

@@ -96,19 +96,24 @@ def cmd_bench_kernels(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_scaling(args: argparse.Namespace) -> int:
-    from llmserve.bench.machine import format_machine
     from llmserve.bench.scaling import run_scaling_bench
+    from llmserve.cpu_info import load_average_1m
+    from llmserve.entrypoints.cli.bench_server import machine_header
 
     if any(size < 1 for size in args.tensor_parallel_sizes + args.pipeline_parallel_sizes):
         raise ValueError("--tensor-parallel-sizes and --pipeline-parallel-sizes must be at "
                          "least 1")
-    print(format_machine(), flush=True)
+    _, bandwidth, load_before = machine_header()
     layouts = [(tp, pp) for pp in args.pipeline_parallel_sizes
                for tp in args.tensor_parallel_sizes]
     data = run_scaling_bench(args.model, args.dtype, layouts, args.batch,
                              args.input_len, args.output_len,
                              [n for n in args.prompt_lens if n > 0],
                              log=lambda line: print(line, flush=True))
+    load_after = load_average_1m()
+    print(f"load average (1 min) after: {load_after}", flush=True)
+    data.update(read_bandwidth_bytes_per_s=bandwidth, load_average_before=load_before,
+                load_average_after=load_after)
     if args.output_json:
         write_json(args.output_json, data)
     return 0

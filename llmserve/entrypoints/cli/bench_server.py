@@ -70,7 +70,7 @@ def cmd_bench_soak(args: argparse.Namespace) -> int:
     return 0
 
 
-def _machine_header() -> tuple[dict, float, float | None]:
+def machine_header() -> tuple[dict, float, float | None]:
     """The machine, its read bandwidth and its load average, printed above a server
     benchmark's table (and returned for its JSON)."""
     from llmserve.bench.kernels import measure_read_bandwidth
@@ -91,7 +91,7 @@ def _measured(run: Callable[[], dict], format_report: Callable[[dict], str],
     """The machine header, the benchmark `run`, its table and the load after, its JSON."""
     from llmserve.cpu_info import load_average_1m
 
-    machine, bandwidth, load_before = _machine_header()
+    machine, bandwidth, load_before = machine_header()
     report = run()
     report.update(machine=machine, read_bandwidth_bytes_s=bandwidth,
                   load_average_before=load_before, load_average_after=load_average_1m())
@@ -130,7 +130,7 @@ def cmd_bench_hostile(args: argparse.Namespace) -> int:
         with httpx.Client(base_url=base_url, timeout=30) as http:
             model = served_model(http) if args.base_url is None or args.model is None \
                 else args.model
-        machine, bandwidth, load_before = _machine_header()
+        machine, bandwidth, load_before = machine_header()
         config = HostileConfig(base_url, model, repeats=args.repeats,
                                output_tokens=args.output_tokens, api_key=args.api_key,
                                fifo_adapter=None if fifo is None else fifo.name)

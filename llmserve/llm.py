@@ -34,7 +34,7 @@ class LLM:
     (block_size, kv_cache_memory, max_num_seqs, max_num_batched_tokens, max_model_len,
     enable_prefix_caching, scheduling_policy, seed, device, enforce_eager,
     attention_backend, speculative_config, tensor_parallel_size, pipeline_parallel_size,
-    runner, convert,
+    pipeline_layer_partition, runner, convert,
     pooler_config, enable_lora, max_loras, max_lora_rank, max_cpu_loras).
 
     The engine is asked for final outputs only (`RequestOutputKind.FINAL_ONLY`, whatever

@@ -182,6 +182,9 @@ class EngineConfig:
     # stages the layers are split over (distributed/pipeline.py), each a tensor-parallel
     # group: tensor_parallel_size x pipeline_parallel_size ranks in all
     pipeline_parallel_size: int = 1
+    # each stage's number of layers, stage 0 first (vLLM's VLLM_PP_LAYER_PARTITION): hosts
+    # of different speeds; None: split by measured cost (distributed/pipeline.py)
+    pipeline_layer_partition: tuple[int, ...] | None = None
     # mp: rank 0 spawns the other ranks on this machine; external_launcher: torchrun
     # started every rank (several machines); ray: the other ranks are actors on a Ray
     # cluster, placed by a placement group (executor/ray_executor.py)
@@ -253,6 +256,7 @@ class EngineConfig:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)!r}")
+        self._check_partition()
         if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError("distributed_executor_backend must be one of "
                              f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, not "
@@ -297,6 +301,20 @@ class EngineConfig:
     @property
     def kv_tier_enabled(self) -> bool:
         return self.kv_offload_dir is not None or self.kv_offload_gib is not None
+
+    def _check_partition(self) -> None:
+        partition = self.pipeline_layer_partition
+        if partition is None:
+            return
+        partition = tuple(partition)
+        object.__setattr__(self, "pipeline_layer_partition", partition)
+        if len(partition) != self.pipeline_parallel_size:
+            raise ValueError(f"pipeline_layer_partition {list(partition)} needs one layer "
+                             f"count per stage: pipeline_parallel_size is "
+                             f"{self.pipeline_parallel_size}")
+        if not all(isinstance(n, int) and n >= 1 for n in partition):
+            raise ValueError(f"pipeline_layer_partition {list(partition)}: every stage "
+                             "needs at least one layer")
 
     def _check_kv_tier(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:

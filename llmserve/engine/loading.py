@@ -9,7 +9,7 @@ import torch
 
 from llmserve.config.engine import DEFAULT_KV_OFFLOAD_GIB, DTYPES, EngineConfig
 from llmserve.cpu_info import memory_bytes
-from llmserve.distributed.pipeline import stage_layers
+from llmserve.distributed.pipeline import partition_layers, stage_layers
 from llmserve.engine.image_prompts import ImagePrompts
 from llmserve.errors import LLMServeError, UnsupportedModelError
 from llmserve.executor.abstract import Executor
@@ -127,7 +127,8 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.
         quantization = decide_auto(config.model, device)
     executor = make_executor(config.distributed_executor_backend, size, device, threads,
                              pipeline)
-    split = pipeline_split(config.model, pipeline, quantization) if pipeline > 1 else ()
+    split = pipeline_split(config.model, pipeline, quantization,
+                           config.pipeline_layer_partition) if pipeline > 1 else ()
     if split:
         executor.stage.layers = split[0]
     executor.stage_split = split
@@ -138,11 +139,17 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.
     return executor, quantization
 
 
-def pipeline_split(model: str | None, size: int, quantization: str | None
-                   ) -> tuple[range, ...]:
-    """Each stage's layers: by the layers' and the LM head's measured time a step in the
-    kernels the model runs (`kernel_choice.stage_costs`), else by their parameters."""
+def pipeline_split(model: str | None, size: int, quantization: str | None,
+                   partition: tuple[int, ...] | None = None) -> tuple[range, ...]:
+    """Each stage's layers: `partition`'s counts where given, else by the layers' and the
+    LM head's measured time a step in the kernels the model runs
+    (`kernel_choice.stage_costs`), else by their parameters."""
     cfg = read_model_config(resolve_model(model))
+    if partition is not None:
+        split = partition_layers(cfg, partition)
+        logger.info("pipeline: layers %s (pipeline_layer_partition)",
+                    ", ".join(f"{r.start}-{r.stop - 1}" for r in split))
+        return tuple(split)
     costs = stage_costs(cfg, None if quantization == "auto" else quantization)
     split = stage_layers(cfg, size, None if costs is None else costs[:2])
     how = "split by their parameters" if costs is None else (

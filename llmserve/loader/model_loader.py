@@ -151,8 +151,9 @@ def load_model(
                                     "config)")
     if quantization is not None and device_is_cpu(device) and mmproj is None:
         rank = (tp.rank, tp.size) if tp is not None and tp.size > 1 else (0, 1)
-        if staged:
-            rank += (stage.index, stage.size)
+        if staged:  # the layers too: a partition or a new measured split loads others
+            layers = stage.assign(read_model_config(source)).layers
+            rank += (stage.index, stage.size, layers.start, layers.stop)
         entry = weight_cache.entry_for(source, quantization, dtype, device, rank)
     kept = weight_cache.load(entry, (tp, stage)) if entry is not None else None
     if kept is not None:

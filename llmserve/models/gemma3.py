@@ -95,8 +95,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         `embeds` (Gemma 3's image tokens): (index (K,), rows (K, hidden)), rows that replace
         the scaled embeddings of tokens `index` of the T (unscaled, as transformers places
         them)."""
-        start = time.perf_counter() if self.stage is not None else 0.0  # (not traced)
         x = self._stage_input(input_ids)
+        # a stage is busy from here: waiting for the previous stage's rows is not (not traced)
+        start = time.perf_counter() if self.stage is not None else 0.0
         if self.holds_head:
             # as Hugging Face: the scale rounded to the embedding's dtype first
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)

@@ -202,8 +202,9 @@ class LlamaForCausalLM(nn.Module):
             index, rows = embeds
             first, *deepstack = rows.split(self.config.hidden_size, dim=1)
             embeds = (index, first)
-        start = time.perf_counter() if self.stage is not None else 0.0  # (not traced)
         x = self._stage_input(input_ids, embeds)
+        # a stage is busy from here: waiting for the previous stage's rows is not (not traced)
+        start = time.perf_counter() if self.stage is not None else 0.0
         if not deepstack and (
                 native := self._native_stack(x, positions, kv_cache, meta)) is not None:
             return self._stage_output(native, start)

@@ -14,7 +14,7 @@ import torch
 
 from llmserve import LLM, SamplingParams
 from llmserve.config.engine import EngineConfig
-from llmserve.distributed.pipeline import layer_costs, stage_layers
+from llmserve.distributed.pipeline import HEAD_SHARE, layer_costs, partition_layers, stage_layers
 from tests.distributed.test_tensor_parallel import (
     _logits,
     prompt_lookup_is_lossless,
@@ -35,7 +35,8 @@ def test_stage_layers_balance_what_a_step_reads(float32_model):
     for size in (1, 2, 3, 4):
         ranges = stage_layers(cfg, size)
         assert [i for r in ranges for i in r] == list(range(cfg.num_hidden_layers))
-        loads = [sum(costs[i] for i in r) + head * (s == 0) for s, r in enumerate(ranges)]
+        loads = [sum(costs[i] for i in r) + HEAD_SHARE * head * (s == 0)
+                 for s, r in enumerate(ranges)]
         # moving one boundary layer either way never lowers the largest stage
         for s in range(size - 1):
             for shift in (-1, 1):
@@ -47,9 +48,23 @@ def test_stage_layers_balance_what_a_step_reads(float32_model):
                 moved[s], moved[s + 1] = moved[s] - delta, moved[s + 1] + delta
                 assert max(moved) >= max(loads)
     two = stage_layers(cfg, 2)
-    assert len(two[0]) < len(two[1])  # SmolLM2's head reads as much as ~8 of its 30 layers
+    # SmolLM2's head reads as much as ~7 of its 30 layers, counted at HEAD_SHARE of that
+    assert len(two[0]) < len(two[1])
     with pytest.raises(ValueError, match="pipeline_parallel_size 31"):
         stage_layers(cfg, 31)
+
+
+def test_a_users_partition_is_checked(float32_model):
+    """`--pipeline-layer-partition`: one count per stage, each at least one, adding up to
+    the model's layers; the ranges follow the counts."""
+    cfg = float32_model.config
+    assert partition_layers(cfg, (12, 18)) == [range(0, 12), range(12, 30)]
+    with pytest.raises(ValueError, match="add up to the model's 30 layers"):
+        partition_layers(cfg, (12, 17))
+    with pytest.raises(ValueError, match="one layer count per stage"):
+        EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition=(30,))
+    with pytest.raises(ValueError, match="at least one layer"):
+        EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition=(0, 30))
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), pytest.param(1, 3, marks=pytest.mark.slow),
@@ -114,10 +129,15 @@ def test_engine_greedy_equals_one_process(smollm2_gguf, smollm2_llm, default_llm
                 for o in single.generate(prompts, params, use_tqdm=False)]
     # room for about three of the five at once (the default path's KV cache is int8)
     memory = {"float32": "6MiB", "auto": "2MiB"}[dtype]
+    # the exact path on a user's partition
+    partition = {"float32": (13, 17), "auto": None}[dtype]
     llm = LLM(str(smollm2_gguf), dtype=dtype, kv_cache_memory=memory,
-              max_num_batched_tokens=32, pipeline_parallel_size=2)
+              max_num_batched_tokens=32, pipeline_parallel_size=2,
+              pipeline_layer_partition=partition)
     try:
         assert llm.engine.executor.pipeline_depth == 2
+        if partition:
+            assert llm.engine.loaded.model.held_layers == range(13)
         assert _busy_engine_outputs(llm, prompts, params, abort_in_flight=True) == expected
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.kv_manager.num_hits > 0

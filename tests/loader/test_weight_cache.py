@@ -256,6 +256,10 @@ def test_a_pipeline_stage_keeps_its_share(smollm2_gguf, cache, loads):
     assert kept.model.model.embed_tokens is None and kept.model.lm_head is None
     load(str(smollm2_gguf), quantization="int8", stage=PipelineStage(0, 2))
     assert loads[-1] == "miss"
+    # the same stage with other layers (a partition, a new measured split) loads them
+    other = load(str(smollm2_gguf), quantization="int8",
+                 stage=PipelineStage(1, 2, layers=range(20, 30)))
+    assert loads[-1] == "miss" and other.model.held_layers == range(20, 30)
 
 
 def test_a_killed_writer_leaves_nothing_behind(smollm2_gguf, cache, loads):

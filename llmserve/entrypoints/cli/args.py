@@ -30,7 +30,7 @@ ENGINE_FLAGS = ("mmproj", "dtype", "device", "quantization", "kv_cache_dtype", "
                 "max_num_batched_tokens", "max_model_len", "block_size", "enable_prefix_caching",
                 "scheduling_policy", "enforce_eager", "attention_backend",
                 "speculative_config", "tensor_parallel_size", "pipeline_parallel_size",
-                "distributed_executor_backend",
+                "pipeline_layer_partition", "distributed_executor_backend",
                 "runner", "convert", "pooler_config", "enable_lora", "max_loras",
                 "max_lora_rank", "max_cpu_loras", "kv_offload_dir", "kv_offload_gib",
                 "preemption_mode")
@@ -131,6 +131,10 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        help="split the model's layers into N stages, each a process (or "
                             "-tp processes), activations sent stage to stage; under load "
                             "every stage is busy with its own batch (default 1)")
+    group.add_argument("--pipeline-layer-partition", type=int_list, metavar="N,N,...",
+                       help="each stage's number of layers, stage 0 first (e.g. 12,18 for "
+                            "hosts of different speeds; default: split by their measured "
+                            "cost)")
     group.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                        help="mp (default): this process starts the other ranks on this "
                             "machine; external_launcher: torchrun started every rank "

@@ -30,10 +30,18 @@ MAX_TRACKED_KEYS = 65536
 
 @dataclass(frozen=True)
 class ReplicaLoad:
-    """What a policy sees of a replica that is up: its index and requests in flight."""
+    """What a policy sees of a replica that is up: its index and requests in flight, and
+    what it is hashed by (its index unless it has a name of its own that every router
+    sees alike: a Ray Serve replica's id)."""
 
     index: int
     in_flight: int
+    identity: str | None = None
+
+    @property
+    def hashed(self) -> bytes:
+        return self.index.to_bytes(4, "little") if self.identity is None \
+            else self.identity.encode()
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,7 @@ class PrefixAffinityPolicy(ReplicaPolicy):
 
     def choose(self, route: str, body: Any, replicas: Sequence[ReplicaLoad]) -> Route:
         key = prefix_key(body, self.prefix_chars)
-        target = max(replicas, key=lambda r: rendezvous_score(key, r.index))
+        target = max(replicas, key=lambda r: rendezvous_score(key, r.hashed))
         least = min(replicas, key=lambda r: (r.in_flight, r.index))
         if overflows(target.in_flight, least.in_flight):
             return Route(least.index, "overflow")
@@ -115,7 +123,7 @@ def _prompt_prefix(prompt: Any, prefix_chars: int) -> tuple[str, str]:
     return "other", json.dumps(prompt)
 
 
-def rendezvous_score(key: bytes, replica: int) -> int:
+def rendezvous_score(key: bytes, replica: bytes) -> int:
     """Highest-random-weight hashing: a key goes to the replica with the highest score."""
-    digest = hashlib.blake2b(key + replica.to_bytes(4, "little"), digest_size=8).digest()
+    digest = hashlib.blake2b(key + replica, digest_size=8).digest()
     return int.from_bytes(digest, "little")

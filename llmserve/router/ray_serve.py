@@ -5,21 +5,27 @@ One deployment per model (named after it), `N` replicas placed by Ray on the clu
 nodes (`--threads` CPUs each, 1 by default), each replica a whole `llmserve serve` (the
 user's flags, one engine) started by the replica's actor on its node and answering there
 on the loopback; the actor forwards each request to it and streams the answer back. Ray
-Serve's HTTP proxy serves the user's --host/--port and routes to the replicas by their
-queue (fewest requests in flight of two); with `--max-data-parallel-size M` the
+Serve's HTTP proxy serves the user's --host/--port; an ingress deployment reads each
+request and hands it to the replicas through Ray's request router, here llmserve's
+prefix-cache affinity bounded by load (`ray_routing.PrefixAffinityRouter`, the policy of
+`llmserve router`): prompts that start alike go to the replica whose prefix cache holds
+them, by rendezvous hashing on the replicas' ids, unless it runs far ahead of the least
+loaded one. With `--max-data-parallel-size M` the
 deployment autoscales between N and M replicas on requests in flight per replica
 (`--target-ongoing-requests`, 8 by default). A replica whose server exits fails Ray
 Serve's health check and is replaced. SIGTERM or SIGINT deletes the application (each
 replica's server stopped) and shuts Serve down.
 
 The cluster is the one `ray start` made (RAY_ADDRESS, else this node's); without one Ray
-starts a local one. Our prefix-affinity router (`router/app.py`) is not Ray Serve's
-request router here: Serve routes by load.
+starts a local one.
 """
 
+import json
 import logging
 import signal
 import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -37,31 +43,85 @@ logger = logging.getLogger(__name__)
 HOP_HEADERS = frozenset({"host", "content-length", "connection", "keep-alive",
                          "transfer-encoding", "te", "upgrade", "proxy-connection"})
 DEFAULT_TARGET_ONGOING_REQUESTS = 8
+# requests a replica (and the ingress) takes at once: Ray's default of 5 would cap the
+# continuous batch
+MAX_ONGOING_REQUESTS = 256
 UPSCALE_DELAY_S, DOWNSCALE_DELAY_S = 10.0, 60.0
 
 
+@dataclass(frozen=True)
+class ForwardedRequest:
+    """An HTTP request as the ingress hands it to a replica: its body read, and parsed
+    when it is JSON (the request router reads the prompt from it)."""
+
+    method: str
+    path: str
+    query: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    json_body: Any = None
+
+
+class LLMServeIngress:
+    """Ray Serve's HTTP entry: reads each request and hands it to the replicas' handle,
+    whose router (`ray_routing.PrefixAffinityRouter`) picks the replica by the prompt;
+    streams the replica's answer back (a client gone cancels it there)."""
+
+    def __init__(self, replicas: Any) -> None:
+        self.replicas = replicas.options(stream=True)
+
+    async def __call__(self, request: Any) -> Any:
+        from starlette.responses import StreamingResponse
+
+        body = await request.body()
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            parsed = None
+        stream = self.replicas.forward.remote(ForwardedRequest(
+            request.method, request.url.path, request.url.query,
+            [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS],
+            body, parsed))
+        head = await stream.__anext__()
+
+        async def rest():
+            try:
+                async for chunk in stream:
+                    yield chunk
+            finally:
+                stream.cancel()
+
+        return StreamingResponse(rest(), status_code=head["status"], headers=head["headers"])
+
+
 class LLMServeReplica:
-    """A Ray Serve replica: one `llmserve serve` on this node, requests forwarded to it."""
+    """A Ray Serve replica: one `llmserve serve` on this node, requests forwarded to it;
+    its answers carry `x-llmserve-replica` (this replica's id)."""
 
     def __init__(self, command: list[str]) -> None:
+        from ray import serve
+
+        self.name = serve.get_replica_context().replica_id.unique_id
         self.child = ReplicaProcess(0, command, name="ray replica")
         self.child.start_relay()
         wait_until_serving([self.child])
         self.client = httpx.AsyncClient(base_url=self.child.url, timeout=None)
 
-    async def __call__(self, request: Any) -> Any:
-        from starlette.background import BackgroundTask
-        from starlette.responses import StreamingResponse
-
-        upstream = self.client.build_request(
-            request.method, request.url.path, params=request.query_params,
-            headers=[(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS],
-            content=await request.body())
+    async def forward(self, request: ForwardedRequest) -> AsyncIterator[Any]:
+        """The server's answer: {"status", "headers"} first, then the body's chunks."""
+        upstream = self.client.build_request(request.method, request.path,
+                                             params=request.query, headers=request.headers,
+                                             content=request.body)
         response = await self.client.send(upstream, stream=True)
-        headers = {k: v for k, v in response.headers.items()
-                   if k.lower() not in HOP_HEADERS and k.lower() != "content-encoding"}
-        return StreamingResponse(response.aiter_raw(), status_code=response.status_code,
-                                 headers=headers, background=BackgroundTask(response.aclose))
+        try:
+            headers = {k: v for k, v in response.headers.items()
+                       if k.lower() not in HOP_HEADERS and k.lower() != "content-encoding"}
+            yield {"status": response.status_code,
+                   "headers": {**headers, "x-llmserve-replica": self.name}}
+            async for chunk in response.aiter_raw():
+                yield chunk
+        finally:
+            await response.aclose()
 
     def check_health(self) -> None:
         """Ray Serve's health check: a replica whose server exited is replaced."""
@@ -78,6 +138,7 @@ def run_ray_serve(args: Any, argv: list[str], model_name: str) -> int:
     after SIGTERM or SIGINT."""
     try:
         from ray import serve
+        from ray.serve.config import RequestRouterConfig
     except ImportError:
         raise RuntimeError("--data-parallel-backend ray needs Ray Serve: pip install "
                            "'llmserve[ray]'") from None
@@ -99,13 +160,23 @@ def run_ray_serve(args: Any, argv: list[str], model_name: str) -> int:
             "upscale_delay_s": UPSCALE_DELAY_S, "downscale_delay_s": DOWNSCALE_DELAY_S}
     else:
         options["num_replicas"] = args.data_parallel_size
-    deployment = serve.deployment(LLMServeReplica, name=_app_name(model_name), **options)
+    replicas = serve.deployment(
+        LLMServeReplica, name=_app_name(model_name),
+        # the server batches what it is given and answers 429/503 itself when full
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        request_router_config=RequestRouterConfig(
+            request_router_class="llmserve.router.ray_routing.PrefixAffinityRouter"),
+        **options)
+    ingress = serve.deployment(LLMServeIngress, name=f"{_app_name(model_name)}-ingress",
+                               num_replicas=1, ray_actor_options={"num_cpus": 0},
+                               max_ongoing_requests=MAX_ONGOING_REQUESTS)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     serve.start(http_options={"host": args.host, "port": args.port})
     try:
-        serve.run(deployment.bind(command), name=_app_name(model_name), route_prefix="/")
+        serve.run(ingress.bind(replicas.bind(command)), name=_app_name(model_name),
+                  route_prefix="/")
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         print(f"llmserve: serving '{model_name}' at http://{host}:{args.port}/v1 (Ray Serve, "
               f"{args.data_parallel_size} replica(s))", flush=True)

@@ -297,8 +297,9 @@ def test_ray_places_tp2_across_two_hosts_and_serves(smollm2_gguf, single_tokens,
 def test_ray_serve_replicas_on_two_hosts(smollm2_gguf, single_tokens, tmp_path):
     """`llmserve serve --data-parallel-size 2 --data-parallel-backend ray` on a Ray cluster
     of two namespace hosts (one CPU each): a replica on each host, the greedy completions
-    one process's through Ray Serve's proxy (streamed too); SIGTERM deletes the
-    application (each replica's server stopped) and exits 0."""
+    one process's through Ray Serve's proxy (streamed too); Ray's request router is our
+    prefix affinity (a prompt prefix keeps its replica, prefixes spread over both);
+    SIGTERM deletes the application (each replica's server stopped) and exits 0."""
     import signal
 
     import httpx
@@ -321,6 +322,19 @@ def test_ray_serve_replicas_on_two_hosts(smollm2_gguf, single_tokens, tmp_path):
                     "model": model, "prompt": PROMPTS[0], "max_tokens": 16,
                     "temperature": 0, "stream": True}) as streamed:
                 events = [line for line in streamed.iter_lines() if line.startswith("data:")]
+
+            def replica(prompt: str) -> str:
+                answer = client.post("/v1/completions", json={
+                    "model": model, "prompt": prompt, "max_tokens": 2})
+                assert answer.status_code == 200, answer.text
+                return answer.headers["x-llmserve-replica"]
+
+            # one after another (no load): a prompt prefix keeps its replica; twelve
+            # prefixes use both (all on one: 1 in 2,048)
+            stems = [f"Document {i}: " + "the same long opening of a document. " * 8
+                     for i in range(12)]
+            affinity = [{replica(stem + f"question {q}?") for q in range(3)} for stem in stems]
+
         def replica_servers(host) -> list[str]:  # started by a replica: on port 0
             return [c for c in host.commands() if "llmserve.entrypoints.cli" in c
                     and "--port 0" in c]
@@ -334,6 +348,8 @@ def test_ray_serve_replicas_on_two_hosts(smollm2_gguf, single_tokens, tmp_path):
     assert [c["choices"][0]["token_ids"] for c in got] == single_tokens
     assert len(events) > 2 and events[-1] == "data: [DONE]"
     assert [len(s) for s in servers] == [1, 1]  # a replica's server on each host
+    assert all(len(names) == 1 for names in affinity), affinity
+    assert len(set().union(*affinity)) == 2, affinity
     assert left == [[], []]
 
 

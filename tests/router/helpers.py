@@ -14,7 +14,12 @@ import httpx
 import openai
 
 from llmserve.router.app import RouterSettings, build_router_app
-from llmserve.router.policy import DEFAULT_PREFIX_CHARS, prefix_key, rendezvous_score
+from llmserve.router.policy import (
+    DEFAULT_PREFIX_CHARS,
+    ReplicaLoad,
+    prefix_key,
+    rendezvous_score,
+)
 from llmserve.router.replicas import Replica
 from tests.router.fake_backend import FakeBackend, serve_in_thread
 
@@ -78,7 +83,8 @@ def prompt_for(replica: int, stem: str, num_replicas: int = 2) -> str:
     for i in range(1000):
         prompt = f"{stem} {i}"
         key = prefix_key({"prompt": prompt}, DEFAULT_PREFIX_CHARS)
-        if max(range(num_replicas), key=lambda r: rendezvous_score(key, r)) == replica:
+        if max(range(num_replicas),
+               key=lambda r: rendezvous_score(key, ReplicaLoad(r, 0).hashed)) == replica:
             return prompt
     raise AssertionError("no prompt found")
 

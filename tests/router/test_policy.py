@@ -28,7 +28,7 @@ def chat(*contents: str) -> dict:
 def test_key_is_a_stable_hash_not_pythons_hash():
     # a fixed value: Python's hash() of a str changes from one process to the next
     assert prefix_key(completion("hello"), 256).hex() == "32d114b28c0a68f411178fe8a06d96f4"
-    assert rendezvous_score(bytes(16), 1) == 8748400299831792330
+    assert rendezvous_score(bytes(16), ReplicaLoad(1, 0).hashed) == 8748400299831792330
 
 
 def test_key_reads_only_the_prefix():
@@ -111,3 +111,33 @@ def test_a_down_replica_is_skipped_and_only_its_keys_move():
 def test_prefix_chars_must_be_positive():
     with pytest.raises(ValueError, match="prefix_chars"):
         PrefixAffinityPolicy(prefix_chars=0)
+
+
+def test_ray_serves_request_router_ranks_by_the_same_policy():
+    """Ray Serve's router (`ray_routing.py`) ranks replicas named by their Ray ids: a
+    prefix goes to the same replica whatever order Ray lists them in, and from a fresh
+    router (another process); the rest follow least loaded first; overflow as the policy
+    says; a request without a JSON body goes by load alone."""
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    from llmserve.router.ray_routing import forwarded_body, rank_replicas
+    from llmserve.router.ray_serve import ForwardedRequest
+
+    names = ["a1b2", "c3d4", "e5f6"]
+
+    def ranked(body, loads, order=(0, 1, 2), policy=None):
+        replicas = [ReplicaLoad(i, loads[names[j]], names[j]) for i, j in enumerate(order)]
+        ranks = rank_replicas(policy or PrefixAffinityPolicy(), body, replicas)
+        return [names[order[i]] for i in ranks]
+
+    idle_loads = dict.fromkeys(names, 0)
+    first = ranked(completion(SHARED + "a"), idle_loads)
+    assert sorted(first) == names
+    assert ranked(completion(SHARED + "b"), idle_loads, order=(2, 0, 1))[0] == first[0]
+    busy = {**idle_loads, first[0]: 3, first[1]: 1}
+    assert ranked(completion(SHARED), busy)[0] == first[2]  # overflow to the idlest
+    assert ranked(None, {"a1b2": 2, "c3d4": 0, "e5f6": 1}) == ["c3d4", "e5f6", "a1b2"]
+    forwarded = ForwardedRequest("POST", "/v1/completions", "", [], b"{}", completion("x"))
+    pending = SimpleNamespace(args=[forwarded], kwargs={})
+    assert forwarded_body(pending) == completion("x") and forwarded_body(None) is None

@@ -83,7 +83,7 @@ def llmserve_latency(hosts, gguf: Path, batch: int, prompt: int, out: int, out_d
     """`llmserve bench latency` at `batch`: on host 0 alone (one host given) or as a
     pipeline under torchrun across the hosts."""
     result = out_dir / f"latency_{tag}.json"
-    command = ["bench", "latency", "--model", str(gguf), "--batch", str(batch),
+    command = ["bench", "latency", "-v", "--model", str(gguf), "--batch", str(batch),
                "--input-len", str(prompt), "--output-len", str(out), "--repeat", "3",
                "--output-json", str(result), *extra]
     if len(hosts) == 1:

@@ -43,8 +43,7 @@ from llmserve.executor.ranks import (
     CacheSpec,
     Ranks,
     WorkerSpec,
-    all_gather_floats,
-    all_gather_ints,
+    all_gather_values,
     broadcast_object,
     connect,
     free_port,
@@ -123,14 +122,15 @@ class TensorParallelExecutor(Executor):
     def rows_held(self) -> list[int]:
         """Requests each worker's persistent batch holds (rank 1 first)."""
         self._send((ROWS, None))
-        return all_gather_ints(self.ranks.control, len(self.runner.input_batch.row_of))[1:]
+        held = all_gather_values(self.ranks.control, [len(self.runner.input_batch.row_of)])
+        return [int(rows) for rows, in held[1:]]
 
     def stage_seconds(self, reset: bool = False) -> list[tuple[float, float]]:
         """Each rank's (busy, waiting for activations) seconds in its pipeline stage since
         the last reset (rank order); `reset` starts them again."""
         self._send((TIMING, reset))
         stage = self.stage
-        times = all_gather_floats(self.ranks.control, [stage.busy_seconds, stage.wait_seconds])
+        times = all_gather_values(self.ranks.control, [stage.busy_seconds, stage.wait_seconds])
         if reset:
             stage.reset_timing()
         return [(busy, wait) for busy, wait in times]

@@ -168,14 +168,8 @@ def receive_object(channels: Channels) -> Any:
     return pickle.loads(channels.receive(0, CONTROL_TAG))
 
 
-def all_gather_ints(control: Any, value: int) -> list[int]:
-    parts = [torch.zeros(1, dtype=torch.int64) for _ in range(control.size())]
-    control.allgather([parts], [torch.tensor([value], dtype=torch.int64)]).wait()
-    return [int(p) for p in parts]
-
-
-def all_gather_floats(control: Any, values: list[float]) -> list[list[float]]:
-    """Every rank's `values` (as many on each), rank order."""
+def all_gather_values(control: Any, values: list[float]) -> list[list[float]]:
+    """Every rank's `values` (as many on each; integers below 2**53 exactly), rank order."""
     parts = [torch.zeros(len(values), dtype=torch.float64) for _ in range(control.size())]
     control.allgather([parts], [torch.tensor(values, dtype=torch.float64)]).wait()
     return [p.tolist() for p in parts]

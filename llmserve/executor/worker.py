@@ -26,8 +26,7 @@ from llmserve.executor.ranks import (
     CacheSpec,
     Ranks,
     WorkerSpec,
-    all_gather_floats,
-    all_gather_ints,
+    all_gather_values,
     connect,
     receive_object,
     torchrun_env,
@@ -121,9 +120,9 @@ def serve_steps(ranks: Ranks) -> None:
         elif kind == CALIBRATE:
             measure_step_costs(model, kv_cache, attention, payload)
         elif kind == ROWS:
-            all_gather_ints(ranks.control, len(runner.input_batch.row_of))
+            all_gather_values(ranks.control, [len(runner.input_batch.row_of)])
         elif kind == TIMING:
-            all_gather_floats(ranks.control, [stage.busy_seconds, stage.wait_seconds])
+            all_gather_values(ranks.control, [stage.busy_seconds, stage.wait_seconds])
             if payload:
                 stage.reset_timing()
         elif kind == STOP:

@@ -118,7 +118,6 @@ def test_ray_serves_request_router_ranks_by_the_same_policy():
     prefix goes to the same replica whatever order Ray lists them in, and from a fresh
     router (another process); the rest follow least loaded first; overflow as the policy
     says; a request without a JSON body goes by load alone."""
-    pytest.importorskip("ray.serve")
     from types import SimpleNamespace
 
     from llmserve.router.ray_routing import forwarded_body, rank_replicas

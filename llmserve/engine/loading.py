@@ -125,10 +125,11 @@ def start_ranks(config: EngineConfig, loaded: LoadedModel | None, device: torch.
         set_num_threads(threads)
     if quantization == "auto":
         quantization = decide_auto(config.model, device)
-    executor = make_executor(config.distributed_executor_backend, size, device, threads,
-                             pipeline)
+    # (before any rank starts: a partition that does not fit the model is refused here)
     split = pipeline_split(config.model, pipeline, quantization,
                            config.pipeline_layer_partition) if pipeline > 1 else ()
+    executor = make_executor(config.distributed_executor_backend, size, device, threads,
+                             pipeline)
     if split:
         executor.stage.layers = split[0]
     executor.stage_split = split

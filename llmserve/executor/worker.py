@@ -69,6 +69,8 @@ def serve_steps(ranks: Ranks) -> None:
     from llmserve.worker.model_runner import ModelRunner
 
     spec: WorkerSpec = receive_object(ranks.channels)
+    if not isinstance(spec, WorkerSpec):  # rank 0 stopped before it said what to load
+        return
     if spec.num_threads is not None:
         _set_threads(spec.num_threads)
     torch.manual_seed(spec.seed)

@@ -9,6 +9,8 @@ PP=2 on the real model runs in the default suite; PP=3, TP=2 x PP=2 and the tiny
 Gemma 3 and mixture-of-experts folders under `-m slow`.
 """
 
+import multiprocessing
+
 import pytest
 import torch
 
@@ -65,6 +67,10 @@ def test_a_users_partition_is_checked(float32_model):
         EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition=(30,))
     with pytest.raises(ValueError, match="at least one layer"):
         EngineConfig(pipeline_parallel_size=2, pipeline_layer_partition=(0, 30))
+    # refused before any rank starts
+    with pytest.raises(ValueError, match="add up to the model's 30 layers"):
+        LLM(pipeline_parallel_size=2, pipeline_layer_partition=(10, 10))
+    assert not multiprocessing.active_children()
 
 
 @pytest.mark.parametrize("tp, pp", [(1, 2), pytest.param(1, 3, marks=pytest.mark.slow),

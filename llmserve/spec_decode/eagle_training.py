@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from llmserve.config.model import ModelConfig
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.spec_decode.eagle import WEIGHT_FILE, eagle_head_config
-from llmserve.spec_decode.training import Answer, after_step, warmup_cosine
+from llmserve.spec_decode.training import Answer, after_step, autocast, warmup_cosine
 
 FEATURE_LOSS, TOKEN_LOSS = 1.0, 0.1  # EAGLE-1's weights
 NOISE = 0.2  # uniform noise of this width on the input features (EAGLE-1's)
@@ -274,11 +274,13 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
                 progress: Callable[[int, float], None] | None = None,
                 checkpoint: Callable[[TrainableEagle, int], None] | None = None,
                 checkpoint_every: int = 200, unroll: int = 1,
-                train_measured: list[EagleSequence] | None = None) -> EagleResult:
+                train_measured: list[EagleSequence] | None = None,
+                dtype: torch.dtype = torch.float32) -> EagleResult:
     """Train a head on `train` (`batch_size` sequences a step); the held-out chains draft
     up to `depth` tokens. `unroll` > 1 also trains the chain's next steps from the
     head's own features (`chain_losses`); `train_measured`: training sequences whose
-    figure is reported beside the held-out one (how far the head overfits)."""
+    figure is reported beside the held-out one (how far the head overfits); `dtype` the
+    matrix products' (`training.training_dtype`)."""
     if not train:
         raise ValueError("no answer is long enough to train on (each needs 3 tokens)")
     torch.manual_seed(seed)
@@ -296,9 +298,10 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
         picked, order = order[:batch_size], order[batch_size:]
         embeds, features, targets, mask = _batch([train[i] for i in picked])
         noise = (torch.rand(features.shape, generator=generator) - 0.5) * NOISE
-        losses = chain_losses(head, vocabulary, embeds, features + noise, targets, mask,
-                              unroll)
-        loss = sum(STEP_WEIGHT ** s * term for s, term in enumerate(losses))
+        with autocast(dtype):
+            losses = chain_losses(head, vocabulary, embeds, features + noise, targets, mask,
+                                  unroll)
+            loss = sum(STEP_WEIGHT ** s * term for s, term in enumerate(losses))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)

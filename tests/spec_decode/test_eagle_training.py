@@ -138,11 +138,13 @@ def tiny_config() -> ModelConfig:
         "rms_norm_eps": 1e-6, "max_position_embeddings": 256})
 
 
-@pytest.mark.parametrize("unroll", [1, 3])
-def test_the_recipe_learns_what_can_be_learnt(unroll):
+@pytest.mark.parametrize(("unroll", "dtype"), [(1, torch.float32), (3, torch.float32),
+                                              (3, torch.bfloat16)])
+def test_the_recipe_learns_what_can_be_learnt(unroll, dtype):
     """A language where each token is the previous one plus 1 (mod V); the "target's"
     feature at p is its LM head row of the token it predicts, x[p + 1], scaled; EAGLE-1's
-    recipe and the one that trains the chain's next steps from the head's own features."""
+    recipe and the one that trains the chain's next steps from the head's own features,
+    in float32 and with its products in bfloat16 (`--train-dtype`)."""
     g = torch.Generator().manual_seed(0)
     lm_head = torch.randn(VOCAB, HIDDEN, generator=g)
     table = torch.randn(VOCAB, HIDDEN, generator=g)
@@ -169,7 +171,9 @@ def test_the_recipe_learns_what_can_be_learnt(unroll):
     assert before.held_out_tokens_per_round < 1.5
     result = train_eagle(eagle_sequences(train, embed), eagle_sequences(held_out, embed),
                          cfg, vocabulary, steps=300, batch_size=8, lr=1e-2, depth=3,
-                         unroll=unroll, train_measured=eagle_sequences(train[:8], embed))
+                         unroll=unroll, train_measured=eagle_sequences(train[:8], embed),
+                         dtype=dtype)
+    assert all(p.dtype == torch.float32 for p in result.head.parameters())
     assert result.held_out_tokens_per_round > 3.5  # of the most, 4
     assert result.held_out_accuracy[-1] > 0.8
     assert result.train_tokens_per_round > 3.5

@@ -10,7 +10,14 @@ import torch
 
 from llmserve import SamplingParams
 from llmserve.entrypoints.cli import main
-from llmserve.spec_decode.training import Answer, evaluate, positions, train_medusa
+from llmserve.spec_decode.training import (
+    Answer,
+    HiddenRecorder,
+    evaluate,
+    positions,
+    train_medusa,
+    training_dtype,
+)
 from tests.engines import llm_on
 
 VOCAB, HIDDEN = 24, 32
@@ -125,3 +132,53 @@ def test_self_prompts_go_with_generating_only(tmp_path, capsys):
         main(["train-heads", "--output", str(tmp_path), "--self-prompts", "8",
               "--data", str(texts_file(tmp_path))])
     assert "--self-prompts adds to the built-in prompts" in capsys.readouterr().err
+
+
+def test_the_answers_hidden_states_are_the_targets_own(tmp_path, float32_model):
+    """`train-heads` takes the hidden states while the target answers (chunked prompts,
+    a batch of greedy and sampled answers): each answer's rows are those of one forward
+    over its tokens, and it ends at the last token the target was fed."""
+    import argparse
+
+    from llmserve.bench.quality import full_hidden_states
+    from llmserve.entrypoints.cli.train_heads import _answers
+
+    llm = llm_on(float32_model, kv_cache_memory="64MiB", enable_prefix_caching=False,
+                 max_num_batched_tokens=16)
+    args = argparse.Namespace(data=texts_file(tmp_path), samples=2, temperature=0.8, seed=0,
+                              max_tokens=10, max_prompt_tokens=512, self_prompts=0)
+    source, answers, _ = _answers(llm, args)
+    assert len(answers) == 8 and [a.sampled for a in answers] == [False] * 4 + [True] * 4
+    greedy = llm.generate(["The river runs past the mill and down to the sea."],
+                          SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert answers[0].tokens == (greedy.prompt_token_ids
+                                 + greedy.outputs[0].token_ids[:-1])
+    for a in answers:
+        assert len(a.hidden) == len(a.tokens) > a.first
+        torch.testing.assert_close(a.hidden, full_hidden_states(llm, a.tokens).float(),
+                                   atol=2e-4, rtol=1e-3)
+    assert llm.engine.executor.runner.proposer is None  # the recorder is gone
+
+
+def test_the_recorder_refuses_a_position_never_computed():
+    from llmserve.worker.drafts import DraftSeed
+
+    recorder = HiddenRecorder()
+    rows = torch.arange(12.0).view(6, 2)
+    recorder.propose([DraftSeed("a", [], 0, rows[:4], 0), DraftSeed("b", [], 0, rows[:2], 0)])
+    recorder.propose([DraftSeed("a", [], 0, rows[4:5], 4), DraftSeed("b", [], 0, rows[3:4], 3)])
+    assert torch.equal(recorder.take("a", 5), rows[:5])
+    with pytest.raises(ValueError, match="position 2"):
+        recorder.take("b", 4)
+
+
+def test_bfloat16_training_goes_where_the_cpu_has_it(monkeypatch):
+    import llmserve.cpu_info
+
+    assert training_dtype("float32") == torch.float32
+    assert training_dtype("bfloat16") == torch.bfloat16
+    for flags, want in (({"avx2", "amx_bf16"}, torch.bfloat16),
+                        ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+                        ({"avx2", "fma"}, torch.float32)):
+        monkeypatch.setattr(llmserve.cpu_info, "cpu_features", lambda f=flags: frozenset(f))
+        assert training_dtype("auto") == want

@@ -96,14 +96,16 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         save_answers,
         split_held_out,
         train_medusa,
+        training_dtype,
     )
 
     output = Path(args.output)
     if output.exists() and not output.is_dir():
         raise LLMServeError(f"--output {output} is a file, not a folder")
     torch.manual_seed(args.seed)
+    # no prefix caching: a cached prefix is never computed, so its hidden states are not seen
     llm = LLM(args.model, dtype="float32", kv_cache_memory=args.kv_cache_memory,
-              num_threads=args.threads)
+              num_threads=args.threads, enable_prefix_caching=False)
     hidden_size = llm.engine.loaded.config.hidden_size
     if args.dataset is not None:
         try:
@@ -111,9 +113,9 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise LLMServeError(f"--dataset {e}") from None
         source = f"{args.dataset} ({meta.get('source', 'a saved dataset')})"
-        generating = hidden_seconds = 0.0
+        generating = 0.0
     else:
-        source, answers, generating, hidden_seconds = _answers(llm, args)
+        source, answers, generating = _answers(llm, args)
         if args.save_dataset is not None:
             save_answers(answers, args.save_dataset, {"source": source})
     train, held_out = split_held_out(answers, args.held_out)
@@ -126,6 +128,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     steps = args.steps or DEFAULTS[args.method]["steps"]
     batch_size = args.batch_size or DEFAULTS[args.method]["batch_size"]
     lr = args.lr or DEFAULTS[args.method]["lr"]
+    dtype = training_dtype(args.train_dtype)
     bar = tqdm(total=steps, desc="training", file=sys.stderr)
 
     def progress(step: int, loss: float) -> None:
@@ -136,7 +139,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
             "answers": len(answers), "answer_tokens": sum(len(a.tokens) - a.first
                                                           for a in answers),
             "steps": steps, "batch_size": batch_size, "lr": lr,
-            "seed": args.seed, "command": "llmserve " + " ".join(args.argv)}
+            "seed": args.seed, "train_dtype": str(dtype).removeprefix("torch."),
+            "command": "llmserve " + " ".join(args.argv)}
     if args.method == "eagle":
         embed = _embedding(llm, lm_head)
         vocabulary = draft_vocabulary(train, lm_head, embed, args.draft_vocab)
@@ -152,19 +156,19 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         result = train_eagle(eagle_sequences(train, embed), eagle_sequences(held_out, embed),
                              target, vocabulary, steps, batch_size, lr, args.num_heads,
                              args.seed, progress, checkpoint, args.checkpoint_every,
-                             args.unroll, eagle_sequences(measured, embed))
+                             args.unroll, eagle_sequences(measured, embed), dtype)
         info["train_tokens_per_round"] = round(result.train_tokens_per_round or 1.0, 3)
     else:
         def checkpoint(heads, step: int) -> None:
             save_medusa_heads(heads, output, info | {"checkpoint_step": step})
 
         result = train_medusa(train, held_out, lm_head, args.num_heads, steps, batch_size,
-                              lr, args.seed, progress, checkpoint, args.checkpoint_every)
+                              lr, args.seed, progress, checkpoint, args.checkpoint_every,
+                              dtype)
     bar.close()
     info |= {"train_positions": result.train_positions,
              "held_out_positions": result.held_out_positions,
              "seconds_generating": round(generating, 1),
-             "seconds_hidden_states": round(hidden_seconds, 1),
              "seconds_training": round(result.seconds, 1),
              "final_loss": round(sum(result.losses[-20:]) / len(result.losses[-20:]), 4),
              "held_out_tokens_per_round": round(result.held_out_tokens_per_round, 3),
@@ -181,7 +185,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
           f"data: {len(answers)} answers from {source}, {info['answer_tokens']} answer tokens "
           f"({result.train_positions} training positions, {result.held_out_positions} "
           f"held out)\n"
-          f"time: {generating:.0f} s generating, {hidden_seconds:.0f} s hidden states, "
+          f"time: {generating:.0f} s answering (hidden states taken as it answered), "
           f"{result.seconds:.0f} s training ({steps} steps)\n"
           f"held out: {result.held_out_tokens_per_round:.2f} tokens per round drafting "
           f"{args.num_heads}; {accuracy} "
@@ -195,19 +199,16 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
 
 def _answers(llm, args: argparse.Namespace):
     """The target's answers (`--samples` per prompt: the first greedy, the others sampled)
-    with its hidden states: (source, answers, seconds generating, seconds on hidden
-    states)."""
-    from tqdm import tqdm
-
-    from llmserve.bench.quality import full_hidden_states
+    with its hidden states, taken while it answers (`HiddenRecorder`): (source, answers,
+    seconds generating). An answer's last token was never fed to the target, so it ends
+    one token short of what the target wrote."""
     from llmserve.sampling_params import SamplingParams
-    from llmserve.spec_decode.training import Answer
+    from llmserve.spec_decode.training import Answer, HiddenRecorder
 
     start = time.perf_counter()
     runs = [SamplingParams(temperature=0, max_tokens=args.max_tokens)]
-    if args.samples > 1:
-        runs.append(SamplingParams(n=args.samples - 1, temperature=args.temperature,
-                                   max_tokens=args.max_tokens, seed=args.seed))
+    runs += [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                            seed=args.seed + j) for j in range(1, args.samples)]
     if args.data is None:
         source = "built-in prompts"
         prompts = built_in_prompts()
@@ -215,27 +216,33 @@ def _answers(llm, args: argparse.Namespace):
             prompts += self_prompts(llm, args.self_prompts, 1.0, args.seed)
             source += f" and {args.self_prompts} the target wrote"
         conversations = [[{"role": "user", "content": p}] for p in prompts]
-        outputs = [llm.chat(conversations, p, use_tqdm=True) for p in runs]
+
+        def answer(params):
+            return llm.chat(conversations, params, use_tqdm=True)
     else:
         source = str(args.data)
         texts = data_prompts(Path(args.data))
         ids = [llm.tokenizer.encode(t)[-args.max_prompt_tokens:] for t in texts]
-        outputs = [llm.generate([{"prompt_token_ids": i} for i in ids], p, use_tqdm=True)
-                   for p in runs]
+
+        def answer(params):
+            return llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=True)
     if args.samples > 1:
         source += f", {args.samples} answers each (1 greedy, the rest at temperature "
         source += f"{args.temperature})"
-    generating = time.perf_counter() - start
-    start = time.perf_counter()
+    runner = llm.engine.executor.runner
+    recorder, before = HiddenRecorder(), runner.proposer
+    runner.proposer = recorder
     answers = []
-    todo = [(i, out.prompt_token_ids, c.token_ids, run > 0)
-            for run, results in enumerate(outputs) for i, out in enumerate(results)
-            for c in out.outputs]
-    for i, prompt, completion, sampled in tqdm(todo, desc="hidden states", file=sys.stderr):
-        tokens = list(prompt) + list(completion)
-        hidden = full_hidden_states(llm, tokens).clone().float().cpu()  # out of inference
-        answers.append(Answer(tokens, hidden, len(prompt), i, sampled))
-    return source, answers, generating, time.perf_counter() - start
+    try:
+        for run, params in enumerate(runs):
+            for i, out in enumerate(answer(params)):
+                tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+                count = len(tokens) - 1  # the last token's hidden state was never computed
+                answers.append(Answer(tokens[:count], recorder.take(out.request_id, count),
+                                      len(out.prompt_token_ids), i, run > 0))
+    finally:
+        runner.proposer = before
+    return source, answers, time.perf_counter() - start
 
 
 def _embedding(llm, lm_head):
@@ -319,6 +326,10 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of the answers kept to measure acceptance (default 0.1)")
     parser.add_argument("--checkpoint-every", type=int, default=200,
                         help="write the heads every this many steps (default 200)")
+    parser.add_argument("--train-dtype", choices=("auto", "float32", "bfloat16"),
+                        default="auto",
+                        help="the training's matrix products: auto is bfloat16 where the CPU "
+                             "has bf16 matrix instructions (AMX, AVX512-BF16), else float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="CPU threads (default: the cores)")
     parser.add_argument("--kv-cache-memory", default="1GiB",

@@ -351,6 +351,9 @@ class EagleProposer(Proposer):
 
     needs_hidden = True
     feeds_every_chunk = True
+    # a chain stops before the draft whose chance of being right, by the head's own
+    # probabilities along the chain (EAGLE-2's estimate), falls below this
+    min_confidence = 0.0
 
     def __init__(self, head: EagleHead, target: nn.Module, kv_cache: KVCache,
                  attention: AttentionBackend, device: torch.device) -> None:
@@ -385,11 +388,17 @@ class EagleProposer(Proposer):
         """The target layers whose incoming hidden states the head reads (EAGLE-3)."""
         return getattr(self.head, "aux_layers", ())
 
-    def _draft(self, features: torch.Tensor) -> list[int]:
-        """The greedy draft token from each row of head features."""
+    def _draft(self, features: torch.Tensor) -> tuple[list[int], list[float]]:
+        """The greedy draft token from each row of head features, and the head's
+        probability of it."""
         if self.head.lm_head is None:
-            return argmax(self.target.compute_logits(features)).tolist()
-        return self.head.draft_ids[argmax(self.head.lm_head(features))].tolist()
+            logits = self.target.compute_logits(features)
+            ids = argmax(logits)
+        else:
+            logits = self.head.lm_head(features)
+            ids = self.head.draft_ids[argmax(logits)]
+        confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
+        return ids.tolist(), confidence.tolist()
 
     def _embed(self, ids: list[int]) -> torch.Tensor:
         return self.target.model.embed_tokens(torch.tensor(ids, dtype=torch.long,
@@ -442,11 +451,18 @@ class EagleProposer(Proposer):
         # the first draft from the last verified position, then one position a step
         index = torch.from_numpy(ends[[i for i, _, _ in asked]])
         features = following[index]  # (N, H)
-        tokens = self._draft(out[index])
-        for (_, b, _), token in zip(asked, tokens, strict=True):
-            drafts[b].append(token)
+        tokens, confidence = self._draft(out[index])
+        chance = {}  # the head's own estimate that each chain is right so far
+        for (_, b, _), token, c in zip(asked, tokens, confidence, strict=True):
+            chance[b] = c
+            if c < self.min_confidence:
+                wanted[b] = 0  # not worth its verification
+            else:
+                drafts[b].append(token)
         for step in range(1, max(wanted.values())):
             going = [(j, b, s) for j, (_, b, s) in enumerate(asked) if wanted[b] > step]
+            if not going:
+                break
             last = [s.start_position + len(s.hidden) - 1 + step for _, _, s in going]
             seqs = [(s.block_ids, p, [drafts[b][-1]]) for (_, b, s), p in
                     zip(going, last, strict=True)]
@@ -455,9 +471,13 @@ class EagleProposer(Proposer):
                                        features[keep])
             features = features.clone()
             features[keep] = following
-            tokens = self._draft(out)
-            for (_, b, _), token in zip(going, tokens, strict=True):
-                drafts[b].append(token)
+            tokens, confidence = self._draft(out)
+            for (_, b, _), token, c in zip(going, tokens, confidence, strict=True):
+                chance[b] *= c
+                if chance[b] < self.min_confidence:
+                    wanted[b] = step  # the chain ends before this draft
+                else:
+                    drafts[b].append(token)
         return drafts
 
     @torch.inference_mode()

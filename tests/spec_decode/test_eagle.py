@@ -24,7 +24,7 @@ from llmserve import SamplingParams
 from llmserve.layers.attention.backend import AttentionMetadata
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
-from llmserve.spec_decode.eagle import eagle_head_config, load_eagle_head
+from llmserve.spec_decode.eagle import EagleProposer, eagle_head_config, load_eagle_head
 from llmserve.spec_decode.medusa import HeadsFormatError
 from tests.engines import llm_on
 
@@ -292,3 +292,30 @@ def with_a_grammar(prompts: list[str]) -> tuple[list[str], list[SamplingParams]]
     params = [GREEDY] * len(prompts) + [SamplingParams(
         temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema))]
     return [*prompts, "Give a JSON list of six words, each the word ok:"], params
+
+
+@pytest.mark.parametrize(("confidence", "longest"), [(0.7, 2), (0.3, 0)])
+def test_a_chain_stops_where_the_head_doubts_it(tmp_path, float32_model, monkeypatch,
+                                                confidence, longest):
+    """A chain keeps a draft while the product of the head's probabilities along it stays
+    at or above `min_confidence` (0.45 here: 0.7, 0.49 kept, 0.343 not); output unchanged."""
+    folder = repeat_head(tmp_path / "repeat", float32_model.config)
+    want = llm_on(float32_model, kv_cache_memory="128MiB").generate(PROMPTS, GREEDY,
+                                                                   use_tqdm=False)
+    real = EagleProposer._draft
+
+    def doubtful(self, features):
+        tokens, _ = real(self, features)
+        return tokens, [confidence] * len(tokens)
+
+    monkeypatch.setattr(EagleProposer, "_draft", doubtful)
+    monkeypatch.setattr(EagleProposer, "min_confidence", 0.45)
+    llm = llm_on(float32_model, kv_cache_memory="128MiB", speculative_config=spec(folder))
+    assert_same(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want)
+    stats = llm.engine.speculator.stats
+    assert stats.num_draft_tokens <= longest * stats.num_drafts
+    if longest:
+        assert stats.accepted_per_position[longest - 1] > 0
+        assert not any(stats.accepted_per_position[longest:])
+    else:
+        assert stats.num_draft_tokens == 0

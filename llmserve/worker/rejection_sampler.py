@@ -14,12 +14,13 @@ Greedy rows (temperature 0: p a point mass at the target's argmax) accept exactl
 equal to the argmax and emit the argmax where they stop, so their output is token for token
 the non-speculative one.
 
-Randomness: per row, one uniform per draft, then one exponential vector for the final draw (the same
-exponential race as the sampler), all from the row's generator when it has one, so seeded
-requests reproduce.
+Randomness: per row, one uniform per draft, then one for the final draw (the sampler's
+`draw`), all from the row's generator when it has one, so seeded requests reproduce.
 """
 
 import torch
+
+from llmserve.worker.sampler import draw
 
 
 def verify(
@@ -72,8 +73,7 @@ def verify(
         mass = residual.sum(dim=-1, keepdim=True)
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), final)
         final = torch.where(rejected[:, None], residual, final)
-    noise = _exponential(batch, vocab, generators, device)
-    drawn = (final / noise).argmax(dim=-1)
+    drawn = draw(final, generators)
     last = torch.where(greedy_t, target_argmax[rows, kept], drawn)
     out = []
     for b in range(batch):
@@ -93,11 +93,3 @@ def _uniforms(batch: int, k: int, num_drafts: list[int],
                                                    device=device)
     return u
 
-
-def _exponential(batch: int, vocab: int, generators: list[torch.Generator | None],
-                 device: torch.device) -> torch.Tensor:
-    noise = torch.empty(batch, vocab, device=device).exponential_()
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return noise

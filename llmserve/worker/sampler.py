@@ -9,9 +9,11 @@ Order of operations per row:
 3. temperature scaling, top-k, top-p, min-p, then a draw.
 
 Greedy rows (temperature 0) take the argmax of the processed logits (step 2), so they
-honour penalties, bias and masks. Draws use the exponential-race trick (argmax of p / E
-with E ~ Exp(1)), which samples exactly from p and lets seeded rows take their noise from
-their own generator. A step in which no row uses a feature skips it.
+honour penalties, bias and masks. A draw inverts the row's cumulative distribution at one
+uniform (`draw`), which samples exactly from p and lets a seeded row take its one number
+from its own generator (an exponential race, argmax of p / E, drew a vocabulary of
+exponentials per row: 6.5x the time, 0.28 s for 256 rows of a 49152-token vocabulary on
+2 cores). A step in which no row uses a feature skips it.
 """
 
 from collections.abc import Sequence
@@ -61,13 +63,50 @@ class SamplingBatch:
         )
 
 
+NUCLEUS_CANDIDATES = 1024  # the most likely tokens a row's top-k / top-p is sought among
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and its top-p nucleus.
 
-    The nucleus is the smallest set of most likely tokens whose mass reaches top_p.
+    The nucleus is the smallest set of most likely tokens whose mass reaches top_p. It is
+    sought among each row's NUCLEUS_CANDIDATES most likely tokens (a partial sort): a row
+    whose top-k is within them, or whose candidates hold top_p of its mass, is decided
+    there; only the others sort their whole vocabulary. Each row's path depends on the
+    row alone, so a batch changes no row. (A full sort of every row took 65 % of a
+    256-request top-p decode step of the default model on 2 cores.)
     """
+    vocab = logits.shape[-1]
+    if vocab <= 2 * NUCLEUS_CANDIDATES:
+        return _sorted_top_k_top_p(logits, top_k, top_p)
+    c = NUCLEUS_CANDIDATES
+    values, order = logits.topk(c, dim=-1)  # (N, c), most likely first
+    k = torch.where(top_k > 0, top_k, vocab)
+    ranks = torch.arange(c, device=logits.device)[None, :]
+    remove = ranks >= k[:, None]
+    values = values.masked_fill(remove, float("-inf"))
+    # the normaliser of the top-k softmax: the candidates' own where k is within them
+    whole = torch.logsumexp(logits, dim=-1)
+    norm = torch.where(k <= c, torch.logsumexp(values, dim=-1), whole)
+    probs = (values - norm[:, None]).exp()
+    mass_before = probs.cumsum(dim=-1) - probs
+    remove |= mass_before >= top_p[:, None]
+    remove[:, 0] = False
+    decided = (k <= c) | (probs.sum(dim=-1) >= top_p)
+    out = torch.full_like(logits, float("-inf")).scatter_(
+        -1, order, values.masked_fill(remove, float("-inf")))
+    if not bool(decided.all()):
+        rest = torch.nonzero(~decided).flatten()
+        out[rest] = _sorted_top_k_top_p(logits[rest], top_k[rest], top_p[rest])
+    return out
+
+
+def _sorted_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """`apply_top_k_top_p` by a full sort of each row."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V)
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -111,9 +150,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy = argmax(logits)
     if batch.all_greedy:
         return greedy
-    probs = target_probs(logits, batch)
-    noise = _exponential_noise(probs, batch.generators)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = draw(target_probs(logits, batch), batch.generators)
     return torch.where(batch.temperature > 0, sampled, greedy)
 
 
@@ -130,11 +167,15 @@ def target_probs(processed: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return scaled.softmax(dim=-1)
 
 
-def _exponential_noise(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_()
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of (N, V) probabilities (each row's sum need not be 1): the first
+    token whose cumulative mass passes u times the row's, u uniform in [0, 1) from the
+    row's generator where it has one (one number a draw), else from torch's. Only tokens
+    of positive probability can be drawn."""
+    u = torch.rand(probs.shape[0], device=probs.device)
     for row, gen in enumerate(generators):
         if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return noise
+            u[row] = torch.rand(1, generator=gen, device=probs.device)[0]
+    cdf = probs.cumsum(dim=-1)
+    value = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, value, right=True)[:, 0].clamp(max=probs.shape[1] - 1)

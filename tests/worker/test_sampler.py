@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from llmserve.sampling_params import SamplingParams
-from llmserve.worker.sampler import SamplingBatch, apply_min_p, apply_top_k_top_p, sample
+from llmserve.worker.sampler import (
+    NUCLEUS_CANDIDATES,
+    SamplingBatch,
+    _sorted_top_k_top_p,
+    apply_min_p,
+    apply_top_k_top_p,
+    draw,
+    sample,
+)
 
 
 def batch(*params: SamplingParams, generators=None) -> SamplingBatch:
@@ -100,3 +108,37 @@ def test_argmax_equals_torch_first_index_and_nan_rows(shape, kernel_level):
         logits[1] = float("-inf")  # all equal
         logits[2, 3] = float("nan")
     assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+
+
+def test_the_nucleus_found_among_candidates_is_the_full_sorts():
+    """A vocabulary larger than the candidates: peaked rows decided among them, flat rows
+    (their nucleus reaches past them) and a top-k past them sorted whole; each row as the
+    full sort masks it, and as it is alone."""
+    vocab = 4 * NUCLEUS_CANDIDATES
+    g = torch.Generator().manual_seed(5)
+    scale = torch.tensor([8.0, 8.0, 0.05, 8.0, 0.05, 3.0, 8.0, 1.0])[:, None]
+    logits = torch.randn(8, vocab, generator=g) * scale
+    top_k = torch.tensor([0, 40, 0, 2 * NUCLEUS_CANDIDATES, 0, 0, 0, 7])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 1.0, 0.99, 0.3, 0.8])
+    got = apply_top_k_top_p(logits, top_k, top_p)
+    want = _sorted_top_k_top_p(logits, top_k, top_p)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+    kept_per_row = (~torch.isinf(got)).sum(-1)
+    assert kept_per_row[2] > NUCLEUS_CANDIDATES and kept_per_row[1] == 40
+    assert kept_per_row[7] <= 7 and kept_per_row[6] < 10
+    for row in range(8):
+        alone = apply_top_k_top_p(logits[row:row + 1], top_k[row:row + 1], top_p[row:row + 1])
+        assert torch.equal(alone[0], got[row]), row
+
+
+def test_a_draw_follows_the_distribution_and_its_seed():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.2, 0.3]] * 20000) * 3  # need not sum to 1
+    counts = torch.bincount(draw(probs, [None] * len(probs)), minlength=5).float()
+    assert counts[0] == counts[2] == 0
+    assert torch.allclose(counts / counts.sum(), torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3]),
+                          atol=0.015)
+    one = [torch.Generator().manual_seed(9) for _ in range(3)]
+    two = [torch.Generator().manual_seed(9) for _ in range(3)]
+    assert torch.equal(draw(probs[:3], one), draw(probs[:3], two))
+    assert one[0].get_state().equal(two[0].get_state())

@@ -256,7 +256,9 @@ class EagleResult:
 
 def _batch(seqs: list[EagleSequence]) -> tuple[torch.Tensor, ...]:
     """Sequences padded at the end (causal attention: padding never reaches a real
-    position) -> embeds, features, targets (B, T, H) and a mask of real positions."""
+    position) -> embeds, features, targets (B, T, H) and a mask of the positions the loss
+    counts: from each sequence's `first` (the prompt's last position; as EAGLE, the loss
+    covers the answers, the prompt only feeds attention) to its end."""
     t = max(len(s.embeds) for s in seqs)
     h = seqs[0].embeds.shape[1]
     embeds, features, targets = (torch.zeros(len(seqs), t, h) for _ in range(3))
@@ -264,7 +266,7 @@ def _batch(seqs: list[EagleSequence]) -> tuple[torch.Tensor, ...]:
     for b, s in enumerate(seqs):
         n = len(s.embeds)
         embeds[b, :n], features[b, :n], targets[b, :n] = s.embeds, s.features, s.targets
-        mask[b, :n] = True
+        mask[b, s.first:n] = True
     return embeds, features, targets, mask
 
 
@@ -288,7 +290,8 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     scheduler = warmup_cosine(optimizer, steps)
-    result = EagleResult(head, vocabulary, steps, 0.0, sum(len(s.embeds) for s in train), 0)
+    result = EagleResult(head, vocabulary, steps, 0.0,
+                         sum(len(s.embeds) - s.first for s in train), 0)
     generator = torch.Generator().manual_seed(seed)
     order: list[int] = []
     start = time.perf_counter()

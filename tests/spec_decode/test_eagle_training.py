@@ -232,3 +232,11 @@ def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm
     for name, tensor in load_file(out / "model.safetensors").items():
         assert torch.equal(tensor, weights[name]), name
     assert_drafts_losslessly(float32_model, "eagle", out)
+
+
+def test_the_loss_counts_the_answers_not_the_prompts():
+    """As EAGLE trains: the prompt feeds attention, the loss starts at its last position."""
+    seqs = [EagleSequence(*(torch.zeros(n, 4) for _ in range(3)), list(range(n + 1)), first)
+            for n, first in ((9, 3), (6, 0))]
+    mask = _batch(seqs)[3]
+    assert mask.tolist() == [[False] * 3 + [True] * 6, [True] * 6 + [False] * 3]

@@ -352,8 +352,12 @@ class EagleProposer(Proposer):
     needs_hidden = True
     feeds_every_chunk = True
     # a chain stops before the draft whose chance of being right, by the head's own
-    # probabilities along the chain (EAGLE-2's estimate), falls below this
-    min_confidence = 0.0
+    # probabilities along the chain (EAGLE-2's estimate), falls below this: a draft the
+    # head doubts costs its verification and the chain's next head steps, and is seldom
+    # kept. Default model, exact path, chat, one stream, k = 4, a head trained on 829 k
+    # answer tokens (2-core Sapphire Rapids): 0 -> 0.86x no speculation, 0.2 -> 1.09x,
+    # 0.35 -> 1.10x, 0.5 -> 1.04x (tokens a round 1.40, 1.49, 1.62, 1.75).
+    min_confidence = 0.3
 
     def __init__(self, head: EagleHead, target: nn.Module, kv_cache: KVCache,
                  attention: AttentionBackend, device: torch.device) -> None:
@@ -390,13 +394,15 @@ class EagleProposer(Proposer):
 
     def _draft(self, features: torch.Tensor) -> tuple[list[int], list[float]]:
         """The greedy draft token from each row of head features, and the head's
-        probability of it."""
+        probability of it (1 where no chain is cut by it)."""
         if self.head.lm_head is None:
             logits = self.target.compute_logits(features)
             ids = argmax(logits)
         else:
             logits = self.head.lm_head(features)
             ids = self.head.draft_ids[argmax(logits)]
+        if self.min_confidence <= 0:
+            return ids.tolist(), [1.0] * len(ids)
         confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
         return ids.tolist(), confidence.tolist()
 

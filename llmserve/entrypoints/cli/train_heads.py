@@ -25,6 +25,7 @@ from llmserve.entrypoints.cli.command import Command
 from llmserve.errors import LLMServeError
 
 BUILT_IN_PROMPTS = "data/train_prompts.txt"  # in llmserve.spec_decode
+PROMPT_OPENINGS = "data/prompt_openings.txt"  # how --self-prompts begin the user's turn
 DEFAULTS = {"medusa": {"steps": 600, "batch_size": 64, "lr": 1e-3},
             "eagle": {"steps": 400, "batch_size": 4, "lr": 3e-4}}
 
@@ -46,10 +47,17 @@ def data_prompts(path: Path) -> list[str]:
     return paragraphs
 
 
+def prompt_openings() -> list[str]:
+    text = importlib.resources.files("llmserve.spec_decode").joinpath(PROMPT_OPENINGS)
+    return [line.strip() for line in text.read_text("utf-8").splitlines() if line.strip()]
+
+
 def self_prompts(llm, count: int, temperature: float, seed: int) -> list[str]:
     """`count` distinct prompts the target writes itself (Magpie: its chat template up to
-    the user's turn, sampled until the turn ends); unfinished ones (cut by the length) and
-    repeats are dropped, so a few more are asked than kept."""
+    the user's turn, sampled until the turn ends), each begun with one of the built-in
+    openings in turn (a story, an email, an explanation, tips, code, ...: left to itself a
+    small model asks for advice again and again) and finished by the target; unfinished
+    ones (cut by the length) and repeats are dropped, so a few more are asked than kept."""
     from llmserve.sampling_params import SamplingParams
 
     sentinel = "\x07prompt\x07"
@@ -58,25 +66,34 @@ def self_prompts(llm, count: int, temperature: float, seed: int) -> list[str]:
     if sentinel not in text:
         raise LLMServeError("--self-prompts: the model's chat template does not show the "
                             "user's message as written")
-    opening = llm.tokenizer.encode(text[:text.index(sentinel)], add_special_tokens=False)
-    prompts: list[str] = []
+    openings = prompt_openings()
+    turn = text[:text.index(sentinel)]
+    starts = [llm.tokenizer.encode(turn + o, add_special_tokens=False) for o in openings]
+    found: list[list[str]] = [[] for _ in openings]  # per opening, in the order written
     seen: set[str] = set()
     for attempt in range(4):
-        wanted = max(8, (count - len(prompts)) * 5 // 4)
-        runs = [SamplingParams(n=min(64, wanted - i), top_p=0.95, temperature=temperature,
-                               max_tokens=96, seed=seed + 1000 * attempt + i)
-                for i in range(0, wanted, 64)]
-        outs = llm.generate([{"prompt_token_ids": opening}] * len(runs), runs,
-                            use_tqdm=False)
-        for c in (c for out in outs for c in out.outputs):
-            prompt = c.text.strip()
-            if c.finish_reason == "stop" and len(prompt) >= 8 and prompt not in seen:
-                seen.add(prompt)
-                prompts.append(prompt)
-        if len(prompts) >= count:
-            return prompts[:count]
-    raise LLMServeError(f"--self-prompts: the model wrote {len(prompts)} usable prompts "
-                        f"of {count} in four tries")
+        have = sum(len(f) for f in found)
+        each = -(-max(8, (count - have) * 5 // 4) // len(openings))
+        runs = [(o, SamplingParams(n=min(64, each - i), top_p=0.95, temperature=temperature,
+                                   max_tokens=96, seed=seed + 100_000 * attempt + 1000 * o + i))
+                for o in range(len(openings)) for i in range(0, each, 64)]
+        outs = llm.generate([{"prompt_token_ids": starts[o]} for o, _ in runs],
+                            [params for _, params in runs], use_tqdm=False)
+        for (o, _), out in zip(runs, outs, strict=True):
+            for c in out.outputs:
+                prompt = (openings[o] + c.text).strip()
+                if (c.finish_reason == "stop" and len(c.text.strip()) >= 4
+                        and prompt not in seen):
+                    seen.add(prompt)
+                    found[o].append(prompt)
+        if sum(len(f) for f in found) >= count:
+            break
+    # the openings in turn, so that a cut keeps them as even as they came
+    prompts = [f[i] for i in range(max(map(len, found))) for f in found if i < len(f)]
+    if len(prompts) < count:
+        raise LLMServeError(f"--self-prompts: the model wrote {len(prompts)} usable prompts "
+                            f"of {count} in four tries")
+    return prompts[:count]
 
 
 def cmd_train_heads(args: argparse.Namespace) -> int:

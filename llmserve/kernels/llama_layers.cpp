@@ -9,9 +9,11 @@
 
 #include "packed_weight.h"
 
+#include <cstring>
+
 // the argument structs of llmserve_llama_layers (kernels.h), as llama_native.py builds them
 struct LlamaLayer {
-  const float* input_norm;
+  const float* input_norm;  // nullptr: none, the layer reads the stream as it is (EAGLE's)
   const float* mlp_norm;  // before the MLP (Llama's post_attention_layernorm)
   PackedWeight qkv, o, gate_up, down;
   const float* q_norm;  // per-head RMSNorm weights of q and k (Qwen3); nullptr: none
@@ -112,7 +114,10 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
   float* delta = act + T * s.intermediate;         // (T, C)
   for (int64_t i = 0; i < num_layers; ++i) {
     const LlamaLayer& L = layers[i];
-    llmserve_rms_norm(x, T, C, L.input_norm, s.eps, h);
+    if (L.input_norm != nullptr)
+      llmserve_rms_norm(x, T, C, L.input_norm, s.eps, h);
+    else
+      std::memcpy(h, x, T * C * sizeof(float));
     linear(h, T, L.qkv, qkv, qscratch);
     lora(lora_step, i, 0, h, T, C, qkv, qkv_width);
     if (L.q_norm != nullptr) {

@@ -140,9 +140,36 @@ class NativeLlamaLayers:
     """The decoder layers of one model as native structures; `forward` runs them all."""
 
     def __init__(self, model: nn.Module, lib: Kernels) -> None:
-        cfg = model.config
+        ids = list(model.held_layers)
+        self._setup(lib, model.config, self.held(model), ids,
+                    [model.config.window(i) for i in ids], model.model.rotary,
+                    getattr(model.model, "rotary_local", None), model.model.norm)
+
+    @classmethod
+    def for_head(cls, layers: list[nn.Module], first_layer: int, config, rotary: nn.Module
+                 ) -> "NativeLlamaLayers | None":
+        """A draft head's Llama decoder layers (EAGLE's: the first without its input norm,
+        an `nn.Identity`), their K/V in the cache's layers `first_layer`...; None where the
+        native call cannot run them (the per-op path then does)."""
+        lib = native()
+        if (lib is None or config.hidden_act not in _ACTIVATIONS
+                or any(packed_weight(m) is None for layer in layers for m in _linears(layer))):
+            return None
+        stack = cls.__new__(cls)
+        stack._setup(lib, config, list(layers),
+                     list(range(first_layer, first_layer + len(layers))),
+                     [config.window(i) for i in range(len(layers))], rotary, None, None)
+        return stack
+
+    def _setup(self, lib: Kernels, cfg, layers: list[nn.Module], layer_ids: list[int],
+               windows: list[int], rotary: nn.Module, rotary_local: nn.Module | None,
+               final_norm: nn.Module | None) -> None:
         self.lib = lib
-        self.model = model
+        self.config = cfg
+        self.layers = layers
+        self.layer_ids = layer_ids  # their layers in the KV cache
+        self.windows = windows  # their attention windows (0: none)
+        self.rotary, self.rotary_local, self.final_norm = rotary, rotary_local, final_norm
         self.shape = _LlamaShape(cfg.hidden_size, cfg.num_attention_heads,
                                  cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size,
                                  cfg.rms_norm_eps, cfg.attention_scale or cfg.head_dim**-0.5,
@@ -150,13 +177,12 @@ class NativeLlamaLayers:
                                  _ACTIVATIONS[cfg.hidden_act])
         self.weights = []  # per layer: qkv, o, gate_up, down (a mixture's: empty)
         self.mixtures = []  # per layer: its NativeMoe, or None
-        self.layer_ids = list(model.held_layers)  # (a pipeline stage's; else all)
-        for layer in self.held(model):
+        for layer in layers:
             mixture = layer.mlp.native_layer() if _is_mixture(layer) else None
             weights = [packed_weight(m) for m in _linears(layer)]
             self.weights.append(weights + [NativeWeight(), NativeWeight()] * (mixture is not None))
             self.mixtures.append(mixture)
-        self.k_pad = max(max(m.method.weight.k_pad for layer in self.held(model)
+        self.k_pad = max(max(m.method.weight.k_pad for layer in layers
                              for m in _linears(layer)),
                          max((m.widest for m in self.mixtures if m is not None), default=0))
         self._cache_ref: weakref.ref | None = None
@@ -189,10 +215,10 @@ class NativeLlamaLayers:
         # one's addresses, but never a live object's identity; its tensors are never
         # replaced)
         if self._cache_ref is None or self._cache_ref() is not kv_cache:
-            layers = self.held(self.model)
+            layers = self.layers
             array = (_LlamaLayer * len(layers))()
-            for n, (i, layer, (qkv, o, gate_up, down)) in enumerate(
-                    zip(self.layer_ids, layers, self.weights, strict=True)):
+            for n, (i, window, layer, (qkv, o, gate_up, down)) in enumerate(
+                    zip(self.layer_ids, self.windows, layers, self.weights, strict=True)):
                 cache = kv_cache.layer(i)
                 attn = layer.self_attn
                 q_norm, k_norm = (None, None) if attn.q_norm is None else (
@@ -203,15 +229,16 @@ class NativeLlamaLayers:
                                  ptr(layer.post_feedforward_layernorm.weight))
                 else:
                     mlp_norm, out_norms = layer.post_attention_layernorm.weight, (None, None)
-                rotary = (self.model.model.rotary_local if getattr(layer, "is_local", False)
-                          else None)  # Gemma's local layers: their own base
+                # Gemma's local layers: their own base
+                rotary = self.rotary_local if getattr(layer, "is_local", False) else None
                 tables = (None, None) if rotary is None else (ptr(rotary.cos_cache),
                                                               ptr(rotary.sin_cache))
                 mixture = self.mixtures[n]
                 array[n] = _LlamaLayer(
-                    ptr(layer.input_layernorm.weight), ptr(mlp_norm),
+                    None if isinstance(layer.input_layernorm, nn.Identity)  # EAGLE's first
+                    else ptr(layer.input_layernorm.weight), ptr(mlp_norm),
                     qkv, o, gate_up, down, q_norm, k_norm, ptr(cache.key), ptr(cache.value),
-                    ptr(cache.key_scales), ptr(cache.value_scales), self.model.config.window(i),
+                    ptr(cache.key_scales), ptr(cache.value_scales), window,
                     *out_norms, *tables, None if mixture is None else mixture.address)
             self._layers, self._cache_ref = array, weakref.ref(kv_cache)
         return self._layers
@@ -255,7 +282,7 @@ class NativeLlamaLayers:
         a decode step). `taps` (layer ids, a list): the stack runs in pieces and the list
         gets a copy of the residual stream entering each of those layers (no LoRA).
         `norm=False` (a pipeline stage before the last): the residual stream, unnormed."""
-        rotary = self.model.model.rotary
+        rotary = self.rotary
         t, s = x.shape[0], self.shape
         x = x.contiguous()
         step = _AttentionStep(
@@ -290,7 +317,7 @@ class NativeLlamaLayers:
                 None if lora is None else _address(lora))
         if not norm:
             return x
-        final = self.model.model.norm
+        final = self.final_norm
         out = torch.empty_like(x)
         self.lib.rms_norm(ptr(x), t, s.hidden, ptr(final.weight), final.eps, ptr(out))
         return out

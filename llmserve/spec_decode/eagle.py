@@ -57,6 +57,7 @@ from llmserve.layers.linear import Linear
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models.llama import LlamaAttention, LlamaDecoderLayer
+from llmserve.models.llama_native import NativeLlamaLayers
 from llmserve.models.mlp import LlamaMLP
 from llmserve.spec_decode.medusa import HeadsFormatError, copy_head_tensor, read_head_config
 from llmserve.spec_decode.proposer import Proposer
@@ -94,6 +95,8 @@ class EagleHead(nn.Module):
         self.layers[0].input_layernorm = nn.Identity()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
+        # the layers as one native call (`_on_native_kernels`), as the target's
+        self.native: NativeLlamaLayers | None = None
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata
@@ -101,6 +104,9 @@ class EagleHead(nn.Module):
         """(T, H) token embeddings and target (or head) features -> the head's (T, H)
         rows for the LM head and the next step's features (EAGLE-1: the same rows)."""
         x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))
+        if self.native is not None and self.native.can_run(x, positions, kv_cache, meta):
+            x = self.native.forward(x, positions, kv_cache, meta, norm=False)
+            return x, x
         rope = self.rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(rope, x, kv_cache.layer(self.first_layer + i), meta)
@@ -202,10 +208,14 @@ def num_eagle_layers(folder: str | Path) -> int:
 
 
 def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.device,
-                    dtype: torch.dtype, eagle3: bool = False) -> "EagleHead | Eagle3Head":
+                    dtype: torch.dtype, eagle3: bool = False, int8: bool = True
+                    ) -> "EagleHead | Eagle3Head":
     """Read a head folder for `target` (EAGLE-1's layout, or with `eagle3` EAGLE-3's);
     refused by name where it does not fit (hidden size, attention shape: its K/V shares
-    the target's cache) or a tensor is missing, extra or misshapen."""
+    the target's cache) or a tensor is missing, extra or misshapen. `int8`: its linears in
+    int8 on the native kernels whatever the target's format (`_on_native_kernels`); else
+    float32 beside a float32 target (the weights as trained, which the training's
+    evaluation drafts with)."""
     folder = Path(folder)
     cfg, raw = read_eagle_config(folder)
     t = target.config
@@ -238,17 +248,20 @@ def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.dev
         head = EagleHead(cfg, "fc.bias" in tensors, t.num_hidden_layers, draft)
     _load(head, tensors, folder)
     head = head.to(device=device, dtype=dtype).eval()
-    _quantize_like_the_target(head, target, device)
+    _on_native_kernels(head, target, device, int8)
     return head
 
 
-def _quantize_like_the_target(head: nn.Module, target: "LoadedModel",
-                              device: torch.device) -> None:
-    """The head's linears on the native kernels, as the target's: int8 beside a quantized
-    target (the default path; in float32 its ~5 M weights (SmolLM2-135M's) cost a quarter
-    of the target's int4 step to read), packed float32 beside a float32 one (the exact
-    path: a head step of SmolLM2-135M's 2.7 -> 2.2 ms, its linears 2.0 -> 1.6 ms, on a
-    2-core Zen 3). Lossless: drafts are only proposals, verified by the target."""
+def _on_native_kernels(head: nn.Module, target: "LoadedModel", device: torch.device,
+                       int8: bool) -> None:
+    """The head's linears on the native kernels: int8 (`int8`, or beside a quantized
+    target; in float32 its ~10 M weights, SmolLM2-135M's with a draft vocabulary of
+    8,192, are ~40 MB to read a step, more than a 32 MB L3 holds), else packed float32
+    (beside a float32 target: a head step of SmolLM2-135M's 2.7 -> 2.2 ms, its linears
+    2.0 -> 1.6 ms, on a 2-core Zen 3). Lossless either way: drafts are only proposals,
+    verified by the target. An EAGLE-1 head's layers then run as one native call, as the
+    target's do (the same kernels in the same order: the same bits as the per-op path,
+    without its Python between them)."""
     from llmserve.kernels import native
     from llmserve.quantization import linear_method
     from llmserve.quantization.packed_float import PackedFloatLinearMethod
@@ -259,9 +272,12 @@ def _quantize_like_the_target(head: nn.Module, target: "LoadedModel",
         return
     for module in head.modules():
         if isinstance(module, Linear):
-            module.method = linear_method("int8") if target.quantization is not None \
+            module.method = linear_method("int8") if int8 or target.quantization is not None \
                 else PackedFloatLinearMethod()
             module.method.process_weights_after_loading(module)
+    if isinstance(head, EagleHead):
+        head.native = NativeLlamaLayers.for_head(list(head.layers), head.first_layer,
+                                                 head.config, head.rotary)
 
 
 def eagle3_aux_layers(raw: dict, target: "LoadedModel", folder: Path) -> tuple[int, ...]:

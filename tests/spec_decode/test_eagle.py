@@ -119,7 +119,8 @@ def test_head_over_the_paged_cache_equals_the_reference(tmp_path, float32_model,
     cfg = float32_model.config
     tensors = random_tensors(cfg, bias)
     folder = write_head(tmp_path / "eagle", cfg, tensors, prefix)
-    head = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32)
+    head = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32,
+                           int8=False)
     assert head.first_layer == cfg.num_hidden_layers
     t = 37
     g = torch.Generator().manual_seed(3)
@@ -265,21 +266,75 @@ def test_greedy_equal_under_a_grammar(tmp_path, default_model):
     assert llm.engine.speculator.stats.num_accepted_tokens > 0
 
 
-def test_the_head_runs_int8_beside_a_quantized_target(tmp_path, float32_model, default_model):
-    """The default path's head reads a quarter of its float32 bytes (drafts are only
-    proposals); the exact path's stays float32, equal to the training's evaluation."""
+def test_the_head_runs_int8_on_the_native_kernels(tmp_path, float32_model, default_model):
+    """The head reads a quarter of its float32 bytes on either path (drafts are only
+    proposals); asked, it stays float32 beside a float32 target, equal to the training's
+    evaluation; beside a quantized one it is int8 whatever is asked."""
     from llmserve.kernels import native
     from llmserve.quantization.int8 import Int8LinearMethod
+    from llmserve.quantization.packed_float import PackedFloatLinearMethod
 
     folder = write_head(tmp_path / "eagle", float32_model.config,
                         random_tensors(float32_model.config, bias=False))
-    exact = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32)
-    assert not isinstance(exact.fc.method, Int8LinearMethod)
-    if native() is None or default_model.quantization is None:
-        pytest.skip("no native kernels here: the default path is float too")
-    fast = load_eagle_head(folder, default_model, torch.device("cpu"), torch.float32)
-    linears = [m for m in fast.modules() if hasattr(m, "method")]
-    assert len(linears) == 5 and all(isinstance(m.method, Int8LinearMethod) for m in linears)
+    if native() is None:
+        pytest.skip("no native kernels here: the head stays float")
+
+    def methods(target, **kw):
+        head = load_eagle_head(folder, target, torch.device("cpu"), torch.float32, **kw)
+        linears = [m for m in head.modules() if hasattr(m, "method")]
+        assert len(linears) == 5
+        return {type(m.method) for m in linears}
+
+    assert methods(float32_model) == {Int8LinearMethod}
+    assert methods(float32_model, int8=False) == {PackedFloatLinearMethod}
+    if default_model.quantization is not None:
+        assert methods(default_model) == methods(default_model, int8=False) \
+            == {Int8LinearMethod}
+
+
+@pytest.mark.parametrize(("path", "int8"), [("float32", False), ("float32", True),
+                                           ("default", True)])
+def test_the_head_layer_runs_natively_with_the_per_op_bits(tmp_path, float32_model,
+                                                          default_model, path, int8):
+    """Beside a target on the native kernels the head's layer runs as one native call (no
+    input norm: EAGLE's), giving the per-op path's outputs and K/V bit for bit, whole and
+    over the cached K/V."""
+    from llmserve.kernels import native
+
+    target = float32_model if path == "float32" else default_model
+    cfg = target.config
+    folder = write_head(tmp_path / "eagle", cfg, random_tensors(cfg, bias=False))
+    head = load_eagle_head(folder, target, torch.device("cpu"), torch.float32, int8=int8)
+    if native() is None:
+        assert head.native is None
+        pytest.skip("no native kernels here")
+    assert head.native is not None
+    g = torch.Generator().manual_seed(5)
+    t = 21
+    ids = torch.randint(100, 5000, (t,), generator=g)
+    features = torch.randn(t, cfg.hidden_size, generator=g)
+    attention = attention_backend(torch.device("cpu"))
+    block, table = 16, [list(range(2))]
+    runs = {}
+    for name, stack in (("native", head.native), ("per op", None)):
+        head.native = stack
+        cache = KVCache.allocate(cfg.num_hidden_layers + 1, 2, block, cfg.num_key_value_heads,
+                                 cfg.head_dim, torch.float32, torch.device("cpu"),
+                                 zeroed=True)
+        out, start = [], 0
+        with torch.inference_mode():
+            embeds = target.model.model.embed_tokens(ids).float()
+            for n in (13, 1, 7):
+                meta = AttentionMetadata.build([n], [start], table, block,
+                                               torch.device("cpu"), attention)
+                positions = torch.arange(start, start + n)
+                assert stack is None or stack.can_run(embeds, positions, cache, meta)
+                out.append(head(embeds[start:start + n], features[start:start + n],
+                                positions, cache, meta)[0].clone())
+                start += n
+        runs[name] = (torch.cat(out), cache.key[-1].clone(), cache.value[-1].clone())
+    for got, want in zip(runs["native"], runs["per op"], strict=True):
+        assert torch.equal(got, want)
 
 
 def with_a_grammar(prompts: list[str]) -> tuple[list[str], list[SamplingParams]]:

@@ -124,7 +124,8 @@ def test_head_over_the_paged_cache_equals_the_reference(tmp_path, float32_model,
     draft_ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(1))[:300]
     tensors = random_eagle3(cfg, draft_ids, prefix=prefix)
     folder = write_eagle3(tmp_path / "eagle3", eagle3_config(cfg, 300, [1, 10, 20]), tensors)
-    head = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32, True)
+    head = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32, True,
+                           int8=False)
     assert head.aux_layers == (1, 10, 20) and head.first_layer == cfg.num_hidden_layers
     assert torch.equal(head.draft_ids, draft_ids)
     t = 37

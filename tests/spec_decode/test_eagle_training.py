@@ -88,7 +88,8 @@ def test_the_proposer_drafts_the_chains_the_held_out_figure_counts(tmp_path, flo
     folder = save_eagle_head(trainer, vocabulary, cfg, tmp_path / "head")
     config = json.loads((folder / "config.json").read_text())
     assert config["draft_vocab_size"] == len(vocabulary.ids) == 400
-    head = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32)
+    head = load_eagle_head(folder, float32_model, torch.device("cpu"), torch.float32,
+                           int8=False)
     assert torch.equal(head.draft_ids, vocabulary.ids)
     block = 16
     kv_cache = KVCache.allocate(cfg.num_hidden_layers + 1, 8, block, cfg.num_key_value_heads,

@@ -22,6 +22,11 @@ namespace {
 // gives the one-rank result bit for bit when the ranks split K at multiples of kF32RunK:
 // heads of 16 or more, MLP channels in units of 32).
 constexpr int64_t kF32RunK = 16;
+// Software prefetch distance of each weight stream, into the caches (past a block's end: the
+// next block's start). The hardware prefetcher alone left the exact path's weight pass well
+// short of the memory's speed: SmolLM2-135M's linears (540 MB) at batch 1 took 15.1 ms
+// without, 10.3 ms with 2 KB ahead (5 rows: 17.7 -> 13.1 ms), 2-core Zen 5 VM.
+constexpr int64_t kF32PrefetchBytes = 2048;
 
 template <int MT, int NB>
 inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int64_t nb0,
@@ -39,7 +44,11 @@ inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int6
       for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
     for (int64_t k = k0; k < std::min(K, k0 + kF32RunK); ++k) {
       F16 wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = simd::load(w + ((nb0 + b) * K + k) * kBlockN);
+      for (int b = 0; b < NB; ++b) {
+        const float* line = w + ((nb0 + b) * K + k) * kBlockN;
+        prefetch_weights<false>(reinterpret_cast<const char*>(line) + kF32PrefetchBytes);
+        wv[b] = simd::load(line);
+      }
       for (int m = 0; m < MT; ++m) {
         const F16 xv = simd::set1(x[(m0 + m) * K + k]);
         for (int b = 0; b < NB; ++b) acc[m][b] = simd::fmadd(xv, wv[b], acc[m][b]);

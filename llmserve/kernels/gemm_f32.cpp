@@ -24,8 +24,9 @@ namespace {
 constexpr int64_t kF32RunK = 16;
 // Software prefetch distance of each weight stream, into the caches (past a block's end: the
 // next block's start). The hardware prefetcher alone left the exact path's weight pass well
-// short of the memory's speed: SmolLM2-135M's linears (540 MB) at batch 1 took 15.1 ms
-// without, 10.3 ms with 2 KB ahead (5 rows: 17.7 -> 13.1 ms), 2-core Zen 5 VM.
+// short of the memory's speed: SmolLM2-135M's linears (540 MB), alternated twice on a 2-core
+// Zen 5 VM (benchmarks/f32_gemm_rows.py): 1 row 18.9 / 15.9 ms without, 16.1 / 15.4 ms with
+// 2 KB ahead; 5 rows 24.8 / 24.9 -> 16.6 / 18.7 ms; 9 rows 26.9 / 26.6 -> 18.8 / 19.2 ms.
 constexpr int64_t kF32PrefetchBytes = 2048;
 
 template <int MT, int NB>

@@ -9,8 +9,6 @@
 
 #include "packed_weight.h"
 
-#include <cstring>
-
 // the argument structs of llmserve_llama_layers (kernels.h), as llama_native.py builds them
 struct LlamaLayer {
   const float* input_norm;  // nullptr: none, the layer reads the stream as it is (EAGLE's)
@@ -114,12 +112,13 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
   float* delta = act + T * s.intermediate;         // (T, C)
   for (int64_t i = 0; i < num_layers; ++i) {
     const LlamaLayer& L = layers[i];
-    if (L.input_norm != nullptr)
+    const float* normed = x;  // no input norm: the stream as it is
+    if (L.input_norm != nullptr) {
       llmserve_rms_norm(x, T, C, L.input_norm, s.eps, h);
-    else
-      std::memcpy(h, x, T * C * sizeof(float));
-    linear(h, T, L.qkv, qkv, qscratch);
-    lora(lora_step, i, 0, h, T, C, qkv, qkv_width);
+      normed = h;
+    }
+    linear(normed, T, L.qkv, qkv, qscratch);
+    lora(lora_step, i, 0, normed, T, C, qkv, qkv_width);
     if (L.q_norm != nullptr) {
       llmserve_rms_norm_heads(qkv, T, qkv_width, H, D, L.q_norm, s.eps);
       llmserve_rms_norm_heads(qkv + H * D, T, qkv_width, Hkv, D, L.k_norm, s.eps);

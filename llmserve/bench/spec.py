@@ -8,13 +8,17 @@ Two parts, each engine alone on the machine (they run one after another):
   passage, document code: the texts ship in `llmserve/bench/data/`) and open-ended chat,
   one request at a time, greedy. Reported: output tok/s, the speedup over no speculation
   on the same path, the acceptance rate, the mean accepted length, and whether the
-  output equals the non-speculative one token for token (it must);
+  output equals the non-speculative one token for token (it must). With `--repeats N`
+  the methods take turns N times on each workload and the speedup is the median of the
+  run-by-run ratios (a machine whose speed drifts between runs moves both sides of a
+  pair; a single run's ratio there is noise);
 * concurrency: distinct prompts, grounded and chat in turn, at 1, 2, 4, ... concurrent
   requests, speculation always on (`disable_by_batch_size` lifted) with a fixed k and
   adaptive, against none; the first concurrency where it no longer pays is the crossover
   the default `disable_by_batch_size` comes from.
 """
 
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -82,6 +86,9 @@ class SpecResult:
     num_accepted_tokens: int
     num_rounds: int
     identical: bool | None  # output equal to the same path without speculation
+    # with repeats: each run's seconds, the methods of a workload taking turns (`seconds`
+    # is their median); the speedup is then the median of the ratios run by run
+    runs: list[float] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -146,8 +153,9 @@ def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_
                    concurrencies: list[int], k: int, kv_cache_memory: str = "1GiB",
                    log: Any = print, crossover_method: str = "ngram",
                    crossover_path: str = "default",
-                   heads: dict[str, str] | None = None) -> dict[str, Any]:
-    """`heads`: the head folder of each of medusa and eagle among `methods`."""
+                   heads: dict[str, str] | None = None, repeats: int = 1) -> dict[str, Any]:
+    """`heads`: the head folder of each of medusa and eagle among `methods`; `repeats`:
+    the batch-1 runs of each workload, every method once a turn (`SpecResult.runs`)."""
     heads = heads or {}
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=False)
     results: list[SpecResult] = []
@@ -156,32 +164,40 @@ def run_spec_bench(model: str | None, methods: list[str], paths: list[str], max_
         dtype = "float32" if path == "float32" else "auto"
         base = LLM(model, dtype=dtype, kv_cache_memory=kv_cache_memory)
         paths_seen[path] = path_info(base)
+        # self_draft is for the exact path (on the default one the target is the draft)
+        engines = {m: base if m == "none" else engine_for(base, m, k, heads=heads.get(m))
+                   for m in ["none", *[m for m in methods if m != "none" and not (
+                       m == "self_draft" and path == "default")]]}
         for workload, make in WORKLOADS.items():
             prompts = chat_token_ids(base, make())
-            reference = None
-            # self_draft is for the exact path (on the default one the target is the draft)
-            for method in ["none", *[m for m in methods if m != "none" and not (
-                    m == "self_draft" and path == "default")]]:
-                llm = base if method == "none" else engine_for(base, method, k,
-                                                               heads=heads.get(method))
+            for llm in engines.values():
                 llm.generate(prompts[:1], replace(params, max_tokens=8), use_tqdm=False)
-                seconds, outputs, (drafts, accepted, rounds) = run_workload(
-                    llm, prompts, params, 1)
-                if method == "none":
-                    reference = outputs
-                result = SpecResult(path, method, workload, 1, sum(map(len, outputs)),
-                                    seconds, drafts, accepted, rounds,
-                                    None if method == "none" else outputs == reference)
+            runs: dict[str, list[tuple[float, list[list[int]], tuple[int, int, int]]]] = {
+                m: [] for m in engines}
+            for _ in range(repeats):  # the methods take turns: a drift touches them all
+                for method, llm in engines.items():
+                    runs[method].append(run_workload(llm, prompts, params, 1))
+            reference = runs["none"][0][1]
+            for method, done in runs.items():
+                counts = [sum(c) for c in zip(*(r[2] for r in done), strict=True)]
+                result = SpecResult(path, method, workload, 1, sum(map(len, done[0][1])),
+                                    statistics.median(r[0] for r in done), *counts,
+                                    None if method == "none" else
+                                    all(r[1] == reference for r in done),
+                                    [r[0] for r in done] if repeats > 1 else None)
                 results.append(result)
                 log(format_row(result, results))
     if concurrencies:
         results += run_crossover(model, k, max_tokens, concurrencies, kv_cache_memory, log,
                                  crossover_method, crossover_path)
     return {"machine": machine_info(), "paths": paths_seen, "num_speculative_tokens": k,
-            "max_tokens": max_tokens, "heads": {m: _head_info(f) for m, f in heads.items()},
+            "max_tokens": max_tokens, "repeats": repeats,
+            "heads": {m: _head_info(f) for m, f in heads.items()},
             "results": [dict(vars(r), tokens_per_s=r.tokens_per_s,
                              acceptance_rate=r.acceptance_rate,
-                             mean_accepted_length=r.mean_accepted_length) for r in results],
+                             mean_accepted_length=r.mean_accepted_length,
+                             speedup=speedup(r, b) if (b := _baseline(r, results)) else None)
+                        for r in results],
             "crossover": crossover(results, f"{crossover_method}/fixed"),
             "crossover_adaptive": crossover(results, crossover_method)}
 
@@ -249,14 +265,22 @@ HEADER = (f"{'path':<8} {'workload':<9} {'conc':>4} {'method':<11} {'tok/s':>7} 
           f"{'speedup':>7} {'accept':>6} {'len':>5} {'same':>5}")
 
 
+def speedup(r: SpecResult, base: SpecResult) -> float:
+    """r's speedup over `base` (none on the same path and workload): with repeats the
+    median of the ratios of the runs that took turns, else the ratio of the rates."""
+    if r.runs and base.runs and len(r.runs) == len(base.runs):
+        return statistics.median(b / s for b, s in zip(base.runs, r.runs, strict=True))
+    return r.tokens_per_s / base.tokens_per_s
+
+
 def format_row(r: SpecResult, results: list[SpecResult]) -> str:
     base = _baseline(r, results)
-    speedup = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base else "-"
+    speedup_ = f"{speedup(r, base):.2f}x" if base else "-"
     accept = f"{r.acceptance_rate:.0%}" if r.acceptance_rate is not None else "-"
     length = f"{r.mean_accepted_length:.2f}" if r.mean_accepted_length is not None else "-"
     same = "-" if r.identical is None else ("yes" if r.identical else "NO")
     return (f"{r.path:<8} {r.workload:<9} {r.concurrency:>4} {r.method:<11} "
-            f"{r.tokens_per_s:>7.1f} {speedup:>7} {accept:>6} {length:>5} {same:>5}")
+            f"{r.tokens_per_s:>7.1f} {speedup_:>7} {accept:>6} {length:>5} {same:>5}")
 
 
 def format_report(data: dict[str, Any]) -> str:

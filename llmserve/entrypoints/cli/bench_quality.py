@@ -110,6 +110,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
     unknown = [p for p in args.paths if p not in ("default", "float32")]
     if unknown:
         raise ValueError(f"--paths: {unknown[0]!r} is not default or float32")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be at least 1")
     set_threads(args)
     print(format_machine(), flush=True)
     print(HEADER, flush=True)
@@ -117,7 +119,8 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
                           [c for c in args.concurrency if c > 0], args.num_speculative_tokens,
                           log=lambda line: print(line, flush=True),
                           crossover_method=args.crossover_method,
-                          crossover_path=args.crossover_path, heads=heads)
+                          crossover_path=args.crossover_path, heads=heads,
+                          repeats=args.repeats)
     print("\n".join(format_report(data).splitlines()[-2:]))
     if args.output_json:
         write_json(args.output_json, data)
@@ -164,6 +167,9 @@ def _spec_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--num-speculative-tokens", type=int, default=4,
                     help="most drafts per step (default 4)")
     sp.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    sp.add_argument("--repeats", type=int, default=1,
+                    help="batch-1 runs per workload, the methods taking turns; the speedup "
+                         "is the median of the run-by-run ratios (default 1)")
     sp.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8, 16, 32),
                     help="concurrencies for the crossover (default 1,2,4,8,16,32; 0: skip)")
     sp.add_argument("--crossover-method", choices=("ngram", "self_draft"), default="ngram",

@@ -40,7 +40,7 @@ pre-norm sum is the next chain step's feature. The published layout: `midlayer.*
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -233,6 +233,7 @@ def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.dev
         tensors = {k.removeprefix("model."): v for k, v in load_file(file).items()}
     except (SafetensorError, OSError) as e:
         raise HeadsFormatError(f"{file}: {e}") from None
+    tensors = _dequantized(tensors, folder)
     if eagle3:
         tensors = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k:
                    v for k, v in tensors.items()}
@@ -246,7 +247,7 @@ def load_eagle_head(folder: str | Path, target: "LoadedModel", device: torch.dev
         if draft == t.vocab_size and "d2t" not in tensors:
             draft = None  # the whole vocabulary: the target's own LM head
         head = EagleHead(cfg, "fc.bias" in tensors, t.num_hidden_layers, draft)
-    _load(head, tensors, folder)
+    _load(head, tensors, folder, lambda ids: target_lm_head_rows(target.model, ids))
     head = head.to(device=device, dtype=dtype).eval()
     _on_native_kernels(head, target, device, int8)
     return head
@@ -303,14 +304,52 @@ def eagle3_aux_layers(raw: dict, target: "LoadedModel", folder: Path) -> tuple[i
     return tuple(sorted(ids))
 
 
+def target_lm_head_rows(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a target's LM head (a tied model's: its embedding) as float32,
+    unpacked or dequantized from the format the engine keeps it in, out of inference
+    mode (training reads them too)."""
+    head = getattr(model, "lm_head", None)
+    weight = head.weight if head is not None else model.model.embed_tokens.weight
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    with torch.inference_mode():
+        if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+            rows = weight.detach()[ids.to(weight.device)]
+        elif hasattr(weight, "embedding_rows"):
+            rows = weight.embedding_rows(ids)
+        else:
+            raise HeadsFormatError("the target keeps its LM head in a format whose rows "
+                                   "cannot be read back as floats")
+    return rows.float().cpu().clone()
+
+
+def _dequantized(tensors: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    """A compact head's int8 matrices (`save_eagle_head(compact=True)`: `name` in int8
+    beside `name_scale`, one float per row) as float32; other tensors as they are."""
+    out = {}
+    for name, tensor in tensors.items():
+        if tensor.dtype == torch.int8:
+            scale = tensors.get(name + "_scale")
+            if scale is None or tensor.dim() != 2 or tuple(scale.shape) != (len(tensor),):
+                raise HeadsFormatError(f"{folder}: the int8 tensor {name!r} needs "
+                                       f"{name + '_scale'!r}, one float per row")
+            tensor = tensor.float() * scale.float()[:, None]
+        elif name.endswith("_scale") and tensors.get(name[:-6], tensor).dtype == torch.int8:
+            continue  # read with its matrix
+        out[name] = tensor
+    return out
+
+
 @torch.no_grad()
-def _load(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> None:
+def _load(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path,
+          target_rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """`target_rows(ids)`: the target's LM head rows, a draft vocabulary's where the
+    file has no `lm_head.weight` (a compact head)."""
     params = dict(head.named_parameters())
     loaded: set[str] = set()
     fused: dict[str, list] = {}
     if head.lm_head is not None:
         if "d2t" in tensors or head.lm_head.weight.shape[0] != head.config.vocab_size:
-            _draft_vocabulary(head, tensors, folder)
+            _draft_vocabulary(head, tensors, folder, target_rows)
         elif "lm_head.weight" not in tensors:
             raise HeadsFormatError(f"{folder}: missing head weights, e.g. 'lm_head.weight'")
         else:  # its own LM head over the whole vocabulary
@@ -336,12 +375,13 @@ def _load(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> No
         raise HeadsFormatError(f"{folder}: missing head weights, e.g. {missing[0]!r}")
 
 
-def _draft_vocabulary(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    """The draft vocabulary's LM head rows and target ids (`d2t`: id = row + d2t[row])."""
+def _draft_vocabulary(head: EagleHead, tensors: dict[str, torch.Tensor], folder: Path,
+                      target_rows: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The draft vocabulary's LM head rows and target ids (`d2t`: id = row + d2t[row]);
+    without `lm_head.weight` in the file, the target's own rows of those ids."""
     rows, vocab = head.lm_head.weight.shape[0], head.config.vocab_size
-    for name in ("d2t", "lm_head.weight"):
-        if name not in tensors:
-            raise HeadsFormatError(f"{folder}: draft_vocab_size {rows} needs {name!r}")
+    if "d2t" not in tensors:
+        raise HeadsFormatError(f"{folder}: draft_vocab_size {rows} needs 'd2t'")
     d2t = tensors["d2t"]
     if tuple(d2t.shape) != (rows,) or d2t.is_floating_point():
         raise HeadsFormatError(f"{folder}: d2t must be {rows} integers, got "
@@ -351,7 +391,9 @@ def _draft_vocabulary(head: EagleHead, tensors: dict[str, torch.Tensor], folder:
         raise HeadsFormatError(f"{folder}: d2t maps draft ids outside the vocabulary of "
                                f"{vocab} or two onto one token")
     head.draft_ids.copy_(ids)
-    copy_head_tensor(head.lm_head.weight, "lm_head.weight", tensors["lm_head.weight"], folder)
+    weight = tensors.get("lm_head.weight")
+    copy_head_tensor(head.lm_head.weight, "lm_head.weight",
+                     target_rows(ids) if weight is None else weight, folder)
 
 
 def _copy(params: dict, name: str, tensor: torch.Tensor, folder: Path, loaded: set) -> None:

@@ -15,7 +15,12 @@ from llmserve.config.model import ModelConfig
 from llmserve.entrypoints.cli import main
 from llmserve.layers.attention.selector import attention_backend
 from llmserve.layers.kv_cache import KVCache
-from llmserve.spec_decode.eagle import EagleProposer, eagle_head_config, load_eagle_head
+from llmserve.spec_decode.eagle import (
+    EagleProposer,
+    eagle_head_config,
+    load_eagle_head,
+    target_lm_head_rows,
+)
 from llmserve.spec_decode.eagle_training import (
     DraftVocabulary,
     EagleSequence,
@@ -101,6 +106,45 @@ def test_the_proposer_drafts_the_chains_the_held_out_figure_counts(tmp_path, flo
         seed = DraftSeed("r", tokens[: p + 2], depth, hidden[: p + 1], 0, blocks)
         got = proposer.propose([seed])[0]
         assert got == drafts[p - seq.first].tolist(), p
+
+
+@pytest.mark.parametrize("path", ["float32", "default"])
+def test_a_compact_head_is_its_full_head_on_the_engine(tmp_path, float32_model, default_model,
+                                                       path):
+    """`train-heads --compact`: int8 matrices with a scale per row and no LM head rows (the
+    target's own, read back from its format: float32, or the default path's packed
+    embedding) -- under a quarter of the bytes, and on the engine (which runs a head in
+    int8) the same head: equal drafts, bit-equal K/V."""
+    target = float32_model if path == "float32" else default_model
+    cfg = target.config
+    torch.manual_seed(3)
+    trainer = TrainableEagle(cfg)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.mul_(8)
+    ids = torch.arange(100, 1124)
+    rows = target_lm_head_rows(target.model, ids)
+    vocabulary = DraftVocabulary(ids, rows, rows)
+    full = save_eagle_head(trainer, vocabulary, cfg, tmp_path / "full")
+    compact = save_eagle_head(trainer, vocabulary, cfg, tmp_path / "compact", compact=True)
+    assert "lm_head.weight" not in load_file(compact / "model.safetensors")
+    assert (compact / "model.safetensors").stat().st_size * 4 < \
+        (full / "model.safetensors").stat().st_size
+    tokens, hidden = random_sequence(cfg, 40, 4)
+    block, out = 16, []
+    for folder in (full, compact):
+        head = load_eagle_head(folder, target, torch.device("cpu"), torch.float32)
+        kv_cache = KVCache.allocate(cfg.num_hidden_layers + 1, 8, block,
+                                    cfg.num_key_value_heads, cfg.head_dim, torch.float32,
+                                    torch.device("cpu"), zeroed=True)
+        proposer = EagleProposer(head, target.model, kv_cache,
+                                 attention_backend(torch.device("cpu")), torch.device("cpu"))
+        proposer.min_confidence = 0.0
+        seed = DraftSeed("r", tokens[:31], 4, hidden[:30], 0, np.arange(8, dtype=np.int32))
+        out.append((proposer.propose([seed])[0], kv_cache.key[-1].clone(),
+                    kv_cache.value[-1].clone()))
+    assert len(out[0][0]) == 4 and out[0][0] == out[1][0]
+    assert torch.equal(out[0][1], out[1][1]) and torch.equal(out[0][2], out[1][2])
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -165,7 +165,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         info["draft_vocab_size"] = len(vocabulary.ids)
 
         def checkpoint(head, step: int) -> None:
-            save_eagle_head(head, vocabulary, target, output, info | {"checkpoint_step": step})
+            save_eagle_head(head, vocabulary, target, output, info | {"checkpoint_step": step},
+                            args.compact)
 
         info["unroll"] = args.unroll
         # as many greedy training answers as held-out ones: the figure beside it
@@ -191,7 +192,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
              "held_out_tokens_per_round": round(result.held_out_tokens_per_round, 3),
              "held_out_accuracy": [round(a, 3) for a in result.held_out_accuracy]}
     if args.method == "eagle":
-        save_eagle_head(result.head, result.vocabulary, llm.engine.loaded.config, output, info)
+        save_eagle_head(result.head, result.vocabulary, llm.engine.loaded.config, output, info,
+                        args.compact)
         what, accuracy = (f"an EAGLE head ({len(result.vocabulary.ids)} draft tokens)",
                           "rounds reaching each depth")
     else:
@@ -284,18 +286,16 @@ def _lm_head_weight(llm):
     dequantized from the format the engine keeps it in."""
     import torch
 
-    model = llm.engine.loaded.model
-    head = getattr(model, "lm_head", None)
-    weight = head.weight if head is not None else model.model.embed_tokens.weight
-    if isinstance(weight, torch.Tensor) and weight.is_floating_point():
-        return weight.detach().float()
-    if hasattr(weight, "embedding_rows"):
-        with torch.inference_mode():
-            rows = weight.embedding_rows(torch.arange(llm.engine.loaded.config.vocab_size))
-        return rows.float().clone()  # out of inference mode: the training reads it
-    raise LLMServeError("train-heads needs the target's LM head as a float matrix; "
-                        f"{llm.engine.loaded.source.name} keeps it in a format it cannot "
-                        "unpack")
+    from llmserve.spec_decode.eagle import target_lm_head_rows
+    from llmserve.spec_decode.medusa import HeadsFormatError
+
+    try:
+        return target_lm_head_rows(llm.engine.loaded.model,
+                                   torch.arange(llm.engine.loaded.config.vocab_size))
+    except HeadsFormatError:
+        raise LLMServeError("train-heads needs the target's LM head as a float matrix; "
+                            f"{llm.engine.loaded.source.name} keeps it in a format it "
+                            "cannot unpack") from None
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -328,6 +328,10 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="EAGLE: the answers' most frequent tokens it drafts over "
                              "(default 8192)")
+    parser.add_argument("--compact", action="store_true",
+                        help="EAGLE: write the head's matrices in int8 (a scale per row) "
+                             "without the draft vocabulary's LM head rows, which are the "
+                             "target's (an eighth of the size)")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="tokens per answer (default 256)")
     parser.add_argument("--max-prompt-tokens", type=int, default=512,
@@ -372,6 +376,9 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.self_prompts and (args.data is not None or args.dataset is not None):
         parser.error("--self-prompts adds to the built-in prompts: not with --data or "
                      "--dataset")
+    if args.compact and args.method != "eagle":
+        parser.error("--compact is for --method eagle (Medusa heads share the target's LM "
+                     "head already)")
 
 
 COMMAND = Command("train-heads", help="train Medusa or EAGLE heads for a model (speculative "

@@ -278,16 +278,18 @@ def train_eagle(train: list[EagleSequence], held_out: list[EagleSequence],
                 checkpoint: Callable[[TrainableEagle, int], None] | None = None,
                 checkpoint_every: int = 200, unroll: int = 1,
                 train_measured: list[EagleSequence] | None = None,
-                dtype: torch.dtype = torch.float32) -> EagleResult:
+                dtype: torch.dtype = torch.float32,
+                init: TrainableEagle | None = None) -> EagleResult:
     """Train a head on `train` (`batch_size` sequences a step); the held-out chains draft
     up to `depth` tokens. `unroll` > 1 also trains the chain's next steps from the
     head's own features (`chain_losses`); `train_measured`: training sequences whose
     figure is reported beside the held-out one (how far the head overfits); `dtype` the
-    matrix products' (`training.training_dtype`)."""
+    matrix products' (`training.training_dtype`); `init`: a head to go on training
+    (`resume_eagle`, with its own vocabulary) instead of a fresh one."""
     if not train:
         raise ValueError("no answer is long enough to train on (each needs 3 tokens)")
     torch.manual_seed(seed)
-    head = TrainableEagle(cfg)
+    head = TrainableEagle(cfg) if init is None else init
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95),
                                   weight_decay=0.0)
     scheduler = warmup_cosine(optimizer, steps)
@@ -402,6 +404,39 @@ def chain_drafts(head: TrainableEagle, vocabulary: DraftVocabulary, seq: EagleSe
     right = known & (drafts[rows] == tokens[index.clamp(max=len(tokens) - 1)])
     return drafts[rows], right
 
+
+
+def resume_eagle(folder: str | Path, cfg: ModelConfig, lm_head: torch.Tensor,
+                 embed: Callable[[list[int]], torch.Tensor]
+                 ) -> tuple[TrainableEagle, DraftVocabulary]:
+    """A head `save_eagle_head` wrote (full or compact) for the target of `cfg`, to go on
+    training, with its draft vocabulary (`d2t`'s ids, the target's `lm_head` rows (V, H)
+    and `embed` rows); a HeadsFormatError where it is not such a head."""
+    from safetensors.torch import load_file
+
+    from llmserve.spec_decode.eagle import dequantized_head_tensors, read_eagle_config
+    from llmserve.spec_decode.medusa import HeadsFormatError
+
+    folder = Path(folder)
+    head_cfg, _ = read_eagle_config(folder)
+    if head_cfg.hidden_size != cfg.hidden_size or head_cfg.num_hidden_layers != 1:
+        raise HeadsFormatError(f"{folder}: not a one-layer head of hidden size "
+                               f"{cfg.hidden_size}")
+    try:
+        tensors = dequantized_head_tensors(load_file(folder / WEIGHT_FILE), folder)
+    except (OSError, ValueError) as e:
+        raise HeadsFormatError(f"{folder / WEIGHT_FILE}: {e}") from None
+    if "d2t" not in tensors:
+        raise HeadsFormatError(f"{folder}: no draft vocabulary (d2t) to go on with")
+    ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"].long()
+    head = TrainableEagle(cfg)
+    state = {k: v for k, v in tensors.items() if k not in ("d2t", "lm_head.weight")}
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as e:
+        raise HeadsFormatError(f"{folder}: {e}") from None
+    ids_list = ids.tolist()
+    return head, DraftVocabulary(ids, lm_head[ids].contiguous(), embed(ids_list))
 
 
 def save_eagle_head(head: TrainableEagle, vocabulary: DraftVocabulary, target: ModelConfig,

@@ -30,6 +30,7 @@ from llmserve.spec_decode.eagle_training import (
     chain_losses,
     draft_vocabulary,
     eagle_sequences,
+    resume_eagle,
     save_eagle_head,
     train_eagle,
 )
@@ -277,6 +278,47 @@ def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm
     for name, tensor in load_file(out / "model.safetensors").items():
         assert torch.equal(tensor, weights[name]), name
     assert_drafts_losslessly(float32_model, "eagle", out)
+    # training goes on from that head (its vocabulary kept), written compact
+    more = tmp_path / "more"
+    flags[flags.index(str(out))] = str(more)
+    assert main([*flags, "--dataset", str(dataset), "--init", str(out), "--compact"]) == 0
+    info = json.loads((more / "config.json").read_text())["llmserve"]
+    assert info["init"] == str(out) and info["draft_vocab_size"] == 50
+    tensors = load_file(more / "model.safetensors")
+    assert torch.equal(tensors["d2t"], weights["d2t"]) and "lm_head.weight" not in tensors
+    assert tensors["fc.weight"].dtype == torch.int8
+    assert_drafts_losslessly(float32_model, "eagle", more)
+
+
+def test_a_saved_head_resumes_as_it_was_saved(tmp_path, float32_model):
+    cfg = float32_model.config
+    torch.manual_seed(5)
+    trainer = TrainableEagle(cfg)
+    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size)
+
+    def embed(ids):
+        return lm_head[torch.as_tensor(ids)] * 2
+
+    ids = torch.tensor([3, 8, 900, 4000])
+    vocabulary = DraftVocabulary(ids, lm_head[ids], embed(ids))
+    for compact in (False, True):
+        folder = save_eagle_head(trainer, vocabulary, cfg, tmp_path / str(compact),
+                                 compact=compact)
+        head, again = resume_eagle(folder, cfg, lm_head, embed)
+        assert torch.equal(again.ids, ids) and torch.equal(again.lm_head, lm_head[ids])
+        assert torch.equal(again.embeds, embed(ids))
+        for name, tensor in trainer.state_dict().items():
+            got = head.state_dict()[name]
+            if compact and tensor.dim() == 2:  # int8 with a scale per row
+                step = tensor.abs().amax(dim=1, keepdim=True) / 127
+                assert ((got - tensor).abs() <= step / 2 + 1e-7).all(), name
+            else:
+                assert torch.equal(got, tensor), name
+    with pytest.raises(HeadsFormatError, match="no draft vocabulary"):
+        tensors = load_file(folder / "model.safetensors")
+        del tensors["d2t"]
+        save_file(tensors, folder / "model.safetensors")
+        resume_eagle(folder, cfg, lm_head, embed)
 
 
 def test_the_loss_counts_the_answers_not_the_prompts():

@@ -104,10 +104,11 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
     from llmserve.spec_decode.eagle_training import (
         draft_vocabulary,
         eagle_sequences,
+        resume_eagle,
         save_eagle_head,
         train_eagle,
     )
-    from llmserve.spec_decode.medusa import save_medusa_heads
+    from llmserve.spec_decode.medusa import HeadsFormatError, save_medusa_heads
     from llmserve.spec_decode.training import (
         load_answers,
         save_answers,
@@ -160,8 +161,16 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
             "command": "llmserve " + " ".join(args.argv)}
     if args.method == "eagle":
         embed = _embedding(llm, lm_head)
-        vocabulary = draft_vocabulary(train, lm_head, embed, args.draft_vocab)
         target = llm.engine.loaded.config
+        init = None
+        if args.init is not None:
+            try:
+                init, vocabulary = resume_eagle(args.init, target, lm_head, embed)
+            except HeadsFormatError as e:
+                raise LLMServeError(f"--init {e}") from None
+            info["init"] = str(args.init)
+        else:
+            vocabulary = draft_vocabulary(train, lm_head, embed, args.draft_vocab)
         info["draft_vocab_size"] = len(vocabulary.ids)
 
         def checkpoint(head, step: int) -> None:
@@ -174,7 +183,7 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
         result = train_eagle(eagle_sequences(train, embed), eagle_sequences(held_out, embed),
                              target, vocabulary, steps, batch_size, lr, args.num_heads,
                              args.seed, progress, checkpoint, args.checkpoint_every,
-                             args.unroll, eagle_sequences(measured, embed), dtype)
+                             args.unroll, eagle_sequences(measured, embed), dtype, init)
         info["train_tokens_per_round"] = round(result.train_tokens_per_round or 1.0, 3)
     else:
         def checkpoint(heads, step: int) -> None:
@@ -328,6 +337,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, default=8192,
                         help="EAGLE: the answers' most frequent tokens it drafts over "
                              "(default 8192)")
+    parser.add_argument("--init", metavar="FOLDER",
+                        help="EAGLE: go on training this head (one train-heads wrote, full "
+                             "or --compact; its draft vocabulary kept) instead of a new one")
     parser.add_argument("--compact", action="store_true",
                         help="EAGLE: write the head's matrices in int8 (a scale per row) "
                              "without the draft vocabulary's LM head rows, which are the "
@@ -376,6 +388,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.self_prompts and (args.data is not None or args.dataset is not None):
         parser.error("--self-prompts adds to the built-in prompts: not with --data or "
                      "--dataset")
+    if args.init is not None and args.method != "eagle":
+        parser.error("--init is for --method eagle")
     if args.compact and args.method != "eagle":
         parser.error("--compact is for --method eagle (Medusa heads share the target's LM "
                      "head already)")

@@ -337,9 +337,15 @@ def chain_losses(head: TrainableEagle, vocabulary: DraftVocabulary, embeds: torc
     output, at position p + s, attending to the true prefix and its chain
     (`chain_step`), and learns f[p + 1 + s]. Training weighs step s STEP_WEIGHT^s."""
     out, prefix = head(embeds, features, return_keys=True)
-    losses = [_step_loss(vocabulary, out[mask], targets[mask])]
-    chain: list[Keys] = []
+    # step s learns the rows of the same positions q (those `mask` counts) that are at
+    # least s: the target's distribution there is computed once
+    wanted = targets[mask]
+    with torch.no_grad():
+        target_p = vocabulary.logits(wanted).softmax(dim=-1)
     t = embeds.shape[1]
+    q = torch.arange(t).expand(mask.shape)[mask]
+    losses = [_step_loss(vocabulary, out[mask], wanted, target_p)]
+    chain: list[Keys] = []
     for s in range(1, unroll):
         valid = _shifted(mask, s)
         if not valid.any():
@@ -347,14 +353,15 @@ def chain_losses(head: TrainableEagle, vocabulary: DraftVocabulary, embeds: torc
         positions = (torch.arange(t) + s).clamp(max=head.cos.shape[0] - 1)
         out, keys = head.chain_step(_shifted(embeds, s), out, positions, prefix, chain)
         chain.append(keys)
-        losses.append(_step_loss(vocabulary, out[valid], _shifted(targets, s)[valid]))
+        rows = q >= s
+        losses.append(_step_loss(vocabulary, out[valid], wanted[rows], target_p[rows]))
     return losses
 
 
-def _step_loss(vocabulary: DraftVocabulary, out: torch.Tensor,
-               targets: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        target_p = vocabulary.logits(targets).softmax(dim=-1)
+def _step_loss(vocabulary: DraftVocabulary, out: torch.Tensor, targets: torch.Tensor,
+               target_p: torch.Tensor) -> torch.Tensor:
+    """The head's rows `out` against the target's features `targets` there and its
+    distribution over the draft vocabulary `target_p`."""
     feature_loss = F.smooth_l1_loss(out, targets)
     token_loss = -(target_p * vocabulary.logits(out).log_softmax(dim=-1)).sum(-1).mean()
     return FEATURE_LOSS * feature_loss + TOKEN_LOSS * token_loss

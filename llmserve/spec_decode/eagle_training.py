@@ -383,20 +383,26 @@ def measure(head: TrainableEagle, vocabulary: DraftVocabulary, seqs: list[EagleS
 
 @torch.no_grad()
 def chain_drafts(head: TrainableEagle, vocabulary: DraftVocabulary, seq: EagleSequence,
-                 depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The drafts (P, depth) of a chain after every answer position p >= `seq.first` whose
-    token after next is known, as the proposer drafts them, and whether each is the
-    sequence's own token there (False past its end)."""
+    token after next is known, as the proposer drafts them, whether each is the
+    sequence's own token there (False past its end), and the head's own chance that the
+    chain is right through each (the product of its drafts' probabilities, what the
+    proposer's `min_confidence` cuts by)."""
     n = len(seq.embeds)  # inputs at p = 0 .. n - 1; x[p + 2] is known for p <= n - 2
     out, prefix = head(seq.embeds[None], seq.features[None], return_keys=True)
     g = out[0]  # (n, H)
     tokens = torch.tensor(seq.tokens)
     drafts = torch.zeros(n, depth, dtype=torch.long)
+    chance = torch.ones(n, depth)
     chain: list[Keys] = []
     features = g
     for step in range(depth):
-        rows = vocabulary.logits(features).argmax(-1)  # draft vocabulary rows
+        logits = vocabulary.logits(features)
+        rows = logits.argmax(-1)  # draft vocabulary rows
+        p = logits.softmax(-1).gather(-1, rows[:, None])[:, 0]
         drafts[:, step] = vocabulary.ids[rows]
+        chance[:, step] = p * (chance[:, step - 1] if step else 1.0)
         if step + 1 == depth:
             break
         # the next input: (this draft, these features) one position further on
@@ -409,7 +415,7 @@ def chain_drafts(head: TrainableEagle, vocabulary: DraftVocabulary, seq: EagleSe
     index = rows[:, None] + 2 + torch.arange(depth)[None]  # the token each draft guesses
     known = index < len(tokens)
     right = known & (drafts[rows] == tokens[index.clamp(max=len(tokens) - 1)])
-    return drafts[rows], right
+    return drafts[rows], right, chance[rows]
 
 
 

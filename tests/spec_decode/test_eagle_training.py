@@ -87,7 +87,8 @@ def test_the_proposer_drafts_the_chains_the_held_out_figure_counts(tmp_path, flo
                                   lm_head, embed, 400)
     seq = eagle_sequences([answer], embed)[0]
     depth = 4
-    drafts, right = chain_drafts(trainer, vocabulary, seq, depth)
+    drafts, right, chance = chain_drafts(trainer, vocabulary, seq, depth)
+    assert chance.shape == drafts.shape and (chance[:, 1:] <= chance[:, :-1]).all()
     assert drafts.shape == (len(tokens) - 2 - seq.first, depth)
     assert right.shape == drafts.shape
 

@@ -1,14 +1,16 @@
 """Where a speculative round's time goes, batch 1, on `bench spec`'s chat workload: the
 engine step split into the proposer (the head's passes), the target's forward and the
-rest, with the k the speculator asked for and the tokens each round kept; none and the
-method side by side in one process, on both paths.
+rest, with the k the speculator asked for and the tokens each step emitted; none and
+EAGLE variants (min_confidence / go_on_confidence) taking turns `--repeats` times in one
+process, the ratio to none taken run by run (median), on each path.
 
-    python benchmarks/spec_rounds.py HEAD_FOLDER [--method eagle] [--paths float32,auto]
-                                     [--min-confidence X] [--k 4] [--out OUT.json]
+    python benchmarks/spec_rounds.py HEAD_FOLDER [--paths float32,auto]
+        [--variants 0.3/-,0.1/0.5] [--repeats 3] [--k 4] [--out OUT.json]
 """
 
 import argparse
 import json
+import statistics
 import time
 from collections import Counter
 
@@ -35,67 +37,91 @@ class Timed:
         setattr(owner, name, timed)
 
 
-def measure(llm: LLM, prompts: list, params: SamplingParams) -> dict:
-    engine = llm.engine
-    runner = engine.executor.runner
-    step = Timed(engine, "step")
-    forward = Timed(runner.model, "forward")  # the target's forward
-    asked: Counter = Counter()
-    propose = None
-    if runner.proposer is not None:
-        propose = Timed(runner.proposer, "propose")
-        num_drafts = engine.speculator.num_drafts
+class Meter:
+    """The timers of one engine, read as differences between runs."""
 
-        def counted(request, room, batch_size=1):
-            k = num_drafts(request, room, batch_size)
-            asked[k] += 1
-            return k
+    def __init__(self, llm: LLM) -> None:
+        engine = llm.engine
+        runner = engine.executor.runner
+        self.step = Timed(engine, "step")
+        self.forward = Timed(runner.model, "forward")  # the target's forward
+        self.propose = Timed(runner.proposer, "propose") if runner.proposer else None
+        self.asked: Counter = Counter()
+        if engine.speculator is not None:
+            num_drafts = engine.speculator.num_drafts
 
-        engine.speculator.num_drafts = counted
+            def counted(request, room, batch_size=1):
+                k = num_drafts(request, room, batch_size)
+                self.asked[k] += 1
+                return k
+
+            engine.speculator.num_drafts = counted
+
+    def read(self) -> tuple:
+        return (self.step.seconds, self.step.calls, self.forward.seconds,
+                self.propose.seconds if self.propose else 0.0, Counter(self.asked))
+
+
+def measure(llm: LLM, meter: Meter, prompts: list, params: SamplingParams) -> dict:
+    before = meter.read()
     seconds, outputs, (drafts, accepted, rounds) = run_workload(llm, prompts, params, 1)
+    after = meter.read()
+    step_s, steps, forward_s, propose_s = (a - b for a, b in zip(after[:4], before[:4],
+                                                                  strict=True))
     tokens = sum(len(o) for o in outputs)
-    steps = step.calls
-    return {"tok_s": tokens / seconds, "tokens": tokens, "steps": steps,
-            "ms_step": 1e3 * step.seconds / steps,
-            "ms_forward": 1e3 * forward.seconds / steps,
-            "ms_propose": 1e3 * propose.seconds / steps if propose else 0.0,
-            "ms_rest": 1e3 * (step.seconds - forward.seconds
-                              - (propose.seconds if propose else 0.0)) / steps,
-            "tokens_per_step": tokens / steps, "k_asked": dict(sorted(asked.items())),
-            "drafts": drafts, "accepted": accepted, "rounds": rounds,
+    return {"seconds": seconds, "tok_s": tokens / seconds, "tokens": tokens, "steps": steps,
+            "ms_step": 1e3 * step_s / steps, "ms_forward": 1e3 * forward_s / steps,
+            "ms_propose": 1e3 * propose_s / steps,
+            "ms_rest": 1e3 * (step_s - forward_s - propose_s) / steps,
+            "tokens_per_step": tokens / steps,
+            "k_asked": dict(sorted((after[4] - before[4]).items())),
             "tokens_per_round": 1 + accepted / max(rounds, 1), "outputs": outputs}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("head")
-    parser.add_argument("--method", default="eagle")
     parser.add_argument("--paths", default="float32,auto")
+    parser.add_argument("--variants", default="0.3/-",
+                        help="min_confidence/go_on_confidence per EAGLE engine ('-': None)")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--min-confidence", type=float)
     parser.add_argument("--out")
     args = parser.parse_args()
-    if args.min_confidence is not None:
-        from llmserve.spec_decode.eagle import EagleProposer
-        EagleProposer.min_confidence = args.min_confidence
     params = SamplingParams(temperature=0, max_tokens=128)
     result = {}
     for dtype in args.paths.split(","):
         base = LLM("smollm2-135m", dtype=dtype, kv_cache_memory="1GiB")
         prompts = chat_token_ids(base, list(CHAT_PROMPTS))
-        engines = {"none": engine_for(base, "none", args.k),
-                   args.method: engine_for(base, args.method, args.k, heads=args.head)}
+        engines = {"none": engine_for(base, "none", args.k)}
+        for variant in args.variants.split(","):
+            keep, go_on = variant.split("/")
+            llm = engine_for(base, "eagle", args.k, heads=args.head)
+            proposer = llm.engine.executor.runner.proposer
+            proposer.min_confidence = float(keep)
+            proposer.go_on_confidence = None if go_on == "-" else float(go_on)
+            engines[f"eagle {variant}"] = llm
+        meters = {name: Meter(llm) for name, llm in engines.items()}
         for llm in engines.values():
             run_workload(llm, prompts[:1], params, 1)  # warm-up
-        rows = {name: measure(llm, prompts, params) for name, llm in engines.items()}
-        assert rows["none"].pop("outputs") == rows[args.method].pop("outputs")
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
+        for _ in range(args.repeats):
+            for name, llm in engines.items():
+                runs[name].append(measure(llm, meters[name], prompts, params))
+        reference = runs["none"][0]["outputs"]
+        rows = {}
+        for name, done in runs.items():
+            assert all(r.pop("outputs") == reference for r in done), name
+            ratios = [n["seconds"] / r["seconds"] for n, r in zip(runs["none"], done,
+                                                                    strict=True)]
+            mid = sorted(done, key=lambda r: r["seconds"])[len(done) // 2]
+            rows[name] = {"runs": done, "ratios": ratios, "median": statistics.median(ratios)}
+            print(f"{dtype:7} {name:14} {mid['tok_s']:6.1f} tok/s  x{rows[name]['median']:.2f} "
+                  f"({', '.join(f'{x:.2f}' for x in ratios)})  step {mid['ms_step']:5.2f} ms"
+                  f" = fwd {mid['ms_forward']:5.2f} + propose {mid['ms_propose']:4.2f} + rest "
+                  f"{mid['ms_rest']:4.2f}; tokens/step {mid['tokens_per_step']:.2f}, "
+                  f"/round {mid['tokens_per_round']:.2f}; k {mid['k_asked']}", flush=True)
         result[dtype] = rows
-        for name, r in rows.items():
-            print(f"{dtype:8} {name:6} {r['tok_s']:6.1f} tok/s  step {r['ms_step']:6.2f} ms = "
-                  f"forward {r['ms_forward']:6.2f} + propose {r['ms_propose']:5.2f} + rest "
-                  f"{r['ms_rest']:5.2f}  tokens/step {r['tokens_per_step']:.2f}  "
-                  f"k asked {r['k_asked']}", flush=True)
-        print(f"{dtype:8} ratio {rows[args.method]['tok_s'] / rows['none']['tok_s']:.2f}x")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -439,6 +439,9 @@ class EagleProposer(Proposer):
     # answer tokens (2-core Sapphire Rapids): 0 -> 0.86x no speculation, 0.2 -> 1.09x,
     # 0.35 -> 1.10x, 0.5 -> 1.04x (tokens a round 1.40, 1.49, 1.62, 1.75).
     min_confidence = 0.3
+    # the chain's next head step is run only while the chance is at least this (None:
+    # min_confidence); a draft already made costs only its verification
+    go_on_confidence: float | None = None
 
     def __init__(self, head: EagleHead, target: nn.Module, kv_cache: KVCache,
                  attention: AttentionBackend, device: torch.device) -> None:
@@ -541,12 +544,16 @@ class EagleProposer(Proposer):
         features = following[index]  # (N, H)
         tokens, confidence = self._draft(out[index])
         chance = {}  # the head's own estimate that each chain is right so far
+        go_on = self.min_confidence if self.go_on_confidence is None else \
+            self.go_on_confidence
         for (_, b, _), token, c in zip(asked, tokens, confidence, strict=True):
             chance[b] = c
             if c < self.min_confidence:
                 wanted[b] = 0  # not worth its verification
             else:
                 drafts[b].append(token)
+                if c < go_on:
+                    wanted[b] = 1  # not worth another head step
         for step in range(1, max(wanted.values())):
             going = [(j, b, s) for j, (_, b, s) in enumerate(asked) if wanted[b] > step]
             if not going:
@@ -566,6 +573,8 @@ class EagleProposer(Proposer):
                     wanted[b] = step  # the chain ends before this draft
                 else:
                     drafts[b].append(token)
+                    if chance[b] < go_on:
+                        wanted[b] = step + 1  # ... after this draft
         return drafts
 
     @torch.inference_mode()

@@ -404,28 +404,6 @@ def _copy(params: dict, name: str, tensor: torch.Tensor, folder: Path, loaded: s
     loaded.add(name)
 
 
-# the EAGLE heads that ship for catalog models, in this package's data: what
-# `speculative_config={"method": "eagle"}` drafts with when it names no `model`
-SHIPPED_HEADS = {"smollm2-135m": "data/heads/smollm2-135m-eagle"}
-
-
-def shipped_eagle_head(target: "LoadedModel") -> Path:
-    """The folder of the EAGLE head that ships for `target` (a catalog model, by its name
-    or its file's), else a HeadsFormatError saying how to make one."""
-    import importlib.resources
-
-    from llmserve.loader.catalog import CATALOG
-
-    for name, folder in SHIPPED_HEADS.items():
-        if target.source.name in (name, CATALOG[name].file_name):
-            return Path(str(importlib.resources.files("llmserve.spec_decode")
-                            .joinpath(folder)))
-    raise HeadsFormatError(
-        f"method eagle needs 'model' (the folder of an EAGLE head trained for the target): "
-        f"a head ships only for {', '.join(SHIPPED_HEADS)}; `llmserve train-heads --method "
-        f"eagle --model {target.source.name} --output FOLDER` trains one")
-
-
 class EagleProposer(Proposer):
     """Drafts from an EAGLE head; fed every computed chunk (`DraftSeed.start_position`,
     `hidden`, `block_ids`), it keeps its K/V in the target's cache."""
@@ -457,8 +435,7 @@ class EagleProposer(Proposer):
               attention: AttentionBackend, device: torch.device,
               dtype: torch.dtype) -> "EagleProposer":
         eagle3 = spec.method == "eagle3"
-        folder = spec.model if spec.model or eagle3 else shipped_eagle_head(target)
-        head = load_eagle_head(folder, target, device, dtype, eagle3)
+        head = load_eagle_head(spec.model, target, device, dtype, eagle3)
         if kv_cache is not None and len(kv_cache.key) < head.first_layer + len(head.layers):
             raise ValueError("speculative_config: the KV cache has no layers for the EAGLE "
                              "head")

@@ -84,6 +84,7 @@ def test_fixed_k_and_the_batch_size_limit():
     ({"method": "draft_model"}, "needs 'model'"),
     ({"method": "ngram", "model": "x.gguf"}, "'model' is for methods draft_model, medusa, eagle"),
     ({"method": "medusa"}, "method medusa needs 'model'"),
+    ({"method": "eagle"}, "method eagle needs 'model'"),
     ({"method": "eagle3"}, "method eagle3 needs 'model'"),
     ({"method": "ngram", "k": 3}, "unknown key 'k'"),
     ({"num_speculative_tokens": 3}, "needs 'method'"),

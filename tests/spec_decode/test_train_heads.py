@@ -146,7 +146,8 @@ def test_the_answers_hidden_states_are_the_targets_own(tmp_path, float32_model):
     llm = llm_on(float32_model, kv_cache_memory="64MiB", enable_prefix_caching=False,
                  max_num_batched_tokens=16)
     args = argparse.Namespace(data=texts_file(tmp_path), samples=2, temperature=0.8, seed=0,
-                              max_tokens=10, max_prompt_tokens=512, self_prompts=0)
+                              max_tokens=10, max_prompt_tokens=512, self_prompts=0,
+                              dtype="float32")
     source, answers, _ = _answers(llm, args)
     assert len(answers) == 8 and [a.sampled for a in answers] == [False] * 4 + [True] * 4
     greedy = llm.generate(["The river runs past the mill and down to the sea."],

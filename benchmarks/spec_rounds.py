@@ -5,7 +5,7 @@ EAGLE variants (min_confidence / go_on_confidence) taking turns `--repeats` time
 process, the ratio to none taken run by run (median), on each path.
 
     python benchmarks/spec_rounds.py HEAD_FOLDER [--paths float32,auto]
-        [--variants 0.3/-,0.1/0.5] [--repeats 3] [--k 4] [--out OUT.json]
+        [--variants 0.3/-,0.1/0.5,0.1/-/fixed] [--repeats 3] [--k 4] [--out OUT.json]
 """
 
 import argparse
@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument("head")
     parser.add_argument("--paths", default="float32,auto")
     parser.add_argument("--variants", default="0.3/-",
-                        help="min_confidence/go_on_confidence per EAGLE engine ('-': None)")
+                        help="min_confidence/go_on_confidence[/fixed] per EAGLE engine ('-': "
+                             "None; /fixed: k always --k, not adaptive)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--out")
@@ -95,12 +96,15 @@ def main() -> None:
         prompts = chat_token_ids(base, list(CHAT_PROMPTS))
         engines = {"none": engine_for(base, "none", args.k)}
         for variant in args.variants.split(","):
-            keep, go_on = variant.split("/")
-            llm = engine_for(base, "eagle", args.k, heads=args.head)
+            keep, go_on, *fixed = variant.split("/")
+            llm = engine_for(base, "eagle", args.k, heads=args.head, adaptive=not fixed)
             proposer = llm.engine.executor.runner.proposer
             proposer.min_confidence = float(keep)
             proposer.go_on_confidence = None if go_on == "-" else float(go_on)
             engines[f"eagle {variant}"] = llm
+            costs = llm.engine.speculator.costs.by_batch
+            print(f"{dtype} eagle {variant}: a draft token's calibrated share of a step "
+                  f"{ {b: round(c, 3) for b, c in costs.items()} }", flush=True)
         meters = {name: Meter(llm) for name, llm in engines.items()}
         for llm in engines.values():
             run_workload(llm, prompts[:1], params, 1)  # warm-up

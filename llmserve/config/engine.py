@@ -57,8 +57,9 @@ class SpeculativeConfig:
       quantized speed;
     * `medusa`: Medusa heads trained for the target (`model`: their folder, Medusa's or
       vLLM's layout) draft from its last hidden state (`spec_decode/medusa.py`);
-    * `eagle`: an EAGLE-1 head trained for the target (`model`: its folder) drafts from
-      the target's hidden states with one decoder layer (`spec_decode/eagle.py`);
+    * `eagle`: an EAGLE-1 head trained for the target (`model`: its folder; without it
+      the head that ships for a catalog model, `eagle.SHIPPED_HEADS`) drafts from the
+      target's hidden states with one decoder layer (`spec_decode/eagle.py`);
     * `eagle3`: an EAGLE-3 head (`model`: its folder, the published layout) drafts from
       the target's hidden states entering three of its layers, with its own vocabulary.
 
@@ -95,7 +96,7 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method draft_model needs 'model' (a model "
                              "with the target's tokenizer)")
-        if self.method in ("medusa", "eagle", "eagle3") and not self.model:
+        if self.method in ("medusa", "eagle3") and not self.model:
             raise ValueError(f"speculative_config: method {self.method} needs 'model' (the "
                              f"folder of {self.method} heads trained for the target)")
         if self.method not in SPEC_MODEL_METHODS and self.model is not None:

@@ -104,7 +104,8 @@ class Engine:
         # most), and as many blocks as rank 0
         shard = getattr(self.loaded.model, "plan", None)
         num_kv_heads = len(shard.attention.kv_heads) if shard else model_cfg.num_key_value_heads
-        spec_layers = speculative_kv_layers(config)  # an EAGLE head's, after the target's
+        # an EAGLE head's, after the target's
+        spec_layers = speculative_kv_layers(config, self.loaded)
         # a pipeline stage holds its layers' KV: every stage as many blocks as the one with
         # the most layers can hold
         layers = self.loaded.model.held_layers if ranks else range(model_cfg.num_hidden_layers)

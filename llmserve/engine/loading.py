@@ -37,7 +37,7 @@ from llmserve.memory import parse_size
 from llmserve.multimodal.processors import ImageProcessor
 from llmserve.spec_decode.cost import measure_step_costs
 from llmserve.spec_decode.draft_model import DraftModelProposer
-from llmserve.spec_decode.eagle import EagleProposer, num_eagle_layers
+from llmserve.spec_decode.eagle import EagleProposer, eagle_head_folder, num_eagle_layers
 from llmserve.spec_decode.medusa import HeadsFormatError, MedusaProposer
 from llmserve.spec_decode.proposer import NgramProposer, Proposer
 from llmserve.spec_decode.speculator import Speculator
@@ -162,7 +162,7 @@ def pipeline_split(model: str | None, size: int, quantization: str | None,
     return tuple(split)
 
 
-def speculative_kv_layers(config: EngineConfig) -> int:
+def speculative_kv_layers(config: EngineConfig, loaded: LoadedModel) -> int:
     """The KV layers speculation adds to the target's cache: an EAGLE head's (its K/V
     follows the target's blocks); refused where that cache is not one engine's alone."""
     spec = config.speculative_config
@@ -177,7 +177,7 @@ def speculative_kv_layers(config: EngineConfig) -> int:
             raise ValueError(f"speculative_config: method {spec.method} keeps its head's K/V "
                              f"in the engine's own KV cache and does not run with {name}")
     try:
-        return num_eagle_layers(spec.model)
+        return num_eagle_layers(eagle_head_folder(spec, loaded))
     except HeadsFormatError as e:
         raise ValueError(f"speculative_config: {e}") from None
 
@@ -220,7 +220,8 @@ def build_speculator(config: EngineConfig, loaded: LoadedModel, proposer: Propos
         costs = measure_step_costs(loaded.model, runner.kv_cache, runner.attention,
                                    spec.num_speculative_tokens, proposer.step_seconds)
         logger.info("speculative decoding: a draft token costs %s of a step (by batch "
-                    "size)", {b: round(c, 2) for b, c in costs.by_batch.items()})
+                    "size); k drafts add %s", {b: round(c, 2) for b, c in costs.by_batch.items()},
+                    {b: [round(c, 2) for c in by_k] for b, by_k in costs.by_k.items()})
     return Speculator(spec, costs)
 
 

@@ -7,7 +7,10 @@ step. Measured on the default model, 2 cores: one extra token per request added 
 float32 batch-1 step, 30 % to an int4 one, 69 % to an int4 batch-4 one. So the cost is
 measured, per batch size, on the engine's own model and kernels, rather than assumed:
 `StepCosts.draft_token_cost(batch)` is the share of a plain step that one draft token per
-request adds (its verification, plus the draft model's step that proposed it).
+request adds (its verification, plus the draft model's step that proposed it), and at
+small batches `StepCosts.by_k` what each k adds: the GEMMs read the weights once for up to
+3 rows, so on the exact path 1 or 2 drafts cost almost nothing and a third costs a third
+of a step (`speculator.StepCosts`).
 """
 
 import time
@@ -21,6 +24,9 @@ from llmserve.spec_decode.speculator import StepCosts
 
 CALIBRATION_BATCHES = (1, 2, 4, 8)
 CALIBRATION_CONTEXT = 64  # tokens already cached per sequence while timing
+# from this batch size on, k drafts per request are calibrated as a line through 0 and k
+# = num_drafts (the GEMMs are past the rows a weight pass streams for)
+BATCH_IN_LINE = 4
 
 
 def measure_step_costs(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
@@ -30,24 +36,42 @@ def measure_step_costs(model: torch.nn.Module, kv_cache: KVCache, attention: Att
     size; `draft_step(batch)` times one draft-model step (None: drafts cost nothing to
     propose, as prompt lookup). Writes only blocks no request holds yet (call before any
     request is admitted)."""
-    by_batch = {}
+    by_batch, by_k = {}, {}
     for batch in batches:
-        plain = time_step(model, kv_cache, attention, batch, 1)
-        verify = time_step(model, kv_cache, attention, batch, 1 + num_drafts)
-        cost = max(verify / plain - 1.0, 0.0) / num_drafts
-        if draft_step is not None:
-            cost += draft_step(batch) / plain
-        by_batch[batch] = cost
-    return StepCosts(by_batch)
+        # every k where a few rows a weight pass still stream (a step's cost steps up
+        # where they stop), the ends of the line beyond
+        every_k = batch < BATCH_IN_LINE
+        lengths = tuple(range(1, num_drafts + 2)) if every_k else (1, 1 + num_drafts)
+        times = time_steps(model, kv_cache, attention, batch, lengths)
+        plain = times[0]
+        draft = draft_step(batch) / plain if draft_step is not None else 0.0
+        extra, verify = [], 0.0
+        for k, seconds in zip(range(1, num_drafts + 1) if every_k else (num_drafts,),
+                              times[1:], strict=True):
+            verify = max(verify, seconds / plain - 1.0)  # more drafts never cost less
+            extra.append(verify + k * draft)
+        by_batch[batch] = extra[-1] / num_drafts
+        if every_k:
+            by_k[batch] = tuple(extra)
+    return StepCosts(by_batch, by_k)
 
 
-@torch.inference_mode()
 def time_step(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
               batch: int, query_len: int, repeats: int = 5) -> float:
     """Best-of-`repeats` seconds of one forward (logits of every query token included) of
     `batch` sequences each computing `query_len` tokens after CALIBRATION_CONTEXT cached."""
+    return time_steps(model, kv_cache, attention, batch, (query_len,), repeats)[0]
+
+
+@torch.inference_mode()
+def time_steps(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
+               batch: int, query_lens: tuple[int, ...], repeats: int = 5) -> list[float]:
+    """`time_step` for each of `query_lens`, timed in turn, one forward of each a round: a
+    load that comes and goes on a busy machine then slows each about alike, where timing
+    one length's repeats and then the other's let it land on one of them (a busy start-up
+    measured a draft token at 1.2 steps at batch 2 and 0.09 at batch 4)."""
     block = kv_cache.block_size
-    per_seq = -(-(CALIBRATION_CONTEXT + query_len) // block)
+    per_seq = -(-(CALIBRATION_CONTEXT + max(query_lens)) // block)
     if batch * per_seq > kv_cache.num_blocks:
         batch = max(1, kv_cache.num_blocks // per_seq)
     tables = [list(range(b * per_seq, (b + 1) * per_seq)) for b in range(batch)]
@@ -57,18 +81,22 @@ def time_step(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBac
     positions = torch.arange(CALIBRATION_CONTEXT, device=device).repeat(batch)
     ids = torch.randint(100, 1000, (batch * CALIBRATION_CONTEXT,), device=device)
     _logits(model, ids, positions, kv_cache, prefill)
-    meta = AttentionMetadata.build([query_len] * batch, [CALIBRATION_CONTEXT] * batch, tables,
-                                   block, device, attention)
-    positions = torch.arange(CALIBRATION_CONTEXT, CALIBRATION_CONTEXT + query_len,
-                             device=device).repeat(batch)
-    ids = torch.randint(100, 1000, (batch * query_len,), device=device)
-    best = float("inf")
+    steps = []
+    for query_len in query_lens:
+        meta = AttentionMetadata.build([query_len] * batch, [CALIBRATION_CONTEXT] * batch,
+                                       tables, block, device, attention)
+        positions = torch.arange(CALIBRATION_CONTEXT, CALIBRATION_CONTEXT + query_len,
+                                 device=device).repeat(batch)
+        ids = torch.randint(100, 1000, (batch * query_len,), device=device)
+        steps.append((ids, positions, meta))
+    best = [float("inf")] * len(steps)
     for _ in range(repeats):
-        start = time.perf_counter()
-        _logits(model, ids, positions, kv_cache, meta)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        for i, (ids, positions, meta) in enumerate(steps):
+            start = time.perf_counter()
+            _logits(model, ids, positions, kv_cache, meta)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 

@@ -41,6 +41,7 @@ pre-norm sum is the next chain step's feature. The published layout: `midlayer.*
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -404,9 +405,53 @@ def _copy(params: dict, name: str, tensor: torch.Tensor, folder: Path, loaded: s
     loaded.add(name)
 
 
+# the EAGLE heads that ship for catalog models, in this package's data: what
+# `speculative_config={"method": "eagle"}` drafts with when it names no `model`
+SHIPPED_HEADS = {"smollm2-135m": "data/heads/smollm2-135m-eagle"}
+
+
+def shipped_eagle_head(target: "LoadedModel") -> Path:
+    """The folder of the EAGLE head that ships for `target` (a catalog model, by its name
+    or its file's), else a HeadsFormatError saying how to make one."""
+    import importlib.resources
+
+    from llmserve.loader.catalog import CATALOG
+
+    for name, folder in SHIPPED_HEADS.items():
+        if target.source.name in (name, CATALOG[name].file_name):
+            return Path(str(importlib.resources.files("llmserve.spec_decode")
+                            .joinpath(folder)))
+    raise HeadsFormatError(
+        f"method eagle needs 'model' (the folder of an EAGLE head trained for the target): "
+        f"a head ships only for {', '.join(SHIPPED_HEADS)}; `llmserve train-heads --method "
+        f"eagle --model {target.source.name} --output FOLDER` trains one")
+
+
+@dataclass
+class _Waiting:
+    """A request's verified rows the head has not run over yet: positions `start` ...,
+    the token after each (`ids`) and the target's hidden rows (copies)."""
+
+    start: int
+    ids: list[int]
+    rows: list[torch.Tensor]
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
+
+def eagle_head_folder(spec: "SpeculativeConfig", target: "LoadedModel") -> str | Path:
+    """The head `spec` drafts with: its `model`, else (method eagle) the one that ships
+    for the target."""
+    return spec.model if spec.model or spec.method == "eagle3" else shipped_eagle_head(target)
+
+
 class EagleProposer(Proposer):
     """Drafts from an EAGLE head; fed every computed chunk (`DraftSeed.start_position`,
-    `hidden`, `block_ids`), it keeps its K/V in the target's cache."""
+    `hidden`, `block_ids`), it keeps its K/V in the target's cache. The head runs over a
+    request's chunks only when it is asked for drafts: until then they wait, and run
+    with the chunk that asks, in one pass (`max_waiting`)."""
 
     needs_hidden = True
     feeds_every_chunk = True
@@ -420,6 +465,12 @@ class EagleProposer(Proposer):
     # the chain's next head step is run only while the chance is at least this (None:
     # min_confidence); a draft already made costs only its verification
     go_on_confidence: float | None = None
+    # a request asked for no drafts (the speculator has stopped trusting the head for it,
+    # a prompt's chunks before the last, a batch too large to speculate) keeps its rows
+    # until its next chunk that asks, so that the head's K/V pass, a step's 12 % on the
+    # default path, is not paid for steps that draft nothing; at most this many rows wait
+    # (their memory, and the one pass that runs them)
+    max_waiting = 256
 
     def __init__(self, head: EagleHead, target: nn.Module, kv_cache: KVCache,
                  attention: AttentionBackend, device: torch.device) -> None:
@@ -429,13 +480,17 @@ class EagleProposer(Proposer):
         self.attention = attention
         self.device = device
         self.block_size = kv_cache.block_size
+        self._waiting: dict[str, _Waiting] = {}
+
+    def remove(self, request_id: str) -> None:
+        self._waiting.pop(request_id, None)
 
     @classmethod
     def build(cls, spec: "SpeculativeConfig", target: "LoadedModel", kv_cache: KVCache,
               attention: AttentionBackend, device: torch.device,
               dtype: torch.dtype) -> "EagleProposer":
         eagle3 = spec.method == "eagle3"
-        head = load_eagle_head(spec.model, target, device, dtype, eagle3)
+        head = load_eagle_head(eagle_head_folder(spec, target), target, device, dtype, eagle3)
         if kv_cache is not None and len(kv_cache.key) < head.first_layer + len(head.layers):
             raise ValueError("speculative_config: the KV cache has no layers for the EAGLE "
                              "head")
@@ -494,17 +549,30 @@ class EagleProposer(Proposer):
     @torch.inference_mode()
     def propose(self, seeds: Sequence[DraftSeed]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seeds]
-        fed = [(b, s) for b, s in enumerate(seeds) if s.hidden is not None and len(s.hidden)]
-        if not fed:
-            return drafts
-        # every verified position p whose next token is known: (x[p + 1], f[p])
-        seqs, ids, rows = [], [], []
-        for _, s in fed:
+        # every verified position p whose next token is known: (x[p + 1], f[p]), after
+        # the request's rows that wait
+        fed, seqs, ids, rows = [], [], [], []
+        for b, s in enumerate(seeds):
+            if s.hidden is None or not len(s.hidden):
+                continue
             n = len(s.hidden)
             nxt = s.token_ids[s.start_position + 1 : s.start_position + 1 + n]
-            seqs.append((s.block_ids, s.start_position, nxt))
-            ids += nxt
-            rows.append(s.hidden[: len(nxt)])
+            waiting = self._waiting.pop(s.request_id, None)
+            if waiting is None or waiting.end != s.start_position:
+                # (not after them: a preempted request computing again from its start)
+                waiting = _Waiting(s.start_position, [], [])
+            waiting.ids += nxt
+            waiting.rows.append(s.hidden[: len(nxt)])
+            if s.num_drafts == 0 and len(waiting.ids) < self.max_waiting:
+                waiting.rows[-1] = waiting.rows[-1].clone()  # the step's buffer is reused
+                self._waiting[s.request_id] = waiting
+                continue
+            fed.append((b, s))
+            seqs.append((s.block_ids, waiting.start, waiting.ids))
+            ids += waiting.ids
+            rows += waiting.rows
+        if not fed:
+            return drafts
         out, following = self._run(seqs, ids, torch.cat(rows))
         ends = np.cumsum([len(q[2]) for q in seqs]) - 1
         # a draft chain writes K/V after the last verified position P, at P + 1 ...:

@@ -25,6 +25,7 @@ runner's proposer makes them once the step has sampled, and the next step verifi
   requests try again.
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmserve.config.engine import SpeculativeConfig
@@ -39,14 +40,32 @@ PRIOR_DRIFT = 0.05  # per step without drafts, the estimate moves this far to th
 
 @dataclass
 class StepCosts:
-    """draft_token_cost per calibrated batch size (the nearest below is used); measured
-    at start-up by `cost.measure_step_costs`."""
+    """What drafts add to a step, per calibrated batch size (the nearest below is used),
+    measured at start-up by `cost.measure_step_costs`: `by_batch[b]`, the share of a plain
+    step that one draft token per request adds (a straight line through k drafts); and
+    where measured, `by_k[b][k - 1]`, the share that k drafts per request add. A step's
+    cost does not grow in line with k: the GEMMs stream the weights once for a few rows
+    and turn compute-bound past them (the exact path on a 2-core Zen 3: 2 drafts added
+    nothing, 3 drafts 34 % and 4 drafts 53 % to its linears' time:
+    benchmarks/f32_gemm_rows.py)."""
 
     by_batch: dict[int, float]
+    by_k: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def draft_token_cost(self, batch: int) -> float:
-        below = [b for b in self.by_batch if b <= batch] or [min(self.by_batch)]
-        return self.by_batch[max(below)]
+        return self.by_batch[_nearest_below(self.by_batch, batch)]
+
+    def extra_cost(self, batch: int, k_max: int) -> list[float]:
+        """The share of a plain step that k = 1 .. k_max drafts per request add."""
+        nearest = _nearest_below(self.by_batch, batch)
+        measured = self.by_k.get(nearest, ())  # larger batches: calibrated in line only
+        return [measured[k - 1] if k <= len(measured) else self.by_batch[nearest] * k
+                for k in range(1, k_max + 1)]
+
+
+def _nearest_below(table: dict[int, object], batch: int) -> int:
+    below = [b for b in table if b <= batch] or [min(table)]
+    return max(below)
 
 
 @dataclass
@@ -97,7 +116,7 @@ class Speculator:
         if not self.config.adaptive:
             return k_max
         return best_num_drafts(self._acceptance(request), k_max,
-                               self.costs.draft_token_cost(batch_size))
+                               self.costs.extra_cost(batch_size, k_max))
 
     def drafted_nothing(self, request: Request) -> None:
         """A round in which `request` drafted nothing (k was 0, or the proposer had no
@@ -132,12 +151,15 @@ class Speculator:
         return self.prior if a is None else a
 
 
-def best_num_drafts(acceptance: float, k_max: int, cost: float) -> int:
-    """The k in [0, k_max] maximising expected tokens per unit of step cost."""
+def best_num_drafts(acceptance: float, k_max: int, cost: float | Sequence[float]) -> int:
+    """The k in [0, k_max] maximising expected tokens per unit of step cost; `cost`: one
+    draft token's share of a step (k drafts: k times it), or what k = 1 .. k_max add."""
+    extra = [cost * k for k in range(1, k_max + 1)] if isinstance(cost, int | float) \
+        else cost
     best_k, best_rate = 0, 1.0  # no drafts: one token per plain step
     for k in range(1, k_max + 1):
         expected = sum(acceptance ** i for i in range(k + 1))  # E(k) = 1 + a + ... + a^k
-        rate = expected / (1 + cost * k)
+        rate = expected / (1 + extra[k - 1])
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k

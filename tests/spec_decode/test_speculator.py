@@ -34,6 +34,37 @@ def test_step_costs_use_the_nearest_calibrated_batch_below():
         0.1, 0.1, 0.5, 0.5, 1.0, 1.0]
 
 
+def test_k_follows_what_each_k_was_measured_to_add():
+    """Drafts that cost nothing up to 2 and a third of a step from 3 on (the exact path's
+    GEMMs stream up to 3 rows): 2, where a line through the same 4-draft cost says 3."""
+    assert best_num_drafts(0.7, 4, [0.02, 0.04, 0.36, 0.57]) == 2
+    assert best_num_drafts(0.7, 4, 0.57 / 4) == 3
+    assert best_num_drafts(0.95, 4, [0.02, 0.04, 0.06, 0.08]) == 4
+    costs = StepCosts({1: 0.1, 2: 0.2, 4: 0.5}, {1: (0.01, 0.02, 0.3), 2: (0.1, 0.3, 0.6)})
+    assert costs.extra_cost(1, 3) == [0.01, 0.02, 0.3]
+    assert costs.extra_cost(1, 2) == [0.01, 0.02]
+    assert costs.extra_cost(3, 3) == [0.1, 0.3, 0.6]  # batch 2's
+    assert costs.extra_cost(8, 2) == [0.5, 1.0]  # batch 4's line
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert Speculator(config, costs).num_drafts(request("r"), 100) == \
+        best_num_drafts(PRIOR_ACCEPTANCE, 3, [0.01, 0.02, 0.3])
+
+
+def test_calibration_measures_every_k_at_small_batches(float32_model):
+    """`measure_step_costs` on the real model: each k at batches 1 and 2, in line from 4;
+    more drafts never add less; the line's slope is the last k's share."""
+    from llmserve.spec_decode.cost import measure_step_costs
+    from tests.engines import llm_on
+
+    runner = llm_on(float32_model, kv_cache_memory="64MiB").engine.executor.runner
+    costs = measure_step_costs(runner.model, runner.kv_cache, runner.attention, 3,
+                               lambda batch: 0.001, batches=(1, 2, 4))
+    assert set(costs.by_k) == {1, 2} and set(costs.by_batch) == {1, 2, 4}
+    for batch, extra in costs.by_k.items():
+        assert len(extra) == 3 and 0 < extra[0] < extra[1] < extra[2]
+        assert costs.by_batch[batch] == pytest.approx(extra[-1] / 3)
+
+
 def test_k_adapts_to_each_requests_acceptance():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=6)
     spec = Speculator(config, StepCosts({1: 0.1}))
@@ -84,7 +115,6 @@ def test_fixed_k_and_the_batch_size_limit():
     ({"method": "draft_model"}, "needs 'model'"),
     ({"method": "ngram", "model": "x.gguf"}, "'model' is for methods draft_model, medusa, eagle"),
     ({"method": "medusa"}, "method medusa needs 'model'"),
-    ({"method": "eagle"}, "method eagle needs 'model'"),
     ({"method": "eagle3"}, "method eagle3 needs 'model'"),
     ({"method": "ngram", "k": 3}, "unknown key 'k'"),
     ({"num_speculative_tokens": 3}, "needs 'method'"),

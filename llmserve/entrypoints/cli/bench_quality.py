@@ -103,10 +103,11 @@ def cmd_bench_spec(args: argparse.Namespace) -> int:
                                          ("eagle3", args.eagle3))
              if folder is not None}
     methods = [*args.methods, *[m for m in heads if m not in args.methods]]
-    unknown = [m for m in methods if m not in ("ngram", "self_draft", *heads)]
+    unknown = [m for m in methods if m not in ("ngram", "self_draft", "eagle", *heads)]
     if unknown:
-        raise ValueError(f"--methods: {unknown[0]!r} is not ngram or self_draft (medusa, "
-                         "eagle and eagle3 come with --medusa / --eagle / --eagle3 FOLDER)")
+        raise ValueError(f"--methods: {unknown[0]!r} is not ngram, self_draft or eagle "
+                         "(medusa and eagle3 come with --medusa / --eagle3 FOLDER; eagle "
+                         "without --eagle drafts with the head that ships for the model)")
     unknown = [p for p in args.paths if p not in ("default", "float32")]
     if unknown:
         raise ValueError(f"--paths: {unknown[0]!r} is not default or float32")
@@ -161,7 +162,8 @@ def _spec_arguments(sp: argparse.ArgumentParser) -> None:
                     help="Medusa heads (`llmserve train-heads`): compare method medusa too")
     sp.add_argument("--eagle", metavar="FOLDER",
                     help="an EAGLE head (`llmserve train-heads --method eagle`): compare "
-                         "method eagle too")
+                         "method eagle too (`--methods ...,eagle` without it: the head "
+                         "that ships for the model)")
     sp.add_argument("--eagle3", metavar="FOLDER",
                     help="an EAGLE-3 head (the published layout): compare method eagle3 too")
     sp.add_argument("--num-speculative-tokens", type=int, default=4,

@@ -208,7 +208,7 @@ def test_eagle_heads_are_refused_on_a_pipeline(tmp_path):
     config = EngineConfig(model="x", pipeline_parallel_size=2, speculative_config={
         "method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="pipeline_parallel_size > 1"):
-        speculative_kv_layers(config)
+        speculative_kv_layers(config, None)
 
 
 def test_bench_scaling_reports_each_stage_busy(tmp_path):

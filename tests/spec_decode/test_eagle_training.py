@@ -279,12 +279,15 @@ def test_train_heads_eagle_writes_a_head_the_engine_drafts_with(tmp_path, smollm
     for name, tensor in load_file(out / "model.safetensors").items():
         assert torch.equal(tensor, weights[name]), name
     assert_drafts_losslessly(float32_model, "eagle", out)
-    # training goes on from that head (its vocabulary kept), written compact
+    # training goes on from that head (its vocabulary kept), written compact, on two
+    # datasets' answers together
     more = tmp_path / "more"
     flags[flags.index(str(out))] = str(more)
-    assert main([*flags, "--dataset", str(dataset), "--init", str(out), "--compact"]) == 0
+    assert main([*flags, "--dataset", str(dataset), "--dataset", str(dataset), "--init",
+                 str(out), "--compact"]) == 0
     info = json.loads((more / "config.json").read_text())["llmserve"]
     assert info["init"] == str(out) and info["draft_vocab_size"] == 50
+    assert info["answers"] == 16 and info["data"].count(str(dataset)) == 2
     tensors = load_file(more / "model.safetensors")
     assert torch.equal(tensors["d2t"], weights["d2t"]) and "lm_head.weight" not in tensors
     assert tensors["fc.weight"].dtype == torch.int8

@@ -126,11 +126,17 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
               num_threads=args.threads, enable_prefix_caching=False)
     hidden_size = llm.engine.loaded.config.hidden_size
     if args.dataset is not None:
-        try:
-            answers, meta = load_answers(args.dataset, hidden_size)
-        except ValueError as e:
-            raise LLMServeError(f"--dataset {e}") from None
-        source = f"{args.dataset} ({meta.get('source', 'a saved dataset')})"
+        # several files: their answers together (an answer keeps its prompt's number, so
+        # the built-in prompts' answers are held out alike in each)
+        answers, sources = [], []
+        for path in args.dataset:
+            try:
+                more, meta = load_answers(path, hidden_size)
+            except ValueError as e:
+                raise LLMServeError(f"--dataset {e}") from None
+            answers += more
+            sources.append(f"{path} ({meta.get('source', 'a saved dataset')})")
+        source = " + ".join(sources)
         generating = 0.0
     else:
         source, answers, generating = _answers(llm, args)
@@ -328,8 +334,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
                         help="the sampled answers' temperature (default 0.8)")
     parser.add_argument("--save-dataset", metavar="FILE.safetensors",
                         help="also write the answers and hidden states here")
-    parser.add_argument("--dataset", metavar="FILE.safetensors",
-                        help="train on answers a --save-dataset run wrote (no generating)")
+    parser.add_argument("--dataset", metavar="FILE.safetensors", action="append",
+                        help="train on answers a --save-dataset run wrote (no generating); "
+                             "again for more files, their answers together")
     parser.add_argument("--num-heads", type=int, default=4,
                         help="the most drafts a round (Medusa: its heads; EAGLE: the "
                              "held-out chains' length) (default 4)")

@@ -84,10 +84,12 @@ inline void run_gemm(const StreamTile& stream, const Tile& tile, int64_t M, int6
 template <int MT, int NB>
 inline void store_tile(const F16 (&acc)[MT][NB], int64_t m0, int64_t nb0, int64_t N,
                        const float* bias, float* y) {
+  LLMSERVE_UNROLL
   for (int b = 0; b < NB; ++b) {
     const int64_t n0 = (nb0 + b) * kBlockN;
     if (n0 >= N) break;
     const F16 bv = bias ? load_part(bias + n0, N - n0) : simd::zero();
+    LLMSERVE_UNROLL
     for (int m = 0; m < MT; ++m)
       store_part(y + (m0 + m) * N + n0, bias ? acc[m][b] + bv : acc[m][b], N - n0);
   }

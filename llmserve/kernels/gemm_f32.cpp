@@ -33,7 +33,9 @@ template <int MT, int NB>
 inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int64_t nb0,
                      int64_t N, const float* bias, const float* init, float* y) {
   F16 total[MT][NB];
+  LLMSERVE_UNROLL
   for (int m = 0; m < MT; ++m)
+    LLMSERVE_UNROLL
     for (int b = 0; b < NB; ++b) {
       const int64_t n0 = (nb0 + b) * kBlockN;
       total[m][b] = init == nullptr || n0 >= N ? simd::zero()
@@ -41,21 +43,28 @@ inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int6
     }
   for (int64_t k0 = 0; k0 < K; k0 += kF32RunK) {
     F16 acc[MT][NB];
+    LLMSERVE_UNROLL
     for (int m = 0; m < MT; ++m)
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
     for (int64_t k = k0; k < std::min(K, k0 + kF32RunK); ++k) {
       F16 wv[NB];
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) {
         const float* line = w + ((nb0 + b) * K + k) * kBlockN;
         prefetch_weights<false>(reinterpret_cast<const char*>(line) + kF32PrefetchBytes);
         wv[b] = simd::load(line);
       }
+      LLMSERVE_UNROLL
       for (int m = 0; m < MT; ++m) {
         const F16 xv = simd::set1(x[(m0 + m) * K + k]);
+        LLMSERVE_UNROLL
         for (int b = 0; b < NB; ++b) acc[m][b] = simd::fmadd(xv, wv[b], acc[m][b]);
       }
     }
+    LLMSERVE_UNROLL
     for (int m = 0; m < MT; ++m)
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) total[m][b] = total[m][b] + acc[m][b];
   }
   store_tile<MT, NB>(total, m0, nb0, N, bias, y);

@@ -71,22 +71,29 @@ inline void int8_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp
                       const int8_t* w, const int32_t* wsum, const float* wscale,
                       const float* bias, int64_t nb0, int64_t N, float* y) {
   I16 acc[MT][2][NB];
+  LLMSERVE_UNROLL
   for (int m = 0; m < MT; ++m)
+    LLMSERVE_UNROLL
     for (int p = 0; p < 2; ++p)
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) acc[m][p][b] = simd::zero_i();
   const int64_t block_bytes = (Kp / 4) * 64;
   for (int64_t k4 = 0; k4 < Kp / 4; ++k4) {
     simd::B64 wv[NB];
+    LLMSERVE_UNROLL
     for (int b = 0; b < NB; ++b) {
       // one line ahead in each block's stream (past a block's end: the next block's start,
       // which a one-block tile reads next)
       prefetch_weights<kStream>(w + (nb0 + b) * block_bytes + k4 * 64 + kInt8PrefetchBytes);
       wv[b] = simd::load_bytes(w + (nb0 + b) * block_bytes + k4 * 64);
     }
+    LLMSERVE_UNROLL
     for (int m = 0; m < MT; ++m)
+      LLMSERVE_UNROLL
       for (int p = 0; p < 2; ++p) {
         uint32_t x4;
         std::memcpy(&x4, xq + ((m0 + m) * 2 + p) * Kp + k4 * 4, 4);
+        LLMSERVE_UNROLL
         for (int b = 0; b < NB; ++b) {
 #if defined(LLMSERVE_SIMD_U8S8_DOT)
           acc[m][p][b] = simd::dot4_u8s8(acc[m][p][b], x4, wv[b]);
@@ -99,12 +106,14 @@ inline void int8_tile(const uint8_t* xq, const float* xs, int64_t m0, int64_t Kp
   }
   // (hi + lo / 254) * x_scale * w_scale [+ bias], lane by lane without fused multiply-adds
   F16 out[MT][NB];
+  LLMSERVE_UNROLL
   for (int b = 0; b < NB; ++b) {
     const int64_t n0 = (nb0 + b) * kBlockN;
     if (n0 >= N) break;
     const I16 offset = simd::shl<7>(load_part(wsum + n0, N - n0)) &
                        simd::set1_i(kActivationOffset ? -1 : 0);
     const F16 ws = load_part(wscale + n0, N - n0);
+    LLMSERVE_UNROLL
     for (int m = 0; m < MT; ++m) {
       const F16 h = simd::to_float(acc[m][0][b] - offset);
       const F16 l = simd::to_float(acc[m][1][b] - offset);

@@ -53,6 +53,7 @@ inline void prefetch_share(const uint8_t* w, int64_t nb1, int64_t g1, int64_t bl
                            int p) {
   using L = Layout<kType>;
   constexpr int kLines = (L::kRecord + 63) / 64;
+  LLMSERVE_UNROLL
   for (int b = 0; b < NB; ++b) {
     const char* next = reinterpret_cast<const char*>(w + (nb1 + b) * block_bytes +
                                                      g1 * L::kRecord);
@@ -94,16 +95,21 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
   const int64_t G = K / kSuper, block_bytes = G * L::kRecord;
   const TilePrefetch<kType, NB, kStream> prefetch{w, block_bytes};
   F16 acc[MT][NB];
+  LLMSERVE_UNROLL
   for (int m = 0; m < MT; ++m)
+    LLMSERVE_UNROLL
     for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t nb1 = g + 1 < G ? nb0 : nb0 + NB, g1 = g + 1 < G ? g + 1 : 0;
     I16 a_int[MT][NB];
+    LLMSERVE_UNROLL
     for (int m = 0; m < MT; ++m)
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) a_int[m][b] = simd::zero_i();
     for (int s = 0; s < L::kSubs; ++s) {
       prefetch.sub_block(nb1, g1, s);
       I16 sc[NB];
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b)
         sc[b] = simd::load_s8(reinterpret_cast<const int8_t*>(
             w + (nb0 + b) * block_bytes + g * L::kRecord + L::kScales + 16 * s));
@@ -117,7 +123,9 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
           kType != kIQ4XS && kSubOffset == 0 && L::kStepsPerWiden == kSteps;
       simd::P32 pairs[MT][NB];  // the dot products since the last widening
       I16 sub[MT][NB];  // the sub-block's u . q (IQ4_XS: its levels' . q), in int32
+      LLMSERVE_UNROLL
       for (int m = 0; m < MT; ++m)
+        LLMSERVE_UNROLL
         for (int b = 0; b < NB; ++b) {
           pairs[m][b] = simd::zero_pairs();
           sub[m][b] = simd::zero_i();
@@ -126,6 +134,7 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
         const int j = (s * L::kSubK) / 8 + step / 2;  // the chunk: two steps
         prefetch.chunk(nb1, g1, j);
         simd::B64 ulo[NB], uhi[NB];
+        LLMSERVE_UNROLL
         for (int b = 0; b < NB; ++b) {
           chunk_codes<kType>(w + (nb0 + b) * block_bytes + g * L::kRecord, j, ulo[b], uhi[b]);
           if constexpr (kType == kIQ4XS) {  // codes -> their levels (+ kSignedBias)
@@ -133,11 +142,13 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
             uhi[b] = simd::lookup16(uhi[b], kIQ4Codes.v);
           }
         }
+        LLMSERVE_UNROLL
         for (int m = 0; m < MT; ++m) {
           const int8_t* xq = q + (m0 + m) * K + g * kSuper + 8 * j;
           int32_t x0, x1;
           std::memcpy(&x0, xq, 4);
           std::memcpy(&x1, xq + 4, 4);
+          LLMSERVE_UNROLL
           for (int b = 0; b < NB; ++b) {
             if constexpr (kType == kIQ4XS)
               sub[m][b] = dot4_biased(dot4_biased(sub[m][b], ulo[b], x0), uhi[b], x1);
@@ -148,7 +159,9 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
         }
         if constexpr (kType != kIQ4XS)
           if ((step + 2) % L::kStepsPerWiden == 0)
+            LLMSERVE_UNROLL
             for (int m = 0; m < MT; ++m)
+              LLMSERVE_UNROLL
               for (int b = 0; b < NB; ++b) {
                 // Q4_K and Q5_K scaled here, not through sub (avx2's 16 registers: Q4_K at
                 // batch 32 11 % slower through it)
@@ -163,12 +176,14 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
               }
       }
       if constexpr (kDirect) continue;  // scaled at the widening already
+      LLMSERVE_UNROLL
       for (int m = 0; m < MT; ++m) {
         int32_t qsum = 0;
         if constexpr (kSubOffset != 0) {
           const int32_t* qs = sums16 + ((m0 + m) * G + g) * (kSuper / 16);
           qsum = L::kSubK == 16 ? qs[s] : qs[2 * s] + qs[2 * s + 1];
         }
+        LLMSERVE_UNROLL
         for (int b = 0; b < NB; ++b) {
           I16 t = sub[m][b];
           if constexpr (kSubOffset != 0) t = t - simd::set1_i(kSubOffset * qsum);
@@ -176,9 +191,11 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
         }
       }
     }
+    LLMSERVE_UNROLL
     for (int b = 0; b < NB; ++b) {
       const uint8_t* rec = w + (nb0 + b) * block_bytes + g * L::kRecord;
       const F16 d = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kHalves));
+      LLMSERVE_UNROLL
       for (int m = 0; m < MT; ++m) {
         const F16 xs = simd::set1(xscale[(m0 + m) * G + g]);
         acc[m][b] = simd::fmadd(simd::to_float(a_int[m][b]), d * xs, acc[m][b]);
@@ -186,6 +203,7 @@ inline void kq_tile(const int8_t* q, const float* xscale, const int32_t* sums16,
       if constexpr (L::kNoMins) continue;  // Q6_K, Q3_K, IQ4_XS: in A already
       const F16 dmin = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kHalves + 32));
       const int8_t* mins = reinterpret_cast<const int8_t*>(rec + L::kMins);
+      LLMSERVE_UNROLL
       for (int m = 0; m < MT; ++m) {
         // B = sum of m * (sum of q) over the sub-blocks: |B| < 2^24, exact as a float
         const int32_t* qs = sums16 + ((m0 + m) * G + g) * (kSuper / 16);
@@ -213,7 +231,9 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
   // 64-byte chunks of codes per block of 32 k: 8 of 4 k (Q8_0), else 4 of 8 k
   constexpr int kChunks = L::kCodeBytes / 64 / L::kSubs;
   F16 acc[MT][NB];
+  LLMSERVE_UNROLL
   for (int m = 0; m < MT; ++m)
+    LLMSERVE_UNROLL
     for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t nb1 = g + 1 < G ? nb0 : nb0 + NB, g1 = g + 1 < G ? g + 1 : 0;
@@ -221,7 +241,9 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
       prefetch.sub_block(nb1, g1, s);
       I16 sum[MT][NB];  // u . q (Q8_0: v . q)
       simd::P32 pairs[MT][NB];
+      LLMSERVE_UNROLL
       for (int m = 0; m < MT; ++m)
+        LLMSERVE_UNROLL
         for (int b = 0; b < NB; ++b) {
           sum[m][b] = simd::zero_i();
           pairs[m][b] = simd::zero_pairs();
@@ -230,12 +252,15 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
         for (int j = s * kChunks; j < (s + 1) * kChunks; ++j) {
           prefetch.chunk(nb1, g1, j);
           simd::B64 v[NB];
+          LLMSERVE_UNROLL
           for (int b = 0; b < NB; ++b)
             v[b] = biased(
                 simd::load_bytes(w + (nb0 + b) * block_bytes + g * L::kRecord + 64 * j));
+          LLMSERVE_UNROLL
           for (int m = 0; m < MT; ++m) {
             int32_t x0;
             std::memcpy(&x0, q + (m0 + m) * K + g * kSuper + 4 * j, 4);
+            LLMSERVE_UNROLL
             for (int b = 0; b < NB; ++b) sum[m][b] = dot4_biased(sum[m][b], v[b], x0);
           }
         }
@@ -247,31 +272,38 @@ inline void legacy_tile(const int8_t* q, const float* xscale, const int32_t* sum
           const int j = s * kChunks + c;
           prefetch.chunk(nb1, g1, j);
           simd::B64 ulo[NB], uhi[NB];
+          LLMSERVE_UNROLL
           for (int b = 0; b < NB; ++b)
             chunk_codes<kType>(w + (nb0 + b) * block_bytes + g * L::kRecord, j, ulo[b], uhi[b]);
+          LLMSERVE_UNROLL
           for (int m = 0; m < MT; ++m) {
             const int8_t* xq = q + (m0 + m) * K + g * kSuper + 8 * j;
             int32_t x0, x1;
             std::memcpy(&x0, xq, 4);
             std::memcpy(&x1, xq + 4, 4);
+            LLMSERVE_UNROLL
             for (int b = 0; b < NB; ++b)
               pairs[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(pairs[m][b], ulo[b], x0),
                                                uhi[b], x1);
           }
           if (((c + 1) * 2) % L::kStepsPerWiden == 0)
+            LLMSERVE_UNROLL
             for (int m = 0; m < MT; ++m)
+              LLMSERVE_UNROLL
               for (int b = 0; b < NB; ++b) {
                 sum[m][b] = sum[m][b] + simd::widen_pairs(pairs[m][b]);
                 pairs[m][b] = simd::zero_pairs();
               }
         }
       }
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) {
         const uint8_t* rec = w + (nb0 + b) * block_bytes + g * L::kRecord;
         const F16 d = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kD + 32 * s));
         F16 mins = simd::zero();
         if constexpr (L::kLegacyMin)
           mins = simd::load_half(reinterpret_cast<const uint16_t*>(rec + L::kM + 32 * s));
+        LLMSERVE_UNROLL
         for (int m = 0; m < MT; ++m) {
           const int32_t* qs = sums16 + ((m0 + m) * G + g) * (kSuper / 16) + 2 * s;
           const int32_t qsum = qs[0] + qs[1];

@@ -76,7 +76,9 @@ inline void q4_tile(const int8_t* a, const float* unit, const float* sums, int64
                     float* y) {
   const int64_t G = K / kGroup, block_bytes = G * kQ4Record;
   F16 acc[MT][NB];
+  LLMSERVE_UNROLL
   for (int m = 0; m < MT; ++m)
+    LLMSERVE_UNROLL
     for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
   for (int64_t g = 0; g < G; ++g) {
     {  // the record kQ4PrefetchGroups groups on in each block's stream; past a block's
@@ -84,6 +86,7 @@ inline void q4_tile(const int8_t* a, const float* unit, const float* sums, int64
        // tile, its weights are one linear stream)
       const int64_t ahead = g + kQ4PrefetchGroups;
       const int64_t nb1 = ahead < G ? nb0 : nb0 + NB, g1 = ahead < G ? ahead : ahead - G;
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) {
         const char* next =
             reinterpret_cast<const char*>(w + (nb1 + b) * block_bytes + g1 * kQ4Record);
@@ -92,16 +95,21 @@ inline void q4_tile(const int8_t* a, const float* unit, const float* sums, int64
       }
     }
     simd::P32 ihi[MT][NB], ilo[MT][NB];  // 8 steps a group: within dot4_nibbles' bound
+    LLMSERVE_UNROLL
     for (int m = 0; m < MT; ++m)
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) ihi[m][b] = ilo[m][b] = simd::zero_pairs();
+    LLMSERVE_UNROLL
     for (int j = 0; j < 4; ++j) {
       simd::B64 ulo[NB], uhi[NB];  // the codes of k = 8j + 0..3 and 8j + 4..7
+      LLMSERVE_UNROLL
       for (int b = 0; b < NB; ++b) {
         const simd::B64 v =
             simd::load_bytes(w + (nb0 + b) * block_bytes + g * kQ4Record + j * 64);
         ulo[b] = simd::low_nibbles(v);
         uhi[b] = simd::high_nibbles(v);
       }
+      LLMSERVE_UNROLL
       for (int m = 0; m < MT; ++m) {
         const int8_t* xh = a + (m0 + m) * 2 * K + g * kGroup + 8 * j;
         const int8_t* xl = xh + K;
@@ -110,6 +118,7 @@ inline void q4_tile(const int8_t* a, const float* unit, const float* sums, int64
         std::memcpy(&h1, xh + 4, 4);
         std::memcpy(&l0, xl, 4);
         std::memcpy(&l1, xl + 4, 4);
+        LLMSERVE_UNROLL
         for (int b = 0; b < NB; ++b) {
           ihi[m][b] = simd::dot4_nibbles(simd::dot4_nibbles(ihi[m][b], ulo[b], h0), uhi[b], h1);
           if (kFine)
@@ -117,10 +126,12 @@ inline void q4_tile(const int8_t* a, const float* unit, const float* sums, int64
         }
       }
     }
+    LLMSERVE_UNROLL
     for (int b = 0; b < NB; ++b) {
       const uint8_t* rec = w + (nb0 + b) * block_bytes + g * kQ4Record + 256;
       const F16 d = simd::load_half(reinterpret_cast<const uint16_t*>(rec));
       const F16 mo = simd::load_half(reinterpret_cast<const uint16_t*>(rec + 32));
+      LLMSERVE_UNROLL
       for (int m = 0; m < MT; ++m) {
         // 254 * hi + lo (15 bits): exact in int32 and as a float (|.| < 2^24)
         const I16 h = simd::widen_pairs(ihi[m][b]);

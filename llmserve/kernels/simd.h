@@ -75,6 +75,13 @@ inline float half_bits_to_float(uint16_t h) {
 #endif
 inline const char* level_name() { return LLMSERVE_STRINGIFY(LLMSERVE_BUILD_NAME); }
 
+// Put before each loop over a tile's arrays of registers (its rows, its blocks of channels):
+// the loop unrolled in full, so that the arrays are registers. GCC 12 at -O2 left the loops
+// of 3 or more rows as loops, their accumulators in memory, each multiply-add a load and a
+// store (an avx2 float32 tile on one core, weights in L2: 4 rows 4.8 -> 1.4 ns per k and
+// block of 16, 1 row 0.8; the same bits, the same operations in the same order).
+#define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
+
 // The prefetches below each end with an empty asm statement the compiler must keep: GCC 12
 // takes a function that only prefetches for one without effects and drops its calls (a
 // loop of prefetches inlined from a helper compiled to nothing; the decode's far prefetch,

@@ -15,6 +15,7 @@ from llmserve.spec_decode.training import (
     HiddenRecorder,
     evaluate,
     positions,
+    split_held_out,
     train_medusa,
     training_dtype,
 )
@@ -125,6 +126,37 @@ def test_the_target_writes_its_own_prompts(default_model):
     assert all(len(p) >= 8 and p == p.strip() and "<|im_" not in p for p in prompts)
     assert self_prompts(llm, 12, 1.0, seed=3) == prompts
     assert self_prompts(llm, 12, 1.0, seed=4) != prompts
+
+
+def test_each_seed_samples_prompts_of_its_own():
+    """--self-prompts' samples for a seed, a try and an opening take seeds run + 0, + 1,
+    ...: the runs of seeds 0-3 (4 tries, 16 openings, up to 65,536 samples each) never
+    share one."""
+    from llmserve.entrypoints.cli.train_heads import prompt_run_seed
+
+    starts = sorted(prompt_run_seed(seed, attempt, opening) for seed in range(4)
+                    for attempt in range(4) for opening in range(16))
+    assert all(b - a >= 2**16 for a, b in zip(starts, starts[1:]))
+    assert starts[-1] < 2**63
+
+
+def test_a_prompt_two_datasets_share_is_held_out_in_both_or_neither():
+    """The held-out prompts are picked by their tokens, not their numbers in a file: the
+    same prompt under other numbers (a second dataset) falls on the same side, with its
+    sampled answers; a share of the distinct prompts is held out, its greedy answers
+    measured."""
+    hidden = torch.zeros(6, HIDDEN)
+    first = [Answer([p, p + 1, 7, 8, 9, 10], hidden, 2, prompt=p) for p in range(20)]
+    second = [Answer([p, p + 1, 7, 8, 9, 10], hidden, 2, prompt=p + 1) for p in range(20)]
+    sampled = [Answer([p, p + 1, 7, 8, 9, 11], hidden, 2, prompt=p, sampled=True)
+               for p in range(20)]
+    train, held = split_held_out(first + second + sampled, 0.25)
+    held_prompts = {tuple(a.tokens[:2]) for a in held}
+    assert len(held_prompts) == 5 and len(held) == 10 and not any(a.sampled for a in held)
+    assert not held_prompts & {tuple(a.tokens[:2]) for a in train}
+    assert len(train) == 60 - 10 - 5  # the held-out prompts' sampled answers are not trained
+    everything, none = split_held_out(first, 0.0)
+    assert none == [] and len(everything) == 20 and all(a is b for a, b in zip(everything, first))
 
 
 def test_self_prompts_go_with_generating_only(tmp_path, capsys):

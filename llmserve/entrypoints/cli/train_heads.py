@@ -15,6 +15,7 @@ the held-out tokens per round) in its config.json under "llmserve":
 """
 
 import argparse
+import hashlib
 import importlib.resources
 import sys
 import time
@@ -52,6 +53,15 @@ def prompt_openings() -> list[str]:
     return [line.strip() for line in text.read_text("utf-8").splitlines() if line.strip()]
 
 
+def prompt_run_seed(seed: int, attempt: int, opening: int) -> int:
+    """The seed of --self-prompts' samples for one opening and try (the k-th sample takes
+    it + k): a hash of the three, far from every other's, so that each --seed writes
+    prompts of its own (seed + 1000 x opening + k had --seed 1 sample almost all of
+    --seed 0's prompts again, one place on)."""
+    digest = hashlib.sha256(f"{seed}/{attempt}/{opening}".encode()).digest()
+    return int.from_bytes(digest[:5], "little") << 16  # < 2^56: room for 65,536 samples
+
+
 def self_prompts(llm, count: int, temperature: float, seed: int) -> list[str]:
     """`count` distinct prompts the target writes itself (Magpie: its chat template up to
     the user's turn, sampled until the turn ends), each begun with one of the built-in
@@ -75,7 +85,7 @@ def self_prompts(llm, count: int, temperature: float, seed: int) -> list[str]:
         have = sum(len(f) for f in found)
         each = -(-max(8, (count - have) * 5 // 4) // len(openings))
         runs = [(o, SamplingParams(n=min(64, each - i), top_p=0.95, temperature=temperature,
-                                   max_tokens=96, seed=seed + 100_000 * attempt + 1000 * o + i))
+                                   max_tokens=96, seed=prompt_run_seed(seed, attempt, o) + i))
                 for o in range(len(openings)) for i in range(0, each, 64)]
         outs = llm.generate([{"prompt_token_ids": starts[o]} for o, _ in runs],
                             [params for _, params in runs], use_tqdm=False)
@@ -126,8 +136,8 @@ def cmd_train_heads(args: argparse.Namespace) -> int:
               num_threads=args.threads, enable_prefix_caching=False)
     hidden_size = llm.engine.loaded.config.hidden_size
     if args.dataset is not None:
-        # several files: their answers together (an answer keeps its prompt's number, so
-        # the built-in prompts' answers are held out alike in each)
+        # several files: their answers together (a prompt two files share is held out
+        # in both or in neither: `split_held_out`)
         answers, sources = [], []
         for path in args.dataset:
             try:

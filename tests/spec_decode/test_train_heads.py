@@ -136,7 +136,7 @@ def test_each_seed_samples_prompts_of_its_own():
 
     starts = sorted(prompt_run_seed(seed, attempt, opening) for seed in range(4)
                     for attempt in range(4) for opening in range(16))
-    assert all(b - a >= 2**16 for a, b in zip(starts, starts[1:]))
+    assert all(b - a >= 2**16 for a, b in zip(starts, starts[1:], strict=False))
     assert starts[-1] < 2**63
 
 
@@ -156,7 +156,7 @@ def test_a_prompt_two_datasets_share_is_held_out_in_both_or_neither():
     assert not held_prompts & {tuple(a.tokens[:2]) for a in train}
     assert len(train) == 60 - 10 - 5  # the held-out prompts' sampled answers are not trained
     everything, none = split_held_out(first, 0.0)
-    assert none == [] and len(everything) == 20 and all(a is b for a, b in zip(everything, first))
+    assert none == [] and len(everything) == 20 and all(a is b for a, b in zip(everything, first, strict=True))
 
 
 def test_self_prompts_go_with_generating_only(tmp_path, capsys):

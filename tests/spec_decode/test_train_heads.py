@@ -156,7 +156,8 @@ def test_a_prompt_two_datasets_share_is_held_out_in_both_or_neither():
     assert not held_prompts & {tuple(a.tokens[:2]) for a in train}
     assert len(train) == 60 - 10 - 5  # the held-out prompts' sampled answers are not trained
     everything, none = split_held_out(first, 0.0)
-    assert none == [] and len(everything) == 20 and all(a is b for a, b in zip(everything, first, strict=True))
+    assert none == [] and len(everything) == 20
+    assert all(a is b for a, b in zip(everything, first, strict=True))
 
 
 def test_self_prompts_go_with_generating_only(tmp_path, capsys):

@@ -79,8 +79,14 @@ inline const char* level_name() { return LLMSERVE_STRINGIFY(LLMSERVE_BUILD_NAME)
 // the loop unrolled in full, so that the arrays are registers. GCC 12 at -O2 left the loops
 // of 3 or more rows as loops, their accumulators in memory, each multiply-add a load and a
 // store (an avx2 float32 tile on one core, weights in L2: 4 rows 4.8 -> 1.4 ns per k and
-// block of 16, 1 row 0.8; the same bits, the same operations in the same order).
+// block of 16, 1 row 0.8; the same bits, the same operations in the same order). Not at
+// the generic level, whose 16-lane values are arrays in memory anyway: unrolled there,
+// its largest file (gemm_kquant.cpp, -O3) took 84-92 s to compile instead of 48-56.
+#if defined(LLMSERVE_SIMD_GENERIC)
+#define LLMSERVE_UNROLL
+#else
 #define LLMSERVE_UNROLL _Pragma("GCC unroll 16")
+#endif
 
 // The prefetches below each end with an empty asm statement the compiler must keep: GCC 12
 // takes a function that only prefetches for one without effects and drops its calls (a

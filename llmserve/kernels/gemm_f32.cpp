@@ -70,6 +70,101 @@ inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int6
   store_tile<MT, NB>(total, m0, nb0, N, bias, y);
 }
 
+// A few rows (a verification's k + 1 tokens, a small batch: kF32TileRows < M <=
+// kF32FewRows) against one block of channels at a time: each run of kF32RunK k's goes through
+// every tile of rows before the next run starts, so the run's weights (kF32RunK x 16 floats
+// per block, 1 KB) are in L1 for every tile after the first and the weights stream past once.
+// In tiles of kF32TileRows rows a 7-token verification read its weights twice (the second
+// time from L2: a block's K x 16 floats outgrow L1) and the exact path's linears took
+// 1.15-1.4x a one-row pass at 5-8 rows on a 2-core Zen 3 (benchmarks/f32_gemm_rows.py).
+// The totals wait in memory between runs (one load and store per kF32RunK fused
+// multiply-adds), which frees the registers for taller tiles; the arithmetic is f32_tile's.
+constexpr int64_t kF32FewRows = 48;
+#if defined(LLMSERVE_SIMD_AVX512)
+constexpr int kF32FewTile = 8;  // 16 zmm accumulators (2 blocks), 2 weights, a broadcast
+#elif defined(LLMSERVE_SIMD_GENERIC)
+constexpr int kF32FewTile = 4;  // its values are arrays in memory anyway
+#else
+constexpr int kF32FewTile = 6;  // avx2: 12 of 16 ymm; neon: 24 of 32 q
+#endif
+constexpr int kF32TileRows = 4;  // the tiles of f32_tile (for_tiles' kRows)
+
+template <int MT, int NB>
+inline void f32_run(const float* x, int64_t m0, int64_t K, int64_t k0, const float* w,
+                    int64_t nb0, bool prefetch, float (*total)[NB][kBlockN]) {
+  F16 acc[MT][NB];
+  LLMSERVE_UNROLL
+  for (int m = 0; m < MT; ++m)
+    LLMSERVE_UNROLL
+    for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
+  for (int64_t k = k0; k < std::min(K, k0 + kF32RunK); ++k) {
+    F16 wv[NB];
+    LLMSERVE_UNROLL
+    for (int b = 0; b < NB; ++b) {
+      const float* line = w + ((nb0 + b) * K + k) * kBlockN;
+      if (prefetch)
+        prefetch_weights<false>(reinterpret_cast<const char*>(line) + kF32PrefetchBytes);
+      wv[b] = simd::load(line);
+    }
+    LLMSERVE_UNROLL
+    for (int m = 0; m < MT; ++m) {
+      const F16 xv = simd::set1(x[(m0 + m) * K + k]);
+      LLMSERVE_UNROLL
+      for (int b = 0; b < NB; ++b) acc[m][b] = simd::fmadd(xv, wv[b], acc[m][b]);
+    }
+  }
+  LLMSERVE_UNROLL
+  for (int m = 0; m < MT; ++m)
+    LLMSERVE_UNROLL
+    for (int b = 0; b < NB; ++b)
+      simd::store(total[m0 + m][b], simd::load(total[m0 + m][b]) + acc[m][b]);
+}
+
+template <int NB>
+inline void f32_run_rest(const float* x, int64_t m0, int64_t rest, int64_t K, int64_t k0,
+                         const float* w, int64_t nb0, bool prefetch,
+                         float (*total)[NB][kBlockN]) {
+  static_assert(kF32FewTile <= 8, "the cases below go up to 7 rows");
+  switch (rest) {
+    case 1: f32_run<1, NB>(x, m0, K, k0, w, nb0, prefetch, total); break;
+    case 2: f32_run<2, NB>(x, m0, K, k0, w, nb0, prefetch, total); break;
+    case 3: f32_run<3, NB>(x, m0, K, k0, w, nb0, prefetch, total); break;
+    case 4: f32_run<std::min(4, kF32FewTile), NB>(x, m0, K, k0, w, nb0, prefetch, total); break;
+    case 5: f32_run<std::min(5, kF32FewTile), NB>(x, m0, K, k0, w, nb0, prefetch, total); break;
+    case 6: f32_run<std::min(6, kF32FewTile), NB>(x, m0, K, k0, w, nb0, prefetch, total); break;
+    case 7: f32_run<std::min(7, kF32FewTile), NB>(x, m0, K, k0, w, nb0, prefetch, total); break;
+    default: break;
+  }
+}
+
+template <int NB>
+inline void f32_few_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t nb0,
+                         int64_t N, const float* bias, const float* init, float* y) {
+  alignas(64) float total[kF32FewRows][NB][kBlockN];
+  for (int64_t m = 0; m < M; ++m)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n0 = (nb0 + b) * kBlockN;
+      simd::store(total[m][b], init == nullptr || n0 >= N
+                                   ? simd::zero()
+                                   : load_part(init + m * N + n0, N - n0));
+    }
+  const int64_t full = M / kF32FewTile * kF32FewTile;
+  for (int64_t k0 = 0; k0 < K; k0 += kF32RunK) {
+    for (int64_t m = 0; m < full; m += kF32FewTile)
+      f32_run<kF32FewTile, NB>(x, m, K, k0, w, nb0, m == 0, total);
+    f32_run_rest<NB>(x, full, M - full, K, k0, w, nb0, full == 0, total);
+  }
+  for (int b = 0; b < NB; ++b) {
+    const int64_t n0 = (nb0 + b) * kBlockN;
+    if (n0 >= N) break;
+    const F16 bv = bias ? load_part(bias + n0, N - n0) : simd::zero();
+    for (int64_t m = 0; m < M; ++m) {
+      const F16 t = simd::load(total[m][b]);
+      store_part(y + m * N + n0, bias ? t + bv : t, N - n0);
+    }
+  }
+}
+
 struct F32Tiles {
   const float* x;
   int64_t K;
@@ -101,9 +196,18 @@ void llmserve_pack_f32_weight(const float* w, int64_t N, int64_t K, float* packe
 void llmserve_f32_linear_from(const float* x, int64_t M, int64_t K, const float* w,
                               const float* bias, const float* init, int64_t N, float* y) {
   const int64_t n_blocks = round_up(N, kBlockN) / kBlockN;
-  constexpr int kRows = 4;
+  constexpr int kRows = kF32TileRows;
   // rows in blocks that stay in L2 while a thread's weight blocks stream past
   const int64_t row_block = std::max<int64_t>(kRows, (256 * 1024 / (4 * K)) / kRows * kRows);
+  if (M > kF32TileRows && M <= kF32FewRows) {
+    parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
+      int64_t b = nb;
+      for (; b + kF32Wide <= ne; b += kF32Wide)
+        f32_few_rows<kF32Wide>(x, M, K, w, b, N, bias, init, y);
+      for (; b < ne; ++b) f32_few_rows<1>(x, M, K, w, b, N, bias, init, y);
+    });
+    return;
+  }
   const F32Tiles tile{x, K, w, N, bias, init, y};
   parallel_for(0, n_blocks, 4, [&](int64_t nb, int64_t ne) {
     for_tiles<kRows, kF32Wide>(tile, M, nb, ne, row_block);

@@ -299,7 +299,8 @@ void check_kquant(Lcg& g, Blobs& out) {
   check_blocks(g, out, "iq4", {kIQ4XS, kQ5K}, {16, 8});
 }
 
-// plain (bias on M = 3, 5) and continuing from `init` (M = 3, 33)
+// plain (bias on M = 3, 5) and continuing from `init` (M = 3, 7, 33); besides kRowCounts,
+// M = 7 and 13 (a few rows: tiles of every height, the last one short) and 49 (tiles again)
 void check_f32_linear(Lcg& g, Blobs& out) {
   const int64_t N = 40, K = 37, Np = 48;
   const auto w = g.floats(N * K), bias = g.floats(N);
@@ -307,7 +308,7 @@ void check_f32_linear(Lcg& g, Blobs& out) {
   llmserve_pack_f32_weight(w.data(), N, K, packed.data());
   out.put("f32_linear.w", w, {N, K});
   out.put("f32_linear.bias", bias, {N});
-  for (int64_t M : kRowCounts) {
+  for (int64_t M : {1, 3, 5, 7, 13, 33, 49}) {
     const std::string p = "f32_linear." + tag("M", M) + ".";
     const bool with_bias = M == 3 || M == 5;
     const auto x = g.floats(M * K, 2.f);
@@ -318,7 +319,7 @@ void check_f32_linear(Lcg& g, Blobs& out) {
     out.put(p + "with_bias", std::vector<int32_t>{with_bias}, {1});
     out.put(p + "y", y, {M, N});
   }
-  for (int64_t M : {3, 33}) {
+  for (int64_t M : {3, 7, 33}) {
     const std::string p = "f32_linear_from." + tag("M", M) + ".";
     const auto x = g.floats(M * K, 2.f), init = g.floats(M * N, 8.f);
     std::vector<float> y(M * N);

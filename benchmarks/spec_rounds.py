@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument("head")
     parser.add_argument("--paths", default="float32,auto")
     parser.add_argument("--variants", default="0.3/-",
-                        help="min_confidence/go_on_confidence[/fixed] per EAGLE engine ('-': "
+                        help="min_confidence/go_on_confidence[/fixed] per EAGLE engine "
+                             "('auto': the speculator's cut from the measured costs; '-': "
                              "None; /fixed: k always --k, not adaptive)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4)
@@ -99,7 +100,7 @@ def main() -> None:
             keep, go_on, *fixed = variant.split("/")
             llm = engine_for(base, "eagle", args.k, heads=args.head, adaptive=not fixed)
             proposer = llm.engine.executor.runner.proposer
-            proposer.min_confidence = float(keep)
+            proposer.min_confidence = None if keep == "auto" else float(keep)
             proposer.go_on_confidence = None if go_on == "-" else float(go_on)
             engines[f"eagle {variant}"] = llm
             costs = llm.engine.speculator.costs.by_batch

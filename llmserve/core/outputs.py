@@ -58,6 +58,10 @@ class ScheduledRequest:
     # speculative decoding: once the step has sampled, propose up to this many drafts for
     # the next step (the speculator's policy; the runner's proposer makes them)
     num_drafts: int = 0
+    # ... and stop a chain before a draft whose chance of being right, by the proposer's
+    # own estimate, falls below this (`Speculator.min_chance`: what one more draft costs
+    # against what it is expected to bring; 0: no cut)
+    draft_min_chance: float = 0.0
 
     @property
     def num_tokens(self) -> int:

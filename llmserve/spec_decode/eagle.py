@@ -456,14 +456,15 @@ class EagleProposer(Proposer):
     needs_hidden = True
     feeds_every_chunk = True
     # a chain stops before the draft whose chance of being right, by the head's own
-    # probabilities along the chain (EAGLE-2's estimate), falls below this: a draft the
-    # head doubts costs its verification and the chain's next head steps, and is seldom
-    # kept. Default model, exact path, chat, one stream, k = 4, a head trained on 829 k
-    # answer tokens (2-core Sapphire Rapids): 0 -> 0.86x no speculation, 0.2 -> 1.09x,
-    # 0.35 -> 1.10x, 0.5 -> 1.04x (tokens a round 1.40, 1.49, 1.62, 1.75).
-    min_confidence = 0.3
+    # probabilities along the chain (EAGLE-2's estimate), falls below the seed's
+    # `min_chance`: the speculator's break-even for one more draft, from this machine's
+    # measured costs (`Speculator.min_chance`); set, this overrides it (benchmarks).
+    # Default model, chat, one stream, 2-core Zen 3 (session 41): on the exact path, where
+    # rows are nearly free, cutting at 0.3 gave 1.25-1.32x no speculation, at 0.15
+    # 1.29-1.44x, no cut and 6 drafts 1.47-1.51x; on the default path 0.3 beat 0.15
+    min_confidence: float | None = None
     # the chain's next head step is run only while the chance is at least this (None:
-    # min_confidence); a draft already made costs only its verification
+    # the cut above); a draft already made costs only its verification
     go_on_confidence: float | None = None
     # a request asked for no drafts (the speculator has stopped trusting the head for it,
     # a prompt's chunks before the last, a batch too large to speculate) keeps its rows
@@ -509,16 +510,17 @@ class EagleProposer(Proposer):
         """The target layers whose incoming hidden states the head reads (EAGLE-3)."""
         return getattr(self.head, "aux_layers", ())
 
-    def _draft(self, features: torch.Tensor) -> tuple[list[int], list[float]]:
+    def _draft(self, features: torch.Tensor, cut: bool = True
+               ) -> tuple[list[int], list[float]]:
         """The greedy draft token from each row of head features, and the head's
-        probability of it (1 where no chain is cut by it)."""
+        probability of it (1 where no chain is cut by it: `cut` False)."""
         if self.head.lm_head is None:
             logits = self.target.compute_logits(features)
             ids = argmax(logits)
         else:
             logits = self.head.lm_head(features)
             ids = self.head.draft_ids[argmax(logits)]
-        if self.min_confidence <= 0:
+        if not cut:
             return ids.tolist(), [1.0] * len(ids)
         confidence = torch.softmax(logits.float(), dim=-1).amax(dim=-1)
         return ids.tolist(), confidence.tolist()
@@ -584,20 +586,22 @@ class EagleProposer(Proposer):
         if not asked:
             return drafts
         wanted = {b: min(s.num_drafts, room[b] + 1) for _, b, s in asked}
+        keep_at = {b: self._cut(s) for _, b, s in asked}  # the chance a draft needs
+        go_on_at = {b: keep_at[b] if self.go_on_confidence is None else self.go_on_confidence
+                    for b in keep_at}
+        cut = any(c > 0 for c in keep_at.values()) or any(c > 0 for c in go_on_at.values())
         # the first draft from the last verified position, then one position a step
         index = torch.from_numpy(ends[[i for i, _, _ in asked]])
         features = following[index]  # (N, H)
-        tokens, confidence = self._draft(out[index])
+        tokens, confidence = self._draft(out[index], cut)
         chance = {}  # the head's own estimate that each chain is right so far
-        go_on = self.min_confidence if self.go_on_confidence is None else \
-            self.go_on_confidence
         for (_, b, _), token, c in zip(asked, tokens, confidence, strict=True):
             chance[b] = c
-            if c < self.min_confidence:
+            if c < keep_at[b]:
                 wanted[b] = 0  # not worth its verification
             else:
                 drafts[b].append(token)
-                if c < go_on:
+                if c < go_on_at[b]:
                     wanted[b] = 1  # not worth another head step
         for step in range(1, max(wanted.values())):
             going = [(j, b, s) for j, (_, b, s) in enumerate(asked) if wanted[b] > step]
@@ -611,16 +615,20 @@ class EagleProposer(Proposer):
                                        features[keep])
             features = features.clone()
             features[keep] = following
-            tokens, confidence = self._draft(out)
+            tokens, confidence = self._draft(out, cut)
             for (_, b, _), token, c in zip(going, tokens, confidence, strict=True):
                 chance[b] *= c
-                if chance[b] < self.min_confidence:
+                if chance[b] < keep_at[b]:
                     wanted[b] = step  # the chain ends before this draft
                 else:
                     drafts[b].append(token)
-                    if chance[b] < go_on:
+                    if chance[b] < go_on_at[b]:
                         wanted[b] = step + 1  # ... after this draft
         return drafts
+
+    def _cut(self, seed: DraftSeed) -> float:
+        """The chance below which `seed`'s chain stops."""
+        return seed.min_chance if self.min_confidence is None else self.min_confidence
 
     @torch.inference_mode()
     def step_seconds(self, batch: int) -> float:

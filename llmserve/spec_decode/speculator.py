@@ -118,6 +118,23 @@ class Speculator:
         return best_num_drafts(self._acceptance(request), k_max,
                                self.costs.extra_cost(batch_size, k_max))
 
+    def min_chance(self, request: Request, k: int, batch_size: int = 1) -> float:
+        """The chance of being right below which `request`'s proposer stops its chain of
+        (up to) `k` drafts, for a proposer that knows how sure it is (an EAGLE head): a
+        draft right with chance c adds c to the E(k) tokens the round is expected to emit
+        and its share d of the round's cost 1 + X (X: what k drafts add, their
+        verification rows and proposer steps; d = X / k), so it pays while
+        c > E(k) d / (1 + X). Where a row is nearly free (the exact path at batch 1: the
+        linears stream the weights once for up to ~8 rows, a head step a few % of a step)
+        that is a few hundredths; on the int4 kernels, whose every row costs, about a
+        fifth. 0 where k does not adapt (k drafts every round) or is 0."""
+        if k <= 0 or not self.config.adaptive:
+            return 0.0
+        extra = self.costs.extra_cost(batch_size, k)[-1]
+        a = self._acceptance(request)
+        expected = sum(a ** i for i in range(k + 1))
+        return min(1.0, expected * (extra / k) / (1 + extra))
+
     def drafted_nothing(self, request: Request) -> None:
         """A round in which `request` drafted nothing (k was 0, or the proposer had no
         guess): its estimate drifts back towards the prior, so that it tries again later."""

@@ -35,6 +35,9 @@ class DraftSeed:
     # for a proposer fed every chunk (`feeds_every_chunk`): the request's KV block ids,
     # those after its tokens included (SchedulerConfig.num_lookahead_tokens)
     block_ids: np.ndarray | None = None
+    # a proposer that knows how sure it is stops before a draft whose chance of being
+    # right falls below this (`ScheduledRequest.draft_min_chance`)
+    min_chance: float = 0.0
 
 
 class DraftProposer(Protocol):

@@ -33,12 +33,14 @@ from llmserve.spec_decode.eagle import (
     shipped_eagle_head,
 )
 from llmserve.spec_decode.medusa import HeadsFormatError
+from llmserve.spec_decode.speculator import Speculator
 from tests.engines import llm_on
 
 K = 4
-# the shipped head's drafts the target keeps in its test, at least (a random head's:
-# none; measured: 0.44 on the exact path, 0.59 on the default one it was trained on)
-SHIPPED_HEAD_ACCEPTANCE = 0.2
+# the share of rounds in which the target keeps the shipped head's first draft in its
+# test, at least (a random head's: none; measured: 0.41 on the exact path, 0.50 on the
+# default one it was trained on; k drafts every round, no cut)
+SHIPPED_HEAD_FIRST_KEPT = 0.3
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 PROMPTS = [
     "Write the word ok twenty times, separated by spaces: ok ok ok ok",
@@ -334,7 +336,7 @@ def test_the_head_that_ships_drafts_for_the_default_model(request, weights):
     assert_same(llm.chat(messages, greedy, use_tqdm=False), want)
     stats = llm.engine.speculator.stats
     assert stats.num_draft_tokens > 20
-    assert stats.acceptance_rate > SHIPPED_HEAD_ACCEPTANCE, stats
+    assert stats.accepted_per_position[0] / stats.num_drafts > SHIPPED_HEAD_FIRST_KEPT, stats
 
 
 def test_greedy_equal_under_a_grammar(tmp_path, default_model):
@@ -432,22 +434,29 @@ def with_a_grammar(prompts: list[str]) -> tuple[list[str], list[SamplingParams]]
     return [*prompts, "Give a JSON list of six words, each the word ok:"], params
 
 
+@pytest.mark.parametrize("cut_by", ["speculator", "proposer"])
 @pytest.mark.parametrize(("confidence", "longest"), [(0.7, 2), (0.3, 0)])
 def test_a_chain_stops_where_the_head_doubts_it(tmp_path, float32_model, monkeypatch,
-                                                confidence, longest):
+                                                confidence, longest, cut_by):
     """A chain keeps a draft while the product of the head's probabilities along it stays
-    at or above `min_confidence` (0.45 here: 0.7, 0.49 kept, 0.343 not); output unchanged."""
+    at or above the cut (0.45 here: 0.7, 0.49 kept, 0.343 not): the speculator's
+    `min_chance`, carried to the proposer with each request's step, or the proposer's own
+    `min_confidence` where set; output unchanged."""
     folder = repeat_head(tmp_path / "repeat", float32_model.config)
     want = llm_on(float32_model, kv_cache_memory="128MiB").generate(PROMPTS, GREEDY,
                                                                    use_tqdm=False)
     real = EagleProposer._draft
 
-    def doubtful(self, features):
-        tokens, _ = real(self, features)
+    def doubtful(self, features, cut=True):
+        assert cut
+        tokens, _ = real(self, features, cut)
         return tokens, [confidence] * len(tokens)
 
     monkeypatch.setattr(EagleProposer, "_draft", doubtful)
-    monkeypatch.setattr(EagleProposer, "min_confidence", 0.45)
+    if cut_by == "speculator":
+        monkeypatch.setattr(Speculator, "min_chance", lambda self, request, k, batch=1: 0.45)
+    else:
+        monkeypatch.setattr(EagleProposer, "min_confidence", 0.45)
     llm = llm_on(float32_model, kv_cache_memory="128MiB", speculative_config=spec(folder))
     assert_same(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want)
     stats = llm.engine.speculator.stats

@@ -90,6 +90,32 @@ def test_k_adapts_to_each_requests_acceptance():
     assert stats.accepted_per_position[:5] == [20, 20, 20, 20, 0]
 
 
+def test_a_chain_is_cut_where_one_more_draft_stops_paying():
+    """`min_chance`: the chance c at which one more draft (its share d = X / k of what k
+    drafts add) leaves the round's tokens per step where they were, (E + c) / (1 + X + d)
+    = E / (1 + X); drafts that cost next to nothing (the exact path's rows at batch 1) are
+    kept at a few hundredths, dear ones (the int4 kernels') only when fairly sure."""
+    config = SpeculativeConfig(method="eagle", model="head", num_speculative_tokens=4)
+    cheap = Speculator(config, StepCosts({1: 0.02}, {1: (0.02, 0.04, 0.06, 0.08)}))
+    dear = Speculator(config, StepCosts({1: 0.4}, {1: (0.4, 0.8, 1.2, 1.6)}))
+    r = request()
+    r.draft_acceptance = 0.5
+    for spec, k in ((cheap, 4), (dear, 2)):
+        extra = spec.costs.extra_cost(1, k)[-1]
+        expected = sum(0.5 ** i for i in range(k + 1))
+        cut = spec.min_chance(r, k)
+        assert cut == pytest.approx(expected * extra / k / (1 + extra))
+        rate = expected / (1 + extra)
+        for c, pays in ((cut * 1.01, True), (cut * 0.99, False)):
+            assert ((expected + c) / (1 + extra + extra / k) > rate) == pays
+    assert cheap.min_chance(r, 4) == pytest.approx(1.9375 * 0.02 / 1.08)  # 0.036
+    assert dear.min_chance(r, 2) == pytest.approx(1.75 * 0.4 / 1.8)  # 0.39
+    assert cheap.min_chance(r, 0) == 0.0
+    # k drafts every round: no cut
+    fixed = SpeculativeConfig(method="eagle", model="head", adaptive=False)
+    assert Speculator(fixed, dear.costs).min_chance(r, 4) == 0.0
+
+
 def test_costlier_batches_draft_less():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
     spec = Speculator(config, StepCosts({1: 0.05, 8: 2.0}))

@@ -13,6 +13,7 @@ small batches `StepCosts.by_k` what each k adds: the GEMMs read the weights once
 of a step (`speculator.StepCosts`).
 """
 
+import statistics
 import time
 from collections.abc import Callable
 
@@ -42,13 +43,14 @@ def measure_step_costs(model: torch.nn.Module, kv_cache: KVCache, attention: Att
         # where they stop), the ends of the line beyond
         every_k = batch < BATCH_IN_LINE
         lengths = tuple(range(1, num_drafts + 2)) if every_k else (1, 1 + num_drafts)
-        times = time_steps(model, kv_cache, attention, batch, lengths)
+        times, ratios = time_steps(model, kv_cache, attention, batch, lengths,
+                                   with_ratios=True)
         plain = times[0]
         draft = draft_step(batch) / plain if draft_step is not None else 0.0
         extra, verify = [], 0.0
-        for k, seconds in zip(range(1, num_drafts + 1) if every_k else (num_drafts,),
-                              times[1:], strict=True):
-            verify = max(verify, seconds / plain - 1.0)  # more drafts never cost less
+        for k, ratio in zip(range(1, num_drafts + 1) if every_k else (num_drafts,),
+                            ratios[1:], strict=True):
+            verify = max(verify, ratio - 1.0)  # more drafts never cost less
             extra.append(verify + k * draft)
         by_batch[batch] = extra[-1] / num_drafts
         if every_k:
@@ -65,11 +67,17 @@ def time_step(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBac
 
 @torch.inference_mode()
 def time_steps(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
-               batch: int, query_lens: tuple[int, ...], repeats: int = 5) -> list[float]:
+               batch: int, query_lens: tuple[int, ...], repeats: int = 5,
+               with_ratios: bool = False) -> list[float] | tuple[list[float], list[float]]:
     """`time_step` for each of `query_lens`, timed in turn, one forward of each a round: a
     load that comes and goes on a busy machine then slows each about alike, where timing
     one length's repeats and then the other's let it land on one of them (a busy start-up
-    measured a draft token at 1.2 steps at batch 2 and 0.09 at batch 4)."""
+    measured a draft token at 1.2 steps at batch 2 and 0.09 at batch 4). `with_ratios`:
+    also each length's time over the first's, the median over the rounds of the two
+    timed side by side in a round: the best times of a noisy machine may come from
+    different rounds (six calibrations in a row on a 2-core Zen 3 VM whose memory speed
+    swung within seconds put the exact path's 7-token step at 1.06-1.32x a 1-token one
+    by best times, 1.01-1.19x by the median ratio)."""
     block = kv_cache.block_size
     per_seq = -(-(CALIBRATION_CONTEXT + max(query_lens)) // block)
     if batch * per_seq > kv_cache.num_blocks:
@@ -89,15 +97,20 @@ def time_steps(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBa
                                  device=device).repeat(batch)
         ids = torch.randint(100, 1000, (batch * query_len,), device=device)
         steps.append((ids, positions, meta))
-    best = [float("inf")] * len(steps)
+    rounds = []
     for _ in range(repeats):
-        for i, (ids, positions, meta) in enumerate(steps):
+        seconds = []
+        for ids, positions, meta in steps:
             start = time.perf_counter()
             _logits(model, ids, positions, kv_cache, meta)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            best[i] = min(best[i], time.perf_counter() - start)
-    return best
+            seconds.append(time.perf_counter() - start)
+        rounds.append(seconds)
+    best = [min(column) for column in zip(*rounds, strict=True)]
+    if not with_ratios:
+        return best
+    return best, [statistics.median(r[i] / r[0] for r in rounds) for i in range(len(steps))]
 
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,

@@ -8,9 +8,9 @@ float32 batch-1 step, 30 % to an int4 one, 69 % to an int4 batch-4 one. So the c
 measured, per batch size, on the engine's own model and kernels, rather than assumed:
 `StepCosts.draft_token_cost(batch)` is the share of a plain step that one draft token per
 request adds (its verification, plus the draft model's step that proposed it), and at
-small batches `StepCosts.by_k` what each k adds: the GEMMs read the weights once for up to
-3 rows, so on the exact path 1 or 2 drafts cost almost nothing and a third costs a third
-of a step (`speculator.StepCosts`).
+small batches `StepCosts.by_k` what each k adds: the exact path's float32 GEMM reads the
+weights once for up to 48 rows, so there k drafts cost little more than their proposer's
+steps, while each row the int4 GEMM adds costs integer work (`speculator.StepCosts`).
 """
 
 import statistics

@@ -45,9 +45,9 @@ class StepCosts:
     step that one draft token per request adds (a straight line through k drafts); and
     where measured, `by_k[b][k - 1]`, the share that k drafts per request add. A step's
     cost does not grow in line with k: the GEMMs stream the weights once for a few rows
-    and turn compute-bound past them (on a 2-core Zen 3 the exact path's linears take
-    about one row's time up to 7 drafts, 1.3x at 8 rows, benchmarks/f32_gemm_rows.py;
-    the default path's int4 ones grow from the third row on)."""
+    and turn compute-bound past them (on a 2-core Zen 3 the exact path's float32 linears
+    take about one row's time up to 12 rows, benchmarks/f32_gemm_rows.py; the default
+    path's int4 ones grow from the third row on)."""
 
     by_batch: dict[int, float]
     by_k: dict[int, tuple[float, ...]] = field(default_factory=dict)

@@ -29,6 +29,33 @@ constexpr int64_t kF32RunK = 16;
 // 2 KB ahead; 5 rows 24.8 / 24.9 -> 16.6 / 18.7 ms; 9 rows 26.9 / 26.6 -> 18.8 / 19.2 ms.
 constexpr int64_t kF32PrefetchBytes = 2048;
 
+// One run of kF32RunK k's from k0 for MT rows x NB blocks: acc = the run's fused
+// multiply-adds, in k order, from zero (`prefetch`: the weight lines ahead too).
+template <int MT, int NB>
+inline void f32_run_sums(const float* x, int64_t m0, int64_t K, int64_t k0, const float* w,
+                         int64_t nb0, bool prefetch, F16 (&acc)[MT][NB]) {
+  LLMSERVE_UNROLL
+  for (int m = 0; m < MT; ++m)
+    LLMSERVE_UNROLL
+    for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
+  for (int64_t k = k0; k < std::min(K, k0 + kF32RunK); ++k) {
+    F16 wv[NB];
+    LLMSERVE_UNROLL
+    for (int b = 0; b < NB; ++b) {
+      const float* line = w + ((nb0 + b) * K + k) * kBlockN;
+      if (prefetch)
+        prefetch_weights<false>(reinterpret_cast<const char*>(line) + kF32PrefetchBytes);
+      wv[b] = simd::load(line);
+    }
+    LLMSERVE_UNROLL
+    for (int m = 0; m < MT; ++m) {
+      const F16 xv = simd::set1(x[(m0 + m) * K + k]);
+      LLMSERVE_UNROLL
+      for (int b = 0; b < NB; ++b) acc[m][b] = simd::fmadd(xv, wv[b], acc[m][b]);
+    }
+  }
+}
+
 template <int MT, int NB>
 inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int64_t nb0,
                      int64_t N, const float* bias, const float* init, float* y) {
@@ -43,25 +70,7 @@ inline void f32_tile(const float* x, int64_t m0, int64_t K, const float* w, int6
     }
   for (int64_t k0 = 0; k0 < K; k0 += kF32RunK) {
     F16 acc[MT][NB];
-    LLMSERVE_UNROLL
-    for (int m = 0; m < MT; ++m)
-      LLMSERVE_UNROLL
-      for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
-    for (int64_t k = k0; k < std::min(K, k0 + kF32RunK); ++k) {
-      F16 wv[NB];
-      LLMSERVE_UNROLL
-      for (int b = 0; b < NB; ++b) {
-        const float* line = w + ((nb0 + b) * K + k) * kBlockN;
-        prefetch_weights<false>(reinterpret_cast<const char*>(line) + kF32PrefetchBytes);
-        wv[b] = simd::load(line);
-      }
-      LLMSERVE_UNROLL
-      for (int m = 0; m < MT; ++m) {
-        const F16 xv = simd::set1(x[(m0 + m) * K + k]);
-        LLMSERVE_UNROLL
-        for (int b = 0; b < NB; ++b) acc[m][b] = simd::fmadd(xv, wv[b], acc[m][b]);
-      }
-    }
+    f32_run_sums<MT, NB>(x, m0, K, k0, w, nb0, true, acc);
     LLMSERVE_UNROLL
     for (int m = 0; m < MT; ++m)
       LLMSERVE_UNROLL
@@ -93,26 +102,7 @@ template <int MT, int NB>
 inline void f32_run(const float* x, int64_t m0, int64_t K, int64_t k0, const float* w,
                     int64_t nb0, bool prefetch, float (*total)[NB][kBlockN]) {
   F16 acc[MT][NB];
-  LLMSERVE_UNROLL
-  for (int m = 0; m < MT; ++m)
-    LLMSERVE_UNROLL
-    for (int b = 0; b < NB; ++b) acc[m][b] = simd::zero();
-  for (int64_t k = k0; k < std::min(K, k0 + kF32RunK); ++k) {
-    F16 wv[NB];
-    LLMSERVE_UNROLL
-    for (int b = 0; b < NB; ++b) {
-      const float* line = w + ((nb0 + b) * K + k) * kBlockN;
-      if (prefetch)
-        prefetch_weights<false>(reinterpret_cast<const char*>(line) + kF32PrefetchBytes);
-      wv[b] = simd::load(line);
-    }
-    LLMSERVE_UNROLL
-    for (int m = 0; m < MT; ++m) {
-      const F16 xv = simd::set1(x[(m0 + m) * K + k]);
-      LLMSERVE_UNROLL
-      for (int b = 0; b < NB; ++b) acc[m][b] = simd::fmadd(xv, wv[b], acc[m][b]);
-    }
-  }
+  f32_run_sums<MT, NB>(x, m0, K, k0, w, nb0, prefetch, acc);
   LLMSERVE_UNROLL
   for (int m = 0; m < MT; ++m)
     LLMSERVE_UNROLL

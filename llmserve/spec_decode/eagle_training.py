@@ -388,7 +388,7 @@ def chain_drafts(head: TrainableEagle, vocabulary: DraftVocabulary, seq: EagleSe
     token after next is known, as the proposer drafts them, whether each is the
     sequence's own token there (False past its end), and the head's own chance that the
     chain is right through each (the product of its drafts' probabilities, what the
-    proposer's `min_confidence` cuts by)."""
+    proposer cuts its chains by: `DraftSeed.min_chance`)."""
     n = len(seq.embeds)  # inputs at p = 0 .. n - 1; x[p + 2] is known for p <= n - 2
     out, prefix = head(seq.embeds[None], seq.features[None], return_keys=True)
     g = out[0]  # (n, H)

@@ -28,6 +28,12 @@ CALIBRATION_CONTEXT = 64  # tokens already cached per sequence while timing
 # from this batch size on, k drafts per request are calibrated as a line through 0 and k
 # = num_drafts (the GEMMs are past the rows a weight pass streams for)
 BATCH_IN_LINE = 4
+# rounds of the steps timed side by side (`time_steps`): the small batches, where every k
+# is timed and the adaptive k follows each k's cost, take more (six calibrations in a row
+# on a noisy 2-core Zen 3: the standard deviation of the 3-row step's ratio to the 1-row
+# one 0.052 with 5 rounds, 0.018 with 9; of the 5-row one's, 0.065 and 0.038; the
+# float32 engine with an EAGLE head ready in 5.8 s instead of 4.9)
+ROUNDS, ROUNDS_EVERY_K = 5, 9
 
 
 def measure_step_costs(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
@@ -44,7 +50,7 @@ def measure_step_costs(model: torch.nn.Module, kv_cache: KVCache, attention: Att
         every_k = batch < BATCH_IN_LINE
         lengths = tuple(range(1, num_drafts + 2)) if every_k else (1, 1 + num_drafts)
         times, ratios = time_steps(model, kv_cache, attention, batch, lengths,
-                                   with_ratios=True)
+                                   ROUNDS_EVERY_K if every_k else ROUNDS, with_ratios=True)
         plain = times[0]
         draft = draft_step(batch) / plain if draft_step is not None else 0.0
         extra, verify = [], 0.0

@@ -5,7 +5,7 @@ EAGLE variants (min_confidence / go_on_confidence) taking turns `--repeats` time
 process, the ratio to none taken run by run (median), on each path.
 
     python benchmarks/spec_rounds.py HEAD_FOLDER [--paths float32,auto]
-        [--variants 0.3/-,0.1/0.5,0.1/-/fixed,auto/-@OTHER_HEAD] [--repeats 3] [--k 4]
+        [--variants 0.3/-,0.1/0.5,0.1/-/fixed,auto/-/max,auto/-@OTHER_HEAD] [--repeats 3] [--k 4]
         [--out OUT.json]
 """
 
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--variants", default="0.3/-",
                         help="min_confidence/go_on_confidence[/fixed] per EAGLE engine "
                              "('auto': the speculator's cut from the measured costs; '-': "
-                             "None; /fixed: k always --k, not adaptive; @FOLDER: this head, not HEAD)")
+                             "None; /fixed: k always --k, not adaptive; /max: k always --k, the speculator's cut as adaptive k has it; @FOLDER: this head, not HEAD)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--out")
@@ -99,8 +99,13 @@ def main() -> None:
         engines = {"none": engine_for(base, "none", args.k)}
         for variant in args.variants.split(","):
             settings, _, head = variant.partition("@")
-            keep, go_on, *fixed = settings.split("/")
-            llm = engine_for(base, "eagle", args.k, heads=head or args.head, adaptive=not fixed)
+            keep, go_on, *mode = settings.split("/")
+            llm = engine_for(base, "eagle", args.k, heads=head or args.head,
+                             adaptive=mode != ["fixed"])
+            if mode == ["max"]:  # k drafts asked every round, the speculator's cut kept
+                k = args.k
+                llm.engine.speculator.num_drafts = \
+                    lambda request, room, batch_size=1, k=k: max(0, min(k, room))
             proposer = llm.engine.executor.runner.proposer
             proposer.min_confidence = None if keep == "auto" else float(keep)
             proposer.go_on_confidence = None if go_on == "-" else float(go_on)

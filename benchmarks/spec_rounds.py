@@ -86,7 +86,9 @@ def main() -> None:
     parser.add_argument("--variants", default="0.3/-",
                         help="min_confidence/go_on_confidence[/fixed] per EAGLE engine "
                              "('auto': the speculator's cut from the measured costs; '-': "
-                             "None; /fixed: k always --k, not adaptive; /max: k always --k, the speculator's cut as adaptive k has it; @FOLDER: this head, not HEAD)")
+                             "None; /fixed: k always --k, not adaptive; /max: k always --k, the "
+                             "speculator's cut as adaptive k has it; @FOLDER: this head, "
+                             "not HEAD)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--out")

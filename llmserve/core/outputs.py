@@ -62,6 +62,9 @@ class ScheduledRequest:
     # own estimate, falls below this (`Speculator.min_chance`: what one more draft costs
     # against what it is expected to bring; 0: no cut)
     draft_min_chance: float = 0.0
+    # ... and keep a draft it has made down to this chance (`Speculator.keep_chance`: its
+    # verification only, the proposer's step being paid)
+    draft_keep_chance: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -218,7 +218,8 @@ def build_speculator(config: EngineConfig, loaded: LoadedModel, proposer: Propos
         executor.calibrate(spec.num_speculative_tokens)
         runner = executor.runner
         costs = measure_step_costs(loaded.model, runner.kv_cache, runner.attention,
-                                   spec.num_speculative_tokens, proposer.step_seconds)
+                                   spec.num_speculative_tokens, proposer.step_seconds,
+                                   chain_step=proposer.chain_step_seconds)
         logger.info("speculative decoding: a draft token costs %s of a step (by batch "
                     "size); k drafts add %s", {b: round(c, 2) for b, c in costs.by_batch.items()},
                     {b: [round(c, 2) for c in by_k] for b, by_k in costs.by_k.items()})

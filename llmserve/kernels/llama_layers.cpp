@@ -9,6 +9,10 @@
 
 #include "packed_weight.h"
 
+#include <cmath>
+#include <cstring>
+#include <vector>
+
 // the argument structs of llmserve_llama_layers (kernels.h), as llama_native.py builds them
 struct LlamaLayer {
   const float* input_norm;  // nullptr: none, the layer reads the stream as it is (EAGLE's)
@@ -153,6 +157,127 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
     lora(lora_step, i, 3, act, T, s.intermediate, delta, C);
     residual_add(x, delta, T, C, L.mlp_out_norm, s.eps, h);
   }
+}
+
+}  // extern "C"
+
+// An EAGLE-1 head's draft chain after its first pass (spec_decode/eagle.py's
+// `EagleProposer.propose`, which this follows step for step): from the first pass's rows,
+// the draft LM head's greedy draft and its probability; then, while a sequence wants more,
+// its last draft's embedding beside its features through fc and the head's layers at the
+// next position (their K/V into the slot there), the next draft. A chain stops before the
+// draft whose running product of probabilities falls below keep_at, and after the one
+// where it falls below go_on_at. The same kernels as the per-op chain; what it removes is
+// the Python between them (a head pass ~0.7 ms hot, ~1.5 ms after the target's weights have
+// streamed through the caches and taken the interpreter's with them: session 43).
+struct EagleChain {
+  PackedWeight fc;            // (C, 2C): [embedding, feature] -> C
+  PackedWeight lm_head;       // (V, C): the draft vocabulary's rows
+  const int64_t* draft_ids;   // (V,) each row's target id
+  const float* draft_embeds;  // (V, C) the target's embedding of each
+  const LlamaShape* shape;
+  const LlamaLayer* layers;
+  int64_t num_layers;
+  const float* cos_table;
+  const float* sin_table;
+  int64_t block_size;
+  int32_t kv_dtype;
+};
+
+namespace {
+
+// the first largest logit's row and, with `chance`, its softmax probability (else 1)
+int64_t greedy_draft(const float* logits, int64_t V, bool chance, float* probability) {
+  int64_t best = 0;
+  for (int64_t v = 1; v < V; ++v)
+    if (logits[v] > logits[best]) best = v;
+  float p = 1.0f;
+  if (chance) {
+    double sum = 0.0;
+    for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(logits[v] - logits[best]));
+    p = static_cast<float>(1.0 / sum);
+  }
+  *probability = p;
+  return best;
+}
+
+}  // namespace
+
+extern "C" {
+
+// rows, features (N, C): the first pass's output at each sequence's last verified position
+// (features updated in place as the chain goes on); block_tables (N, max_blocks); last (N,)
+// those positions; wanted (N,) the drafts each asks for (>= 1), on return how many it got,
+// in drafts (N, max_drafts) as target ids. scratch: N * (3 C + V + the layer stack's width)
+// floats; qscratch: the stack's workspace for N rows and the widest K_pad (fc's 2C).
+void llmserve_eagle_chain(const EagleChain* chain, const float* rows, float* features,
+                          int64_t N, const int32_t* block_tables, int64_t max_blocks,
+                          const int64_t* last, int32_t* wanted, const float* keep_at,
+                          const float* go_on_at, int32_t cut, int64_t* drafts,
+                          int64_t max_drafts, float* scratch, uint8_t* qscratch) {
+  const EagleChain& e = *chain;
+  const int64_t C = e.shape->hidden, V = e.lm_head.out_features;
+  float* x = scratch;             // (N, 2C) [embedding, feature]
+  float* y = x + N * 2 * C;       // (N, C) the head's output
+  float* logits = y + N * C;      // (N, V)
+  float* layer_scratch = logits + N * V;
+  std::vector<float> chance(N);
+  std::vector<int64_t> row_of(N), count(N, 0), going;
+  std::vector<int64_t> positions(N), slots(N);
+  std::vector<int32_t> tables(N * max_blocks), query_start(N + 1), context(N);
+  const bool with_chance = cut != 0;
+  // the draft of `n` rows of logits for sequences `seqs`, a chain's `step`-th
+  auto take = [&](const std::vector<int64_t>& seqs, int64_t step) {
+    for (size_t j = 0; j < seqs.size(); ++j) {
+      const int64_t b = seqs[j];
+      float p;
+      const int64_t row = greedy_draft(logits + j * V, V, with_chance, &p);
+      chance[b] = step == 0 ? p : chance[b] * p;
+      if (chance[b] < keep_at[b]) {
+        wanted[b] = static_cast<int32_t>(step);  // the chain ends before this draft
+        continue;
+      }
+      drafts[b * max_drafts + count[b]++] = e.draft_ids[row];
+      row_of[b] = row;
+      if (chance[b] < go_on_at[b]) wanted[b] = static_cast<int32_t>(step + 1);
+    }
+  };
+  std::vector<int64_t> all(N);
+  for (int64_t b = 0; b < N; ++b) all[b] = b;
+  linear(rows, N, e.lm_head, logits, qscratch);
+  take(all, 0);
+  for (int64_t step = 1;; ++step) {
+    going.clear();
+    for (int64_t b = 0; b < N; ++b)
+      if (wanted[b] > step) going.push_back(b);
+    const int64_t n = static_cast<int64_t>(going.size());
+    if (n == 0) break;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t b = going[j];
+      std::memcpy(x + j * 2 * C, e.draft_embeds + row_of[b] * C, C * sizeof(float));
+      std::memcpy(x + j * 2 * C + C, features + b * C, C * sizeof(float));
+      const int64_t p = last[b] + step;
+      std::memcpy(tables.data() + j * max_blocks, block_tables + b * max_blocks,
+                  max_blocks * sizeof(int32_t));
+      positions[j] = p;
+      slots[j] = static_cast<int64_t>(block_tables[b * max_blocks + p / e.block_size]) *
+                     e.block_size + p % e.block_size;
+      query_start[j] = static_cast<int32_t>(j);
+      context[j] = static_cast<int32_t>(p);
+    }
+    query_start[n] = static_cast<int32_t>(n);
+    const AttentionStep at{positions.data(), e.cos_table, e.sin_table, slots.data(),
+                           tables.data(), max_blocks, query_start.data(), context.data(),
+                           n, e.block_size, e.kv_dtype};
+    linear(x, n, e.fc, y, qscratch);
+    llmserve_llama_layers(y, n, e.shape, e.layers, e.num_layers, &at, layer_scratch, qscratch,
+                          nullptr);
+    for (int64_t j = 0; j < n; ++j)  // EAGLE-1: the next step's feature is the output
+      std::memcpy(features + going[j] * C, y + j * C, C * sizeof(float));
+    linear(y, n, e.lm_head, logits, qscratch);
+    take(going, step);
+  }
+  for (int64_t b = 0; b < N; ++b) wanted[b] = static_cast<int32_t>(count[b]);
 }
 
 }  // extern "C"

@@ -15,7 +15,9 @@ once per step (attention metadata).
 import ctypes
 import itertools
 import weakref
+from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -321,3 +323,74 @@ class NativeLlamaLayers:
         out = torch.empty_like(x)
         self.lib.rms_norm(ptr(x), t, s.hidden, ptr(final.weight), final.eps, ptr(out))
         return out
+
+
+class _EagleChain(ctypes.Structure):
+    _fields_ = [("fc", NativeWeight), ("lm_head", NativeWeight), ("draft_ids", _P),
+                ("draft_embeds", _P), ("shape", _P), ("layers", _P), ("num_layers", _I64),
+                ("cos_table", _P), ("sin_table", _P), ("block_size", _I64),
+                ("kv_dtype", ctypes.c_int32)]
+
+
+class NativeEagleChain:
+    """An EAGLE-1 head's draft chains after its first pass as one native call
+    (`kernels/llama_layers.cpp`'s `llmserve_eagle_chain`): the draft LM head, the greedy
+    draft and its chance, and each further step's fc and layers, without the Python of a
+    head pass between them. `draft_embeds` (V, C): the target's embedding of each draft
+    vocabulary id (a chain step embeds only its drafts)."""
+
+    def __init__(self, stack: NativeLlamaLayers, fc: NativeWeight, lm_head: NativeWeight,
+                 k_pad: int, draft_ids: torch.Tensor, draft_embeds: torch.Tensor,
+                 kv_cache: KVCache) -> None:
+        self.stack = stack
+        self.kv_cache = kv_cache
+        # kept alive while the struct points at them
+        self.draft_ids = draft_ids.to(torch.int64).contiguous()
+        self.draft_embeds = draft_embeds.to(torch.float32).contiguous()
+        self.vocab = len(self.draft_ids)
+        self.k_pad = max(k_pad, stack.k_pad)
+        rotary = stack.rotary
+        self.chain = _EagleChain(
+            fc, lm_head, ptr(self.draft_ids), ptr(self.draft_embeds), _address(stack.shape),
+            _address(stack._layer_array(kv_cache)), len(stack.layers), ptr(rotary.cos_cache),
+            ptr(rotary.sin_cache), kv_cache.block_size, KERNEL_KV_DTYPES[kv_cache.dtype])
+
+    @classmethod
+    def build(cls, stack: NativeLlamaLayers | None, fc: nn.Module, lm_head: nn.Module | None,
+              draft_ids: torch.Tensor | None, embed: Callable[[torch.Tensor], torch.Tensor],
+              kv_cache: KVCache) -> "NativeEagleChain | None":
+        """None where the native chain cannot run the head: no native stack, the target's
+        own LM head (no draft vocabulary), a linear whose weights the kernels do not read,
+        a KV format they do not."""
+        if (stack is None or lm_head is None or draft_ids is None
+                or kv_cache.dtype not in KERNEL_KV_DTYPES):
+            return None
+        weights = [packed_weight(fc), packed_weight(lm_head)]
+        if any(w is None for w in weights):
+            return None
+        k_pad = max(m.method.weight.k_pad for m in (fc, lm_head))
+        with torch.inference_mode():
+            embeds = embed(draft_ids)
+        return cls(stack, *weights, k_pad, draft_ids, embeds, kv_cache)
+
+    def run(self, rows: torch.Tensor, features: torch.Tensor, block_tables: np.ndarray,
+            last: np.ndarray, wanted: np.ndarray, keep_at: np.ndarray,
+            go_on_at: np.ndarray, cut: bool) -> list[list[int]]:
+        """The drafts (target ids) of N chains: rows and features (N, C), the first pass's
+        output at each one's last verified position `last`; block_tables (N, W) int32;
+        wanted (N,) int32, each >= 1; keep_at, go_on_at (N,) float32."""
+        n, s = len(rows), self.stack.shape
+        width = (2 * s.hidden + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+                 + s.num_heads * s.head_dim + 3 * s.intermediate)
+        scratch = torch.empty(n * (3 * s.hidden + self.vocab + width))
+        qscratch = torch.empty(n * (2 * self.k_pad + self.k_pad // 4 + 4), dtype=torch.uint8)
+        most = int(wanted.max())
+        drafts = np.zeros((n, most), dtype=np.int64)
+        rows, features = rows.contiguous(), features.contiguous()
+        tables = np.ascontiguousarray(block_tables, dtype=np.int32)
+        self.stack.lib.eagle_chain(
+            _address(self.chain), ptr(rows), ptr(features), n, tables.ctypes.data,
+            tables.shape[1], last.ctypes.data, wanted.ctypes.data, keep_at.ctypes.data,
+            go_on_at.ctypes.data, int(cut), drafts.ctypes.data, most, ptr(scratch),
+            ptr(qscratch))
+        return [drafts[j, : wanted[j]].tolist() for j in range(n)]

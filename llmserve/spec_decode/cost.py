@@ -10,7 +10,10 @@ measured, per batch size, on the engine's own model and kernels, rather than ass
 request adds (its verification, plus the draft model's step that proposed it), and at
 small batches `StepCosts.by_k` what each k adds: the exact path's float32 GEMM reads the
 weights once for up to 48 rows, so there k drafts cost little more than their proposer's
-steps, while each row the int4 GEMM adds costs integer work (`speculator.StepCosts`).
+steps, while each row the int4 GEMM adds costs integer work (`speculator.StepCosts`). A
+proposer whose further drafts cost less than its first (an EAGLE head's native chain: one
+pass with the Python around it, then passes inside one native call) says so with
+`chain_step`.
 """
 
 import statistics
@@ -37,31 +40,41 @@ ROUNDS, ROUNDS_EVERY_K = 5, 9
 
 
 def measure_step_costs(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
-                       num_drafts: int, draft_step: Callable[[int], float] | None = None,
-                       batches: tuple[int, ...] = CALIBRATION_BATCHES) -> StepCosts:
+                       num_drafts: int, draft_step: Callable[[int, int], float] | None = None,
+                       batches: tuple[int, ...] = CALIBRATION_BATCHES,
+                       chain_step: Callable[[int], float] | None = None) -> StepCosts:
     """Time plain steps and steps with `num_drafts` more tokens per sequence, per batch
-    size; `draft_step(batch)` times one draft-model step (None: drafts cost nothing to
-    propose, as prompt lookup). Writes only blocks no request holds yet (call before any
-    request is admitted)."""
-    by_batch, by_k = {}, {}
+    size; `draft_step(batch, repeats)` times one draft-model step, best of `repeats` (None:
+    drafts cost nothing to propose, as prompt lookup), `chain_step(batch)` each draft after
+    a chain's first (None: a draft step's). Writes only blocks no request holds yet (call
+    before any request is admitted)."""
+    by_batch, by_k, verify_by_k = {}, {}, {}
     for batch in batches:
         # every k where a few rows a weight pass still stream (a step's cost steps up
         # where they stop), the ends of the line beyond
         every_k = batch < BATCH_IN_LINE
         lengths = tuple(range(1, num_drafts + 2)) if every_k else (1, 1 + num_drafts)
+        # a draft step is timed right after a plain step, each round, as the engine runs
+        # it: after the target's weights have streamed through the caches (a head pass
+        # timed hot, run after run, took 0.7 ms; right after the stream 1.5: session 43)
+        drafts: list[float] = []
+        after = None if draft_step is None else (lambda b=batch: draft_step(b, 1), drafts)
         times, ratios = time_steps(model, kv_cache, attention, batch, lengths,
-                                   ROUNDS_EVERY_K if every_k else ROUNDS, with_ratios=True)
+                                   ROUNDS_EVERY_K if every_k else ROUNDS, with_ratios=True,
+                                   after=after)
         plain = times[0]
-        draft = draft_step(batch) / plain if draft_step is not None else 0.0
-        extra, verify = [], 0.0
+        draft = min(drafts) / plain if draft_step is not None else 0.0
+        further = chain_step(batch) / plain if chain_step is not None else draft
+        extra, verifies, verify = [], [], 0.0
         for k, ratio in zip(range(1, num_drafts + 1) if every_k else (num_drafts,),
                             ratios[1:], strict=True):
             verify = max(verify, ratio - 1.0)  # more drafts never cost less
-            extra.append(verify + k * draft)
+            verifies.append(verify)
+            extra.append(verify + draft + (k - 1) * further)
         by_batch[batch] = extra[-1] / num_drafts
         if every_k:
-            by_k[batch] = tuple(extra)
-    return StepCosts(by_batch, by_k)
+            by_k[batch], verify_by_k[batch] = tuple(extra), tuple(verifies)
+    return StepCosts(by_batch, by_k, verify_by_k)
 
 
 def time_step(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
@@ -74,7 +87,9 @@ def time_step(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBac
 @torch.inference_mode()
 def time_steps(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBackend,
                batch: int, query_lens: tuple[int, ...], repeats: int = 5,
-               with_ratios: bool = False) -> list[float] | tuple[list[float], list[float]]:
+               with_ratios: bool = False,
+               after: tuple[Callable[[], float], list[float]] | None = None
+               ) -> list[float] | tuple[list[float], list[float]]:
     """`time_step` for each of `query_lens`, timed in turn, one forward of each a round: a
     load that comes and goes on a busy machine then slows each about alike, where timing
     one length's repeats and then the other's let it land on one of them (a busy start-up
@@ -83,7 +98,8 @@ def time_steps(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBa
     timed side by side in a round: the best times of a noisy machine may come from
     different rounds (six calibrations in a row on a 2-core Zen 3 VM whose memory speed
     swung within seconds put the exact path's 7-token step at 1.06-1.32x a 1-token one
-    by best times, 1.01-1.19x by the median ratio)."""
+    by best times, 1.01-1.19x by the median ratio). `after` (a timer, a list): each round
+    the timer runs right after the first length's step, its seconds going to the list."""
     block = kv_cache.block_size
     per_seq = -(-(CALIBRATION_CONTEXT + max(query_lens)) // block)
     if batch * per_seq > kv_cache.num_blocks:
@@ -106,12 +122,14 @@ def time_steps(model: torch.nn.Module, kv_cache: KVCache, attention: AttentionBa
     rounds = []
     for _ in range(repeats):
         seconds = []
-        for ids, positions, meta in steps:
+        for i, (ids, positions, meta) in enumerate(steps):
             start = time.perf_counter()
             _logits(model, ids, positions, kv_cache, meta)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
+            if i == 0 and after is not None:
+                after[1].append(after[0]())
         rounds.append(seconds)
     best = [min(column) for column in zip(*rounds, strict=True)]
     if not with_ratios:

@@ -163,10 +163,10 @@ class DraftModelProposer(Proposer):
             s.tokens.extend(f)
         return tokens
 
-    def step_seconds(self, batch: int) -> float:
-        """Seconds of one draft step at `batch` sequences (start-up calibration, before
-        any request holds the draft cache's blocks)."""
-        return time_step(self.model, self.kv_cache, self.attention, batch, 1)
+    def step_seconds(self, batch: int, repeats: int = 5) -> float:
+        """Seconds of one draft step at `batch` sequences, best of `repeats` (start-up
+        calibration, before any request holds the draft cache's blocks)."""
+        return time_step(self.model, self.kv_cache, self.attention, batch, 1, repeats)
 
     # ---- the draft cache's blocks ----------------------------------------------------------
 

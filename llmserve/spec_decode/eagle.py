@@ -27,7 +27,10 @@ copy and is not used. A head with a draft vocabulary (EAGLE-3's: config
 its own `lm_head.weight` of `draft_vocab_size` rows; `llmserve train-heads` writes the
 training answers' most frequent tokens) drafts over those tokens only: a small model's LM
 head is a large share of a head step (SmolLM2-135M's: 28 of its 135 M weights).
-Drafts are greedy, a point mass the rejection rule verifies exactly.
+Drafts are greedy, a point mass the rejection rule verifies exactly. On the native kernels
+such a head's chain after its first pass is one native call (`NativeEagleChain`): the same
+kernels in the same order as the per-op chain, the same drafts, without a head pass's
+Python between the steps.
 
 EAGLE-3 (method `eagle3`, `Eagle3Head`) reads, instead of the target's final hidden state,
 the residual stream entering three of its layers (`eagle_aux_hidden_state_layer_ids`, as
@@ -53,12 +56,13 @@ from torch import nn
 
 from llmserve.config.model import ModelConfig
 from llmserve.layers.attention.backend import AttentionBackend, AttentionMetadata
+from llmserve.layers.attention.native import NativeCPUBackend
 from llmserve.layers.kv_cache import KVCache
 from llmserve.layers.linear import Linear
 from llmserve.layers.norm import RMSNorm
 from llmserve.layers.rotary import RotaryEmbedding
 from llmserve.models.llama import LlamaAttention, LlamaDecoderLayer
-from llmserve.models.llama_native import NativeLlamaLayers
+from llmserve.models.llama_native import NativeEagleChain, NativeLlamaLayers
 from llmserve.models.mlp import LlamaMLP
 from llmserve.spec_decode.medusa import HeadsFormatError, copy_head_tensor, read_head_config
 from llmserve.spec_decode.proposer import Proposer
@@ -455,10 +459,12 @@ class EagleProposer(Proposer):
 
     needs_hidden = True
     feeds_every_chunk = True
-    # a chain stops before the draft whose chance of being right, by the head's own
-    # probabilities along the chain (EAGLE-2's estimate), falls below the seed's
-    # `min_chance`: the speculator's break-even for one more draft, from this machine's
-    # measured costs (`Speculator.min_chance`); set, this overrides it (benchmarks).
+    # a chain drops a draft whose chance of being right, by the head's own probabilities
+    # along the chain (EAGLE-2's estimate), falls below the seed's `keep_chance` (the
+    # speculator's break-even for verifying it, `Speculator.keep_chance`) and runs no step
+    # after one below its `min_chance` (for a step and a verification,
+    # `Speculator.min_chance`), from this machine's measured costs; set, this overrides
+    # both (benchmarks).
     # Default model, chat, one stream, 2-core Zen 3 (session 41): on the exact path, where
     # rows are nearly free, cutting at 0.3 gave 1.25-1.32x no speculation, at 0.15
     # 1.29-1.44x, no cut and 6 drafts 1.47-1.51x; on the default path 0.3 beat 0.15
@@ -472,6 +478,9 @@ class EagleProposer(Proposer):
     # default path, is not paid for steps that draft nothing; at most this many rows wait
     # (their memory, and the one pass that runs them)
     max_waiting = 256
+    # the chain after its first pass as one native call (`NativeEagleChain`) where the head
+    # runs on the native kernels; False: per op (benchmarks A/B it)
+    native_chain = True
 
     def __init__(self, head: EagleHead, target: nn.Module, kv_cache: KVCache,
                  attention: AttentionBackend, device: torch.device) -> None:
@@ -482,6 +491,20 @@ class EagleProposer(Proposer):
         self.device = device
         self.block_size = kv_cache.block_size
         self._waiting: dict[str, _Waiting] = {}
+        self._chain: NativeEagleChain | None | bool = False  # False: not built yet
+
+    def _native_chain(self) -> NativeEagleChain | None:
+        if self._chain is False:
+            head = self.head
+            self._chain = None
+            if (isinstance(head, EagleHead) and head.native is not None
+                    and isinstance(self.attention, NativeCPUBackend)
+                    and next(head.parameters()).dtype == torch.float32):
+                self._chain = NativeEagleChain.build(
+                    head.native, head.fc, head.lm_head, head.draft_ids,
+                    lambda ids: self.target.model.embed_tokens(ids.to(self.device)),
+                    self.kv_cache)
+        return self._chain if self.native_chain else None
 
     def remove(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
@@ -586,13 +609,30 @@ class EagleProposer(Proposer):
         if not asked:
             return drafts
         wanted = {b: min(s.num_drafts, room[b] + 1) for _, b, s in asked}
-        keep_at = {b: self._cut(s) for _, b, s in asked}  # the chance a draft needs
-        go_on_at = {b: keep_at[b] if self.go_on_confidence is None else self.go_on_confidence
-                    for b in keep_at}
+        # the chance a draft needs, and the chance a chain needs for its next step
+        cuts = {b: self._cut(s) for _, b, s in asked}
+        keep_at = {b: keep for b, (keep, _) in cuts.items()}
+        go_on_at = {b: go_on for b, (_, go_on) in cuts.items()}
         cut = any(c > 0 for c in keep_at.values()) or any(c > 0 for c in go_on_at.values())
         # the first draft from the last verified position, then one position a step
         index = torch.from_numpy(ends[[i for i, _, _ in asked]])
         features = following[index]  # (N, H)
+        chain = self._native_chain()
+        if chain is not None:  # the same chain as below, in one native call
+            width = max(len(s.block_ids) for _, _, s in asked)
+            tables = np.zeros((len(asked), width), dtype=np.int32)
+            for j, (_, _, s) in enumerate(asked):
+                tables[j, : len(s.block_ids)] = s.block_ids
+            chains = chain.run(
+                out[index], features, tables,
+                np.array([s.start_position + len(s.hidden) - 1 for _, _, s in asked],
+                         dtype=np.int64),
+                np.array([wanted[b] for _, b, _ in asked], dtype=np.int32),
+                np.array([keep_at[b] for _, b, _ in asked], dtype=np.float32),
+                np.array([go_on_at[b] for _, b, _ in asked], dtype=np.float32), cut)
+            for (_, b, _), got in zip(asked, chains, strict=True):
+                drafts[b] = got
+            return drafts
         tokens, confidence = self._draft(out[index], cut)
         chance = {}  # the head's own estimate that each chain is right so far
         for (_, b, _), token, c in zip(asked, tokens, confidence, strict=True):
@@ -626,13 +666,19 @@ class EagleProposer(Proposer):
                         wanted[b] = step + 1  # ... after this draft
         return drafts
 
-    def _cut(self, seed: DraftSeed) -> float:
-        """The chance below which `seed`'s chain stops."""
-        return seed.min_chance if self.min_confidence is None else self.min_confidence
+    def _cut(self, seed: DraftSeed) -> tuple[float, float]:
+        """The chances below which `seed`'s chain drops a draft it has made (its
+        verification the only cost left) and stops running steps (a step and a
+        verification to pay)."""
+        if self.min_confidence is not None:
+            keep = go_on = self.min_confidence
+        else:
+            keep, go_on = seed.keep_chance, max(seed.keep_chance, seed.min_chance)
+        return keep, go_on if self.go_on_confidence is None else self.go_on_confidence
 
     @torch.inference_mode()
-    def step_seconds(self, batch: int) -> float:
-        """One head step of `batch` sequences at one position each, best of five, in
+    def step_seconds(self, batch: int, repeats: int = 5) -> float:
+        """One head step of `batch` sequences at one position each, best of `repeats`, in
         blocks no request holds yet (start-up calibration)."""
         per_seq = 2
         if batch * per_seq > self.kv_cache.num_blocks:
@@ -642,8 +688,33 @@ class EagleProposer(Proposer):
         hidden = torch.randn(batch, self.head.config.hidden_size, device=self.device,
                              dtype=next(self.head.parameters()).dtype)
         best = float("inf")
-        for _ in range(5):
+        for _ in range(repeats):
             start = time.perf_counter()
             self._draft(self._run(seqs, [1] * batch, hidden)[0])
             best = min(best, time.perf_counter() - start)
         return best
+
+    @torch.inference_mode()
+    def chain_step_seconds(self, batch: int) -> float:
+        """Each draft after a chain's first, where the native chain runs them: a chain of
+        five drafts less a chain of one, over four, best of five each (start-up
+        calibration, beside `step_seconds`); else a head step's."""
+        chain = self._native_chain()
+        if chain is None:
+            return self.step_seconds(batch)
+        per_seq = 2
+        if batch * per_seq > self.kv_cache.num_blocks:
+            batch = max(1, self.kv_cache.num_blocks // per_seq)
+        tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
+        rows = torch.randn(batch, self.head.config.hidden_size, device=self.device)
+        last = np.full(batch, 8, dtype=np.int64)
+        never = np.zeros(batch, dtype=np.float32)  # no cut: every chain runs its length
+        best = {}
+        for length in (1, 5):
+            best[length] = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                chain.run(rows, rows.clone(), tables, last,
+                          np.full(batch, length, dtype=np.int32), never, never, True)
+                best[length] = min(best[length], time.perf_counter() - start)
+        return max(0.0, best[5] - best[1]) / 4

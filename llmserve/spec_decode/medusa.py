@@ -345,11 +345,12 @@ class MedusaProposer(Proposer):
                 for b, s in enumerate(seeds)]
 
     @torch.inference_mode()
-    def step_seconds(self, batch: int) -> float:
-        """One head over `batch` rows, best of five (a draft token's proposing cost)."""
+    def step_seconds(self, batch: int, repeats: int = 5) -> float:
+        """One head over `batch` rows, best of `repeats` (a draft token's proposing
+        cost)."""
         rows = torch.randn(batch, self.heads.hidden_size, dtype=self.dtype, device=self.device)
         best = float("inf")
-        for _ in range(5):
+        for _ in range(repeats):
             start = time.perf_counter()
             self.heads.propose_first(1, rows)
             best = min(best, time.perf_counter() - start)

@@ -30,10 +30,15 @@ class Proposer:
     def remove(self, request_id: str) -> None:
         """Forget a request that finished."""
 
-    def step_seconds(self, batch: int) -> float:
-        """Seconds one drafting step costs at `batch` sequences (start-up calibration,
-        `cost.py`); a proposer that runs no model costs nothing."""
+    def step_seconds(self, batch: int, repeats: int = 5) -> float:
+        """Seconds one drafting step costs at `batch` sequences, best of `repeats`
+        (start-up calibration, `cost.py`); a proposer that runs no model costs nothing."""
         return 0.0
+
+    def chain_step_seconds(self, batch: int) -> float:
+        """Seconds each draft after a chain's first costs at `batch` sequences (an EAGLE
+        head's native chain: less than its first pass); by default a step's."""
+        return self.step_seconds(batch)
 
 
 class NgramProposer(Proposer):

@@ -60,6 +60,8 @@ class ProposerStage(StepStage):
             s.num_drafts = self.speculator.num_drafts(request, self._room(request) - 1,
                                                       batch_size)
             s.draft_min_chance = self.speculator.min_chance(request, s.num_drafts, batch_size)
+            s.draft_keep_chance = self.speculator.keep_chance(request, s.num_drafts,
+                                                              batch_size)
             asked.add(s.request_id)
 
     def after_update(self, out: SchedulerOutput, result: ModelRunnerOutput,

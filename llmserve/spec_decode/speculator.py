@@ -51,6 +51,9 @@ class StepCosts:
 
     by_batch: dict[int, float]
     by_k: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    # where measured, the part of `by_k[b][k - 1]` that verifying the k drafts adds (the
+    # rest: the proposer's steps, paid before it knows whether a draft is worth keeping)
+    verify_by_k: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def draft_token_cost(self, batch: int) -> float:
         return self.by_batch[_nearest_below(self.by_batch, batch)]
@@ -61,6 +64,14 @@ class StepCosts:
         measured = self.by_k.get(nearest, ())  # larger batches: calibrated in line only
         return [measured[k - 1] if k <= len(measured) else self.by_batch[nearest] * k
                 for k in range(1, k_max + 1)]
+
+
+    def verify_cost(self, batch: int, k: int) -> float:
+        """The share of a plain step that verifying k drafts per request adds (where not
+        measured apart: all that k drafts add)."""
+        nearest = _nearest_below(self.by_batch, batch)
+        measured = self.verify_by_k.get(nearest, ())
+        return measured[k - 1] if k <= len(measured) else self.extra_cost(batch, k)[-1]
 
 
 def _nearest_below(table: dict[int, object], batch: int) -> int:
@@ -130,10 +141,27 @@ class Speculator:
         fifth. 0 where k does not adapt (k drafts every round) or is 0."""
         if k <= 0 or not self.config.adaptive:
             return 0.0
-        extra = self.costs.extra_cost(batch_size, k)[-1]
+        return self._break_even(request, k, batch_size, self.costs.extra_cost(batch_size, k)[-1])
+
+    def keep_chance(self, request: Request, k: int, batch_size: int = 1) -> float:
+        """`min_chance` for a draft the proposer has already made: its step is paid, so
+        keeping it costs only its verification row (d = V / k, V what verifying k drafts
+        adds; on the int4 kernels a head pass is ~0.15-0.25 of a step's 0.3-0.4 for one
+        draft, 2-core Zen 3). The proposer keeps drafts down to this, and runs its next
+        step while the chain stays at `min_chance`."""
+        if k <= 0 or not self.config.adaptive:
+            return 0.0
+        return self._break_even(request, k, batch_size,
+                                self.costs.verify_cost(batch_size, k),
+                                self.costs.extra_cost(batch_size, k)[-1])
+
+    def _break_even(self, request: Request, k: int, batch_size: int, paid: float,
+                    extra: float | None = None) -> float:
+        """c = E(k) d / (1 + X), d = paid / k."""
+        extra = paid if extra is None else extra
         a = self._acceptance(request)
         expected = sum(a ** i for i in range(k + 1))
-        return min(1.0, expected * (extra / k) / (1 + extra))
+        return min(1.0, expected * (paid / k) / (1 + extra))
 
     def drafted_nothing(self, request: Request) -> None:
         """A round in which `request` drafted nothing (k was 0, or the proposer had no

@@ -38,6 +38,8 @@ class DraftSeed:
     # a proposer that knows how sure it is stops before a draft whose chance of being
     # right falls below this (`ScheduledRequest.draft_min_chance`)
     min_chance: float = 0.0
+    # ... and keeps a draft it has made down to this (`ScheduledRequest.draft_keep_chance`)
+    keep_chance: float = 0.0
 
 
 class DraftProposer(Protocol):

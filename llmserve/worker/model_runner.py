@@ -391,7 +391,8 @@ class ModelRunner:
                 tokens.append(emitted[-1])
                 count += len(emitted) - 1
             seed = DraftSeed(s.request_id, tokens, s.num_drafts if emitted else 0,
-                             start_position=s.start_position, min_chance=s.draft_min_chance)
+                             start_position=s.start_position, min_chance=s.draft_min_chance,
+                             keep_chance=s.draft_keep_chance)
             if self.proposer.needs_hidden:
                 first = int(last_token[i]) + 1 - s.num_tokens  # the chunk's first row
                 seed.hidden = hidden[first : first + count]

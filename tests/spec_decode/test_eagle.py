@@ -422,6 +422,50 @@ def test_the_head_layer_runs_natively_with_the_per_op_bits(tmp_path, float32_mod
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("weights", ["float32_model", "default_model"])
+def test_the_native_chain_drafts_what_the_per_op_chain_drafts(request, weights, monkeypatch):
+    """Beside a target on the native kernels, a head with a draft vocabulary (the one that
+    ships) runs each chain after its first pass as one native call (`NativeEagleChain`):
+    batched, cut where the head's own chance along the chain falls below the keep or
+    go-on mark, it proposes exactly the per-op chain's drafts, and the output is the
+    target's own."""
+    from llmserve.kernels import native
+
+    loaded = request.getfixturevalue(weights)
+    if native() is None:
+        pytest.skip("no native kernels here")
+    monkeypatch.setattr(EagleProposer, "min_confidence", 0.15)
+    monkeypatch.setattr(EagleProposer, "go_on_confidence", 0.3)
+    messages = [[{"role": "user", "content": text}] for text in (
+        "Write a short story about a cat who learns to swim.",
+        "Explain to a ten year old why the sky is blue.",
+        "Name three rivers in Europe.")]
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    want = llm_on(loaded, kv_cache_memory="64MiB").chat(messages, greedy, use_tqdm=False)
+    runs = {}
+    for chain in (True, False):
+        monkeypatch.setattr(EagleProposer, "native_chain", chain)
+        llm = llm_on(loaded, kv_cache_memory="64MiB", speculative_config={
+            "method": "eagle", "num_speculative_tokens": K, "adaptive": False,
+            "disable_by_batch_size": None})
+        proposer = llm.engine.executor.runner.proposer
+        proposed, real = [], proposer.propose
+
+        def recording(seeds, real=real, proposed=proposed):
+            drafts = real(seeds)
+            proposed.append(drafts)
+            return drafts
+
+        proposer.propose = recording
+        assert_same(llm.chat(messages, greedy, use_tqdm=False), want)
+        assert (proposer._native_chain() is not None) == chain
+        runs[chain] = proposed
+    assert runs[True] == runs[False]
+    chains = [d for step in runs[True] for d in step]
+    assert any(len(d) > 1 for d in chains) and any(0 < len(d) < K for d in chains)
+    assert any(len(step) > 1 and sum(map(bool, step)) > 1 for step in runs[True])  # batched
+
+
 def with_a_grammar(prompts: list[str]) -> tuple[list[str], list[SamplingParams]]:
     """`prompts` greedy, and one more under a JSON schema of "ok" words."""
     from llmserve.sampling_params import StructuredOutputsParams
@@ -455,6 +499,7 @@ def test_a_chain_stops_where_the_head_doubts_it(tmp_path, float32_model, monkeyp
     monkeypatch.setattr(EagleProposer, "_draft", doubtful)
     if cut_by == "speculator":
         monkeypatch.setattr(Speculator, "min_chance", lambda self, request, k, batch=1: 0.45)
+        monkeypatch.setattr(Speculator, "keep_chance", lambda self, request, k, batch=1: 0.45)
     else:
         monkeypatch.setattr(EagleProposer, "min_confidence", 0.45)
     llm = llm_on(float32_model, kv_cache_memory="128MiB", speculative_config=spec(folder))

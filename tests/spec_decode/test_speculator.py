@@ -58,11 +58,18 @@ def test_calibration_measures_every_k_at_small_batches(float32_model):
 
     runner = llm_on(float32_model, kv_cache_memory="64MiB").engine.executor.runner
     costs = measure_step_costs(runner.model, runner.kv_cache, runner.attention, 3,
-                               lambda batch: 0.001, batches=(1, 2, 4))
+                               lambda batch, repeats: 0.001, batches=(1, 2, 4))
     assert set(costs.by_k) == {1, 2} and set(costs.by_batch) == {1, 2, 4}
     for batch, extra in costs.by_k.items():
         assert len(extra) == 3 and 0 < extra[0] < extra[1] < extra[2]
         assert costs.by_batch[batch] == pytest.approx(extra[-1] / 3)
+    # a chain whose further drafts cost nothing (an EAGLE head's native chain, nearly):
+    # only its first draft's step is charged, at every k
+    costs = measure_step_costs(runner.model, runner.kv_cache, runner.attention, 3,
+                               lambda batch, repeats: 1.0, batches=(1,),
+                               chain_step=lambda batch: 0.0)
+    first, *_, last = costs.by_k[1]
+    assert first > 1.0 / 0.5 and last < 1.5 * first  # a step takes under 0.5 s here
 
 
 def test_k_adapts_to_each_requests_acceptance():
@@ -114,6 +121,25 @@ def test_a_chain_is_cut_where_one_more_draft_stops_paying():
     # k drafts every round: no cut
     fixed = SpeculativeConfig(method="eagle", model="head", adaptive=False)
     assert Speculator(fixed, dear.costs).min_chance(r, 4) == 0.0
+
+
+def test_a_draft_already_made_is_kept_for_its_verification_alone():
+    """`keep_chance`: once the proposer has paid for a draft's step, keeping it costs only
+    its verification row (d = V / k of what verifying k drafts adds), so the proposer keeps
+    drafts down to a lower chance than the one at which it runs another step; where the
+    verification was not measured apart, the two are one."""
+    config = SpeculativeConfig(method="eagle", model="head", num_speculative_tokens=4)
+    costs = StepCosts({1: 0.4}, {1: (0.4, 0.8, 1.2, 1.6)}, {1: (0.15, 0.3, 0.5, 0.7)})
+    spec = Speculator(config, costs)
+    r = request()
+    r.draft_acceptance = 0.5
+    assert spec.keep_chance(r, 2) == pytest.approx(1.75 * (0.3 / 2) / 1.8)  # 0.146
+    assert spec.min_chance(r, 2) == pytest.approx(1.75 * 0.4 / 1.8)  # 0.39, as before
+    assert spec.keep_chance(r, 0) == 0.0
+    unmeasured = Speculator(config, StepCosts({1: 0.4}, {1: (0.4, 0.8, 1.2, 1.6)}))
+    assert unmeasured.keep_chance(r, 2) == pytest.approx(unmeasured.min_chance(r, 2))
+    fixed = SpeculativeConfig(method="eagle", model="head", adaptive=False)
+    assert Speculator(fixed, costs).keep_chance(r, 4) == 0.0
 
 
 def test_costlier_batches_draft_less():

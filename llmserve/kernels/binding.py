@@ -206,12 +206,12 @@ class Kernels:
                      step: Ptr, scratch: Ptr, qscratch: Ptr, lora_step: Ptr) -> None:
         """The residual stream x (T, hidden) through `num_layers` decoder layers in place."""
 
-    def eagle_chain(self, chain: Ptr, rows: Ptr, features: Ptr, N: Int64, block_tables: Ptr,
-                    max_blocks: Int64, last: Ptr, wanted: Ptr, keep_at: Ptr, go_on_at: Ptr,
-                    cut: Int32, drafts: Ptr, max_drafts: Int64, scratch: Ptr,
-                    qscratch: Ptr) -> None:
-        """An EAGLE-1 head's greedy draft chains after its first pass (wanted: on return,
-        the drafts each sequence got)."""
+    def eagle_draft(self, chain: Ptr, embeds: Ptr, hidden: Ptr, T: Int64, N: Int64,
+                    query_lens: Ptr, starts: Ptr, block_tables: Ptr, max_blocks: Int64,
+                    wanted: Ptr, keep_at: Ptr, go_on_at: Ptr, cut: Int32, drafts: Ptr,
+                    max_drafts: Int64, scratch: Ptr, qscratch: Ptr) -> None:
+        """An EAGLE-1 head's first pass over N sequences' T verified rows and its greedy
+        draft chains (wanted: on return, the drafts each sequence got)."""
 
     # the machine's int8 dot-product peak (peak.cpp)
     def int8_dot_peak(self, iterations: Int64, sink: Ptr) -> Int64:

@@ -8,7 +8,7 @@
 
 // The library's ABI version, returned by llmserve_kernels_abi: bumped whenever a function
 // here or an argument struct changes, so a library built from older sources is refused.
-#define LLMSERVE_KERNELS_ABI 31
+#define LLMSERVE_KERNELS_ABI 32
 
 // The layer calls' argument structs (packed_weight.h, llama_layers.cpp).
 struct PackedWeight;
@@ -122,10 +122,11 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
                            const LlamaLayer* layers, int64_t num_layers,
                            const AttentionStep* step, float* scratch, uint8_t* qscratch,
                            const LoraStep* lora_step);
-// an EAGLE-1 head's draft chain after its first pass (llama_layers.cpp)
-void llmserve_eagle_chain(const EagleChain* chain, const float* rows, float* features,
-                          int64_t N, const int32_t* block_tables, int64_t max_blocks,
-                          const int64_t* last, int32_t* wanted, const float* keep_at,
+// an EAGLE-1 head's first pass and draft chains (llama_layers.cpp)
+void llmserve_eagle_draft(const EagleChain* chain, const float* embeds, const float* hidden,
+                          int64_t T, int64_t N, const int32_t* query_lens,
+                          const int64_t* starts, const int32_t* block_tables,
+                          int64_t max_blocks, int32_t* wanted, const float* keep_at,
                           const float* go_on_at, int32_t cut, int64_t* drafts,
                           int64_t max_drafts, float* scratch, uint8_t* qscratch);
 }

@@ -161,13 +161,13 @@ void llmserve_llama_layers(float* x, int64_t T, const LlamaShape* shape,
 
 }  // extern "C"
 
-// An EAGLE-1 head's draft chain after its first pass (spec_decode/eagle.py's
-// `EagleProposer.propose`, which this follows step for step): from the first pass's rows,
-// the draft LM head's greedy draft and its probability; then, while a sequence wants more,
+// An EAGLE-1 head's drafting (spec_decode/eagle.py's `EagleProposer.propose`, which this
+// follows step for step): the first pass over the verified rows; from each sequence's last
+// row, the draft LM head's greedy draft and its probability; then, while a sequence wants more,
 // its last draft's embedding beside its features through fc and the head's layers at the
 // next position (their K/V into the slot there), the next draft. A chain stops before the
 // draft whose running product of probabilities falls below keep_at, and after the one
-// where it falls below go_on_at. The same kernels as the per-op chain; what it removes is
+// where it falls below go_on_at. The same kernels as the per-op path; what it removes is
 // the Python between them (a head pass ~0.7 ms hot, ~1.5 ms after the target's weights have
 // streamed through the caches and taken the interpreter's with them: session 43).
 struct EagleChain {
@@ -205,28 +205,66 @@ int64_t greedy_draft(const float* logits, int64_t V, bool chance, float* probabi
 
 extern "C" {
 
-// rows, features (N, C): the first pass's output at each sequence's last verified position
-// (features updated in place as the chain goes on); block_tables (N, max_blocks); last (N,)
-// those positions; wanted (N,) the drafts each asks for (>= 1), on return how many it got,
-// in drafts (N, max_drafts) as target ids. scratch: N * (3 C + V + the layer stack's width)
-// floats; qscratch: the stack's workspace for N rows and the widest K_pad (fc's 2C).
-void llmserve_eagle_chain(const EagleChain* chain, const float* rows, float* features,
-                          int64_t N, const int32_t* block_tables, int64_t max_blocks,
-                          const int64_t* last, int32_t* wanted, const float* keep_at,
+// The head's first pass and its chains. The first pass: N sequences' verified rows, T in
+// all, sequence b's `query_lens[b]` of them from position `starts[b]`: embeds and hidden
+// (T, C) each, [embedding of the next token, the target's feature] through fc and the
+// head's layers (their K/V into the slots there); block_tables (N, max_blocks). Then each
+// sequence with wanted[b] >= 1 drafts from its last row (the others wanted 0: their rows'
+// K/V only), on return wanted[b] how many it got, in drafts (N, max_drafts) as target
+// ids. T >= N (a sequence has a row at least). scratch: T * (3 C + the layer stack's
+// width) + N * (C + V) floats; qscratch: the stack's workspace for T rows and the widest
+// K_pad (fc's 2C).
+void llmserve_eagle_draft(const EagleChain* chain, const float* embeds, const float* hidden,
+                          int64_t T, int64_t N, const int32_t* query_lens,
+                          const int64_t* starts, const int32_t* block_tables,
+                          int64_t max_blocks, int32_t* wanted, const float* keep_at,
                           const float* go_on_at, int32_t cut, int64_t* drafts,
                           int64_t max_drafts, float* scratch, uint8_t* qscratch) {
   const EagleChain& e = *chain;
   const int64_t C = e.shape->hidden, V = e.lm_head.out_features;
-  float* x = scratch;             // (N, 2C) [embedding, feature]
-  float* y = x + N * 2 * C;       // (N, C) the head's output
-  float* logits = y + N * C;      // (N, V)
+  const int64_t rows_max = T > N ? T : N;
+  float* x = scratch;                  // (rows, 2C) [embedding, feature]
+  float* y = x + rows_max * 2 * C;     // (rows, C) the head's output
+  float* features = y + rows_max * C;  // (N, C) each chain's feature
+  float* logits = features + N * C;    // (N, V)
   float* layer_scratch = logits + N * V;
   std::vector<float> chance(N);
-  std::vector<int64_t> row_of(N), count(N, 0), going;
-  std::vector<int64_t> positions(N), slots(N);
+  std::vector<int64_t> row_of(N), count(N, 0), going, last(N);
+  std::vector<int64_t> positions(rows_max), slots(rows_max);
   std::vector<int32_t> tables(N * max_blocks), query_start(N + 1), context(N);
+  // the first pass, all N sequences' rows
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(x + t * 2 * C, embeds + t * C, C * sizeof(float));
+    std::memcpy(x + t * 2 * C + C, hidden + t * C, C * sizeof(float));
+  }
+  query_start[0] = 0;
+  for (int64_t b = 0, t = 0; b < N; ++b) {
+    for (int32_t i = 0; i < query_lens[b]; ++i, ++t) {
+      const int64_t p = starts[b] + i;
+      positions[t] = p;
+      slots[t] = static_cast<int64_t>(block_tables[b * max_blocks + p / e.block_size]) *
+                     e.block_size + p % e.block_size;
+    }
+    query_start[b + 1] = query_start[b] + query_lens[b];
+    context[b] = static_cast<int32_t>(starts[b]);
+    last[b] = starts[b] + query_lens[b] - 1;
+  }
+  const AttentionStep first{positions.data(), e.cos_table, e.sin_table, slots.data(),
+                            block_tables, max_blocks, query_start.data(), context.data(),
+                            N, e.block_size, e.kv_dtype};
+  linear(x, T, e.fc, y, qscratch);
+  llmserve_llama_layers(y, T, e.shape, e.layers, e.num_layers, &first, layer_scratch,
+                        qscratch, nullptr);
+  // each drafting sequence's last row: its first draft's logits and its chain's feature
+  std::vector<int64_t> asked;
+  for (int64_t b = 0; b < N; ++b) {
+    if (wanted[b] < 1) continue;
+    std::memcpy(features + b * C, y + (query_start[b + 1] - 1) * C, C * sizeof(float));
+    std::memcpy(x + asked.size() * C, features + b * C, C * sizeof(float));
+    asked.push_back(b);
+  }
   const bool with_chance = cut != 0;
-  // the draft of `n` rows of logits for sequences `seqs`, a chain's `step`-th
+  // the drafts of the rows of logits of sequences `seqs`, a chain's `step`-th
   auto take = [&](const std::vector<int64_t>& seqs, int64_t step) {
     for (size_t j = 0; j < seqs.size(); ++j) {
       const int64_t b = seqs[j];
@@ -242,13 +280,13 @@ void llmserve_eagle_chain(const EagleChain* chain, const float* rows, float* fea
       if (chance[b] < go_on_at[b]) wanted[b] = static_cast<int32_t>(step + 1);
     }
   };
-  std::vector<int64_t> all(N);
-  for (int64_t b = 0; b < N; ++b) all[b] = b;
-  linear(rows, N, e.lm_head, logits, qscratch);
-  take(all, 0);
-  for (int64_t step = 1;; ++step) {
+  if (!asked.empty()) {
+    linear(x, static_cast<int64_t>(asked.size()), e.lm_head, logits, qscratch);
+    take(asked, 0);
+  }
+  for (int64_t step = 1; !asked.empty(); ++step) {
     going.clear();
-    for (int64_t b = 0; b < N; ++b)
+    for (const int64_t b : asked)
       if (wanted[b] > step) going.push_back(b);
     const int64_t n = static_cast<int64_t>(going.size());
     if (n == 0) break;

@@ -333,11 +333,12 @@ class _EagleChain(ctypes.Structure):
 
 
 class NativeEagleChain:
-    """An EAGLE-1 head's draft chains after its first pass as one native call
-    (`kernels/llama_layers.cpp`'s `llmserve_eagle_chain`): the draft LM head, the greedy
-    draft and its chance, and each further step's fc and layers, without the Python of a
-    head pass between them. `draft_embeds` (V, C): the target's embedding of each draft
-    vocabulary id (a chain step embeds only its drafts)."""
+    """An EAGLE-1 head's drafting as one native call (`kernels/llama_layers.cpp`'s
+    `llmserve_eagle_draft`): the first pass over the verified rows, then for each sequence
+    that drafts the draft LM head, the greedy draft and its chance, and each further step's
+    fc and layers, without the Python of a head pass between them. `draft_embeds` (V, C):
+    the target's embedding of each draft vocabulary id (a chain step embeds only its
+    drafts)."""
 
     def __init__(self, stack: NativeLlamaLayers, fc: NativeWeight, lm_head: NativeWeight,
                  k_pad: int, draft_ids: torch.Tensor, draft_embeds: torch.Tensor,
@@ -373,24 +374,28 @@ class NativeEagleChain:
             embeds = embed(draft_ids)
         return cls(stack, *weights, k_pad, draft_ids, embeds, kv_cache)
 
-    def run(self, rows: torch.Tensor, features: torch.Tensor, block_tables: np.ndarray,
-            last: np.ndarray, wanted: np.ndarray, keep_at: np.ndarray,
-            go_on_at: np.ndarray, cut: bool) -> list[list[int]]:
-        """The drafts (target ids) of N chains: rows and features (N, C), the first pass's
-        output at each one's last verified position `last`; block_tables (N, W) int32;
-        wanted (N,) int32, each >= 1; keep_at, go_on_at (N,) float32."""
-        n, s = len(rows), self.stack.shape
+    def run(self, embeds: torch.Tensor, hidden: torch.Tensor, query_lens: np.ndarray,
+            starts: np.ndarray, block_tables: np.ndarray, wanted: np.ndarray,
+            keep_at: np.ndarray, go_on_at: np.ndarray, cut: bool) -> list[list[int]]:
+        """The drafts (target ids) of N sequences: embeds and hidden (T, C), the verified
+        rows of sequence b, `query_lens[b]` of them from position `starts[b]` (int32,
+        int64); block_tables (N, W) int32; wanted (N,) int32, 0 where a sequence only
+        writes its rows' K/V; keep_at, go_on_at (N,) float32."""
+        t, n, s = len(embeds), len(query_lens), self.stack.shape
         width = (2 * s.hidden + (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
                  + s.num_heads * s.head_dim + 3 * s.intermediate)
-        scratch = torch.empty(n * (3 * s.hidden + self.vocab + width))
-        qscratch = torch.empty(n * (2 * self.k_pad + self.k_pad // 4 + 4), dtype=torch.uint8)
-        most = int(wanted.max())
+        scratch = torch.empty(t * (3 * s.hidden + width) + n * (s.hidden + self.vocab))
+        qscratch = torch.empty(t * (2 * self.k_pad + self.k_pad // 4 + 4), dtype=torch.uint8)
+        most = max(1, int(wanted.max()))
         drafts = np.zeros((n, most), dtype=np.int64)
-        rows, features = rows.contiguous(), features.contiguous()
+        embeds, hidden = embeds.float().contiguous(), hidden.float().contiguous()
         tables = np.ascontiguousarray(block_tables, dtype=np.int32)
-        self.stack.lib.eagle_chain(
-            _address(self.chain), ptr(rows), ptr(features), n, tables.ctypes.data,
-            tables.shape[1], last.ctypes.data, wanted.ctypes.data, keep_at.ctypes.data,
-            go_on_at.ctypes.data, int(cut), drafts.ctypes.data, most, ptr(scratch),
-            ptr(qscratch))
+        wanted = np.ascontiguousarray(wanted, dtype=np.int32)
+        query_lens = np.ascontiguousarray(query_lens, dtype=np.int32)
+        starts = np.ascontiguousarray(starts, dtype=np.int64)
+        self.stack.lib.eagle_draft(
+            _address(self.chain), ptr(embeds), ptr(hidden), t, n, query_lens.ctypes.data,
+            starts.ctypes.data, tables.ctypes.data, tables.shape[1], wanted.ctypes.data,
+            keep_at.ctypes.data, go_on_at.ctypes.data, int(cut), drafts.ctypes.data, most,
+            ptr(scratch), ptr(qscratch))
         return [drafts[j, : wanted[j]].tolist() for j in range(n)]

@@ -28,9 +28,9 @@ its own `lm_head.weight` of `draft_vocab_size` rows; `llmserve train-heads` writ
 training answers' most frequent tokens) drafts over those tokens only: a small model's LM
 head is a large share of a head step (SmolLM2-135M's: 28 of its 135 M weights).
 Drafts are greedy, a point mass the rejection rule verifies exactly. On the native kernels
-such a head's chain after its first pass is one native call (`NativeEagleChain`): the same
-kernels in the same order as the per-op chain, the same drafts, without a head pass's
-Python between the steps.
+such a head's drafting, its first pass over the verified rows and its chains, is one
+native call (`NativeEagleChain`): the same kernels in the same order as the per-op path,
+the same drafts, without a head pass's Python between the steps.
 
 EAGLE-3 (method `eagle3`, `Eagle3Head`) reads, instead of the target's final hidden state,
 the residual stream entering three of its layers (`eagle_aux_hidden_state_layer_ids`, as
@@ -478,7 +478,7 @@ class EagleProposer(Proposer):
     # default path, is not paid for steps that draft nothing; at most this many rows wait
     # (their memory, and the one pass that runs them)
     max_waiting = 256
-    # the chain after its first pass as one native call (`NativeEagleChain`) where the head
+    # the first pass and the chains as one native call (`NativeEagleChain`) where the head
     # runs on the native kernels; False: per op (benchmarks A/B it)
     native_chain = True
 
@@ -598,41 +598,41 @@ class EagleProposer(Proposer):
             rows += waiting.rows
         if not fed:
             return drafts
-        out, following = self._run(seqs, ids, torch.cat(rows))
-        ends = np.cumsum([len(q[2]) for q in seqs]) - 1
         # a draft chain writes K/V after the last verified position P, at P + 1 ...:
         # never past the request's blocks (the scheduler keeps slots there when it can)
         room = {b: len(s.block_ids) * self.block_size - (s.start_position + len(s.hidden))
                 for b, s in fed}
         asked = [(i, b, s) for i, (b, s) in enumerate(fed)
                  if s.num_drafts > 0 and room[b] + 1 > 0]
-        if not asked:
-            return drafts
         wanted = {b: min(s.num_drafts, room[b] + 1) for _, b, s in asked}
         # the chance a draft needs, and the chance a chain needs for its next step
         cuts = {b: self._cut(s) for _, b, s in asked}
         keep_at = {b: keep for b, (keep, _) in cuts.items()}
         go_on_at = {b: go_on for b, (_, go_on) in cuts.items()}
         cut = any(c > 0 for c in keep_at.values()) or any(c > 0 for c in go_on_at.values())
+        chain = self._native_chain()
+        if chain is not None:  # the first pass and the chains below, in one native call
+            width = max(len(q[0]) for q in seqs)
+            tables = np.zeros((len(seqs), width), dtype=np.int32)
+            for j, q in enumerate(seqs):
+                tables[j, : len(q[0])] = q[0]
+            chains = chain.run(
+                self._embed(ids), torch.cat(rows),
+                np.array([len(q[2]) for q in seqs], dtype=np.int32),
+                np.array([q[1] for q in seqs], dtype=np.int64), tables,
+                np.array([wanted.get(b, 0) for b, _ in fed], dtype=np.int32),
+                np.array([keep_at.get(b, 0.0) for b, _ in fed], dtype=np.float32),
+                np.array([go_on_at.get(b, 0.0) for b, _ in fed], dtype=np.float32), cut)
+            for (b, _), got in zip(fed, chains, strict=True):
+                drafts[b] = got
+            return drafts
+        out, following = self._run(seqs, ids, torch.cat(rows))
+        if not asked:
+            return drafts
+        ends = np.cumsum([len(q[2]) for q in seqs]) - 1
         # the first draft from the last verified position, then one position a step
         index = torch.from_numpy(ends[[i for i, _, _ in asked]])
         features = following[index]  # (N, H)
-        chain = self._native_chain()
-        if chain is not None:  # the same chain as below, in one native call
-            width = max(len(s.block_ids) for _, _, s in asked)
-            tables = np.zeros((len(asked), width), dtype=np.int32)
-            for j, (_, _, s) in enumerate(asked):
-                tables[j, : len(s.block_ids)] = s.block_ids
-            chains = chain.run(
-                out[index], features, tables,
-                np.array([s.start_position + len(s.hidden) - 1 for _, _, s in asked],
-                         dtype=np.int64),
-                np.array([wanted[b] for _, b, _ in asked], dtype=np.int32),
-                np.array([keep_at[b] for _, b, _ in asked], dtype=np.float32),
-                np.array([go_on_at[b] for _, b, _ in asked], dtype=np.float32), cut)
-            for (_, b, _), got in zip(asked, chains, strict=True):
-                drafts[b] = got
-            return drafts
         tokens, confidence = self._draft(out[index], cut)
         chance = {}  # the head's own estimate that each chain is right so far
         for (_, b, _), token, c in zip(asked, tokens, confidence, strict=True):
@@ -678,12 +678,15 @@ class EagleProposer(Proposer):
 
     @torch.inference_mode()
     def step_seconds(self, batch: int, repeats: int = 5) -> float:
-        """One head step of `batch` sequences at one position each, best of `repeats`, in
-        blocks no request holds yet (start-up calibration)."""
+        """One head step of `batch` sequences at one position each and its drafts (the
+        native call with one draft each, where the head drafts natively), best of
+        `repeats`, in blocks no request holds yet (start-up calibration)."""
+        if self._native_chain() is not None:
+            return self._native_seconds(batch, 1, repeats)
         per_seq = 2
         if batch * per_seq > self.kv_cache.num_blocks:
             batch = max(1, self.kv_cache.num_blocks // per_seq)
-        seqs = [(np.arange(b * per_seq, (b + 1) * per_seq, dtype=np.int32), 8, [1])
+        seqs = [(np.arange(b * per_seq, (b + 1) * per_seq, dtype=np.int32), 8, [0])
                 for b in range(batch)]
         hidden = torch.randn(batch, self.head.config.hidden_size, device=self.device,
                              dtype=next(self.head.parameters()).dtype)
@@ -694,27 +697,31 @@ class EagleProposer(Proposer):
             best = min(best, time.perf_counter() - start)
         return best
 
-    @torch.inference_mode()
     def chain_step_seconds(self, batch: int) -> float:
-        """Each draft after a chain's first, where the native chain runs them: a chain of
-        five drafts less a chain of one, over four, best of five each (start-up
-        calibration, beside `step_seconds`); else a head step's."""
-        chain = self._native_chain()
-        if chain is None:
+        """Each draft after a chain's first, where the native call runs the chain: five
+        drafts less one, over four, best of five each (start-up calibration, beside
+        `step_seconds`); else a head step's."""
+        if self._native_chain() is None:
             return self.step_seconds(batch)
+        return max(0.0, self._native_seconds(batch, 5, 5) - self._native_seconds(batch, 1, 5)) / 4
+
+    @torch.inference_mode()
+    def _native_seconds(self, batch: int, length: int, repeats: int) -> float:
+        """The native call over `batch` sequences of one verified row each, every chain
+        `length` drafts long (no cut), best of `repeats`, in blocks no request holds yet."""
+        chain = self._native_chain()
         per_seq = 2
         if batch * per_seq > self.kv_cache.num_blocks:
             batch = max(1, self.kv_cache.num_blocks // per_seq)
         tables = np.arange(batch * per_seq, dtype=np.int32).reshape(batch, per_seq)
-        rows = torch.randn(batch, self.head.config.hidden_size, device=self.device)
-        last = np.full(batch, 8, dtype=np.int64)
+        hidden = torch.randn(batch, self.head.config.hidden_size, device=self.device)
+        ones = np.ones(batch, dtype=np.int32)
+        starts = np.full(batch, 8, dtype=np.int64)
         never = np.zeros(batch, dtype=np.float32)  # no cut: every chain runs its length
-        best = {}
-        for length in (1, 5):
-            best[length] = float("inf")
-            for _ in range(5):
-                start = time.perf_counter()
-                chain.run(rows, rows.clone(), tables, last,
-                          np.full(batch, length, dtype=np.int32), never, never, True)
-                best[length] = min(best[length], time.perf_counter() - start)
-        return max(0.0, best[5] - best[1]) / 4
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            chain.run(self._embed([1] * batch), hidden, ones, starts, tables,
+                      np.full(batch, length, dtype=np.int32), never, never, True)
+            best = min(best, time.perf_counter() - start)
+        return best

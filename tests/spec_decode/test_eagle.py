@@ -425,7 +425,7 @@ def test_the_head_layer_runs_natively_with_the_per_op_bits(tmp_path, float32_mod
 @pytest.mark.parametrize("weights", ["float32_model", "default_model"])
 def test_the_native_chain_drafts_what_the_per_op_chain_drafts(request, weights, monkeypatch):
     """Beside a target on the native kernels, a head with a draft vocabulary (the one that
-    ships) runs each chain after its first pass as one native call (`NativeEagleChain`):
+    ships) drafts in one native call (`NativeEagleChain`), its first pass and its chains:
     batched, cut where the head's own chance along the chain falls below the keep or
     go-on mark, it proposes exactly the per-op chain's drafts, and the output is the
     target's own."""
@@ -464,6 +464,33 @@ def test_the_native_chain_drafts_what_the_per_op_chain_drafts(request, weights, 
     chains = [d for step in runs[True] for d in step]
     assert any(len(d) > 1 for d in chains) and any(0 < len(d) < K for d in chains)
     assert any(len(step) > 1 and sum(map(bool, step)) > 1 for step in runs[True])  # batched
+
+
+def test_the_native_drafting_holds_chunked_cached_and_fed_every_chunk(float32_model,
+                                                                      monkeypatch):
+    """The native call's first pass writes the head's K/V for every row it is given: the
+    shipped head's drafts, round by round, are the per-op path's for a prompt run whole,
+    from the prefix cache, in chunks of 8 (the rows of chunks that ask for no drafts
+    waiting for the one that does), and in chunks of 8 each fed as it runs (no rows
+    waiting: a chunk that drafts nothing still runs its rows)."""
+    from llmserve.kernels import native
+
+    if native() is None:
+        pytest.skip("no native kernels here")
+    monkeypatch.setattr(EagleProposer, "min_confidence", 0.15)
+    speculative_config = {"method": "eagle", "num_speculative_tokens": K, "adaptive": False,
+                          "disable_by_batch_size": None}
+    monkeypatch.setattr(EagleProposer, "native_chain", False)
+    per_op, _, _ = drafts_whole_chunked_and_cached(float32_model, speculative_config,
+                                                   monkeypatch)
+    monkeypatch.setattr(EagleProposer, "native_chain", True)
+    native_runs = drafts_whole_chunked_and_cached(float32_model, speculative_config,
+                                                  monkeypatch)
+    monkeypatch.setattr(EagleProposer, "max_waiting", 0)
+    _, fed_every_chunk, _ = drafts_whole_chunked_and_cached(float32_model, speculative_config,
+                                                            monkeypatch)
+    assert len(per_op) > 5 and any(len(d) > 1 for d in per_op)
+    assert all(run == per_op for run in (*native_runs, fed_every_chunk))
 
 
 def with_a_grammar(prompts: list[str]) -> tuple[list[str], list[SamplingParams]]:

@@ -3,14 +3,18 @@ A, B) taking turns on `bench spec`'s workloads, batch 1, greedy 128 tokens, the 
 none taken run by run (median); every output checked equal to none's. Each step split as
 spec_rounds.py splits it (forward, propose, the rest).
 
-    python benchmarks/spec_engine_ab.py {chain,keep} [--paths auto,float32]
-        [--workloads chat,grounded] [--repeats 3] [--out OUT.json]
+    python benchmarks/spec_engine_ab.py {chain,keep,k,fixed} [--paths auto,float32]
+        [--workloads chat,grounded] [--repeats 3] [--ks 4,6,8] [--out OUT.json]
 
-chain: the chain after its first pass per op (A) or in one native call (B; the default);
-    each engine calibrated with its own chain.
+chain: the head's drafting per op (A) or in one native call (B; the default: the first
+    pass and the chain since session 45, the chain alone in session 44); each engine
+    calibrated with its own.
 keep: a draft the head made kept at `min_chance` (A: a step and a verification's
     break-even, as before session 44) or at `keep_chance` (B: its verification's alone;
     the default).
+k: num_speculative_tokens at each of `--ks` (adaptive: the most drafts a round asks).
+fixed: adaptive k (and the head's cut) at 4 against every round drafting k of `--ks`,
+    uncut.
 """
 
 import argparse
@@ -25,7 +29,12 @@ from llmserve.sampling_params import SamplingParams
 from llmserve.spec_decode.eagle import EagleProposer
 
 
-def variants(base: LLM, compare: str) -> dict:
+def variants(base: LLM, compare: str, ks: list[int]) -> dict:
+    if compare == "k":
+        return {f"k={k}": engine_for(base, "eagle", k) for k in ks}
+    if compare == "fixed":
+        return {"adaptive k=4": engine_for(base, "eagle", 4),
+                **{f"fixed k={k}": engine_for(base, "eagle", k, adaptive=False) for k in ks}}
     engines = {}
     for b in (False, True):
         if compare == "chain":
@@ -45,17 +54,19 @@ def variants(base: LLM, compare: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("compare", choices=("chain", "keep"))
+    parser.add_argument("compare", choices=("chain", "keep", "k", "fixed"))
     parser.add_argument("--paths", default="auto,float32")
     parser.add_argument("--workloads", default="chat,grounded")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ks", default="4,6,8")
     parser.add_argument("--out")
     args = parser.parse_args()
     params = SamplingParams(temperature=0, max_tokens=128)
     result: dict = {}
     for dtype in args.paths.split(","):
         base = LLM("smollm2-135m", dtype=dtype, kv_cache_memory="1GiB")
-        engines = {"none": engine_for(base, "none", 4), **variants(base, args.compare)}
+        engines = {"none": engine_for(base, "none", 4), **variants(base, args.compare,
+                                                            [int(k) for k in args.ks.split(",")])}
         meters = {name: Meter(llm) for name, llm in engines.items()}
         for workload in args.workloads.split(","):
             prompts = chat_token_ids(base, WORKLOADS[workload]())

@@ -232,6 +232,11 @@ void llmserve_eagle_draft(const EagleChain* chain, const float* embeds, const fl
   std::vector<int64_t> row_of(N), count(N, 0), going, last(N);
   std::vector<int64_t> positions(rows_max), slots(rows_max);
   std::vector<int32_t> tables(N * max_blocks), query_start(N + 1), context(N);
+  // the cache slot of sequence b's position p
+  auto slot_of = [&](int64_t b, int64_t p) {
+    return static_cast<int64_t>(block_tables[b * max_blocks + p / e.block_size]) *
+               e.block_size + p % e.block_size;
+  };
   // the first pass, all N sequences' rows
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(x + t * 2 * C, embeds + t * C, C * sizeof(float));
@@ -242,8 +247,7 @@ void llmserve_eagle_draft(const EagleChain* chain, const float* embeds, const fl
     for (int32_t i = 0; i < query_lens[b]; ++i, ++t) {
       const int64_t p = starts[b] + i;
       positions[t] = p;
-      slots[t] = static_cast<int64_t>(block_tables[b * max_blocks + p / e.block_size]) *
-                     e.block_size + p % e.block_size;
+      slots[t] = slot_of(b, p);
     }
     query_start[b + 1] = query_start[b] + query_lens[b];
     context[b] = static_cast<int32_t>(starts[b]);
@@ -298,8 +302,7 @@ void llmserve_eagle_draft(const EagleChain* chain, const float* embeds, const fl
       std::memcpy(tables.data() + j * max_blocks, block_tables + b * max_blocks,
                   max_blocks * sizeof(int32_t));
       positions[j] = p;
-      slots[j] = static_cast<int64_t>(block_tables[b * max_blocks + p / e.block_size]) *
-                     e.block_size + p % e.block_size;
+      slots[j] = slot_of(b, p);
       query_start[j] = static_cast<int32_t>(j);
       context[j] = static_cast<int32_t>(p);
     }

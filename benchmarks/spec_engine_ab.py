@@ -3,7 +3,7 @@ A, B) taking turns on `bench spec`'s workloads, batch 1, greedy 128 tokens, the 
 none taken run by run (median); every output checked equal to none's. Each step split as
 spec_rounds.py splits it (forward, propose, the rest).
 
-    python benchmarks/spec_engine_ab.py {chain,keep,k,fixed} [--paths auto,float32]
+    python benchmarks/spec_engine_ab.py {chain,keep,k,fixed,floor} [--paths auto,float32]
         [--workloads chat,grounded] [--repeats 3] [--ks 4,6,8] [--out OUT.json]
 
 chain: the head's drafting per op (A) or in one native call (B; the default: the first
@@ -15,6 +15,9 @@ keep: a draft the head made kept at `min_chance` (A: a step and a verification's
 k: num_speculative_tokens at each of `--ks` (adaptive: the most drafts a round asks).
 fixed: adaptive k (and the head's cut) at 4 against every round drafting k of `--ks`,
     uncut.
+floor: adaptive k at 4 (A: k may fall to 0 for a request whose drafts have been
+    failing) against k at least 1 wherever a draft fits (B: the head's own confidence
+    the only cut, as EAGLE-2 drafts).
 """
 
 import argparse
@@ -32,6 +35,15 @@ from llmserve.spec_decode.eagle import EagleProposer
 def variants(base: LLM, compare: str, ks: list[int]) -> dict:
     if compare == "k":
         return {f"k={k}": engine_for(base, "eagle", k) for k in ks}
+    if compare == "floor":
+        floored = engine_for(base, "eagle", 4)
+        asked = floored.engine.speculator.num_drafts
+
+        def at_least_one(request, room, batch_size=1):
+            return max(asked(request, room, batch_size), min(1, room))
+
+        floored.engine.speculator.num_drafts = at_least_one
+        return {"adaptive": engine_for(base, "eagle", 4), "k at least 1": floored}
     if compare == "fixed":
         return {"adaptive k=4": engine_for(base, "eagle", 4),
                 **{f"fixed k={k}": engine_for(base, "eagle", k, adaptive=False) for k in ks}}
@@ -54,7 +66,7 @@ def variants(base: LLM, compare: str, ks: list[int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("compare", choices=("chain", "keep", "k", "fixed"))
+    parser.add_argument("compare", choices=("chain", "keep", "k", "fixed", "floor"))
     parser.add_argument("--paths", default="auto,float32")
     parser.add_argument("--workloads", default="chat,grounded")
     parser.add_argument("--repeats", type=int, default=3)
